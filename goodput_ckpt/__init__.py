@@ -1,0 +1,39 @@
+"""goodput-ckpt: fast, verifiable, resumable PyTorch checkpoints.
+
+Public API (see docs/ and ``../DESIGN.md``): :class:`CheckpointWriter` and
+:class:`CheckpointReader` are ``torch.distributed.checkpoint`` storage plugins; the errors form
+one hierarchy under :class:`CheckpointError`.
+"""
+
+from ._version import __version__
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # The DCP adapters import torch; keep ``import goodput_ckpt`` (and the storage layer) light.
+    if name == "CheckpointWriter":
+        from .dcp.writer import CheckpointWriter
+
+        return CheckpointWriter
+    if name == "CheckpointReader":
+        from .dcp.reader import CheckpointReader
+
+        return CheckpointReader
+    raise AttributeError(f"module 'goodput_ckpt' has no attribute {name!r}")

@@ -1,0 +1,6 @@
+"""The torch DCP adapters: byte layout planning, hashing, staging and the commit."""
+
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
+
+__all__ = ["CheckpointReader", "CheckpointWriter"]

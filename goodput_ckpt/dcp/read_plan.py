@@ -1,0 +1,119 @@
+"""Turning a DCP load plan into a few large, verified reads.
+
+Each item the plan needs becomes a *request*: a byte range of a data file and a CPU buffer to
+land it in, either the destination tensor itself (zero copy) or a staging buffer that is copied
+into the destination afterwards. Requests are sorted per file and merged into *windows*:
+when verifying, a window is expanded to whole hash chunks so every byte read is checked; small
+gaps between neighbours are read through rather than paid for with another request. Windows are
+then cut at chunk boundaries into tasks of about ``task_bytes`` for the thread pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Request", "Task", "plan_tasks"]
+
+#: Gaps below this are read through instead of starting a new request.
+COALESCE_GAP = 1 << 20
+
+
+@dataclass(eq=False)
+class Request:
+    """Bytes ``[start, end)`` of ``file``, for one read item."""
+
+    file: str
+    start: int
+    end: int
+    item: Any  # the DCP ReadItem and how to finish it (reader-defined)
+    buffer: memoryview | None = None  # set before the read; None means allocate lazily
+    pending: int = 0  # tasks still to complete
+
+
+@dataclass(eq=False)
+class Part:
+    """A piece of a task: ``[start, end)`` of the file, landing in ``request`` (None: scratch)."""
+
+    start: int
+    end: int
+    request: Request | None
+
+
+@dataclass(eq=False)
+class Task:
+    file: str
+    start: int
+    end: int
+    parts: list[Part] = field(default_factory=list)
+
+
+def _batches(requests: list[Request]) -> list[list[Request]]:
+    """Split requests of one file into batches without overlapping ranges (overlaps are rare:
+    two destination shards needing the same stored bytes)."""
+    batches: list[list[Request]] = []
+    ends: list[int] = []
+    for r in sorted(requests, key=lambda r: (r.start, r.end)):
+        for b, end in enumerate(ends):
+            if r.start >= end:
+                batches[b].append(r)
+                ends[b] = max(end, r.end)
+                break
+        else:
+            batches.append([r])
+            ends.append(r.end)
+    return batches
+
+
+def plan_tasks(
+    requests: list[Request], *, chunk_size: int, verify: bool, file_sizes: dict[str, int], task_bytes: int
+) -> list[Task]:
+    """Group ``requests`` into read tasks (see module docstring). Sets ``Request.pending``."""
+    by_file: dict[str, list[Request]] = {}
+    for r in requests:
+        if r.end > r.start:
+            by_file.setdefault(r.file, []).append(r)
+    task_chunks = max(1, task_bytes // chunk_size)
+    tasks: list[Task] = []
+    for file, reqs in sorted(by_file.items()):
+        size = file_sizes[file]
+        for batch in _batches(reqs):
+            # Windows: [lo, hi) ranges to read, each with its requests.
+            windows: list[tuple[int, int, list[Request]]] = []
+            for r in batch:
+                lo, hi = r.start, r.end
+                if verify:
+                    lo = lo // chunk_size * chunk_size
+                    hi = min(size, math.ceil(hi / chunk_size) * chunk_size)
+                if windows and lo <= windows[-1][1] + (0 if verify else COALESCE_GAP):
+                    w = windows[-1]
+                    windows[-1] = (w[0], max(w[1], hi), w[2] + [r])
+                else:
+                    windows.append((lo, hi, [r]))
+            for lo, hi, wreqs in windows:
+                step = task_chunks * chunk_size
+                cut = lo
+                while cut < hi:
+                    # Task boundaries fall on chunk boundaries, so no chunk is split across tasks.
+                    nxt = min(hi, (cut // chunk_size + task_chunks) * chunk_size) if verify else min(hi, cut + step)
+                    tasks.append(_make_task(file, cut, nxt, wreqs))
+                    cut = nxt
+    return tasks
+
+
+def _make_task(file: str, lo: int, hi: int, reqs: list[Request]) -> Task:
+    task = Task(file, lo, hi)
+    pos = lo
+    for r in reqs:
+        s, e = max(lo, r.start), min(hi, r.end)
+        if s >= e:
+            continue
+        if s > pos:
+            task.parts.append(Part(pos, s, None))
+        task.parts.append(Part(s, e, r))
+        r.pending += 1
+        pos = e
+    if pos < hi:
+        task.parts.append(Part(pos, hi, None))
+    return task

@@ -1,0 +1,49 @@
+"""Staging for ``dcp.async_save``: a training-safe CPU copy of the state dict.
+
+``dcp.async_save`` uses the storage writer as its stager when the writer implements torch's
+``AsyncStager`` protocol, so callers need not pass one. Staging copies every tensor (CPU or
+accelerator) into CPU memory and deep-copies every other value, so parameters mutated after
+``async_save`` returns never reach the checkpoint. torch's ``DefaultStager()`` with default
+options raises on CPU-only machines; this one works everywhere and pins memory only when CUDA is
+available.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["stage_state_dict"]
+
+
+def stage_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of ``state_dict`` whose tensors live in (fresh) CPU memory.
+
+    DTensor and ShardedTensor values keep their wrappers (with CPU local tensors), so DCP still
+    plans sharded writes from the staged copy.
+    """
+    try:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    except ImportError as e:  # pragma: no cover - torch moved its private helpers
+        raise CheckpointError(
+            f"torch {torch.__version__} lacks the state-dict staging helpers goodput-ckpt uses; "
+            "pass an explicit async_stager to dcp.async_save"
+        ) from e
+    pin = torch.cuda.is_available() and _has_cuda_tensor(state_dict)
+    staged = _create_cpu_state_dict(state_dict, pin_memory=pin)
+    # type_check=False: values that are not tensors were deep-copied by _create_cpu_state_dict.
+    _copy_state_dict(state_dict, staged, type_check=False)
+    return staged
+
+
+def _has_cuda_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "cuda"
+    if isinstance(obj, dict):
+        return any(_has_cuda_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_cuda_tensor(v) for v in obj)
+    return False

@@ -1,0 +1,475 @@
+"""``CheckpointWriter``: a torch DCP ``StorageWriter`` that writes format v1.
+
+DCP call order, and which ranks make each call (see torch's ``StorageWriter``)::
+
+    reset(checkpoint_id)            all ranks, only when dcp.save gets checkpoint_id=
+    storage_meta()                  all ranks
+    set_up_storage_writer(...)      all ranks: claims this instance for one save
+    prepare_local_plan(plan)        all ranks: creates the location
+    prepare_global_plan(plans)      coordinator: refuses or clears an existing checkpoint,
+                                    names this save's files (a fresh token per save)
+    write_data(plan, planner)       all ranks: lays out, hashes and writes their files
+    finish(metadata, results)       coordinator: builds the manifest and commits it
+
+A save that fails anywhere leaves no manifest: its data files are visibly incomplete and are
+removed by the next successful save at the same location.
+
+One writer instance serves one save at a time. A second save that overlaps a running one on the
+same instance raises :class:`~goodput_ckpt.CheckpointError` at once (it does not wait): use one
+writer per in-flight ``dcp.async_save``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import blake3
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from .._version import __version__
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from ..format.dcp_metadata import (
+    StoredRange,
+    dtype_name,
+    encode_planner_data,
+    encode_storage_meta,
+    items_from_dcp,
+)
+from ..format.manifest import ALIGNMENT, DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..storage import Store, is_supported_uri, open_store
+from .layout import ChunkPlan, chunk_plans, place_items
+from .staging import stage_state_dict
+from .tensor_bytes import TensorByteSource, check_byte_order
+
+__all__ = ["CheckpointWriter", "DEFAULT_CHUNK_SIZE", "DEFAULT_WRITE_THREADS"]
+
+#: Hash-chunk (and write-call) size. 8 MiB measured best on local disk (benchmarks/bench_local.py)
+#: and is above S3's 5 MiB minimum part size, so a chunk can be an S3 part.
+DEFAULT_CHUNK_SIZE = 8 << 20
+#: Writer threads: enough to overlap hashing with I/O on 2 cores; the disk is the limit beyond.
+DEFAULT_WRITE_THREADS = 4
+
+_ZEROS = bytes(ALIGNMENT)
+_DATA_FILE = re.compile(r"rank\d{5}-\d{2}\.[0-9a-f]{12}\.bin\Z")
+_TMP_FILE = re.compile(r"\.manifest\.json\.tmp-[0-9a-f]+\Z")
+
+
+@dataclass(frozen=True)
+class _RankAssignment:
+    """What the coordinator tells each rank in ``prepare_global_plan``."""
+
+    rank_index: int
+    token: str
+
+
+@dataclass(frozen=True)
+class _StoredItem(StoredRange):
+    """Per-item write result. The first item of each file also carries that file's entry."""
+
+    file_entry: FileEntry | None = None
+
+
+def _data_file_name(rank_index: int, file_index: int, token: str) -> str:
+    return f"rank{rank_index:05d}-{file_index:02d}.{token}.bin"
+
+
+def _now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class CheckpointWriter(StorageWriter, AsyncStager):
+    """Write a DCP checkpoint in goodput-ckpt format v1.
+
+    Args:
+        uri: where the checkpoint goes: a local path or ``file://`` URL.
+        thread_count: parallel writer threads per rank (default 4).
+        chunk_size: bytes per hash chunk and write call (default 8 MiB).
+        overwrite: allow replacing a committed checkpoint at ``uri``. The old manifest is
+            removed first, so a crash never leaves it beside new data.
+        metadata: JSON-serializable user metadata stored in the manifest.
+        files_per_rank: data files per rank (default: 1 on stores with random writes, else
+            ``thread_count``).
+        **options: backend options (for local disk see :class:`~goodput_ckpt.storage.LocalConfig`).
+
+    Raises:
+        TypeError: an unknown option.
+        ValueError: an unsupported URI or out-of-range argument.
+    """
+
+    _synchronize_after_execute = False  # staging is blocking; nothing to synchronize
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        thread_count: int | None = None,
+        chunk_size: int | None = None,
+        overwrite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        files_per_rank: int | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.thread_count = _positive("thread_count", thread_count, DEFAULT_WRITE_THREADS)
+        self.chunk_size = _positive("chunk_size", chunk_size, DEFAULT_CHUNK_SIZE)
+        if not (1 << 12) <= self.chunk_size <= (1 << 30):
+            raise ValueError(f"chunk_size must be between 4 KiB and 1 GiB, got {self.chunk_size}")
+        self.files_per_rank = None if files_per_rank is None else _positive("files_per_rank", files_per_rank, 1)
+        self.overwrite = bool(overwrite)
+        self.user_metadata = _json_checked(metadata or {})
+        self._options = dict(options)
+        self.checkpoint_id: str | os.PathLike = uri
+        self._store: Store = open_store(uri, self._options)
+        self._is_coordinator = False
+        self._assignment: _RankAssignment | None = None
+        self._init_runtime()
+
+    # -- pickling (dcp.async_save with the process executor pickles the writer) -----------------
+    def _init_runtime(self) -> None:
+        self._claim_lock = threading.Lock()
+        self._owner: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_claim_lock", None)
+        state.pop("_owner", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    # -- StorageWriter ----------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+            self._store = open_store(checkpoint_id, self._options)
+        self._assignment = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_supported_uri(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=secrets.token_hex(8))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                "CheckpointWriter needs use_collectives=True: its manifest is built from every "
+                "rank's results on the coordinator"
+            )
+        self._claim()
+        self._is_coordinator = is_coordinator
+        self._assignment = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        try:
+            self._store.prepare()
+        except BaseException:
+            self._release()
+            raise
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        try:
+            self._clear_or_refuse_existing()
+        except BaseException:
+            self._release()
+            raise
+        token = secrets.token_hex(6)
+        return [replace(p, storage_data=_RankAssignment(i, token)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = self._write_rank(plan, planner)
+        except BaseException:
+            self._release()
+            raise
+        if not self._is_coordinator:
+            self._release()  # the coordinator holds its claim until finish()
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._commit(metadata, results)
+        finally:
+            self._release()
+
+    # -- AsyncStager ------------------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` to CPU memory so training can continue during the write."""
+        return stage_state_dict(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Staging is blocking: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release: threads live only inside ``write_data``."""
+
+    # -- one save at a time -----------------------------------------------------------------
+    def _claim(self) -> None:
+        me = threading.current_thread()
+        with self._claim_lock:
+            owner = self._owner
+            if owner is not None and owner is not me and owner.is_alive():
+                raise CheckpointError(
+                    f"a save to {self._store.uri} is already running on this CheckpointWriter "
+                    "(thread " + owner.name + "); wait for its future or use one writer per "
+                    "in-flight async_save",
+                    path=self._store.uri,
+                )
+            # An owner that is this thread or dead belongs to a save that failed before it
+            # could release: it is over.
+            self._owner = me
+
+    def _release(self) -> None:
+        with self._claim_lock:
+            if self._owner is threading.current_thread():
+                self._owner = None
+
+    # -- coordinator: existing checkpoints --------------------------------------------------
+    def _clear_or_refuse_existing(self) -> None:
+        store = self._store
+        old = store.read_small(MANIFEST_NAME)
+        if old is None:
+            return
+        if not self.overwrite:
+            raise CheckpointExistsError(
+                f"{store.uri} already holds a committed checkpoint; pass overwrite=True to "
+                "replace it or save to a new location",
+                path=store.uri,
+            )
+        try:
+            old_files = list(parse_manifest(old, location=store.uri).files)
+        except CheckpointError:
+            old_files = []
+        # Commit record first: from here on the old checkpoint is visibly incomplete, so a
+        # crash can never pair the old manifest with new data.
+        store.delete(MANIFEST_NAME)
+        for name in old_files:
+            store.delete(name)
+
+    # -- every rank: layout, hashing, writing ------------------------------------------------
+    def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        check_byte_order()
+        assignment = plan.storage_data
+        if not isinstance(assignment, _RankAssignment):
+            raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
+        items = list(plan.items)
+        sources = [self._resolve(item, planner) for item in items]
+        sizes = [s.nbytes for s in sources]
+        store = self._store
+        file_count = self.files_per_rank or (1 if store.random_writes else self.thread_count)
+        placements, file_sizes = place_items(sizes, file_count)
+        names = [_data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
+        plans = chunk_plans(placements, file_sizes, self.chunk_size)
+        remaining = [0] * len(items)
+        for chunks in plans:
+            for ch in chunks:
+                for seg in ch.segments:
+                    if seg.item >= 0:
+                        remaining[seg.item] += 1
+        release_lock = threading.Lock()
+
+        def write_chunk(sink, ch: ChunkPlan) -> str:
+            bufs = []
+            for seg in ch.segments:
+                bufs.append(_ZEROS[: seg.end - seg.start] if seg.item < 0 else sources[seg.item].view(seg.start, seg.end))
+            h = blake3.blake3()
+            for b in bufs:
+                h.update(b)
+            sink.write_at(ch.offset, bufs)
+            del bufs
+            for seg in ch.segments:
+                if seg.item >= 0:
+                    with release_lock:
+                        remaining[seg.item] -= 1
+                        done = remaining[seg.item] == 0
+                    if done:
+                        sources[seg.item].release()
+            return h.hexdigest()
+
+        sinks = []
+        digests: list[list[str]] = [[""] * len(c) for c in plans]
+        try:
+            for name in names:
+                sinks.append(store.open_sink(name))
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="goodput-write") as pool:
+                if store.random_writes:
+                    futs = {
+                        pool.submit(write_chunk, sinks[ch.file], ch): ch for chunks in plans for ch in chunks
+                    }
+                    for fut, ch in futs.items():
+                        digests[ch.file][ch.index] = fut.result()
+                else:
+                    def write_file(f: int) -> list[str]:
+                        return [write_chunk(sinks[f], ch) for ch in plans[f]]
+
+                    for f, fut in enumerate([pool.submit(write_file, f) for f in range(len(plans))]):
+                        digests[f] = fut.result()
+            for sink in sinks:
+                sink.close()
+        except BaseException:
+            for sink in sinks:
+                try:
+                    sink.abort()
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
+            raise
+
+        results: list[WriteResult] = []
+        first_of_file = set()
+        for p in placements:
+            entry = None
+            if p.file not in first_of_file:
+                first_of_file.add(p.file)
+                entry = FileEntry(names[p.file], file_sizes[p.file], tuple(digests[p.file]))
+            results.append(
+                WriteResult(
+                    index=items[p.item].index,
+                    size_in_bytes=p.length,
+                    storage_data=_StoredItem(names[p.file], p.offset, p.length, entry),
+                )
+            )
+        return results
+
+    def _resolve(self, item: WriteItem, planner: SavePlanner) -> Any:
+        key = item.index.fqn
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            _warn_if_unsafe_object(raw, key)
+            return _BytesSource(raw)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointError(f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor", key=key)
+        src = TensorByteSource(data, key)
+        td = item.tensor_data
+        if td is not None:
+            expected = _numel(td.chunk.sizes) * DTYPE_SIZES[dtype_name(td.properties.dtype, key)]
+            if src.nbytes != expected or data.dtype != td.properties.dtype:
+                raise CheckpointError(
+                    f"tensor {key!r}: data ({data.dtype}, {src.nbytes} bytes) does not match its plan "
+                    f"({td.properties.dtype}, {expected} bytes)",
+                    key=key,
+                )
+        return src
+
+    # -- coordinator: the commit --------------------------------------------------------------
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        locations: dict[MetadataIndex, StoredRange] = {}
+        files: dict[str, FileEntry] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                sd = wr.storage_data
+                if not isinstance(sd, _StoredItem):
+                    raise CheckpointError("CheckpointWriter.finish got results it did not write")
+                locations[wr.index] = StoredRange(sd.file, sd.offset, sd.length)
+                if sd.file_entry is not None:
+                    files[sd.file_entry.path] = sd.file_entry
+        manifest = Manifest(
+            version=FORMAT_VERSION,
+            library_version=__version__,
+            torch_version=torch.__version__,
+            created_at=_now_utc(),
+            world_size=max(1, len(results)),
+            chunk_size=self.chunk_size,
+            files=files,
+            items=items_from_dcp(metadata, locations),
+            dcp={
+                "version": getattr(metadata, "version", None),
+                "planner_data": encode_planner_data(metadata.planner_data),
+                "storage_meta": encode_storage_meta(getattr(metadata, "storage_meta", None)),
+            },
+            metadata=self.user_metadata,
+        )
+        data = manifest.to_json()
+        # Self-check: a manifest we cannot read back must never become a commit record.
+        try:
+            parse_manifest(data, location=self._store.uri)
+        except CheckpointError as e:
+            raise CorruptCheckpointError(f"refusing to commit an invalid manifest: {e}") from e
+        try:
+            self._store.put_commit_record(MANIFEST_NAME, data, replace=self.overwrite)
+        except CheckpointExistsError:
+            for name in files:
+                self._store.delete(name)
+            raise
+        self._remove_stale_files(set(files))
+
+    def _remove_stale_files(self, keep: set[str]) -> None:
+        """Delete data files of failed or replaced saves (best effort, after the commit)."""
+        try:
+            for name in self._store.list():
+                if name not in keep and (_DATA_FILE.match(name) or _TMP_FILE.match(name)):
+                    self._store.delete(name)
+        except CheckpointError as e:
+            warnings.warn(f"could not remove stale files in {self._store.uri}: {e}", stacklevel=2)
+
+
+class _BytesSource:
+    """Serialized non-tensor value: served from memory."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._view = memoryview(raw)
+        self.nbytes = len(raw)
+
+    def view(self, start: int, end: int) -> memoryview:
+        return self._view[start:end]
+
+    def release(self) -> None:
+        pass
+
+
+def _warn_if_unsafe_object(raw: bytes, key: str) -> None:
+    """Warn at save time when a value will not load with ``weights_only=True``."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+        warnings.warn(
+            f"state-dict value {key!r} cannot be loaded with weights_only=True ({type(e).__name__}: "
+            f"{str(e)[:200]}); loading it will need CheckpointReader(..., trust_pickle=True). "
+            "Store plain Python types or tensors instead.",
+            stacklevel=4,
+        )
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _positive(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _json_checked(meta: Mapping[str, Any]) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(json.dumps(dict(meta), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"metadata must be JSON-serializable: {e}") from e

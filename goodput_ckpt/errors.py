@@ -1,0 +1,103 @@
+"""The exception hierarchy of goodput-ckpt.
+
+Every error the library raises on purpose is a :class:`CheckpointError`. Each carries the
+structured facts a user or a script needs to act on it (``path``, ``byte_range``, ``key``,
+``version``) besides a message that says what is wrong, where, and what to do.
+
+Note that ``torch.distributed.checkpoint`` wraps errors raised inside ``dcp.save``/``dcp.load``
+into ``CheckpointException``, which derives from ``BaseException``; the original error and its
+message are kept in its ``failures`` mapping. :func:`find_checkpoint_error` digs ours out.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "find_checkpoint_error",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error goodput-ckpt raises on purpose.
+
+    Attributes:
+        path: the checkpoint location or file the error is about, when known.
+        byte_range: ``(start, end)`` byte offsets (end exclusive) within ``path``, when known.
+        key: the state-dict key (or keys, comma separated) affected, when known.
+        version: the format version involved, for version errors.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        byte_range: tuple[int, int] | None = None,
+        key: str | None = None,
+        version: object | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.byte_range = byte_range
+        self.key = key
+        self.version = version
+
+    def __reduce__(self):  # keep the structured fields when crossing processes (async_save)
+        return (
+            _rebuild_error,
+            (type(self), str(self), self.path, self.byte_range, self.key, self.version),
+        )
+
+
+def _rebuild_error(cls, message, path, byte_range, key, version):
+    return cls(message, path=path, byte_range=byte_range, key=key, version=version)
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The location holds checkpoint data but no valid commit record (manifest).
+
+    A save was interrupted, is still running, or failed. The data must not be loaded.
+    """
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint is committed but its bytes or its manifest do not match what was written."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """A save targets a location that already holds a committed checkpoint."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """Nothing resembling a checkpoint exists at the location."""
+
+
+def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
+    """Return the first :class:`CheckpointError` inside ``exc``, or ``None``.
+
+    Looks through ``__cause__``/``__context__`` chains and through the per-rank ``failures`` of
+    torch's ``CheckpointException`` (whose entries wrap the original exception).
+    """
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                inner = getattr(wrapped, "exc", wrapped)
+                if isinstance(inner, BaseException):
+                    stack.append(inner)
+        for nxt in (e.__cause__, e.__context__):
+            if nxt is not None:
+                stack.append(nxt)
+    return None

@@ -1,0 +1,29 @@
+"""Checkpoint format v1: the manifest schema, its validation, and DCP ``Metadata`` rebuilding."""
+
+from .manifest import (
+    ALIGNMENT,
+    DTYPE_SIZES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    parse_manifest,
+)
+
+__all__ = [
+    "ALIGNMENT",
+    "DTYPE_SIZES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "ChunkEntry",
+    "FileEntry",
+    "Manifest",
+    "ObjectEntry",
+    "TensorEntry",
+    "parse_manifest",
+]

@@ -1,0 +1,303 @@
+"""Local-disk store: parallel ``pwritev`` into one file, durable commit by fsync + link/rename.
+
+Why these choices:
+- ``os.pwritev``/``os.preadv`` take lists of buffers at an offset, so the writer can hand the
+  raw bytes of several tensors (plus alignment padding) to the kernel without first joining them,
+  and the reader can scatter one read straight into several destination tensors. Both release
+  the GIL and are safe from many threads on one descriptor.
+- The commit record is written to a temporary name, fsynced, then published with ``os.link``
+  (which fails if the target exists, so two savers cannot both commit) or ``os.replace`` when
+  replacing is allowed, and the directory is fsynced. A crash at any instant leaves either no
+  manifest or the whole one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
+from .base import Buffer, check_relative_name
+
+__all__ = ["LocalConfig", "LocalStore"]
+
+# Linux caps an iovec array at IOV_MAX (1024); stay below it.
+_MAX_IOV = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalConfig:
+    """Options of the local-disk backend.
+
+    Attributes:
+        fsync: fsync data files, the manifest and the directory before the commit. Turning it
+            off trades crash safety for speed (only for scratch data on tmpfs, benchmarks).
+    """
+
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fsync, bool):
+            raise TypeError(f"fsync must be a bool, got {type(self.fsync).__name__}")
+
+
+def os_error(exc: OSError, what: str, path: str) -> CheckpointError:
+    """Translate an ``OSError`` into a :class:`CheckpointError` with advice."""
+    hint = {
+        errno.ENOSPC: "the disk is full: free space or save elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted",
+        errno.EFBIG: "the file exceeds the file-size limit (ulimit -f) of this process",
+        errno.EACCES: "permission denied: check the ownership of the location",
+        errno.EPERM: "operation not permitted on this filesystem",
+        errno.EROFS: "the filesystem is read-only",
+        errno.ENOENT: "no such file or directory",
+    }.get(exc.errno or -1, exc.strerror or "I/O error")
+    return CheckpointError(f"{what} {path} failed: {hint} ({exc})", path=path)
+
+
+def _iov_batches(buffers: Sequence[Buffer]):
+    for i in range(0, len(buffers), _MAX_IOV):
+        yield buffers[i : i + _MAX_IOV]
+
+
+def _nbytes(buffers: Sequence[Buffer]) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+class _LocalSink:
+    """A data file written with pwritev from any number of threads."""
+
+    def __init__(self, path: str, fsync: bool) -> None:
+        self._path = path
+        self._fsync = fsync
+        self._closed = False
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise os_error(e, "creating", path) from e
+
+    def write_at(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        try:
+            for batch in _iov_batches(buffers):
+                views = [memoryview(b).cast("B") for b in batch]
+                while views:
+                    written = os.pwritev(self._fd, views, offset)
+                    offset += written
+                    # Rare: a short write. Drop what went out and retry the rest.
+                    while views and written >= views[0].nbytes:
+                        written -= views[0].nbytes
+                        views.pop(0)
+                    if views and written:
+                        views[0] = views[0][written:]
+        except OSError as e:
+            raise os_error(e, f"writing at offset {offset} of", self._path) from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise os_error(e, "flushing", self._path) from e
+        finally:
+            self._closed = True
+            os.close(self._fd)
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._fd)
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+
+class _LocalSource:
+    """A data file read with preadv; one descriptor shared by all reader threads."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(
+                f"data file {path} is missing: the checkpoint is incomplete or was tampered with",
+                path=path,
+            ) from e
+        except OSError as e:
+            raise os_error(e, "opening", path) from e
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        start = offset
+        try:
+            for batch in _iov_batches(buffers):
+                views = [memoryview(b).cast("B") for b in batch]
+                while views:
+                    got = os.preadv(self._fd, views, offset)
+                    if got == 0:
+                        want = start + _nbytes(buffers)
+                        raise IncompleteCheckpointError(
+                            f"data file {self._path} ends at byte {offset}, before the range "
+                            f"[{start}, {want}) the manifest records: the file is truncated",
+                            path=self._path,
+                            byte_range=(start, want),
+                        )
+                    offset += got
+                    while views and got >= views[0].nbytes:
+                        got -= views[0].nbytes
+                        views.pop(0)
+                    if views and got:
+                        views[0] = views[0][got:]
+        except OSError as e:
+            raise os_error(e, f"reading at offset {offset} of", self._path) from e
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._fd)
+
+
+class LocalStore:
+    """A checkpoint directory on a local (POSIX) filesystem."""
+
+    random_writes = True
+
+    def __init__(self, root: str, config: LocalConfig | None = None) -> None:
+        self.root = os.path.abspath(root)
+        self.uri = self.root
+        self.config = config or LocalConfig()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, check_relative_name(name))
+
+    def _sync_dir(self, directory: str) -> None:
+        if not self.config.fsync:
+            return
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- Store -----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise CheckpointError(
+                f"checkpoint location {self.root} exists and is not a directory", path=self.root
+            )
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise os_error(e, "creating directory", self.root) from e
+
+    def open_sink(self, name: str) -> _LocalSink:
+        path = self._path(name)
+        parent = os.path.dirname(path)
+        if parent != self.root:
+            os.makedirs(parent, exist_ok=True)
+        return _LocalSink(path, self.config.fsync)
+
+    def open_source(self, name: str) -> _LocalSource:
+        return _LocalSource(self._path(name))
+
+    def size(self, name: str) -> int | None:
+        try:
+            st = os.stat(self._path(name))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise os_error(e, "inspecting", self._path(name)) from e
+        return st.st_size
+
+    def read_small(self, name: str) -> bytes | None:
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError as e:
+            raise CheckpointError(f"{path} is a directory, expected a file", path=path) from e
+        except OSError as e:
+            raise os_error(e, "reading", path) from e
+
+    def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
+        path = self._path(name)
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
+        try:
+            # Data files were fsynced by their sinks; make their directory entries durable too,
+            # before the record that points at them can exist.
+            self._sync_dir(directory)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if replace:
+                os.replace(tmp, path)
+            else:
+                self._link_exclusive(tmp, path)
+            self._sync_dir(directory)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise os_error(e, "committing", path) from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _link_exclusive(self, tmp: str, path: str) -> None:
+        try:
+            os.link(tmp, path)
+        except FileExistsError as e:
+            raise CheckpointExistsError(
+                f"{path} was committed by another writer while this save ran; "
+                "nothing was overwritten",
+                path=path,
+            ) from e
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            # Filesystems without hard links: check, then rename (a narrow race remains).
+            if os.path.exists(path):
+                raise CheckpointExistsError(
+                    f"{path} was committed by another writer while this save ran", path=path
+                ) from e
+            os.rename(tmp, path)
+
+    def list(self) -> list[str]:
+        out: list[str] = []
+        if not os.path.isdir(self.root):
+            return out
+        for dirpath, _dirs, files in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in files:
+                out.append(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
+        return sorted(out)
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise os_error(e, "deleting", path) from e
+        self._sync_dir(os.path.dirname(path))
