@@ -94,9 +94,9 @@ def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             for wrapped in failures.values():
-                inner = getattr(wrapped, "exc", wrapped)
-                if isinstance(inner, BaseException):
-                    stack.append(inner)
+                # torch wraps each rank's error as (exception, traceback frames).
+                parts = wrapped if isinstance(wrapped, tuple) else (getattr(wrapped, "exc", wrapped),)
+                stack.extend(p for p in parts if isinstance(p, BaseException))
         for nxt in (e.__cause__, e.__context__):
             if nxt is not None:
                 stack.append(nxt)
