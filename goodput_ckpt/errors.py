@@ -17,6 +17,8 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "TopologyChangeError",
+    "as_checkpoint_error",
     "find_checkpoint_error",
 ]
 
@@ -76,6 +78,16 @@ class CheckpointNotFoundError(CheckpointError):
     """Nothing resembling a checkpoint exists at the location."""
 
 
+class TopologyChangeError(CheckpointError):
+    """Per-rank training state (RNG, dataloader) was saved under another topology.
+
+    Raised by :meth:`~goodput_ckpt.CheckpointManager.restore` when the world size, or the
+    dataloader's worker count or batch size, differs from the saved one. Model and optimizer
+    state reshard; per-rank state cannot. ``CheckpointManager(..., allow_topology_change=True)``
+    opts in to the documented policy instead (docs/manager.md).
+    """
+
+
 def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
     """Return the first :class:`CheckpointError` inside ``exc``, or ``None``.
 
@@ -101,3 +113,21 @@ def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
             if nxt is not None:
                 stack.append(nxt)
     return None
+
+
+def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
+    """``exc`` as a :class:`CheckpointError`, for callers that promise to raise only ours.
+
+    Returns the :class:`CheckpointError` inside ``exc`` (see :func:`find_checkpoint_error`), with
+    ``exc`` as its cause when it has none; otherwise a new one that says ``what`` failed and why,
+    chained to ``exc``.
+    """
+    found = find_checkpoint_error(exc)
+    if found is not None:
+        if found.__cause__ is None and found is not exc:
+            found.__cause__ = exc
+        return found
+    detail = str(exc).strip() or type(exc).__name__
+    err = CheckpointError(f"{what} failed: {type(exc).__name__}: {detail[:2000]}")
+    err.__cause__ = exc
+    return err

@@ -40,6 +40,7 @@ from ..errors import (
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, parse_manifest
 from ..storage import FileSource, Store, is_supported_uri, open_store
+from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks
 from .tensor_bytes import byte_view, check_byte_order
 
@@ -125,14 +126,23 @@ class CheckpointReader(StorageReader):
     """Read a goodput-ckpt checkpoint with ``dcp.load``.
 
     Args:
-        uri: the checkpoint location: a local path or ``file://`` URL.
+        uri: the checkpoint location: a local path or ``file://`` URL, ``s3://bucket/prefix``,
+            or another fsspec URL.
         verify: check the blake3 of every chunk read; a mismatch raises
             :class:`~goodput_ckpt.CorruptCheckpointError` naming the file, byte range and keys.
             Reads are widened to whole chunks so that every byte read is checked.
         thread_count: parallel reads per rank (default 8).
         trust_pickle: decode non-tensor values with full pickle instead of
             ``torch.load(weights_only=True)``. Only for checkpoints you trust.
-        **options: backend options (see :class:`~goodput_ckpt.storage.LocalConfig`).
+        process_group: the group ``dcp.load`` runs on, when not the default one.
+        share_manifest: when ``torch.distributed`` is initialized, rank 0 of ``process_group``
+            reads and checks the manifest in ``read_metadata`` and broadcasts it; the other ranks
+            make no request for it. Every rank of the group must then load together, as
+            ``dcp.load`` does. Pass ``False`` when only some ranks of the group load (for
+            example ``dcp.load(..., no_dist=True)`` on rank 0 alone), which would otherwise wait
+            for the missing ranks until the process group times out.
+        **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
+            :class:`~goodput_ckpt.storage.S3Config`, :class:`~goodput_ckpt.storage.FsspecConfig`).
 
     On an error during ``read_data`` the destination tensors may be partly overwritten.
     """
@@ -144,6 +154,8 @@ class CheckpointReader(StorageReader):
         verify: bool = True,
         thread_count: int | None = None,
         trust_pickle: bool = False,
+        process_group: Any = None,
+        share_manifest: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -152,11 +164,14 @@ class CheckpointReader(StorageReader):
         self.verify = bool(verify)
         self.thread_count = thread_count or DEFAULT_READ_THREADS
         self.trust_pickle = bool(trust_pickle)
+        self.process_group = process_group
+        self.share_manifest = bool(share_manifest)
         self._options = dict(options)
         self.checkpoint_id: str | os.PathLike = uri
         self._store: Store = open_store(uri, self._options)
         self._manifest: Manifest | None = None
         self._storage_data: dict[Any, StoredRange] = {}
+        self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
 
     @property
     def manifest(self) -> Manifest:
@@ -172,13 +187,16 @@ class CheckpointReader(StorageReader):
             self._store = open_store(checkpoint_id, self._options)
         self._manifest = None
         self._storage_data = {}
+        self._chunk_cache = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_supported_uri(checkpoint_id)
 
     def read_metadata(self) -> Metadata:
-        self._manifest = load_manifest(self._store)
+        # Collective when a process group exists: one rank reads, the others receive it.
+        self._manifest = load_shared(lambda: load_manifest(self._store), group=self.process_group, enabled=self.share_manifest)
+        self._chunk_cache = {}
         return to_dcp_metadata(self._manifest)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -215,7 +233,14 @@ class CheckpointReader(StorageReader):
         alloc_lock = threading.Lock()
         try:
             for name in sorted({t.file for t in tasks}):
-                sources[name] = self._store.open_source(name)
+                try:
+                    sources[name] = self._store.open_source(name)
+                except IncompleteCheckpointError as e:  # listed in a committed manifest: corrupt
+                    size = manifest.files[name].size
+                    keys = _keys_in(manifest, name, 0, size)
+                    raise CorruptCheckpointError(
+                        f"{e} (keys: {keys})", path=e.path, byte_range=(0, size), key=keys
+                    ) from e
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="goodput-read") as pool:
                 futures = {pool.submit(self._run_task, t, sources[t.file], manifest, alloc_lock): t for t in tasks}
                 pending_futs = set(futures)
@@ -247,7 +272,11 @@ class CheckpointReader(StorageReader):
                 return None
             return req
         dtype = torch_dtype(entry.dtype, key)
-        chunk = next(c for c in entry.chunks if c.offsets == tuple(item.storage_index.offset))
+        chunk = self._chunk_index(entry).get(tuple(item.storage_index.offset or ()))
+        if chunk is None:
+            raise CheckpointError(
+                f"tensor {key!r} has no saved chunk at offsets {tuple(item.storage_index.offset or ())}", key=key
+            )
         strides = _c_strides(chunk.sizes)
         lengths = tuple(item.lengths)
         numel = math.prod(lengths)
@@ -267,6 +296,12 @@ class CheckpointReader(StorageReader):
         if region.device.type == "cpu" and region.is_contiguous() and region.dtype == dtype and job.numel == numel:
             req.buffer = byte_view(region)  # zero copy: the file bytes land in the destination
         return req
+
+    def _chunk_index(self, entry: TensorEntry) -> dict[tuple[int, ...], Any]:
+        index = self._chunk_cache.get(entry.key)
+        if index is None:
+            index = self._chunk_cache[entry.key] = {c.offsets: c for c in entry.chunks}
+        return index
 
     def _run_task(self, task: Task, source: FileSource, manifest: Manifest, alloc_lock: threading.Lock) -> None:
         bufs: list[memoryview] = []

@@ -15,25 +15,23 @@ A save that fails anywhere leaves no manifest: its data files are visibly incomp
 removed by the next successful save at the same location.
 
 One writer instance serves one save at a time. A second save that overlaps a running one on the
-same instance raises :class:`~goodput_ckpt.CheckpointError` at once (it does not wait): use one
-writer per in-flight ``dcp.async_save``.
+same instance raises :class:`~goodput_ckpt.CheckpointError`, unless the running save's thread
+ends within 2 s (a failed save's executor thread is then let go): use one writer per in-flight
+``dcp.async_save``.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import re
 import secrets
 import threading
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-import blake3
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -42,7 +40,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._version import __version__
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from ..errors import CheckpointError
 from ..format.dcp_metadata import (
     StoredRange,
     dtype_name,
@@ -50,9 +48,17 @@ from ..format.dcp_metadata import (
     encode_storage_meta,
     items_from_dcp,
 )
-from ..format.manifest import ALIGNMENT, DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION, FileEntry, Manifest
 from ..storage import Store, is_supported_uri, open_store
-from .layout import ChunkPlan, chunk_plans, place_items
+from .hashed_write import (
+    check_chunk_size,
+    clear_or_refuse_existing,
+    data_file_name,
+    publish_manifest,
+    remove_stale_files,
+    write_hashed_files,
+)
+from .layout import place_items
 from .staging import stage_state_dict
 from .tensor_bytes import TensorByteSource, check_byte_order
 
@@ -63,10 +69,9 @@ __all__ = ["CheckpointWriter", "DEFAULT_CHUNK_SIZE", "DEFAULT_WRITE_THREADS"]
 DEFAULT_CHUNK_SIZE = 8 << 20
 #: Writer threads: enough to overlap hashing with I/O on 2 cores; the disk is the limit beyond.
 DEFAULT_WRITE_THREADS = 4
-
-_ZEROS = bytes(ALIGNMENT)
-_DATA_FILE = re.compile(r"rank\d{5}-\d{2}\.[0-9a-f]{12}\.bin\Z")
-_TMP_FILE = re.compile(r"\.manifest\.json\.tmp-[0-9a-f]+\Z")
+#: How long a new save waits for the thread holding this writer's claim to end before refusing:
+#: long enough for an async executor thread whose save failed to exit, short for an overlap error.
+_STALE_CLAIM_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,6 @@ class _StoredItem(StoredRange):
     file_entry: FileEntry | None = None
 
 
-def _data_file_name(rank_index: int, file_index: int, token: str) -> str:
-    return f"rank{rank_index:05d}-{file_index:02d}.{token}.bin"
-
-
 def _now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -96,7 +97,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     """Write a DCP checkpoint in goodput-ckpt format v1.
 
     Args:
-        uri: where the checkpoint goes: a local path or ``file://`` URL.
+        uri: where the checkpoint goes: a local path or ``file://`` URL, ``s3://bucket/prefix``,
+            or another fsspec URL (``gs://``, ``memory://`` ...).
         thread_count: parallel writer threads per rank (default 4).
         chunk_size: bytes per hash chunk and write call (default 8 MiB).
         overwrite: allow replacing a committed checkpoint at ``uri``. The old manifest is
@@ -104,7 +106,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         metadata: JSON-serializable user metadata stored in the manifest.
         files_per_rank: data files per rank (default: 1 on stores with random writes, else
             ``thread_count``).
-        **options: backend options (for local disk see :class:`~goodput_ckpt.storage.LocalConfig`).
+        **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
+            :class:`~goodput_ckpt.storage.S3Config`, :class:`~goodput_ckpt.storage.FsspecConfig`).
 
     Raises:
         TypeError: an unknown option.
@@ -135,6 +138,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._options = dict(options)
         self.checkpoint_id: str | os.PathLike = uri
         self._store: Store = open_store(uri, self._options)
+        check_chunk_size(self._store, self.chunk_size)  # S3: a chunk is a part, >= 5 MiB
         self._is_coordinator = False
         self._assignment: _RankAssignment | None = None
         self._init_runtime()
@@ -159,6 +163,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self._store = open_store(checkpoint_id, self._options)
+            check_chunk_size(self._store, self.chunk_size)
         self._assignment = None
 
     @classmethod
@@ -216,6 +221,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     # -- AsyncStager ------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` to CPU memory so training can continue during the write."""
+        # dcp.async_save stages in the caller's thread before its save starts, so a claim that
+        # this thread holds is stale: a save that failed outside this writer's methods (another
+        # rank's error, a planner error) never reached a release.
+        self._release()
         return stage_state_dict(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -227,6 +236,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     # -- one save at a time -----------------------------------------------------------------
     def _claim(self) -> None:
         me = threading.current_thread()
+        owner = self._owner
+        if owner is not None and owner is not me:
+            # A save that failed between this writer's calls never released its claim; when it
+            # ran on dcp.async_save's executor thread, that thread exits just after the failure
+            # reaches the caller's future, so a prompt retry can find it still alive.
+            owner.join(_STALE_CLAIM_WAIT_S)
         with self._claim_lock:
             owner = self._owner
             if owner is not None and owner is not me and owner.is_alive():
@@ -247,25 +262,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- coordinator: existing checkpoints --------------------------------------------------
     def _clear_or_refuse_existing(self) -> None:
-        store = self._store
-        old = store.read_small(MANIFEST_NAME)
-        if old is None:
-            return
-        if not self.overwrite:
-            raise CheckpointExistsError(
-                f"{store.uri} already holds a committed checkpoint; pass overwrite=True to "
-                "replace it or save to a new location",
-                path=store.uri,
-            )
-        try:
-            old_files = list(parse_manifest(old, location=store.uri).files)
-        except CheckpointError:
-            old_files = []
-        # Commit record first: from here on the old checkpoint is visibly incomplete, so a
-        # crash can never pair the old manifest with new data.
-        store.delete(MANIFEST_NAME)
-        for name in old_files:
-            store.delete(name)
+        clear_or_refuse_existing(self._store, self.overwrite)
 
     # -- every rank: layout, hashing, writing ------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -279,61 +276,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         store = self._store
         file_count = self.files_per_rank or (1 if store.random_writes else self.thread_count)
         placements, file_sizes = place_items(sizes, file_count)
-        names = [_data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
-        plans = chunk_plans(placements, file_sizes, self.chunk_size)
-        remaining = [0] * len(items)
-        for chunks in plans:
-            for ch in chunks:
-                for seg in ch.segments:
-                    if seg.item >= 0:
-                        remaining[seg.item] += 1
-        release_lock = threading.Lock()
-
-        def write_chunk(sink, ch: ChunkPlan) -> str:
-            bufs = []
-            for seg in ch.segments:
-                bufs.append(_ZEROS[: seg.end - seg.start] if seg.item < 0 else sources[seg.item].view(seg.start, seg.end))
-            h = blake3.blake3()
-            for b in bufs:
-                h.update(b)
-            sink.write_at(ch.offset, bufs)
-            del bufs
-            for seg in ch.segments:
-                if seg.item >= 0:
-                    with release_lock:
-                        remaining[seg.item] -= 1
-                        done = remaining[seg.item] == 0
-                    if done:
-                        sources[seg.item].release()
-            return h.hexdigest()
-
-        sinks = []
-        digests: list[list[str]] = [[""] * len(c) for c in plans]
-        try:
-            for name in names:
-                sinks.append(store.open_sink(name))
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="goodput-write") as pool:
-                if store.random_writes:
-                    futs = {
-                        pool.submit(write_chunk, sinks[ch.file], ch): ch for chunks in plans for ch in chunks
-                    }
-                    for fut, ch in futs.items():
-                        digests[ch.file][ch.index] = fut.result()
-                else:
-                    def write_file(f: int) -> list[str]:
-                        return [write_chunk(sinks[f], ch) for ch in plans[f]]
-
-                    for f, fut in enumerate([pool.submit(write_file, f) for f in range(len(plans))]):
-                        digests[f] = fut.result()
-            for sink in sinks:
-                sink.close()
-        except BaseException:
-            for sink in sinks:
-                try:
-                    sink.abort()
-                except Exception:  # noqa: BLE001 - the original error matters more
-                    pass
-            raise
+        names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
+        entries = write_hashed_files(
+            store, names, placements, file_sizes, sources, chunk_size=self.chunk_size, thread_count=self.thread_count
+        )
 
         results: list[WriteResult] = []
         first_of_file = set()
@@ -341,7 +287,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             entry = None
             if p.file not in first_of_file:
                 first_of_file.add(p.file)
-                entry = FileEntry(names[p.file], file_sizes[p.file], tuple(digests[p.file]))
+                entry = entries[p.file]
             results.append(
                 WriteResult(
                     index=items[p.item].index,
@@ -400,28 +346,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             },
             metadata=self.user_metadata,
         )
-        data = manifest.to_json()
-        # Self-check: a manifest we cannot read back must never become a commit record.
-        try:
-            parse_manifest(data, location=self._store.uri)
-        except CheckpointError as e:
-            raise CorruptCheckpointError(f"refusing to commit an invalid manifest: {e}") from e
-        try:
-            self._store.put_commit_record(MANIFEST_NAME, data, replace=self.overwrite)
-        except CheckpointExistsError:
-            for name in files:
-                self._store.delete(name)
-            raise
-        self._remove_stale_files(set(files))
+        publish_manifest(self._store, manifest, replace=self.overwrite)
+        remove_stale_files(self._store, set(files))
 
-    def _remove_stale_files(self, keep: set[str]) -> None:
-        """Delete data files of failed or replaced saves (best effort, after the commit)."""
-        try:
-            for name in self._store.list():
-                if name not in keep and (_DATA_FILE.match(name) or _TMP_FILE.match(name)):
-                    self._store.delete(name)
-        except CheckpointError as e:
-            warnings.warn(f"could not remove stale files in {self._store.uri}: {e}", stacklevel=2)
 
 
 class _BytesSource:

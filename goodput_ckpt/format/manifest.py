@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
+
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.base import check_relative_name
 
@@ -32,6 +34,7 @@ __all__ = [
     "ObjectEntry",
     "TensorEntry",
     "parse_manifest",
+    "seal_manifest",
 ]
 
 FORMAT_NAME = "goodput-ckpt"
@@ -139,7 +142,7 @@ class Manifest:
             "dcp": self.dcp,
             "metadata": self.metadata,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return seal_manifest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     def tensor_bytes(self) -> int:
         return sum(c.length for e in self.items.values() if isinstance(e, TensorEntry) for c in e.chunks)
@@ -205,6 +208,69 @@ def _int_list(value: Any, name: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _check_tiling(shape: tuple[int, ...], chunks: list[ChunkEntry], where: str, key: str) -> None:
+    """The chunks of a tensor must tile its shape: no element missing, none stored twice.
+
+    Otherwise a load would leave part of the destination unwritten. Equal volumes plus pairwise
+    disjoint boxes make a tiling; the pairwise test sweeps along the dimension with the most
+    distinct offsets, so the usual one-dimensional and grid shardings cost about n log n.
+    """
+    boxes = [(c.offsets, c.sizes) for c in chunks if math.prod(c.sizes)]
+    covered, numel = sum(math.prod(s) for _, s in boxes), math.prod(shape)
+    if covered != numel:
+        raise _Bad(f"{where}: its chunks hold {covered} of its {numel} elements; they must tile the shape", key=key)
+    if len(boxes) < 2:
+        return
+    d = max(range(len(shape)), key=lambda i: len({o[i] for o, _ in boxes}))
+    boxes.sort(key=lambda b: b[0][d])
+    for i, (o0, s0) in enumerate(boxes):
+        for o1, s1 in boxes[i + 1 :]:
+            if o1[d] >= o0[d] + s0[d]:
+                break
+            if all(a < c + t and c < a + s for a, s, c, t in zip(o0, s0, o1, s1)):
+                raise _Bad(f"{where}: chunks at offsets {list(o0)} and {list(o1)} overlap", key=key)
+
+
+_DIGEST_MEMBER = b',"digest":"'
+
+
+def seal_manifest(body: bytes) -> bytes:
+    """Append the manifest's own digest as its last member.
+
+    ``body`` is the serialized JSON object without a digest. The result is the same object
+    with a final ``"digest"`` member holding the blake3 (hex) of every byte before the
+    ``,"digest":"`` sequence, so a reader can check the manifest's integrity from its raw bytes
+    without re-serializing it.
+    """
+    body = body.rstrip()
+    if not body.endswith(b"}") or body[:-1].rstrip().endswith(b"{"):
+        raise ValueError("seal_manifest needs a serialized, non-empty JSON object")
+    head = body[:-1]
+    return head + _DIGEST_MEMBER + blake3.blake3(head).hexdigest().encode() + b'"}'
+
+
+def _check_seal(data: bytes, where_file: str) -> None:
+    """Verify the digest written by :func:`seal_manifest` (see docs/format.md)."""
+    text = data.rstrip()
+    start = len(text) - len(b'"}') - 64 - len(_DIGEST_MEMBER)
+    if start < 0 or text[start : start + len(_DIGEST_MEMBER)] != _DIGEST_MEMBER or not text.endswith(b'"}'):
+        raise CorruptCheckpointError(
+            f"manifest {where_file} does not end with its digest member: it was edited or "
+            "truncated by something other than goodput-ckpt",
+            path=where_file,
+        )
+    recorded = text[start + len(_DIGEST_MEMBER) : -2].decode("ascii", "replace")
+    actual = blake3.blake3(text[:start]).hexdigest()
+    if recorded != actual:
+        raise CorruptCheckpointError(
+            f"manifest {where_file} fails its own checksum (recorded {recorded[:16]}..., "
+            f"computed {actual[:16]}...): the commit record was edited or damaged; restore an "
+            "earlier checkpoint",
+            path=where_file,
+            byte_range=(0, start),
+        )
+
+
 def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
     """Parse and fully validate a manifest.
 
@@ -221,7 +287,8 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
         )
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    # ValueError also covers integers over Python's digit limit (int_max_str_digits).
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"manifest {where_file} is not valid JSON ({e}): the commit record is damaged; "
             "restore an earlier checkpoint",
@@ -241,6 +308,7 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
             path=where_file,
             version=version,
         )
+    _check_seal(data, where_file)
     try:
         return _parse_v1(doc)
     except _Bad as e:
@@ -290,7 +358,12 @@ def _parse_v1(doc: dict) -> Manifest:
                 f"{file!r} ({files[file].size} bytes)",
                 key=key,
             )
+        if offset % ALIGNMENT:
+            raise _Bad(f"{where}: byte offset {offset} is not a multiple of {ALIGNMENT}", key=key)
+        ranges.append((file, offset, length, key))
         return file, offset, length
+
+    ranges: list[tuple[str, int, int, str]] = []  # every item's bytes, to refuse overlaps
 
     items: dict[str, TensorEntry | ObjectEntry] = {}
     for key, it in _get(doc, "items", dict, w).items():
@@ -328,7 +401,14 @@ def _parse_v1(doc: dict) -> Manifest:
             if length != expected:
                 raise _Bad(f"{cw}: length {length} != {expected} bytes for sizes {list(sizes)}", key=key)
             chunks.append(ChunkEntry(offsets, sizes, file, offset, length))
+        _check_tiling(shape, chunks, where, key)
         items[key] = TensorEntry(key, dtype, shape, tuple(chunks), requires_grad)
+    # A one-digit change to a byte offset must not move an item onto other bytes unnoticed: the
+    # digests cover files, not items, so they cannot catch it.
+    ranges = sorted((r for r in ranges if r[2]), key=lambda r: (r[0], r[1]))  # empty items hold no bytes
+    for (f0, o0, n0, k0), (f1, o1, _, k1) in zip(ranges, ranges[1:]):
+        if f0 == f1 and o1 < o0 + n0:
+            raise _Bad(f"items {k0!r} and {k1!r} overlap in {f0!r} at byte {o1}", key=f"{k0}, {k1}")
 
     dcp = doc.get("dcp", {})
     metadata = doc.get("metadata", {})

@@ -1,6 +1,11 @@
 """Byte stores: where checkpoint files live. Knows nothing of torch.
 
-:func:`open_store` turns a URI plus backend options into a :class:`~.base.Store`.
+:func:`open_store` turns a URI plus backend options into a :class:`~.base.Store`:
+
+- a local path or ``file://`` URL: :class:`LocalStore` (:class:`LocalConfig`);
+- ``s3://bucket/prefix``: :class:`S3Store` (:class:`S3Config`), through boto3;
+- any other URL whose protocol fsspec knows (``gs://``, ``az://``, ``memory://`` ...):
+  :class:`FsspecStore` (:class:`FsspecConfig`).
 """
 
 from __future__ import annotations
@@ -11,14 +16,21 @@ from dataclasses import fields
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from ..errors import CheckpointError
 from .base import FileSink, FileSource, Store, check_relative_name
+from .fsspec_store import FsspecConfig, FsspecStore, fsspec_protocol
 from .local import LocalConfig, LocalStore
+from .s3 import S3Config, S3Store, parse_s3_uri
 
 __all__ = [
     "FileSink",
     "FileSource",
+    "FsspecConfig",
+    "FsspecStore",
     "LocalConfig",
     "LocalStore",
+    "S3Config",
+    "S3Store",
     "Store",
     "check_relative_name",
     "is_supported_uri",
@@ -46,8 +58,16 @@ def is_supported_uri(uri: object) -> bool:
     if not isinstance(uri, (str, os.PathLike)):
         return False
     try:
-        return _local_path(uri) is not None
-    except (TypeError, ValueError):
+        if _local_path(uri) is not None:
+            return True
+        text = os.fspath(uri)
+        if not isinstance(text, str):
+            return False
+        if text.startswith("s3://"):
+            parse_s3_uri(text)
+            return True
+        return fsspec_protocol(text) is not None
+    except (TypeError, ValueError, CheckpointError):
         return False
 
 
@@ -66,18 +86,26 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
     """Open the store for ``uri``.
 
     Args:
-        uri: a local path or ``file://`` URL.
-        options: backend options (see :class:`LocalConfig`); an unknown key is a ``TypeError``.
+        uri: a local path or ``file://`` URL, ``s3://bucket/prefix``, or another fsspec URL.
+        options: backend options (see :class:`LocalConfig`, :class:`S3Config`,
+            :class:`FsspecConfig`); an unknown key is a ``TypeError``.
 
     Raises:
-        ValueError: the URI scheme is not supported.
+        ValueError: the URI scheme is not supported, or the URI is malformed.
         TypeError: an option is unknown to the chosen backend.
     """
     options = dict(options or {})
     path = _local_path(uri)
     if path is None:
+        text = os.fspath(uri)
+        if isinstance(text, str) and text.startswith("s3://"):
+            parse_s3_uri(text)  # a malformed URI is a ValueError before any option error
+            return S3Store(text, _build_config(S3Config, options, "S3"))
+        if isinstance(text, str) and fsspec_protocol(text) is not None:
+            return FsspecStore(text, _build_config(FsspecConfig, options, f"fsspec {fsspec_protocol(text)}://"))
         raise ValueError(
-            f"unsupported checkpoint URI {os.fspath(uri)!r}: expected a local path or file:// URL"
+            f"unsupported checkpoint URI {text!r}: expected a local path, file:// URL, "
+            "s3://bucket/prefix, or a URL whose protocol fsspec knows"
         )
     if not path:
         raise ValueError("empty checkpoint path")

@@ -9,7 +9,7 @@ is read, and how the commit record is published atomically.
 Call order for a save (one rank's view)::
 
     store.prepare()                     # create the location if needed (every rank)
-    sink = store.open_sink(name)        # one per data file
+    sink = store.open_sink(name, part_size=chunk)   # one per data file
     sink.write_at(offset, buffers)      # many times; concurrently when store.random_writes
     sink.close()                        # the file is durable once this returns
     # ... coordinator, after every rank closed its sinks:
@@ -73,12 +73,24 @@ class Store(Protocol):
     uri: str
     #: Whether a data file may be written in parts, out of order and concurrently.
     random_writes: bool
+    #: The smallest ``part_size`` :meth:`open_sink` accepts (0: no minimum). Object stores that
+    #: upload each part as a separate request have one (S3: 5 MiB); the writer refuses a chunk
+    #: size below it. Optional: a store without the attribute has no minimum.
+    min_part_size: int
 
     def prepare(self) -> None:
         """Create the location if needed. Called by every rank before writing."""
 
-    def open_sink(self, name: str) -> FileSink:
-        """Start writing the data file ``name`` (replacing any file of that name)."""
+    def open_sink(self, name: str, *, part_size: int | None = None) -> FileSink:
+        """Start writing the data file ``name`` (replacing any file of that name).
+
+        Args:
+            part_size: the writer's promise about its ``write_at`` calls: each covers exactly
+                ``[k * part_size, (k + 1) * part_size)`` for some ``k``, except the file's last,
+                which may be shorter. Stores that upload parts as separate requests number them
+                from it (S3: part ``offset // part_size + 1``); others ignore it. ``None``: no
+                promise (the store's default part size, where it needs one).
+        """
 
     def open_source(self, name: str) -> FileSource:
         """Open the data file ``name`` for ranged reads.

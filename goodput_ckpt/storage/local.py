@@ -5,6 +5,10 @@ Why these choices:
   raw bytes of several tensors (plus alignment padding) to the kernel without first joining them,
   and the reader can scatter one read straight into several destination tensors. Both release
   the GIL and are safe from many threads on one descriptor.
+- Each written part starts its own writeback at once (``sync_file_range``), so the disk works
+  while later parts are still being hashed and copied; the final fsync then only waits for the
+  tail. Without it the kernel holds everything dirty until the fsync (below its dirty threshold,
+  10% of RAM, nothing is written back early) and a save costs copy time *plus* disk time.
 - The commit record is written to a temporary name, fsynced, then published with ``os.link``
   (which fails if the target exists, so two savers cannot both commit) or ``os.replace`` when
   replacing is allowed, and the directory is fsynced. A crash at any instant leaves either no
@@ -16,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +32,32 @@ __all__ = ["LocalConfig", "LocalStore"]
 
 # Linux caps an iovec array at IOV_MAX (1024); stay below it.
 _MAX_IOV = 512
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Linux only; Python's ``os`` lacks it), or ``None``.
+
+    Called through ctypes, which releases the GIL for the call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - a libc without it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: Starts writeback of a just-written range (a hint: failures surface in the final fsync).
+#: Measured with benchmarks/bench_local.py, 2 GiB on this machine's virtio disk (2 cores): the
+#: best save fell from 1.54 s to 0.85 s, because the device write overlaps the copy and hashing
+#: instead of following them.
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +112,7 @@ class _LocalSink:
             raise os_error(e, "creating", path) from e
 
     def write_at(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        start = offset
         try:
             for batch in _iov_batches(buffers):
                 views = [memoryview(b).cast("B") for b in batch]
@@ -95,6 +127,8 @@ class _LocalSink:
                         views[0] = views[0][written:]
         except OSError as e:
             raise os_error(e, f"writing at offset {offset} of", self._path) from e
+        if self._fsync and _SYNC_FILE_RANGE is not None and offset > start:
+            _SYNC_FILE_RANGE(self._fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
 
     def close(self) -> None:
         if self._closed:
@@ -170,6 +204,7 @@ class LocalStore:
     """A checkpoint directory on a local (POSIX) filesystem."""
 
     random_writes = True
+    min_part_size = 0
 
     def __init__(self, root: str, config: LocalConfig | None = None) -> None:
         self.root = os.path.abspath(root)
@@ -200,7 +235,7 @@ class LocalStore:
         except OSError as e:
             raise os_error(e, "creating directory", self.root) from e
 
-    def open_sink(self, name: str) -> _LocalSink:
+    def open_sink(self, name: str, *, part_size: int | None = None) -> _LocalSink:
         path = self._path(name)
         parent = os.path.dirname(path)
         if parent != self.root:
@@ -301,3 +336,12 @@ class LocalStore:
         except OSError as e:
             raise os_error(e, "deleting", path) from e
         self._sync_dir(os.path.dirname(path))
+        # Like an object store, a directory inside the location exists only while it holds
+        # files: remove the ones this deletion emptied (a manager root's step directories).
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root + os.sep):
+            try:
+                os.rmdir(parent)
+            except OSError:  # not empty (or already gone): stop here
+                break
+            parent = os.path.dirname(parent)

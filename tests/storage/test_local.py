@@ -87,4 +87,4 @@ def test_open_store_options():
     with pytest.raises(TypeError):
         LocalConfig(fsync="yes")
     with pytest.raises(ValueError):
-        open_store("ftp://host/x")
+        open_store("nosuchscheme://host/x")

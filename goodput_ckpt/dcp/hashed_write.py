@@ -1,0 +1,245 @@
+"""Writing data files chunk by chunk while hashing them, and publishing the manifest.
+
+This is the write half of format v1 without the DCP protocol around it. ``CheckpointWriter``
+uses it for every rank's files; the tools that produce checkpoints without ``dcp.save``
+(``reshard``, ``convert``) use the same code, so every checkpoint is laid out, hashed and
+committed one way.
+
+Call order::
+
+    clear_or_refuse_existing(store, overwrite)     # coordinator, before any data is written
+    entries = write_hashed_files(store, names, placements, file_sizes, sources, ...)
+    publish_manifest(store, manifest, replace=...) # the commit
+    remove_stale_files(store, keep=set(entries))   # best effort, after the commit
+
+Sources are produced lazily: ``write_hashed_files`` asks a source for a byte range only when a
+worker is about to hash and write the chunk holding it, and calls ``release()`` once its last
+range is written. A source that computes its bytes on demand (reading them from another
+checkpoint, say) therefore keeps memory at about ``thread_count`` chunks, whatever its size.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import blake3
+
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..storage import Store
+from .layout import ChunkPlan, Placement, chunk_plans
+
+__all__ = [
+    "ByteSource",
+    "check_chunk_size",
+    "clear_or_refuse_existing",
+    "data_file_name",
+    "publish_manifest",
+    "remove_stale_files",
+    "write_hashed_files",
+]
+
+_ZEROS = bytes(ALIGNMENT)
+_DATA_FILE = re.compile(r"rank\d{5}-\d{2}\.[0-9a-f]{12}\.bin\Z")
+_TMP_FILE = re.compile(r"\.manifest\.json\.tmp-[0-9a-f]+\Z")
+
+
+class ByteSource(Protocol):
+    """The bytes of one item, handed out by range.
+
+    ``view`` may be called from several threads at once, for disjoint ranges, each at most one
+    hash chunk long. ``release`` is called once, after the last range was written.
+    """
+
+    nbytes: int
+
+    def view(self, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of the item, as any object with the buffer protocol."""
+
+    def release(self) -> None:
+        """Drop what the source holds; no ``view`` follows."""
+
+
+def data_file_name(rank_index: int, file_index: int, token: str) -> str:
+    """The writer's name for file ``file_index`` of rank ``rank_index`` in the save ``token``."""
+    return f"rank{rank_index:05d}-{file_index:02d}.{token}.bin"
+
+
+def check_chunk_size(store: Store, chunk_size: int) -> None:
+    """Refuse a chunk size below the store's smallest part (S3: 5 MiB; each chunk is a part).
+
+    Raises:
+        ValueError: ``chunk_size`` is smaller than ``store.min_part_size``.
+    """
+    minimum = getattr(store, "min_part_size", 0)  # optional in the Store protocol
+    if chunk_size < minimum:
+        raise ValueError(
+            f"chunk_size={chunk_size} is too small for {store.uri}: each chunk is uploaded as one "
+            f"part, and this store's parts must be at least {minimum} bytes; pass "
+            f"chunk_size={minimum} or more (the default, 8 MiB, works everywhere)"
+        )
+
+
+def write_hashed_files(
+    store: Store,
+    names: Sequence[str],
+    placements: Sequence[Placement],
+    file_sizes: Sequence[int],
+    sources: Sequence[ByteSource],
+    *,
+    chunk_size: int,
+    thread_count: int,
+    order: Callable[[ChunkPlan], Any] | None = None,
+    on_chunk: Callable[[int], None] | None = None,
+) -> list[FileEntry]:
+    """Write ``sources`` into the files ``names`` as ``placements`` say, hashing every chunk.
+
+    Each file is cut into ``chunk_size`` chunks (see :mod:`.layout`); a worker gathers the
+    bytes of one chunk (item ranges and zero padding), hashes exactly those bytes and writes
+    them, so digests never need a read-back. On stores with random writes every chunk is a
+    task; otherwise each file is written in order by one worker.
+
+    Args:
+        placements: where each item goes; ``placements[i].item`` indexes ``sources``.
+        order: sort key for the chunks of all files (default: file by file). Lets a caller
+            that reads its sources from elsewhere visit them in their own order.
+        on_chunk: called with the byte count of each chunk once it is written (from a worker
+            thread), for progress reports.
+
+    Returns:
+        One :class:`FileEntry` per name, in order.
+
+    Raises:
+        CheckpointError: a write or a source failed; every file written so far was aborted.
+    """
+    check_chunk_size(store, chunk_size)
+    plans = chunk_plans(list(placements), list(file_sizes), chunk_size)
+    remaining = [0] * len(sources)
+    for chunks in plans:
+        for ch in chunks:
+            for seg in ch.segments:
+                if seg.item >= 0:
+                    remaining[seg.item] += 1
+    for i, src in enumerate(sources):
+        if remaining[i] == 0:
+            src.release()  # empty items take part in no chunk
+    release_lock = threading.Lock()  # guards ``remaining``: segments finish on many threads
+
+    def write_chunk(sink, ch: ChunkPlan) -> str:
+        bufs = []
+        for seg in ch.segments:
+            bufs.append(_ZEROS[: seg.end - seg.start] if seg.item < 0 else sources[seg.item].view(seg.start, seg.end))
+        h = blake3.blake3()
+        for b in bufs:
+            h.update(b)
+        sink.write_at(ch.offset, bufs)
+        del bufs
+        for seg in ch.segments:
+            if seg.item >= 0:
+                with release_lock:
+                    remaining[seg.item] -= 1
+                    done = remaining[seg.item] == 0
+                if done:
+                    sources[seg.item].release()
+        if on_chunk is not None:
+            on_chunk(ch.length)
+        return h.hexdigest()
+
+    sinks = []
+    digests: list[list[str]] = [[""] * len(c) for c in plans]
+    try:
+        for name in names:
+            sinks.append(store.open_sink(name, part_size=chunk_size))
+        pool = ThreadPoolExecutor(thread_count, thread_name_prefix="goodput-write")
+        try:
+            if store.random_writes:
+                all_chunks = [ch for chunks in plans for ch in chunks]
+                if order is not None:
+                    all_chunks.sort(key=order)
+                futs = {pool.submit(write_chunk, sinks[ch.file], ch): ch for ch in all_chunks}
+                for fut, ch in futs.items():
+                    digests[ch.file][ch.index] = fut.result()
+            else:
+
+                def write_file(f: int) -> list[str]:
+                    return [write_chunk(sinks[f], ch) for ch in plans[f]]
+
+                for f, fut in enumerate([pool.submit(write_file, f) for f in range(len(plans))]):
+                    digests[f] = fut.result()
+        finally:
+            # On the first failure, drop the chunks not yet started instead of writing them.
+            pool.shutdown(wait=True, cancel_futures=True)
+        for sink in sinks:
+            sink.close()
+    except BaseException:
+        for sink in sinks:
+            try:
+                sink.abort()
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+        raise
+    return [FileEntry(names[f], file_sizes[f], tuple(digests[f])) for f in range(len(names))]
+
+
+def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
+    """Before a save: refuse a committed checkpoint at ``store``, or remove it when allowed.
+
+    The commit record goes first: from then on the old checkpoint is visibly incomplete, so a
+    crash can never pair the old manifest with new data.
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is false.
+    """
+    old = store.read_small(MANIFEST_NAME)
+    if old is None:
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{store.uri} already holds a committed checkpoint; pass overwrite=True to "
+            "replace it or save to a new location",
+            path=store.uri,
+        )
+    try:
+        old_files = list(parse_manifest(old, location=store.uri).files)
+    except CheckpointError:
+        old_files = []
+    store.delete(MANIFEST_NAME)
+    for name in old_files:
+        store.delete(name)
+
+
+def publish_manifest(store: Store, manifest: Manifest, *, replace: bool) -> None:
+    """Commit ``manifest``: check that it reads back, then publish it atomically.
+
+    Raises:
+        CorruptCheckpointError: the manifest does not pass its own validation (a bug); nothing
+            was published.
+        CheckpointExistsError: another writer committed first; this save's files were removed.
+    """
+    data = manifest.to_json()
+    # Self-check: a manifest we cannot read back must never become a commit record.
+    try:
+        parse_manifest(data, location=store.uri)
+    except CheckpointError as e:
+        raise CorruptCheckpointError(f"refusing to commit an invalid manifest: {e}") from e
+    try:
+        store.put_commit_record(MANIFEST_NAME, data, replace=replace)
+    except CheckpointExistsError:
+        for name in manifest.files:
+            store.delete(name)
+        raise
+
+
+def remove_stale_files(store: Store, keep: set[str]) -> None:
+    """Delete data files of failed or replaced saves (best effort, after the commit)."""
+    try:
+        for name in store.list():
+            if name not in keep and (_DATA_FILE.match(name) or _TMP_FILE.match(name)):
+                store.delete(name)
+    except CheckpointError as e:
+        warnings.warn(f"could not remove stale files in {store.uri}: {e}", stacklevel=3)

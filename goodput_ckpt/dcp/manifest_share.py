@@ -1,0 +1,57 @@
+"""One manifest read per load, not one per rank: the coordinator reads it and broadcasts it.
+
+``dcp.load`` calls ``read_metadata`` on every rank. Reading the manifest there on each rank costs
+N requests for the manifest plus N x F size checks (F data files) against the store, which on an
+object store with thousands of ranks is a burst of small requests that throttling punishes, and
+it lets ranks see different states of a location that changes under them. Instead rank 0 of the
+load's group reads and checks the manifest once, and broadcasts the result, or its error, to
+the others, which raise the same error. Nothing here depends on the store.
+
+What crosses the process group is the parsed manifest, pickled by rank 0 of this same job: no
+bytes from the checkpoint location are unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import CheckpointError
+
+__all__ = ["load_shared"]
+
+T = TypeVar("T")
+
+
+def load_shared(load: Callable[[], T], *, group: Any = None, enabled: bool = True) -> T:
+    """``load()`` on rank 0 of ``group``, broadcast to its other ranks; plain ``load()`` when
+    sharing is off, ``torch.distributed`` is not initialized, or the group has one rank.
+
+    Every rank of ``group`` (default: the default group) must call this together, as
+    ``dcp.load`` does with ``read_metadata``.
+
+    Raises:
+        CheckpointError: what ``load`` raised on rank 0 (there: the original exception).
+    """
+    import torch.distributed as dist
+
+    if not enabled or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return load()
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("ok", load())
+        except CheckpointError as e:
+            error = e
+            box[0] = ("error", e)
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a result forever
+            error = e
+            box[0] = ("error", CheckpointError(f"rank 0 could not read the manifest: {type(e).__name__}: {e}"))
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    kind, value = box[0]
+    if kind == "error":
+        if error is not None:
+            raise error
+        raise value
+    return value

@@ -1,0 +1,361 @@
+"""The data path of the S3 store: a data file as a parallel multipart upload, ranged reads.
+
+Writes. The DCP writer hands a sink one chunk per ``write_at`` call, at an offset that is a
+multiple of its chunk size (``part_size`` here), from several threads and in any order. Each call
+becomes one multipart part (or several, when ``S3Config.part_size`` is smaller than the chunk),
+numbered ``offset // split + 1``, so parts need no coordination and may finish in any order.
+``write_at`` copies the chunk into one contiguous body (botocore needs one) and hands it to the
+sink's upload pool, then returns: hashing the next chunks overlaps with the uploads. A
+store-wide semaphore caps the parts in flight, which bounds both the memory held in bodies
+(``max_concurrency x part size``) and the connections in use.
+
+A file that is a single chunk shorter than a part is one ``PutObject``: no multipart upload.
+``close()`` waits for every part, checks that the parts tile ``[0, size)`` without a gap, then
+completes the upload. Any failure (a part that exhausted its retries, a gap, a failed
+completion) aborts the upload instead, so a file is never completed with missing parts.
+
+Reads. ``read_into`` is one ranged ``GetObject`` whose body is streamed straight into the
+destination buffers; a transfer cut short by a reset or a stall resumes from the first byte not
+yet received, within the same retry budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError, IncompleteCheckpointError
+from ._s3_retry import client_error_code
+
+if TYPE_CHECKING:
+    from .s3 import S3Store
+
+__all__ = ["MAX_PARTS", "S3Sink", "S3Source"]
+
+log = logging.getLogger("goodput_ckpt.storage.s3")
+
+#: S3 numbers parts 1 to 10,000.
+MAX_PARTS = 10_000
+
+
+def _views(buffers: Sequence[Any]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers]
+
+
+def _gather(views: list[memoryview], start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the concatenation of ``views``: one copy into one body."""
+    pieces = []
+    pos = 0
+    for v in views:
+        lo, hi = max(start, pos), min(end, pos + v.nbytes)
+        if lo < hi:
+            pieces.append(v[lo - pos : hi - pos])
+        pos += v.nbytes
+        if pos >= end:
+            break
+    return pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
+
+
+class S3Sink:
+    """One data file being written to ``key`` (see the module docstring)."""
+
+    def __init__(self, store: S3Store, key: str, unit: int, split: int) -> None:
+        self._store = store
+        self._key = key
+        self._where = store.where(key)
+        self._unit = unit  # every write_at but the file's last covers exactly this many bytes
+        self._split = split  # bytes per multipart part (divides unit)
+        # Guards the upload id, the part table, the futures and the state.
+        self._lock = threading.Lock()
+        # Held while creating the multipart upload, so only one thread creates it.
+        self._create_lock = threading.Lock()
+        self._upload_id: str | None = None
+        self._parts: dict[int, tuple[int, int, str]] = {}  # part number -> (offset, length, ETag)
+        self._put_size: int | None = None  # set when the file went up as one PutObject
+        self._futures: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._failed = threading.Event()  # first failure: queued parts skip, retries stop
+        self._error: BaseException | None = None
+        self._state = "open"  # -> "closed" | "aborted"
+
+    # -- FileSink --------------------------------------------------------------------------
+    def write_at(self, offset: int, buffers: Sequence[Any]) -> None:
+        self._check_usable()
+        views = _views(buffers)
+        n = sum(v.nbytes for v in views)
+        if offset % self._unit:
+            raise ValueError(f"write at offset {offset} of {self._where}: not a multiple of the part size {self._unit}")
+        if offset == 0 and n < self._unit:
+            # The whole file is this one short chunk (every other chunk is a full unit).
+            body = _gather(views, 0, n)
+            client = self._store.client()
+            bucket = self._store.bucket
+            self._store.call("writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body), stop=self._failed)
+            with self._lock:
+                self._put_size = n
+            return
+        if n > self._unit:
+            raise ValueError(f"write of {n} bytes to {self._where} exceeds the part size {self._unit}")
+        upload_id = self._ensure_upload()
+        for start in range(0, n, self._split):
+            end = min(n, start + self._split)
+            number = (offset + start) // self._split + 1
+            if number > MAX_PARTS:
+                raise CheckpointError(
+                    f"{self._where} needs more than {MAX_PARTS} multipart parts of {self._split} bytes: "
+                    "use a larger chunk_size, or more files per rank (files_per_rank)",
+                    path=self._where,
+                )
+            self._acquire_slot()
+            try:
+                self._check_usable()
+                body = _gather(views, start, end)
+                fut = self._executor().submit(self._upload_part, upload_id, number, offset + start, body)
+            except BaseException:
+                self._store.slots().release()
+                raise
+            with self._lock:
+                self._futures.append(fut)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._state == "closed":
+                return
+            if self._state == "aborted":
+                raise CheckpointError(f"{self._where} was aborted and cannot be completed", path=self._where)
+        try:
+            self._wait_parts()
+            if self._error is not None:
+                raise self._error
+            if self._upload_id is None:
+                if self._put_size is None:  # no bytes at all: an empty object
+                    client, bucket = self._store.client(), self._store.bucket
+                    self._store.call("writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=b""))
+            else:
+                self._complete()
+            with self._lock:
+                self._state = "closed"
+        finally:
+            self._shutdown_pool()
+
+    def abort(self) -> None:
+        """Stop the parts still queued, abort the multipart upload, delete a completed object.
+
+        Best effort and never raises: the error that caused the abort is the one to report.
+        """
+        with self._lock:
+            if self._state == "aborted":
+                return
+            was_closed = self._state == "closed"
+            self._state = "aborted"
+        self._failed.set()
+        try:
+            self._wait_parts()  # bounded: retries stop once _failed is set
+        finally:
+            self._shutdown_pool()
+        client, bucket = self._store.client(), self._store.bucket
+        try:
+            if self._upload_id is not None and not was_closed:
+                upload_id = self._upload_id
+                self._store.call(
+                    "aborting the multipart upload of",
+                    self._key,
+                    lambda: _ignore_no_such_upload(lambda: client.abort_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id)),
+                )
+            if was_closed or self._put_size is not None:
+                self._store.call("deleting", self._key, lambda: client.delete_object(Bucket=bucket, Key=self._key))
+        except CheckpointError as e:
+            log.warning("could not clean up %s after a failed save: %s", self._where, e)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._state != "open":
+            raise CheckpointError(f"{self._where} is already {self._state}", path=self._where)
+        if self._error is not None:
+            raise CheckpointError(f"an earlier part of {self._where} failed: {self._error}", path=self._where) from self._error
+
+    def _acquire_slot(self) -> None:
+        # Waits in short steps so that a failure elsewhere in the file stops the wait.
+        slots = self._store.slots()
+        while not slots.acquire(timeout=0.5):
+            self._check_usable()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                # One pool per file; the store-wide semaphore, not the pool size, bounds the
+                # parts in flight across files.
+                self._pool = ThreadPoolExecutor(self._store.config.max_concurrency, thread_name_prefix="goodput-s3-put")
+            return self._pool
+
+    def _shutdown_pool(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _ensure_upload(self) -> str:
+        with self._create_lock:
+            if self._upload_id is None:
+                client, bucket = self._store.client(), self._store.bucket
+                resp = self._store.call(
+                    "starting the multipart upload of", self._key, lambda: client.create_multipart_upload(Bucket=bucket, Key=self._key)
+                )
+                self._upload_id = resp["UploadId"]
+            return self._upload_id
+
+    def _upload_part(self, upload_id: str, number: int, offset: int, body: bytes) -> None:
+        try:
+            if self._failed.is_set():
+                raise CheckpointError(f"part {number} of {self._where} skipped: another part failed", path=self._where)
+            client, bucket = self._store.client(), self._store.bucket
+            resp = self._store.call(
+                f"uploading part {number} of",
+                self._key,
+                lambda: client.upload_part(Bucket=bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body),
+                stop=self._failed,
+            )
+            with self._lock:
+                self._parts[number] = (offset, len(body), resp["ETag"])
+        except BaseException as e:
+            with self._lock:
+                if self._error is None:
+                    self._error = e
+            self._failed.set()
+            raise
+        finally:
+            self._store.slots().release()
+
+    def _wait_parts(self) -> None:
+        """Wait for every submitted part; returns early once one failed (the rest are stopped)."""
+        with self._lock:
+            pending = list(self._futures)
+        while pending:
+            done, not_done = wait(pending, return_when=FIRST_EXCEPTION)
+            pending = list(not_done)
+            if any(f.exception() is not None for f in done if not f.cancelled()):
+                self._failed.set()
+                wait(pending)  # the others stop at their next attempt
+                return
+
+    def _complete(self) -> None:
+        parts = sorted(self._parts.items())
+        pos = 0
+        for number, (offset, length, _etag) in parts:
+            if offset != pos:
+                raise CheckpointError(
+                    f"{self._where}: bytes [{pos}, {offset}) were never written (part {number} starts at "
+                    f"{offset}); refusing to complete an upload with missing parts",
+                    path=self._where,
+                    byte_range=(pos, offset),
+                )
+            pos = offset + length
+        size = pos
+        listing = {"Parts": [{"PartNumber": n, "ETag": etag} for n, (_o, _l, etag) in parts]}
+        client, bucket, upload_id = self._store.client(), self._store.bucket, self._upload_id
+
+        def complete() -> None:
+            try:
+                client.complete_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id, MultipartUpload=listing)
+            except Exception as e:
+                # A retried completion whose first attempt succeeded (its response was lost)
+                # finds no upload: the object must then exist with exactly our size.
+                if client_error_code(e)[0] != "NoSuchUpload":
+                    raise
+                if self._store.size_of_key(self._key) != size:
+                    raise
+        self._store.call("completing the multipart upload of", self._key, complete)
+
+
+def _ignore_no_such_upload(fn) -> None:
+    try:
+        fn()
+    except Exception as e:
+        if client_error_code(e)[0] != "NoSuchUpload":
+            raise
+
+
+class S3Source:
+    """Ranged reads of one object; safe to share between threads (botocore clients are)."""
+
+    def __init__(self, store: S3Store, key: str) -> None:
+        self._store = store
+        self._key = key
+        self._where = store.where(key)
+
+    def read_into(self, offset: int, buffers: Sequence[Any]) -> None:
+        views = _views(buffers)
+        total = sum(v.nbytes for v in views)
+        if total == 0:
+            return
+        end = offset + total
+        got = [0]  # bytes received so far: a retry resumes after them
+        client, bucket = self._store.client(), self._store.bucket
+
+        def attempt() -> None:
+            start = offset + got[0]
+            resp = client.get_object(Bucket=bucket, Key=self._key, Range=f"bytes={start}-{end - 1}")
+            body = resp["Body"]
+            sent = resp.get("ContentLength")
+            try:
+                if "ContentRange" not in resp and start > 0:
+                    raise CheckpointError(
+                        f"reading {self._where}: the server ignored the Range header (bytes {start}-{end - 1})",
+                        path=self._where,
+                    )
+                i, skip = _locate(views, got[0])
+                while i < len(views):
+                    n = body.readinto(views[i][skip:])
+                    if not n:
+                        break
+                    got[0] += n
+                    skip += n
+                    if skip == views[i].nbytes:
+                        i, skip = i + 1, 0
+            finally:
+                if got[0] < total:
+                    body.close()  # drop a half-read connection rather than return it to the pool
+            if got[0] < total:
+                if sent is not None and start + sent < end:
+                    raise self._short_error(offset, end, start + sent)  # the object is shorter
+                from botocore.exceptions import IncompleteReadError
+
+                # The body stopped early without an error: transient, resume from here.
+                raise IncompleteReadError(actual_bytes=offset + got[0] - start, expected_bytes=end - start)
+
+        def translate(e: BaseException) -> BaseException | None:
+            code, status = client_error_code(e)
+            if code in ("NoSuchKey", "NotFound") or (status == 404 and code != "NoSuchBucket"):
+                return IncompleteCheckpointError(
+                    f"data file {self._where} is missing: the checkpoint is incomplete or was tampered with",
+                    path=self._where,
+                )
+            if code == "InvalidRange" or status == 416:
+                return self._short_error(offset, end, None)
+            return None
+
+        self._store.call(f"reading bytes [{offset}, {end}) of", self._key, attempt, translate=translate)
+
+    def _short_error(self, start: int, end: int, at: int | None) -> IncompleteCheckpointError:
+        where = f"ends at byte {at}" if at is not None else "ends"
+        return IncompleteCheckpointError(
+            f"data file {self._where} {where}, before the range [{start}, {end}) the manifest records: "
+            "the file is truncated",
+            path=self._where,
+            byte_range=(start, end),
+        )
+
+    def close(self) -> None:
+        """Nothing to release: connections belong to the store's client pool."""
+
+
+def _locate(views: list[memoryview], done: int) -> tuple[int, int]:
+    """Index of the buffer holding byte ``done`` of the concatenation, and the offset in it."""
+    for i, v in enumerate(views):
+        if done < v.nbytes:
+            return i, done
+        done -= v.nbytes
+    return len(views), 0

@@ -1,0 +1,276 @@
+"""Generic fsspec store: any URL whose protocol fsspec has installed (``gs://``, ``az://``,
+``memory://`` ...). ``s3://`` goes to the dedicated S3 store and local paths to the local store.
+
+Why these choices:
+- Most fsspec backends write a file as one sequential stream (``open(path, "wb")``), so this
+  store has ``random_writes = False``: the writer gives each file one thread and writes it in
+  order, and spreads a rank's bytes over several files to keep its threads busy.
+- A ranged read is ``cat_file(path, start, end)``, which remote backends turn into one ranged
+  request; the bytes are then copied into the destination buffers (fsspec has no read-into).
+- The commit record is ``pipe_file``: one whole-object PUT on object stores, where it is atomic.
+  Without ``replace`` it is check-then-put: fsspec has no portable conditional write, so two
+  savers that pass the check at the same moment both write and the later one wins. On
+  filesystem-like backends (sftp, ftp ...) ``pipe_file`` is not atomic: prefer a dedicated store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
+from .base import check_relative_name
+
+__all__ = ["FsspecConfig", "FsspecStore", "fsspec_protocol"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsspecConfig:
+    """Options of the generic fsspec backend.
+
+    Attributes:
+        storage_options: keyword arguments for the fsspec filesystem of the URL's protocol
+            (``fsspec.filesystem(protocol, **storage_options)``), e.g. a project or an account.
+        filesystem: a ready fsspec filesystem to use instead (then ``storage_options`` must be
+            empty). Pickled with the writer only if the filesystem itself pickles.
+    """
+
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    filesystem: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.storage_options, Mapping) or not all(isinstance(k, str) for k in self.storage_options):
+            raise TypeError("storage_options must be a mapping with string keys")
+        object.__setattr__(self, "storage_options", dict(self.storage_options))
+        if self.filesystem is not None:
+            if self.storage_options:
+                raise ValueError("pass either filesystem or storage_options, not both")
+            if not callable(getattr(self.filesystem, "cat_file", None)):
+                raise TypeError(f"filesystem must be an fsspec filesystem, got {type(self.filesystem).__name__}")
+
+
+def fsspec_protocol(uri: str) -> str | None:
+    """The protocol of ``uri`` when fsspec knows it (installed or not), else ``None``."""
+    proto, sep, _ = uri.partition("://")
+    if not sep or not proto:
+        return None
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec is a dependency
+        return None
+    return proto if proto in fsspec.available_protocols() else None
+
+
+def _fs_error(exc: Exception, what: str, where: str) -> CheckpointError:
+    return CheckpointError(f"{what} {where} failed: {type(exc).__name__}: {str(exc)[:300]}", path=where)
+
+
+class _FsspecSink:
+    """One file written as a sequential stream (``random_writes = False``)."""
+
+    def __init__(self, fs: Any, path: str, where: str) -> None:
+        self._path = path
+        self._where = where
+        self._pos = 0
+        self._state = "open"
+        try:
+            self._file = fs.open(path, "wb")
+        except Exception as e:
+            raise _fs_error(e, "creating", where) from e
+        self._fs = fs
+
+    def write_at(self, offset: int, buffers: Sequence[Any]) -> None:
+        if offset != self._pos:
+            raise ValueError(f"{self._where} is written in order: expected offset {self._pos}, got {offset}")
+        try:
+            for b in buffers:
+                self._pos += self._file.write(memoryview(b).cast("B")) or 0
+        except Exception as e:
+            raise _fs_error(e, f"writing at offset {offset} of", self._where) from e
+
+    def close(self) -> None:
+        if self._state == "closed":
+            return
+        try:
+            self._file.close()  # uploads what is buffered and commits the object
+        except Exception as e:
+            raise _fs_error(e, "finishing", self._where) from e
+        self._state = "closed"
+
+    def abort(self) -> None:
+        if self._state == "aborted":
+            return
+        was_open = self._state == "open"
+        self._state = "aborted"
+        if was_open and callable(getattr(self._file, "discard", None)):
+            try:
+                self._file.discard()  # drop a pending upload without committing it
+            except Exception:  # noqa: BLE001 - best effort: the original error matters more
+                pass
+        try:
+            self._fs.rm_file(self._path)
+        except Exception:  # noqa: BLE001 - usually "not found": nothing was committed
+            pass
+
+
+class _FsspecSource:
+    def __init__(self, fs: Any, path: str, where: str) -> None:
+        self._fs = fs
+        self._path = path
+        self._where = where
+
+    def read_into(self, offset: int, buffers: Sequence[Any]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(v.nbytes for v in views)
+        if not total:
+            return
+        try:
+            data = self._fs.cat_file(self._path, start=offset, end=offset + total)
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(
+                f"data file {self._where} is missing: the checkpoint is incomplete or was tampered with",
+                path=self._where,
+            ) from e
+        except Exception as e:
+            raise _fs_error(e, f"reading bytes [{offset}, {offset + total}) of", self._where) from e
+        if len(data) < total:
+            raise IncompleteCheckpointError(
+                f"data file {self._where} ends at byte {offset + len(data)}, before the range "
+                f"[{offset}, {offset + total}) the manifest records: the file is truncated",
+                path=self._where,
+                byte_range=(offset, offset + total),
+            )
+        pos = 0
+        for v in views:
+            v[:] = data[pos : pos + v.nbytes]
+            pos += v.nbytes
+
+    def close(self) -> None:
+        """Nothing to release: every read is one request."""
+
+
+class FsspecStore:
+    """A checkpoint location on any fsspec filesystem."""
+
+    random_writes = False
+    min_part_size = 0
+
+    def __init__(self, uri: str, config: FsspecConfig | None = None) -> None:
+        protocol = fsspec_protocol(uri)
+        if protocol is None:
+            raise ValueError(f"fsspec does not know the protocol of {uri!r}")
+        self.protocol = protocol
+        self.uri = uri.rstrip("/")
+        self.config = config or FsspecConfig()
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return f"FsspecStore({self.uri!r})"
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.Lock()  # guards creating the filesystem
+        self._fs: Any = self.config.filesystem
+        self._root: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_lock", "_fs", "_root"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def _filesystem(self) -> tuple[Any, str]:
+        with self._lock:
+            if self._root is None:
+                try:
+                    import fsspec
+
+                    cls = fsspec.get_filesystem_class(self.protocol)
+                    fs = self._fs or fsspec.filesystem(self.protocol, **self.config.storage_options)
+                except ImportError as e:
+                    raise CheckpointError(
+                        f"fsspec needs an extra package for {self.protocol}:// ({e}); install it to use {self.uri}",
+                        path=self.uri,
+                    ) from e
+                self._fs = fs
+                self._root = cls._strip_protocol(self.uri).rstrip("/")
+            return self._fs, self._root
+
+    def _path(self, name: str) -> tuple[Any, str, str]:
+        fs, root = self._filesystem()
+        name = check_relative_name(name)
+        return fs, f"{root}/{name}", f"{self.uri}/{name}"
+
+    # -- Store -------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        fs, root = self._filesystem()
+        try:
+            fs.makedirs(root, exist_ok=True)
+        except Exception as e:
+            raise _fs_error(e, "creating", self.uri) from e
+
+    def open_sink(self, name: str, *, part_size: int | None = None) -> _FsspecSink:
+        fs, path, where = self._path(name)
+        parent = path.rsplit("/", 1)[0]
+        if name.count("/"):
+            fs.makedirs(parent, exist_ok=True)
+        return _FsspecSink(fs, path, where)
+
+    def open_source(self, name: str) -> _FsspecSource:
+        fs, path, where = self._path(name)
+        return _FsspecSource(fs, path, where)
+
+    def size(self, name: str) -> int | None:
+        fs, path, where = self._path(name)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise _fs_error(e, "inspecting", where) from e
+        return None if info.get("type") == "directory" else int(info["size"])
+
+    def read_small(self, name: str) -> bytes | None:
+        fs, path, where = self._path(name)
+        try:
+            return bytes(fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise _fs_error(e, "reading", where) from e
+
+    def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
+        fs, path, where = self._path(name)
+        if not replace and self.size(name) is not None:
+            raise CheckpointExistsError(
+                f"{where} was committed by another writer while this save ran; nothing was overwritten", path=where
+            )
+        try:
+            fs.pipe_file(path, bytes(data))
+        except Exception as e:
+            raise _fs_error(e, "committing", where) from e
+
+    def list(self) -> list[str]:
+        fs, root = self._filesystem()
+        try:
+            found = fs.find(root)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise _fs_error(e, "listing", self.uri) from e
+        base = root + "/"
+        return sorted(p[len(base) :] for p in found if p.startswith(base))
+
+    def delete(self, name: str) -> None:
+        fs, path, where = self._path(name)
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise _fs_error(e, "deleting", where) from e

@@ -1,0 +1,393 @@
+"""S3 store: ``s3://bucket/prefix`` on AWS S3 or any S3-compatible server, through boto3.
+
+Why these choices:
+- A data file is a multipart upload whose parts go up in parallel, one per writer chunk; a
+  single short file is one ``PutObject``. Any failure aborts the upload (``_s3_io``).
+- The commit record is one ``PutObject``, last: S3 makes a PUT visible whole or not at all, and
+  reads after it are strongly consistent, so no rename or copy is needed. Without ``replace`` the
+  PUT is conditional (``If-None-Match: *``), so two savers cannot both commit. On servers that
+  reject the condition the store falls back to check-then-put: a ``HeadObject`` then a plain PUT,
+  with a race window between the two (two savers that both pass the check both write, and the
+  later PUT wins). Servers that silently ignore the header cannot be told apart; there the race
+  is the same.
+- Requests are retried here, not by botocore, with jittered exponential backoff within a time
+  budget (``_s3_retry``); stalls are cut by the read timeout and retried.
+- Clients, the upload semaphore and locks are created on first use and never pickled, because
+  ``dcp.async_save`` pickles the writer that holds this store.
+
+Credentials come from boto3's standard chain (or the client/session given), never from options,
+and appear nowhere in this store's state, reprs, messages or logs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+from ..errors import CheckpointError, CheckpointExistsError
+from ._s3_io import S3Sink, S3Source
+from ._s3_retry import RetryPolicy, call_with_retries, client_error_code
+from .base import check_relative_name
+
+__all__ = ["MIN_PART_SIZE", "S3Config", "S3Store", "parse_s3_uri"]
+
+T = TypeVar("T")
+
+#: S3's smallest multipart part (all but the last part of an upload).
+MIN_PART_SIZE = 5 << 20
+#: S3's largest part, and the largest single PUT.
+MAX_PART_SIZE = 5 << 30
+#: Part size when a caller opens a sink without giving one (the DCP writer always gives its chunk).
+DEFAULT_PART_SIZE = 8 << 20
+_ADDRESSING = ("auto", "path", "virtual")
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Config:
+    """Options of the S3 backend (``CheckpointWriter("s3://...", **options)``).
+
+    Attributes:
+        endpoint_url: the S3 endpoint (``http(s)://host:port``) of a non-AWS server. ``None``:
+            boto3's choice (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, the config file, or
+            AWS). Must not contain credentials.
+        region: the signing region; ``None``: boto3's chain (``AWS_REGION``, config file).
+        addressing_style: ``"path"`` (``host/bucket/key``, what most self-hosted servers need),
+            ``"virtual"`` (``bucket.host/key``) or ``"auto"`` (botocore decides).
+        max_concurrency: multipart parts in flight per store, across its files. Also bounds the
+            memory held in part bodies (``max_concurrency x part size``).
+        part_size: bytes per multipart part. ``None``: one part per writer chunk
+            (``CheckpointWriter(chunk_size=...)``, 8 MiB by default). When set, the writer's
+            chunk size must be a multiple of it. 5 MiB to 5 GiB.
+        max_attempts: attempts per request, the first included, for transient failures
+            (HTTP 5xx and 429, ``SlowDown``, connection errors, timeouts).
+        retry_time_limit: seconds after a request's first attempt past which no retry starts;
+            with the timeouts below it bounds how long a failing save takes to fail.
+        connect_timeout: seconds to establish a connection.
+        read_timeout: seconds without a byte from the server before an attempt is abandoned (a
+            stalled response) and retried.
+        client: a ready boto3 S3 client to use instead of creating one. Its own endpoint,
+            region, credentials, pool size and retries apply (turn botocore's retries off to avoid
+            retrying twice). A store holding it cannot be pickled, so use ``dcp.async_save``'s
+            thread executor (the default) with it.
+        session: a boto3 ``Session`` to create the client from (its credentials and profile);
+            the other options above still apply. Not picklable either.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or out of range, or options that
+            contradict each other (``client`` with ``session`` or with client settings).
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing_style: str = "auto"
+    max_concurrency: int = 16
+    part_size: int | None = None
+    max_attempts: int = 10
+    retry_time_limit: float = 120.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+    client: Any = field(default=None, repr=False, compare=False)
+    session: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None:
+            _check_endpoint(self.endpoint_url)
+        if self.region is not None and (not isinstance(self.region, str) or not self.region):
+            raise TypeError(f"region must be a non-empty string, got {self.region!r}")
+        if self.addressing_style not in _ADDRESSING:
+            raise ValueError(f"addressing_style must be one of {', '.join(_ADDRESSING)}, got {self.addressing_style!r}")
+        _int_in("max_concurrency", self.max_concurrency, 1, 1024)
+        if self.part_size is not None:
+            _int_in("part_size", self.part_size, MIN_PART_SIZE, MAX_PART_SIZE)
+        _int_in("max_attempts", self.max_attempts, 1, 100)
+        for name in ("retry_time_limit", "connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+                raise ValueError(f"{name} must be a number of seconds in (0, 86400], got {value!r}")
+        if self.client is not None:
+            if self.session is not None:
+                raise ValueError("pass either client or session, not both")
+            own = [n for n in ("endpoint_url", "region") if getattr(self, n) is not None]
+            if self.addressing_style != "auto":
+                own.append("addressing_style")
+            if own:
+                raise ValueError(
+                    f"{', '.join(own)} cannot be combined with client: configure the client itself"
+                )
+            meta = getattr(self.client, "meta", None)
+            if getattr(getattr(meta, "service_model", None), "service_name", None) != "s3":
+                raise TypeError(f"client must be a boto3 S3 client, got {type(self.client).__name__}")
+        if self.session is not None and not callable(getattr(self.session, "client", None)):
+            raise TypeError(f"session must be a boto3 Session, got {type(self.session).__name__}")
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(max_attempts=self.max_attempts, time_limit=float(self.retry_time_limit))
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be between {lo} and {hi}, got {value}")
+
+
+def _check_endpoint(url: Any) -> None:
+    if not isinstance(url, str):
+        raise TypeError(f"endpoint_url must be a string, got {type(url).__name__}")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError("endpoint_url must look like http(s)://host[:port]")
+    if parsed.username is not None or parsed.password is not None:
+        # Never echo the URL: it holds a secret.
+        raise ValueError(
+            "endpoint_url must not contain credentials (user:password@): use the standard AWS "
+            "credential chain (environment, config file, instance role) or a boto3 session"
+        )
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``s3://bucket/prefix`` (the prefix without slashes at its ends).
+
+    Raises:
+        ValueError: not an ``s3://`` URI, no bucket, or a prefix with empty, ``.`` or ``..`` parts.
+    """
+    if not uri.startswith("s3://"):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    rest = uri[len("s3://") :]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket or any(c in bucket for c in "?#@:") or bucket.strip() != bucket:
+        raise ValueError(f"invalid S3 URI {uri!r}: expected s3://bucket/prefix")
+    prefix = prefix.strip("/")
+    if prefix:
+        check_relative_name(prefix)
+    return bucket, prefix
+
+
+class S3Store:
+    """A checkpoint location under ``s3://bucket/prefix``."""
+
+    random_writes = True
+
+    def __init__(self, uri: str, config: S3Config | None = None) -> None:
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self.config = config or S3Config()
+        #: The DCP writer refuses chunks (parts) smaller than this.
+        self.min_part_size = self.config.part_size or MIN_PART_SIZE
+        self._policy = self.config.retry_policy
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri!r}, {self.config!r})"
+
+    # -- lazily created, never pickled --------------------------------------------------------
+    def _init_runtime(self) -> None:
+        self._lock = threading.Lock()  # guards creating the client and the semaphore
+        self._client: Any = None
+        self._slots: threading.BoundedSemaphore | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.config.client is not None or self.config.session is not None:
+            raise TypeError(
+                f"the store for {self.uri} holds a user-supplied boto3 client or session, which "
+                "cannot be pickled (dcp.async_save's process executor pickles the writer): use the "
+                "thread executor, or let the store build its client from the default credentials"
+            )
+        state = self.__dict__.copy()
+        for name in ("_lock", "_client", "_slots"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def client(self) -> Any:
+        """The boto3 client (thread-safe), created on first use."""
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make_client()
+                client = self._client
+        return client
+
+    def _make_client(self) -> Any:
+        cfg = self.config
+        if cfg.client is not None:
+            return cfg.client
+        import boto3
+        from botocore.config import Config
+
+        session = cfg.session if cfg.session is not None else boto3.session.Session()
+        botocore_config = Config(
+            region_name=cfg.region,
+            connect_timeout=cfg.connect_timeout,
+            read_timeout=cfg.read_timeout,
+            # Retries happen in call(): a time budget, and reads resume where they stopped.
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            # Part uploads plus the reader's threads; connections are opened on demand.
+            max_pool_connections=max(64, 2 * cfg.max_concurrency),
+            s3={"addressing_style": cfg.addressing_style},
+            # Integrity is end to end (blake3, verified on read); over http SigV4 already hashes
+            # every body, over https TLS protects it. Optional CRCs also break some S3-compatible
+            # servers, so they are sent only where an operation requires one.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            tcp_keepalive=True,
+        )
+        return session.client("s3", endpoint_url=cfg.endpoint_url, config=botocore_config)
+
+    def slots(self) -> threading.BoundedSemaphore:
+        """The store-wide cap on multipart parts in flight."""
+        slots = self._slots
+        if slots is None:
+            with self._lock:
+                if self._slots is None:
+                    self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
+                slots = self._slots
+        return slots
+
+    def call(
+        self,
+        what: str,
+        key: str,
+        fn: Callable[[], T],
+        *,
+        stop: threading.Event | None = None,
+        translate: Callable[[BaseException], BaseException | None] | None = None,
+    ) -> T:
+        """Run one request with retries (see :func:`~._s3_retry.call_with_retries`)."""
+        return call_with_retries(fn, policy=self._policy, what=what, where=self.where(key), stop=stop, translate=translate)
+
+    # -- names -------------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        name = check_relative_name(name)
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # -- Store -------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Nothing to create: object stores have no directories, and the bucket must exist."""
+
+    def open_sink(self, name: str, *, part_size: int | None = None) -> S3Sink:
+        unit = part_size or self.config.part_size or DEFAULT_PART_SIZE
+        split = self.config.part_size or unit
+        if unit < MIN_PART_SIZE or unit % split:
+            raise ValueError(
+                f"part size {unit} for {self.where(self.key(name))}: must be at least {MIN_PART_SIZE} "
+                f"bytes (S3's minimum part) and a multiple of part_size={split}"
+            )
+        return S3Sink(self, self.key(name), unit, split)
+
+    def open_source(self, name: str) -> S3Source:
+        # No request here: a missing object is reported by the first read.
+        return S3Source(self, self.key(name))
+
+    def size(self, name: str) -> int | None:
+        return self.size_of_key(self.key(name))
+
+    def size_of_key(self, key: str) -> int | None:
+        client = self.client()
+
+        def head() -> int | None:
+            try:
+                return int(client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+            except Exception as e:
+                if _not_found(e):
+                    return None
+                raise
+
+        return self.call("inspecting", key, head)
+
+    def read_small(self, name: str) -> bytes | None:
+        key = self.key(name)
+        client = self.client()
+
+        def get() -> bytes | None:
+            try:
+                resp = client.get_object(Bucket=self.bucket, Key=key)
+            except Exception as e:
+                if _not_found(e):
+                    return None
+                raise
+            return resp["Body"].read()
+
+        return self.call("reading", key, get)
+
+    def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
+        """One PUT, after every data file was completed (S3 is read-after-write consistent).
+
+        Without ``replace``: a conditional PUT, or check-then-put where the server refuses the
+        condition (see the module docstring for the race that leaves).
+        """
+        key = self.key(name)
+        client = self.client()
+        body = bytes(data)
+        if replace:
+            self.call("committing", key, lambda: client.put_object(Bucket=self.bucket, Key=key, Body=body))
+            return
+        exists = CheckpointExistsError(
+            f"{self.where(key)} was committed by another writer while this save ran; nothing was overwritten",
+            path=self.where(key),
+        )
+        if self.size_of_key(key) is not None:
+            raise exists
+        attempts = [0]
+
+        def put() -> None:
+            attempts[0] += 1
+            try:
+                client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+            except Exception as e:
+                code, status = client_error_code(e)
+                if code == "PreconditionFailed" or status == 412:
+                    # After a lost response our own first attempt may be what now exists.
+                    if attempts[0] > 1 and self.read_small(name) == body:
+                        return
+                    raise exists from e
+                if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status == 501:
+                    # The server refuses conditional writes: check-then-put (racy, see above).
+                    if self.size_of_key(key) is not None:
+                        raise exists from e
+                    client.put_object(Bucket=self.bucket, Key=key, Body=body)
+                    return
+                raise
+
+        self.call("committing", key, put)
+
+    def list(self) -> list[str]:
+        client = self.client()
+        base = f"{self.prefix}/" if self.prefix else ""
+        names: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": base}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.call("listing", base, lambda: client.list_objects_v2(**kwargs))
+            for obj in page.get("Contents", ()):
+                rel = obj["Key"][len(base) :]
+                if rel and not rel.endswith("/"):
+                    names.append(rel)
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return sorted(names)
+
+    def delete(self, name: str) -> None:
+        key = self.key(name)
+        client = self.client()
+        self.call("deleting", key, lambda: client.delete_object(Bucket=self.bucket, Key=key))
+
+
+def _not_found(exc: BaseException) -> bool:
+    code, status = client_error_code(exc)
+    if code == "NoSuchBucket":
+        return False
+    return code in ("NoSuchKey", "NotFound", "404") or status == 404

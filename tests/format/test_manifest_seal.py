@@ -1,0 +1,62 @@
+"""The manifest's own digest: any edit of a committed manifest is detected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from goodput_ckpt import CheckpointReader, CheckpointWriter, CorruptCheckpointError
+from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest, seal_manifest
+
+
+@pytest.fixture
+def saved(tmp_path):
+    dcp.save({"w": torch.randn(64, 8), "step": 3}, storage_writer=CheckpointWriter(tmp_path))
+    return tmp_path
+
+
+def test_sealed_manifest_ends_with_its_digest(saved):
+    raw = (saved / MANIFEST_NAME).read_bytes()
+    doc = json.loads(raw)
+    assert list(doc)[-1] == "digest" and len(doc["digest"]) == 64
+    parse_manifest(raw)
+
+
+def test_consistent_edit_is_refused(saved):
+    """float32 -> int32 keeps every size and range valid; only the digest catches it."""
+    path = saved / MANIFEST_NAME
+    raw = path.read_bytes()
+    assert b'"dtype":"float32"' in raw
+    path.write_bytes(raw.replace(b'"dtype":"float32"', b'"dtype":"int32"'))
+    with pytest.raises(CorruptCheckpointError, match="fails its own checksum"):
+        CheckpointReader(saved).read_metadata()
+
+
+def test_missing_or_moved_digest_is_refused(saved):
+    path = saved / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    digest = doc.pop("digest")
+    path.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match="does not end with its digest"):
+        CheckpointReader(saved).read_metadata()
+    moved = {"digest": digest, **doc}
+    path.write_bytes(json.dumps(moved, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match="digest"):
+        CheckpointReader(saved).read_metadata()
+
+
+def test_resealed_hostile_edit_still_validated():
+    """The digest is integrity, not authenticity: a resealed manifest is still fully validated."""
+    raw = seal_manifest(b'{"format":"goodput-ckpt","version":1,"hash":{"algorithm":"blake3","chunk_size":4096},'
+                        b'"files":{"../x":{"size":0,"chunks":[]}},"items":{},"world_size":1}')  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match="unsafe file name"):
+        parse_manifest(raw)
+
+
+def test_seal_rejects_non_objects():
+    for bad in (b"[]", b"{}", b"", b"1"):
+        with pytest.raises(ValueError):
+            seal_manifest(bad)
