@@ -53,7 +53,10 @@ class ByteSource(Protocol):
     """The bytes of one item, handed out by range.
 
     ``view`` may be called from several threads at once, for disjoint ranges, each at most one
-    hash chunk long. ``release`` is called once, after the last range was written.
+    hash chunk long. ``release`` is called once, after the last range was written. A source may
+    also define ``recycle(buffer)``: it is then called with each buffer ``view`` returned, once
+    the store's ``write_at`` has returned (sinks keep no reference to written buffers), so the
+    source can reuse its buffers instead of allocating one per chunk.
     """
 
     nbytes: int
@@ -102,7 +105,7 @@ def write_hashed_files(
     Each file is cut into ``chunk_size`` chunks (see :mod:`.layout`); a worker gathers the
     bytes of one chunk (item ranges and zero padding), hashes exactly those bytes and writes
     them, so digests never need a read-back. On stores with random writes every chunk is a
-    task; otherwise each file is written in order by one worker.
+    task; otherwise each file is written in order, and closed, by one worker.
 
     Args:
         placements: where each item goes; ``placements[i].item`` indexes ``sources``.
@@ -138,6 +141,10 @@ def write_hashed_files(
         for b in bufs:
             h.update(b)
         sink.write_at(ch.offset, bufs)
+        for seg, b in zip(ch.segments, bufs):
+            recycle = getattr(sources[seg.item], "recycle", None) if seg.item >= 0 else None
+            if recycle is not None:
+                recycle(b)
         del bufs
         for seg in ch.segments:
             if seg.item >= 0:
@@ -167,7 +174,12 @@ def write_hashed_files(
             else:
 
                 def write_file(f: int) -> list[str]:
-                    return [write_chunk(sinks[f], ch) for ch in plans[f]]
+                    out = [write_chunk(sinks[f], ch) for ch in plans[f]]
+                    # Close here, not after every file is written: on a mount or an object
+                    # store, close flushes the file's tail (uploads its last part), and the
+                    # files' tails then go up in parallel instead of one after the other.
+                    sinks[f].close()
+                    return out
 
                 for f, fut in enumerate([pool.submit(write_file, f) for f in range(len(plans))]):
                     digests[f] = fut.result()
@@ -198,16 +210,23 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     old = store.read_small(MANIFEST_NAME)
     if old is None:
         return
+    try:
+        old_files = list(parse_manifest(old, location=store.uri).files)
+    except CorruptCheckpointError:
+        if not getattr(store, "commit_record_atomic", True):
+            # A mounted volume can hold the truncated record of a killed save: that location
+            # is incomplete, not committed, so it is saved into as if it had no record.
+            store.delete(MANIFEST_NAME)
+            return
+        old_files = []
+    except CheckpointError:  # a version this library does not know: still a checkpoint
+        old_files = []
     if not overwrite:
         raise CheckpointExistsError(
             f"{store.uri} already holds a committed checkpoint; pass overwrite=True to "
             "replace it or save to a new location",
             path=store.uri,
         )
-    try:
-        old_files = list(parse_manifest(old, location=store.uri).files)
-    except CheckpointError:
-        old_files = []
     store.delete(MANIFEST_NAME)
     for name in old_files:
         store.delete(name)
@@ -227,6 +246,9 @@ def publish_manifest(store: Store, manifest: Manifest, *, replace: bool) -> None
         parse_manifest(data, location=store.uri)
     except CheckpointError as e:
         raise CorruptCheckpointError(f"refusing to commit an invalid manifest: {e}") from e
+    prepare_commit = getattr(store, "prepare_commit", None)  # optional (see storage.base)
+    if prepare_commit is not None:
+        prepare_commit(list(manifest.files))
     try:
         store.put_commit_record(MANIFEST_NAME, data, replace=replace)
     except CheckpointExistsError:

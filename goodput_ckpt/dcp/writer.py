@@ -14,6 +14,10 @@ DCP call order, and which ranks make each call (see torch's ``StorageWriter``)::
 A save that fails anywhere leaves no manifest: its data files are visibly incomplete and are
 removed by the next successful save at the same location.
 
+With local staging in front of a mounted volume (``stage_dir=``), ``dcp.save`` returns once the
+checkpoint is on local disk; :meth:`CheckpointWriter.durable_future` says when its durable copy
+is committed on the volume.
+
 One writer instance serves one save at a time. A second save that overlaps a running one on the
 same instance raises :class:`~goodput_ckpt.CheckpointError`, unless the running save's thread
 ends within 2 s (a failed save's executor thread is then let go): use one writer per in-flight
@@ -22,6 +26,7 @@ ends within 2 s (a failed save's executor thread is then let go): use one writer
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import secrets
@@ -107,7 +112,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         files_per_rank: data files per rank (default: 1 on stores with random writes, else
             ``thread_count``).
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
-            :class:`~goodput_ckpt.storage.S3Config`, :class:`~goodput_ckpt.storage.FsspecConfig`).
+            :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
+            :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
+            ``False`` overrides the detection of mounted volumes (docs/volumes.md).
 
     Raises:
         TypeError: an unknown option.
@@ -147,11 +154,13 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def _init_runtime(self) -> None:
         self._claim_lock = threading.Lock()
         self._owner: threading.Thread | None = None
+        self._durable: concurrent.futures.Future | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_claim_lock", None)
         state.pop("_owner", None)
+        state.pop("_durable", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -182,6 +191,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._claim()
         self._is_coordinator = is_coordinator
         self._assignment = None
+        self._durable = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
@@ -206,6 +216,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         except BaseException:
             self._release()
             raise
+        self._durable = _durable_future(self._store)
         if not self._is_coordinator:
             self._release()  # the coordinator holds its claim until finish()
         fut: Future[list[WriteResult]] = Future()
@@ -215,8 +226,31 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             self._commit(metadata, results)
+            self._durable = _durable_future(self._store)
         finally:
             self._release()
+
+    def durable_future(self) -> concurrent.futures.Future[None]:
+        """When the checkpoint of this writer's last save is durable at its final location.
+
+        Call it after ``dcp.save`` returned (or ``dcp.async_save``'s future completed). Most
+        stores commit before ``dcp.save`` returns, and then the future is already done. With
+        local staging (``stage_dir=`` on a mounted volume) the upload runs in the background:
+        on the coordinator the future completes when the manifest is on the volume (the
+        checkpoint is committed there), on every other rank when this rank's files are on the
+        volume. A failed upload or commit sets the future's exception (a
+        :class:`~goodput_ckpt.CheckpointError`), and the volume copy stays visibly incomplete.
+
+        Raises:
+            CheckpointError: no save has written its data through this writer yet.
+        """
+        fut = self._durable
+        if fut is None:
+            raise CheckpointError(
+                f"no save to {self._store.uri} has written its data through this writer yet: call "
+                "durable_future() after dcp.save returns"
+            )
+        return fut
 
     # -- AsyncStager ------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -349,6 +383,17 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         publish_manifest(self._store, manifest, replace=self.overwrite)
         remove_stale_files(self._store, set(files))
 
+
+
+def _durable_future(store: Store) -> concurrent.futures.Future:
+    """The store's future for what it still writes in the background (see storage.base), or a
+    completed one when its writes are durable once they return."""
+    get = getattr(store, "durable_future", None)
+    if get is not None:
+        return get()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result(None)
+    return fut
 
 
 class _BytesSource:

@@ -1,0 +1,136 @@
+"""``goodput-ckpt``: argument parsing, dispatch, and turning errors into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from .._version import __version__
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ._output import Output, to_jsonable
+from ._registry import Command, load_commands
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+#: Exit codes: the check passed / the check (or the work) failed / usage error or nothing there.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_DESCRIPTION = """\
+Inspect, verify, list, reshard and convert goodput-ckpt checkpoints.
+
+Exit status: 0 when everything is fine, 1 when a check fails (a corrupt or incomplete
+checkpoint, a failed conversion), 2 on a usage error or when there is no checkpoint at all.
+Every command takes --json for machine-readable output."""
+
+_EXAMPLES = """\
+examples:
+  goodput-ckpt verify /ckpt/step_00001000
+  goodput-ckpt inspect /ckpt/step_00001000 --keys 'model.*'
+  goodput-ckpt ls /ckpt --verify
+  goodput-ckpt reshard /ckpt/step_00001000 /ckpt/resharded --world-size 8
+  goodput-ckpt convert /ckpt/step_00001000 model.safetensors --to safetensors
+
+Run `goodput-ckpt COMMAND --help` for a command's options and examples."""
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)  # numbers, true/false, null, quoted strings
+    except ValueError:
+        return key, value
+
+
+def build_parser(commands: Sequence[Command]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="goodput-ckpt",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"goodput-ckpt {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    common.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    common.add_argument("--debug", action="store_true", help="show the traceback of any error")
+    store_opts = argparse.ArgumentParser(add_help=False)
+    store_opts.add_argument(
+        "-o", "--option", dest="options", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+        help="storage backend option (repeatable), e.g. -o fsync=false",
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for cmd in commands:
+        epilog = "examples:\n" + "\n".join(f"  {e}" for e in cmd.examples) if cmd.examples else None
+        p = sub.add_parser(
+            cmd.name,
+            help=cmd.summary,
+            description=cmd.description,
+            epilog=epilog,
+            parents=[common] + ([store_opts] if cmd.uses_stores else []),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        cmd.configure(p)
+        p.set_defaults(_command=cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
+    """Run ``goodput-ckpt`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    out_stream, err_stream = stdout or sys.stdout, stderr or sys.stderr
+    parser = build_parser(load_commands())
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error (argparse printed it)
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    cmd: Command | None = getattr(args, "_command", None)
+    if cmd is None:
+        parser.print_help(out_stream)
+        return EXIT_USAGE
+    if hasattr(args, "options"):
+        args.options = dict(args.options)
+    out = Output(json_mode=args.json, progress=not args.no_progress, stdout=out_stream, stderr=err_stream)
+    try:
+        return cmd.run(args, out)
+    except KeyboardInterrupt:
+        out.warn("interrupted")
+        return 130
+    except BaseException as e:  # noqa: BLE001 - every error becomes a message and an exit code
+        code, kind = _classify(e)
+        if code is None:
+            raise
+        if args.debug:
+            traceback.print_exc(file=err_stream)
+        if out.json_mode:
+            out.emit_json({"ok": False, "exit_code": code, "error": _error_doc(e, kind)})
+        hint = " (pass --overwrite to replace it)" if kind == "CheckpointExistsError" and hasattr(args, "overwrite") else ""
+        out.warn(f"goodput-ckpt {cmd.name}: error: {e}{hint}")
+        return code
+
+
+def _classify(e: BaseException) -> tuple[int | None, str]:
+    """The exit code for an error, or ``None`` for a bug (shown with its traceback)."""
+    from ..errors import find_checkpoint_error
+
+    inner = find_checkpoint_error(e) if not isinstance(e, CheckpointError) else e
+    if isinstance(inner, (CheckpointNotFoundError, CheckpointExistsError)):
+        return EXIT_USAGE, type(inner).__name__
+    if isinstance(inner, CheckpointError):
+        return EXIT_FAILED, type(inner).__name__
+    if isinstance(e, (ValueError, TypeError)):  # bad arguments, unknown backend options
+        return EXIT_USAGE, "UsageError"
+    if isinstance(e, OSError):
+        return EXIT_FAILED, "OSError"
+    return None, ""
+
+
+def _error_doc(e: BaseException, kind: str) -> dict[str, Any]:
+    doc: dict[str, Any] = {"type": kind, "message": str(e)}
+    if isinstance(e, CheckpointError):
+        doc.update(path=e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
+    return doc

@@ -1,0 +1,67 @@
+"""``goodput-ckpt inspect URI``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._output import Output, human_bytes, table
+from ._registry import Command
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("uri", help="checkpoint location")
+    p.add_argument("-k", "--keys", action="append", default=None, metavar="GLOB",
+                   help="list only keys matching this shell-style glob (repeatable), e.g. 'model.layers.*'")  # fmt: skip
+    p.add_argument("--summary", action="store_true", help="omit the item table")
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from ..tools.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(args.uri, pattern=args.keys, **args.options)
+    if out.json_mode:
+        out.emit_json(report)
+    else:
+        _render(report, out, items=not args.summary)
+    for p in report.problems:
+        out.warn(f"warning: {p} (run `goodput-ckpt verify {report.uri}`)")
+    return 0 if not report.problems else 1
+
+
+def _render(r, out: Output, *, items: bool) -> None:
+    out.print(r.uri)
+    out.print(f"  format      {r.format} v{r.version} (written by goodput-ckpt {r.library_version or '?'}, torch {r.torch_version or '?'})")
+    out.print(f"  created     {r.created_at or '?'}")
+    out.print(f"  step        {r.step if r.step is not None else '-'}")
+    out.print(f"  world size  {r.world_size}")
+    out.print(f"  files       {r.files}, {human_bytes(r.file_bytes)} (hash chunks of {human_bytes(r.chunk_size)})")
+    out.print(f"  items       {r.tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.objects} objects ({human_bytes(r.object_bytes)})")
+    out.print()
+    out.print(table(["SECTION", "TENSORS", "OBJECTS", "BYTES"],
+                    [[s.name, s.tensors, s.objects, human_bytes(s.bytes)] for s in r.sections], right=(1, 2, 3)))  # fmt: skip
+    if items:
+        out.print()
+        rows = [[i.key, i.dtype or "object", "x".join(map(str, i.shape)) if i.shape else ("()" if i.kind == "tensor" else "-"),
+                 i.shards, human_bytes(i.bytes)] for i in r.items]  # fmt: skip
+        out.print(table(["KEY", "DTYPE", "SHAPE", "SHARDS", "BYTES"], rows, right=(3, 4)))
+        if r.pattern is not None:
+            out.print(f"({len(r.items)} of {r.tensors + r.objects} items match {' or '.join(r.pattern)})")
+
+
+COMMAND = Command(
+    name="inspect",
+    summary="show a checkpoint's version, step, world size, sections and items",
+    description=(
+        "Describe a checkpoint from its manifest: format version, step, world size, the sections\n"
+        "(model, optimizer, rng, dataloader, extra, by the first component of each key), totals,\n"
+        "and a table of items (key, dtype, shape, shards, bytes). No data is read; missing or\n"
+        "resized files are reported as warnings (exit status 1)."
+    ),
+    examples=(
+        "goodput-ckpt inspect /ckpt/step_00001000",
+        "goodput-ckpt inspect /ckpt/step_00001000 --keys 'optim.*' --keys 'model.embed*'",
+        "goodput-ckpt inspect /ckpt/step_00001000 --summary --json",
+    ),
+    configure=_configure,
+    run=_run,
+)

@@ -1,0 +1,48 @@
+"""``goodput-ckpt ls ROOT``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._output import Output, human_bytes, table
+from ._registry import Command
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", help="manager root holding step_XXXXXXXX checkpoints")
+    p.add_argument("--verify", action="store_true", help="verify each complete checkpoint (hashes) so corrupt ones show")
+    p.add_argument("--quick", action="store_true", help="with --verify: check sizes only")
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from ..tools.ls import list_checkpoints
+
+    report = list_checkpoints(args.root, verify=args.verify, quick=args.quick, progress=out.progress(), **args.options)
+    if out.json_mode:
+        out.emit_json(report)
+    else:
+        rows = [[c.step, c.status, c.created_at or "-", human_bytes(c.bytes), c.files] for c in report.checkpoints]
+        out.print(table(["STEP", "STATUS", "CREATED", "SIZE", "FILES"], rows, right=(0, 3, 4)))
+        latest = report.latest_complete
+        out.print(f"{len(report.checkpoints)} checkpoint(s) under {report.root}; latest complete: {latest if latest is not None else 'none'}")
+        for c in report.checkpoints:
+            if c.status == "corrupt":
+                for p in c.problems:
+                    out.warn(f"step {c.step}: {p}")
+    corrupt = any(c.status in ("corrupt", "unsupported") for c in report.checkpoints)
+    return 1 if args.verify and corrupt else 0
+
+
+COMMAND = Command(
+    name="ls",
+    summary="list the checkpoints under a manager root, with step, time, size and status",
+    description=(
+        "List the step_XXXXXXXX checkpoints under a CheckpointManager root with their step,\n"
+        "creation time, size and status: complete, incomplete (no manifest: a save running, failed\n"
+        "or interrupted) or corrupt (bad manifest). With --verify every complete checkpoint is\n"
+        "verified too, and damaged ones show as corrupt (exit status 1)."
+    ),
+    examples=("goodput-ckpt ls /ckpt", "goodput-ckpt ls /ckpt --verify", "goodput-ckpt ls s3://bucket/run7 --json"),
+    configure=_configure,
+    run=_run,
+)

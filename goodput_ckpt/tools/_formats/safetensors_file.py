@@ -1,0 +1,307 @@
+"""safetensors, one file or HF-style shards, read and written through the byte stores.
+
+The format is small enough to handle directly (an 8-byte little-endian header length, a JSON
+header, then the raw bytes of each tensor), which lets both directions stream through the
+:class:`~goodput_ckpt.storage.Store` interface: a tensor is read by byte ranges, never through
+an mmap of the whole file, and written piece by piece after the header. Files written here
+load with ``safetensors.torch.load_file`` and with HF ``transformers``.
+
+Layouts:
+
+- a single file ``NAME.safetensors`` (a destination ending in ``.safetensors``), its sidecar
+  ``NAME.objects.json`` next to it;
+- a directory: ``model.safetensors`` when one shard is enough, else
+  ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
+  (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``), and ``model.objects.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import struct
+from functools import partial
+from typing import Any
+
+from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ...format.dcp_metadata import dtype_name, torch_dtype
+from ...storage import FileSource, Store
+from .._common import NO_PROGRESS, Progress
+from .base import Box, ObjectMeta, Source, TensorMeta, alloc, ordered_map
+from .goodput import encode_torch_save
+from .objects_json import dump_sidecar, load_sidecar
+
+__all__ = ["SafetensorsSource", "write_safetensors"]
+
+#: safetensors dtype names, by format-v1 (torch) name.
+ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
+}  # fmt: skip
+_FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+#: The safetensors spec's limit on the header.
+MAX_HEADER = 100_000_000
+INDEX_SUFFIX = ".safetensors.index.json"
+SIDECAR_SUFFIX = ".objects.json"
+#: Bytes read and written per step when streaming a tensor.
+PIECE_BYTES = 8 << 20
+
+
+class SafetensorsSource(Source):
+    """safetensors file(s) in ``store`` (``files`` in order) plus an optional sidecar."""
+
+    format = "safetensors"
+
+    def __init__(self, store: Store, files: list[str], sidecar: str | None) -> None:
+        super().__init__()
+        self.uri = store.uri if len(files) != 1 else f"{store.uri.rstrip('/')}/{files[0]}"
+        self._store = store
+        self._sources: dict[str, FileSource] = {}
+        self._where: dict[str, tuple[str, int]] = {}  # key -> (file, absolute byte offset)
+        self._objects: dict[str, Any] = {}
+        try:
+            for name in files:
+                self._read_header(name)
+            if sidecar is not None:
+                data = store.read_small(sidecar)
+                if data is not None:
+                    objects, pd, md = load_sidecar(data, f"{store.uri}/{sidecar}")
+                    for key in objects:
+                        if key in self.items:
+                            raise CorruptCheckpointError(f"{sidecar}: {key!r} is both a tensor and an object", key=key)
+                        self.items[key] = ObjectMeta(key)
+                    self._objects = objects
+                    self.planner_data = pd
+                    self.metadata = md
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self, name: str) -> None:
+        where = f"{self._store.uri}/{name}"
+        size = self._store.size(name)
+        if size is None:
+            raise CorruptCheckpointError(f"safetensors file {where} is missing", path=where)
+        src = self._sources[name] = self._store.open_source(name)
+        if size < 8:
+            raise CorruptCheckpointError(f"{where} is {size} bytes: too short for a safetensors file", path=where)
+        head = bytearray(8)
+        src.read_into(0, [head])
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CorruptCheckpointError(f"{where}: header length {n} is invalid for a {size}-byte file", path=where)
+        raw = bytearray(n)
+        src.read_into(8, [raw])
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})", path=where) from None
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(f"{where}: the header is not a JSON object", path=where)
+        base = 8 + n
+        entries = []
+        for key, e in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = torch_dtype(_FROM_ST[e["dtype"]], key)
+                shape = tuple(int(x) for x in e["shape"])
+                begin, end = (int(x) for x in e["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CorruptCheckpointError(f"{where}: entry {key!r} is malformed or has an unknown dtype ({err!r})", path=where, key=key) from None
+            meta = TensorMeta(key, dtype, shape)
+            if any(x < 0 for x in shape) or end - begin != meta.nbytes or begin < 0 or base + end > size:
+                raise CorruptCheckpointError(
+                    f"{where}: entry {key!r} ({e['dtype']} {list(shape)}) has data_offsets [{begin}, {end}) that do not "
+                    f"match its size or lie outside the file",
+                    path=where,
+                    key=key,
+                )
+            if key in self.items:
+                raise CorruptCheckpointError(f"{where}: key {key!r} appears in more than one file", path=where, key=key)
+            entries.append((begin, key, meta))
+        for begin, key, meta in sorted(entries, key=lambda x: x[0]):  # file order: sequential reads
+            self.items[key] = meta
+            self._where[key] = (name, base + begin)
+
+    def boxes(self, key: str) -> list[Box]:
+        meta = self.items[key]
+        name, offset = self._where[key]
+        return [Box((0,) * len(meta.shape), tuple(meta.shape), partial(self._read, name, offset, meta.itemsize))]
+
+    def _read(self, name: str, offset: int, es: int, lo: int, hi: int, out: memoryview) -> None:
+        self._sources[name].read_into(offset + lo * es, [out])
+
+    def object_bytes(self, key: str) -> bytes:
+        return encode_torch_save(self._objects[key])
+
+    def object_value(self, key: str) -> Any:
+        return self._objects[key]
+
+    def close(self) -> None:
+        for src in self._sources.values():
+            src.close()
+        self._sources.clear()
+
+
+def split_file_uri(uri: str) -> tuple[str, str]:
+    """``(parent, name)`` of a file URI (``/a/b.safetensors`` -> ``/a``, ``b.safetensors``)."""
+    parent, name = posixpath.split(str(uri).rstrip("/"))
+    return parent or ".", name
+
+
+def open_safetensors(store: Store, single: str | None) -> SafetensorsSource:
+    """Open ``single`` in ``store``, or the safetensors layout of the directory ``store``."""
+    if single is not None:
+        stem = single[: -len(".safetensors")] if single.endswith(".safetensors") else single
+        return SafetensorsSource(store, [single], stem + SIDECAR_SUFFIX)
+    names = [n for n in store.list() if "/" not in n]
+    index = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
+    if index:
+        data = store.read_small(index[0]) or b""
+        try:
+            weight_map = json.loads(data.decode("utf-8"))["weight_map"]
+            files = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{store.uri}/{index[0]} is not a valid index ({e!r})", path=index[0]) from None
+        stem = index[0][: -len(INDEX_SUFFIX)]
+    else:
+        files = sorted(n for n in names if n.endswith(".safetensors"))
+        if not files:
+            raise CheckpointNotFoundError(f"no .safetensors files in {store.uri}", path=store.uri)
+        stem = files[0][: -len(".safetensors")] if len(files) == 1 else "model"
+    return SafetensorsSource(store, files, stem + SIDECAR_SUFFIX)
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def _header(tensors: list[TensorMeta]) -> bytes:
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for t in tensors:
+        doc[t.key] = {"dtype": ST_DTYPES[dtype_name(t.dtype, t.key)], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _shards(tensors: list[TensorMeta], shard_bytes: int | None) -> list[list[TensorMeta]]:
+    if not shard_bytes:
+        return [tensors]
+    shards: list[list[TensorMeta]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def write_safetensors(
+    source: Source,
+    store: Store,
+    single: str | None,
+    *,
+    shard_bytes: int | None,
+    overwrite: bool,
+    thread_count: int,
+    progress: Progress = NO_PROGRESS,
+) -> list[str]:
+    """Write ``source``'s tensors as safetensors and its other values as the JSON sidecar.
+
+    ``single``: the file name for a single-file output in ``store``; ``None`` writes the
+    directory layout of the module docstring. Returns the names written (sidecar last).
+
+    Raises:
+        CheckpointError: a tensor has a dtype safetensors cannot hold (nothing is written).
+        CheckpointExistsError: an output file exists and ``overwrite`` is false.
+    """
+    tensors = source.tensors()
+    bad = [f"{t.key} ({t.dtype})" for t in tensors if dtype_name(t.dtype, t.key) not in ST_DTYPES]
+    if bad:
+        raise CheckpointError(f"safetensors cannot hold these tensors' dtypes: {', '.join(bad[:8])}; convert to goodput, dcp or torch instead")
+    # Decode the objects first: an unencodable one fails before anything is written.
+    objects = {m.key: source.object_value(m.key) for m in source.objects()}
+    sidecar = dump_sidecar(objects, source.planner_data, source.metadata)
+    shards = _shards(tensors, shard_bytes)
+    if single is not None:
+        names = [single]
+        stem = single[: -len(".safetensors")]
+        index_name = None
+    elif len(shards) == 1:
+        names, stem, index_name = ["model.safetensors"], "model", None
+    else:
+        n = len(shards)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        stem, index_name = "model", "model" + INDEX_SUFFIX
+    sidecar_name = stem + SIDECAR_SUFFIX
+    store.prepare()
+    _clear(store, single, names + [sidecar_name] + ([index_name] if index_name else []), overwrite)
+    progress.start(sum(t.nbytes for t in tensors), "write")
+    try:
+        for name, shard in zip(names, shards):
+            _write_file(source, store, name, shard, thread_count, progress)
+    finally:
+        progress.close()
+    written = list(names)
+    if index_name is not None:
+        weight_map = {t.key: name for name, shard in zip(names, shards) for t in shard}
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
+        store.put_commit_record(index_name, json.dumps(index, indent=2).encode(), replace=True)
+        written.append(index_name)
+    store.put_commit_record(sidecar_name, sidecar, replace=True)
+    written.append(sidecar_name)
+    return written
+
+
+def _clear(store: Store, single: str | None, names: list[str], overwrite: bool) -> None:
+    if single is None:
+        existing = [n for n in store.list() if "/" not in n and (n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n.endswith(SIDECAR_SUFFIX))]
+    else:
+        existing = [n for n in names if store.size(n) is not None]
+    if existing and not overwrite:
+        raise CheckpointExistsError(
+            f"{store.uri} already holds {', '.join(existing[:4])}; pass --overwrite (overwrite=True) to replace",
+            path=store.uri,
+        )
+    # The index goes first, so a crash leaves no index that points at half-written shards.
+    for n in sorted(existing, key=lambda n: not n.endswith(INDEX_SUFFIX)):
+        store.delete(n)
+
+
+def _write_file(source: Source, store: Store, name: str, tensors: list[TensorMeta], thread_count: int, progress: Progress) -> None:
+    header = _header(tensors)
+    pieces = []  # (tensor, first element, last element, file offset)
+    pos = len(header)
+    for t in tensors:
+        step = max(1, PIECE_BYTES // t.itemsize)
+        for lo in range(0, t.numel, step):
+            hi = min(t.numel, lo + step)
+            pieces.append((t, lo, hi, pos + lo * t.itemsize))
+        pos += t.nbytes
+
+    def read(piece):
+        t, lo, hi, _ = piece
+        buf = alloc((hi - lo) * t.itemsize)
+        source.read_flat(t.key, lo, hi, buf)
+        return buf
+
+    sink = store.open_sink(name)
+    results = ordered_map(read, pieces, threads=thread_count, ahead=2 * thread_count)
+    try:
+        sink.write_at(0, [header])
+        for piece, buf in zip(pieces, results):
+            sink.write_at(piece[3], [buf])
+            progress.advance(buf.nbytes)
+        sink.close()
+    except BaseException:
+        results.close()
+        sink.abort()
+        raise

@@ -1,0 +1,345 @@
+"""``verify``: check a checkpoint completely, without loading it and without torch.
+
+What is checked, in order:
+
+1. the manifest exists (else the checkpoint is *incomplete*), parses, is of a known version and
+   is self-consistent (:func:`~goodput_ckpt.format.parse_manifest` checks types, ranges, paths,
+   byte ranges inside files, chunk tiling and item overlaps);
+2. every listed file exists with exactly its recorded size;
+3. unless ``quick``: every hash chunk of every file matches its blake3 digest.
+
+Every problem is reported, not only the first, each with the file, the byte range and the keys
+whose bytes lie there. Files at the location that the manifest does not list are reported as
+warnings (leftovers of a failed save; they do not make a checkpoint corrupt).
+
+Hashing runs on a pool of threads, each reading a few chunks at a time into its own reusable
+buffer with the store's ranged reads and hashing them (blake3 releases the GIL), so memory is
+``thread_count * TASK_BYTES`` whatever the checkpoint size, and throughput follows the disk.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..storage import FileSource, Store
+from ._common import NO_PROGRESS, KeyIndex, Progress, open_location, read_manifest_bytes, require_positive
+
+__all__ = ["DEFAULT_VERIFY_THREADS", "Problem", "TASK_BYTES", "VerifyReport", "verify_checkpoint"]
+
+#: Parallel reads: enough requests in flight to keep an SSD's (or S3's) queue busy while other
+#: threads hash. Measured with benchmarks/bench_tools.py.
+DEFAULT_VERIFY_THREADS = 8
+#: Bytes one task reads and hashes (rounded to whole chunks, at least one). Large enough to
+#: amortize a syscall, small enough to bound memory at threads x this.
+TASK_BYTES = 16 << 20
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    Attributes:
+        kind: ``incomplete``, ``manifest``, ``version``, ``missing``, ``size``, ``checksum``,
+            ``unreadable`` or, for warnings, ``extra``.
+        message: what is wrong and what to do, for people.
+        file: the file concerned, relative to the checkpoint location.
+        byte_range: ``[start, end)`` within ``file``.
+        keys: the state-dict keys whose bytes are affected.
+    """
+
+    kind: str
+    message: str
+    file: str | None = None
+    byte_range: tuple[int, int] | None = None
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify_checkpoint`.
+
+    ``status`` is ``ok``, ``corrupt`` (a committed checkpoint whose bytes or manifest are
+    damaged), ``incomplete`` (no manifest: a save never committed) or ``unsupported`` (a
+    manifest version this library does not read).
+    """
+
+    uri: str
+    status: str
+    quick: bool
+    version: int | None = None
+    world_size: int | None = None
+    files: int = 0
+    bytes_total: int = 0
+    bytes_hashed: int = 0
+    chunks_checked: int = 0
+    seconds: float = 0.0
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def gbps(self) -> float:
+        """Hashing throughput in GB/s (1e9 bytes)."""
+        return self.bytes_hashed / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def verify_checkpoint(
+    uri: str,
+    *,
+    quick: bool = False,
+    thread_count: int | None = None,
+    progress: Progress = NO_PROGRESS,
+    **options: Any,
+) -> VerifyReport:
+    """Check the checkpoint at ``uri``; see the module docstring for what is checked.
+
+    Args:
+        uri: the checkpoint location (local path, ``file://``, or any URI the stores accept).
+        quick: check the manifest and file sizes only; skip hashing.
+        thread_count: parallel reads (default :data:`DEFAULT_VERIFY_THREADS`).
+        progress: receives the bytes hashed.
+        **options: backend options for the store.
+
+    Returns:
+        A :class:`VerifyReport`; problems are reported in it, not raised.
+
+    Raises:
+        CheckpointNotFoundError: nothing is stored at ``uri``.
+        CheckpointError: the location cannot be listed or read at all (permissions, network).
+    """
+    require_positive("thread_count", thread_count)
+    t0 = time.perf_counter()
+    store = open_location(uri, options)
+    report = VerifyReport(uri=store.uri, status="ok", quick=quick)
+    manifest = _check_manifest(store, report)
+    if manifest is not None:
+        keys = KeyIndex(manifest)
+        present = _check_files(store, manifest, keys, report)
+        if not quick:
+            _check_hashes(store, manifest, present, keys, report, thread_count or DEFAULT_VERIFY_THREADS, progress)
+    report.seconds = time.perf_counter() - t0
+    if report.problems and report.status == "ok":
+        report.status = "corrupt"
+    return report
+
+
+def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
+    data = read_manifest_bytes(store)
+    if data is None:
+        names = store.list()
+        if not names:
+            raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
+        report.status = "incomplete"
+        report.problems.append(
+            Problem(
+                "incomplete",
+                f"{store.uri} holds {len(names)} file(s) but no {MANIFEST_NAME}: the save that "
+                "wrote them never committed (interrupted, failed or still running)",
+            )
+        )
+        return None
+    try:
+        manifest = parse_manifest(data, location=store.uri)
+    except CorruptCheckpointError as e:
+        report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME, keys=_split(e.key)))
+        return None
+    except CheckpointError as e:  # a version this library does not know
+        report.status = "unsupported"
+        report.version = e.version if isinstance(e.version, int) else None
+        report.problems.append(Problem("version", str(e), file=MANIFEST_NAME))
+        return None
+    report.version = manifest.version
+    report.world_size = manifest.world_size
+    report.files = len(manifest.files)
+    report.bytes_total = manifest.total_bytes()
+    return manifest
+
+
+def _check_files(store: Store, manifest: Manifest, keys: KeyIndex, report: VerifyReport) -> dict[str, int]:
+    """Sizes; returns the present files with the bytes that can be hashed in each."""
+    present: dict[str, int] = {}
+    for f in manifest.files.values():
+        try:
+            actual = store.size(f.path)
+        except CheckpointError as e:
+            report.problems.append(Problem("unreadable", str(e), file=f.path, byte_range=(0, f.size)))
+            continue
+        if actual is None:
+            affected = keys.keys(f.path, 0, f.size)
+            report.problems.append(
+                Problem(
+                    "missing",
+                    f"data file {f.path} ({f.size} bytes) is missing; keys stored in it: "
+                    f"{_join(affected)}",
+                    file=f.path,
+                    byte_range=(0, f.size),
+                    keys=affected,
+                )
+            )
+            continue
+        present[f.path] = min(actual, f.size)
+        if actual != f.size:
+            lo, hi = sorted((actual, f.size))
+            affected = keys.keys(f.path, lo, hi)
+            how = "truncated" if actual < f.size else "extended"
+            report.problems.append(
+                Problem(
+                    "size",
+                    f"data file {f.path} is {actual} bytes but the manifest records {f.size}: it "
+                    f"was {how}; bytes [{lo}, {hi}) are affected (keys: {_join(affected) or 'padding only'})",
+                    file=f.path,
+                    byte_range=(lo, hi),
+                    keys=affected,
+                )
+            )
+    listed = set(manifest.files) | {MANIFEST_NAME}
+    try:
+        extra = [n for n in store.list() if n not in listed]
+    except CheckpointError:
+        extra = []
+    for name in extra:
+        report.warnings.append(
+            Problem("extra", f"{name} is not listed in the manifest (a leftover of a failed save?)", file=name)
+        )
+    return present
+
+
+@dataclass(frozen=True)
+class _Task:
+    file: str
+    first: int  # first chunk index
+    count: int  # chunks
+
+
+def _check_hashes(
+    store: Store,
+    manifest: Manifest,
+    present: dict[str, int],
+    keys: KeyIndex,
+    report: VerifyReport,
+    thread_count: int,
+    progress: Progress,
+) -> None:
+    cs = manifest.chunk_size
+    per_task = max(1, TASK_BYTES // cs)
+    tasks: list[_Task] = []
+    for name, available in present.items():
+        whole = _hashable_chunks(manifest.files[name], available, cs)
+        for first in range(0, whole, per_task):
+            tasks.append(_Task(name, first, min(per_task, whole - first)))
+    total = sum(min(t.count * cs, manifest.files[t.file].size - t.first * cs) for t in tasks)
+    progress.start(total, "verify")
+    sources: dict[str, FileSource] = {}
+    bad: dict[str, list[int]] = {}
+    unreadable: list[Problem] = []
+    local = threading.local()  # one reusable buffer per worker: memory is threads x task size
+    lock = threading.Lock()  # guards bad / unreadable / report counters
+
+    def run(task: _Task) -> None:
+        entry = manifest.files[task.file]
+        lo = task.first * cs
+        hi = min(entry.size, (task.first + task.count) * cs)
+        buf = getattr(local, "buf", None)
+        if buf is None or len(buf) < hi - lo:
+            buf = local.buf = bytearray(per_task * cs)
+        view = memoryview(buf)[: hi - lo]
+        try:
+            sources[task.file].read_into(lo, [view])
+        except CheckpointError as e:  # shrank while we read, or an I/O error
+            with lock:
+                unreadable.append(Problem("unreadable", str(e), file=task.file, byte_range=(lo, hi), keys=keys.keys(task.file, lo, hi)))
+            return
+        mismatched = []
+        for i in range(task.count):
+            a = i * cs
+            b = min(hi - lo, a + cs)
+            if blake3.blake3(view[a:b]).hexdigest() != entry.chunks[task.first + i]:
+                mismatched.append(task.first + i)
+        with lock:
+            report.chunks_checked += task.count
+            report.bytes_hashed += hi - lo
+            if mismatched:
+                bad.setdefault(task.file, []).extend(mismatched)
+        progress.advance(hi - lo)
+
+    try:
+        for name in sorted({t.file for t in tasks}):
+            try:
+                sources[name] = store.open_source(name)
+            except CheckpointError as e:
+                report.problems.append(Problem("unreadable", str(e), file=name))
+        runnable = [t for t in tasks if t.file in sources]
+        _run_all(run, runnable, thread_count)
+    finally:
+        for src in sources.values():
+            src.close()
+        progress.close()
+    report.problems.extend(unreadable)
+    for name in sorted(bad):
+        report.problems.extend(_checksum_problems(name, sorted(bad[name]), manifest.files[name], cs, keys))
+
+
+def _run_all(fn: Callable[[_Task], None], tasks: list[_Task], thread_count: int) -> None:
+    """Run ``fn`` on every task; a worker's unexpected error stops the rest and is raised."""
+    with ThreadPoolExecutor(thread_count, thread_name_prefix="goodput-verify") as pool:
+        futures = {pool.submit(fn, t) for t in tasks}
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in done:
+            if fut.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                raise fut.exception()
+
+
+def _hashable_chunks(entry: FileEntry, available: int, cs: int) -> int:
+    """Chunks of ``entry`` whose bytes are all present (a truncated file is reported by size)."""
+    if available >= entry.size:
+        return len(entry.chunks)
+    return available // cs
+
+
+def _checksum_problems(name: str, chunks: list[int], entry: FileEntry, cs: int, keys: KeyIndex) -> list[Problem]:
+    """One problem per run of consecutive bad chunks."""
+    out = []
+    i = 0
+    while i < len(chunks):
+        j = i
+        while j + 1 < len(chunks) and chunks[j + 1] == chunks[j] + 1:
+            j += 1
+        lo, hi = chunks[i] * cs, min(entry.size, (chunks[j] + 1) * cs)
+        affected = keys.keys(name, lo, hi)
+        which = f"chunk {chunks[i]}" if i == j else f"chunks {chunks[i]}-{chunks[j]}"
+        out.append(
+            Problem(
+                "checksum",
+                f"checksum mismatch in {name}, bytes [{lo}, {hi}) ({which}): the data changed after "
+                f"it was written. Affected keys: {_join(affected) or 'padding only'}",
+                file=name,
+                byte_range=(lo, hi),
+                keys=affected,
+            )
+        )
+        i = j + 1
+    return out
+
+
+def _join(keys: list[str], limit: int = 8) -> str:
+    if len(keys) <= limit:
+        return ", ".join(keys)
+    return ", ".join(keys[:limit]) + f" and {len(keys) - limit} more"
+
+
+def _split(key: str | None) -> list[str]:
+    return [k.strip() for k in key.split(",")] if key else []

@@ -1,0 +1,67 @@
+"""list_checkpoints: steps under a manager root, complete / incomplete / corrupt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _ckpt_samples import copy_ckpt, flip_byte, item_range
+
+from goodput_ckpt import CheckpointNotFoundError
+from goodput_ckpt.format import MANIFEST_NAME
+from goodput_ckpt.tools.ls import list_checkpoints
+
+
+@pytest.fixture
+def root(sample_ckpt, tmp_path):
+    root = tmp_path / "run"
+    src = sample_ckpt[0]
+    copy_ckpt(src, root / "step_00000100")
+    incomplete = copy_ckpt(src, root / "step_00000200")
+    (incomplete / MANIFEST_NAME).unlink()
+    corrupt = copy_ckpt(src, root / "step_00000300")
+    f, off, _ = item_range(corrupt, "model.embed.weight")
+    flip_byte(corrupt, f, off)
+    garbled = copy_ckpt(src, root / "step_00000400")
+    (garbled / MANIFEST_NAME).write_text("{")
+    copy_ckpt(src, root / "not-a-step")  # ignored
+    copy_ckpt(src, root / "step_1")  # not the canonical spelling of a step: ignored
+    return root
+
+
+def test_statuses_without_and_with_verify(root):
+    r = list_checkpoints(str(root))
+    assert [(c.step, c.status) for c in r.checkpoints] == [
+        (100, "complete"), (200, "incomplete"), (300, "complete"), (400, "corrupt")]  # fmt: skip
+    assert r.latest_complete == 300 and not r.verified
+    done = r.checkpoints[0]
+    assert done.name == "step_00000100" and done.uri.endswith("/step_00000100")
+    assert done.created_at and done.files == 1 and done.bytes > 0
+    assert r.checkpoints[1].bytes > 0 and r.checkpoints[1].created_at is None
+    v = list_checkpoints(str(root), verify=True)
+    assert [c.status for c in v.checkpoints] == ["complete", "incomplete", "corrupt", "corrupt"]
+    assert v.latest_complete == 100
+    assert any("checksum mismatch" in p for p in v.checkpoints[2].problems)
+    quick = list_checkpoints(str(root), verify=True, quick=True)
+    assert quick.checkpoints[2].status == "complete"  # a flipped byte needs hashing
+
+
+def test_missing_root_and_a_checkpoint_as_root(sample_ckpt, tmp_path):
+    with pytest.raises(CheckpointNotFoundError):
+        list_checkpoints(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointNotFoundError, match="is a checkpoint"):
+        list_checkpoints(str(sample_ckpt[0]))
+
+
+def test_lists_what_the_manager_writes(tmp_path):
+    from goodput_ckpt.manager import CheckpointManager
+
+    model = torch.nn.Linear(4, 3)
+    mgr = CheckpointManager(str(tmp_path / "run"), async_save=False)
+    try:
+        mgr.save(10, model=model)
+        mgr.save(20, model=model)
+    finally:
+        mgr.close()
+    r = list_checkpoints(str(tmp_path / "run"), verify=True)
+    assert [(c.step, c.status) for c in r.checkpoints] == [(10, "complete"), (20, "complete")]
+    assert r.latest_complete == mgr.latest_step() == 20
