@@ -1,8 +1,9 @@
 """goodput-ckpt: fast, verifiable, resumable PyTorch checkpoints.
 
 Public API (see docs/ and ``../DESIGN.md``): :class:`CheckpointWriter` and
-:class:`CheckpointReader` are ``torch.distributed.checkpoint`` storage plugins; the errors form
-one hierarchy under :class:`CheckpointError`.
+:class:`CheckpointReader` are ``torch.distributed.checkpoint`` storage plugins;
+:class:`CheckpointManager` saves and resumes the whole training state; the errors form one
+hierarchy under :class:`CheckpointError`.
 """
 
 from ._version import __version__
@@ -17,6 +18,7 @@ from .errors import (
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CheckpointWriter",
@@ -32,6 +34,10 @@ def __getattr__(name: str):
         from .dcp.writer import CheckpointWriter
 
         return CheckpointWriter
+    if name == "CheckpointManager":
+        from .manager import CheckpointManager
+
+        return CheckpointManager
     if name == "CheckpointReader":
         from .dcp.reader import CheckpointReader
 

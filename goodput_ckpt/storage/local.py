@@ -86,6 +86,7 @@ def os_error(exc: OSError, what: str, path: str) -> CheckpointError:
         errno.EPERM: "operation not permitted on this filesystem",
         errno.EROFS: "the filesystem is read-only",
         errno.ENOENT: "no such file or directory",
+        errno.ESPIPE: "this filesystem only takes writes in order (a mounted object store?): save with volume=True",
     }.get(exc.errno or -1, exc.strerror or "I/O error")
     return CheckpointError(f"{what} {path} failed: {hint} ({exc})", path=path)
 
@@ -97,6 +98,38 @@ def _iov_batches(buffers: Sequence[Buffer]):
 
 def _nbytes(buffers: Sequence[Buffer]) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
+
+
+def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> None:
+    """Fill ``buffers`` from ``fd`` starting at ``offset`` with ``preadv`` (GIL released).
+
+    Raises:
+        IncompleteCheckpointError: the file ends before the buffers are full (``path`` and the
+            byte range are named).
+        CheckpointError: any other ``OSError``.
+    """
+    start = offset
+    try:
+        for batch in _iov_batches(buffers):
+            views = [memoryview(b).cast("B") for b in batch]
+            while views:
+                got = os.preadv(fd, views, offset)
+                if got == 0:
+                    want = start + _nbytes(buffers)
+                    raise IncompleteCheckpointError(
+                        f"data file {path} ends at byte {offset}, before the range "
+                        f"[{start}, {want}) the manifest records: the file is truncated",
+                        path=path,
+                        byte_range=(start, want),
+                    )
+                offset += got
+                while views and got >= views[0].nbytes:
+                    got -= views[0].nbytes
+                    views.pop(0)
+                if views and got:
+                    views[0] = views[0][got:]
+    except OSError as e:
+        raise os_error(e, f"reading at offset {offset} of", path) from e
 
 
 class _LocalSink:
@@ -170,28 +203,7 @@ class _LocalSource:
         self._closed = False
 
     def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
-        start = offset
-        try:
-            for batch in _iov_batches(buffers):
-                views = [memoryview(b).cast("B") for b in batch]
-                while views:
-                    got = os.preadv(self._fd, views, offset)
-                    if got == 0:
-                        want = start + _nbytes(buffers)
-                        raise IncompleteCheckpointError(
-                            f"data file {self._path} ends at byte {offset}, before the range "
-                            f"[{start}, {want}) the manifest records: the file is truncated",
-                            path=self._path,
-                            byte_range=(start, want),
-                        )
-                    offset += got
-                    while views and got >= views[0].nbytes:
-                        got -= views[0].nbytes
-                        views.pop(0)
-                    if views and got:
-                        views[0] = views[0][got:]
-        except OSError as e:
-            raise os_error(e, f"reading at offset {offset} of", self._path) from e
+        read_full(self._fd, self._path, offset, buffers)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,239 @@
+"""Training-loop stall per checkpoint: synchronous save, torch's async save, and CheckpointManager.
+
+One run builds one model (a stack of ``Linear`` layers plus small ``LayerNorm``s) and its AdamW
+state, and measures on that same state the time a training loop is blocked by one save:
+
+- ``copy``: one copy of every tensor of the state into preallocated, already-touched CPU memory
+  (the floor for any save that lets training continue while it writes);
+- ``sync``: ``dcp.save`` with ``CheckpointWriter`` (the whole save blocks); ``sync-torch``: the
+  same with torch's ``FileSystemWriter`` at its defaults;
+- ``torch-async``: ``dcp.async_save`` with torch's ``FileSystemWriter``, whose default staging
+  copies into fresh memory on every save (blocks until staged);
+- ``writer-async``: ``dcp.async_save`` with ``CheckpointWriter`` and no stager: the writer's
+  own staging, also into fresh memory;
+- ``manager``: ``CheckpointManager(async_save=True).save(...)`` (model, optimizer, RNG): staging
+  into buffers reused from the previous save. Its first save (which allocates them) is reported
+  apart as ``manager-first``.
+
+Every async save is waited for (outside the timed region) before the next one starts, so a
+stall never includes the previous write. Then it times training steps (forward, backward, AdamW)
+with no save running (``step-idle``) and while a manager save writes in the background
+(``step-during-save``). Each figure is the median over ``--repeats`` saves (steps: over every
+step taken).
+
+Run: ``.venv/bin/python benchmarks/bench_stall.py --size 1GiB --repeats 5 --json stall.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+MiB = 1 << 20
+WIDTH = 2048  # one Linear is 16 MiB of weights
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "mib": MiB, "m": MiB, "gib": 1 << 30, "g": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(float(num) * units[t[len(num) :]])
+
+
+def build(total_bytes: int, batch: int):
+    """A model whose parameters plus AdamW state take about ``total_bytes`` (3x the weights)."""
+    layers = max(1, round(total_bytes / 3 / (WIDTH * WIDTH * 4)))
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)]
+    model = nn.Sequential(*mods)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, WIDTH)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # creates the optimizer state
+    return model, opt, step
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach() for p in model.parameters()]
+    for s in opt.state.values():
+        out += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def median_ms(xs: list[float]) -> float:
+    return 1e3 * statistics.median(xs)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="1GiB", help="parameters + optimizer state (default 1GiB)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    scratch = tempfile.mkdtemp(prefix="bench-stall-", dir=args.dir)
+    try:
+        return _run(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, scratch: str) -> int:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from goodput_ckpt import CheckpointManager, CheckpointWriter
+
+    torch.manual_seed(0)
+    model, opt, train_step = build(parse_size(args.size), args.batch)
+    tensors = state_tensors(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"state: {nbytes / MiB:.0f} MiB in {len(tensors)} tensors; {args.repeats} saves each; "
+          f"torch threads {torch.get_num_threads()}; scratch {scratch}", flush=True)  # fmt: skip
+    res: dict[str, float] = {}
+    counter = iter(range(10**9))
+
+    def fresh_dir() -> str:
+        return os.path.join(scratch, f"c{next(counter)}")
+
+    def clean_files() -> None:
+        for name in os.listdir(scratch):
+            if name != "mgr":
+                shutil.rmtree(os.path.join(scratch, name), ignore_errors=True)
+
+    # Methods run round-robin within each repeat (the start rotating), so that load from other
+    # processes on a shared machine hits them alike; ratios are also taken per repeat.
+    bufs = [torch.empty_like(t) for t in tensors]
+    for b, t in zip(bufs, tensors):
+        b.copy_(t)  # touch every page once: this is the reused-memory floor
+
+    def sd():
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optimizer": osd}
+
+    mgr = CheckpointManager(os.path.join(scratch, "mgr"), keep_last=1, async_save=True)
+    t0 = time.perf_counter()
+    mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers
+    res["manager-first"] = 1e3 * (time.perf_counter() - t0)
+    mgr.wait()
+    steps = iter(range(1, 10**9))
+
+    def run_copy() -> float:
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors):
+            b.copy_(t)
+        return time.perf_counter() - t0
+
+    def run_sync(make) -> float:
+        t0 = time.perf_counter()
+        dcp.save(sd(), storage_writer=make(fresh_dir()))
+        return time.perf_counter() - t0
+
+    def run_async(make) -> float:
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd(), storage_writer=make(fresh_dir()))
+        dt = time.perf_counter() - t0
+        fut.result()
+        return dt
+
+    def run_manager() -> float:
+        t0 = time.perf_counter()
+        mgr.save(next(steps), model=model, optimizer=opt)
+        dt = time.perf_counter() - t0
+        mgr.wait()
+        return dt
+
+    methods = {
+        "copy": run_copy,
+        "sync": lambda: run_sync(lambda p: CheckpointWriter(p)),
+        "sync-torch": lambda: run_sync(lambda p: dcp.FileSystemWriter(p)),
+        "torch-async": lambda: run_async(lambda p: dcp.FileSystemWriter(p)),
+        "writer-async": lambda: run_async(lambda p: CheckpointWriter(p)),
+        "manager": run_manager,
+    }
+    names = list(methods)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            times[n].append(methods[n]())
+            clean_files()
+    for n in names:
+        res[n] = median_ms(times[n])
+    per_repeat = [m / c for m, c in zip(times["manager"], times["copy"])]
+    bufs.clear()
+
+    # -- a training step, idle and during a background save -------------------------------------
+    idle, busy, overlap = [], [], []
+    for i in range(args.repeats):
+        for _ in range(2):  # idle steps, interleaved with the busy ones (shared machine)
+            t0 = time.perf_counter()
+            train_step()
+            idle.append(time.perf_counter() - t0)
+        mgr.save(100 + i, model=model, optimizer=opt)
+        t_save = time.perf_counter()
+        while mgr.in_flight_step is not None:
+            t0 = time.perf_counter()
+            train_step()
+            busy.append(time.perf_counter() - t0)
+            if len(busy) > 1000:
+                break
+        overlap.append(time.perf_counter() - t_save)
+        mgr.wait()
+    mgr.close()
+    res["step-idle"] = median_ms(idle)
+    res["step-during-save"] = median_ms(busy) if busy else float("nan")
+
+    ratios = {
+        "manager / copy": res["manager"] / res["copy"],
+        "manager / copy (median per repeat)": statistics.median(per_repeat),
+        "sync / manager": res["sync"] / res["manager"],
+        "sync-torch / manager": res["sync-torch"] / res["manager"],
+        "torch-async / manager": res["torch-async"] / res["manager"],
+        "writer-async / manager": res["writer-async"] / res["manager"],
+        "step-during-save / step-idle": res["step-during-save"] / res["step-idle"],
+    }
+    print(f"\n{'measure':<20}{'ms':>10}")
+    for k, v in res.items():
+        print(f"{k:<20}{v:>10.1f}")
+    print(f"\n{'ratio':<40}{'value':>8}   target")
+    targets = {
+        "manager / copy": "<= 1.25",
+        "manager / copy (median per repeat)": "<= 1.25",
+        "sync / manager": ">= 10",
+        "sync-torch / manager": ">= 10",
+    }
+    for k, v in ratios.items():
+        print(f"{k:<40}{v:>8.2f}   {targets.get(k, '')}")
+    print(f"\nsteps during background saves: {len(busy)} over {statistics.median(overlap) * 1e3:.0f} ms per save (median)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"state_bytes": nbytes, "repeats": args.repeats, "ms": res, "ratios": ratios,
+                       "torch": torch.__version__, "python": platform.python_version(),
+                       "cpus": os.cpu_count()}, f, indent=2)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

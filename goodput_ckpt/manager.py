@@ -1,0 +1,480 @@
+"""``CheckpointManager``: steps, retention, the latest complete checkpoint, async saves, resume.
+
+One checkpoint per step under a root (``ROOT/step_{step:08d}``, named by :mod:`.layout`), each a
+format-v1 location written by :class:`~goodput_ckpt.CheckpointWriter` and holding the training
+state bundle of :mod:`.state`. Call order (every rank of the job makes every call)::
+
+    mgr = CheckpointManager(root, keep_last=3)              # collective: creates a gloo group
+    last = mgr.restore(model=..., optimizer=..., ...)        # None when nothing complete exists
+    mgr.save(step, model=..., optimizer=..., ...)            # returns once the state is staged
+    ...
+    mgr.wait(); mgr.close()
+
+An async save stages the state in the caller's thread into buffers that a
+:class:`~goodput_ckpt.dcp.staging.ReusableStager` keeps from save to save, then hands the staged
+copy to the manager's one save thread. That thread runs ``dcp.save`` (its planning collectives go
+over the manager's own gloo group, so they never interleave with training collectives on the
+default group), releases the buffers, applies retention on the coordinator and records the
+outcome. The next ``save`` (and ``restore``, ``wait``, ``close``) waits for it, so at most one
+save is in flight, a buffer is never overwritten while it is written, and retention never races
+a save. Details and the failure policy: ``docs/manager.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .dcp.reader import CheckpointReader, load_manifest
+from .dcp.staging import ReusableStager
+from .dcp.writer import CheckpointWriter
+from .errors import CheckpointError, as_checkpoint_error
+from .layout import child_uri, step_dir_name
+from .retention import delete_step, retention_victims, scan_steps
+from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
+from .storage import open_store
+
+__all__ = ["CheckpointManager", "ManagerConfig"]
+
+logger = logging.getLogger("goodput_ckpt.manager")
+
+#: ``on_error(step, error)``: called from the save thread when a background save fails.
+ErrorCallback = Callable[[int, CheckpointError], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """The options of a :class:`CheckpointManager` (see its docstring), checked once.
+
+    Raises:
+        ValueError / TypeError: an out-of-range value or a value of the wrong type.
+    """
+
+    keep_last: int | None = 3
+    async_save: bool = True
+    fail_fast: bool = False
+    save_rng: bool = True
+    allow_topology_change: bool = False
+    overwrite: bool = False
+    thread_count: int | None = None
+    chunk_size: int | None = None
+    verify: bool = True
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and (
+            isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
+        ):
+            raise ValueError(f"keep_last must be None (keep all) or a positive integer, got {self.keep_last!r}")
+        for name in ("async_save", "fail_fast", "save_rng", "allow_topology_change", "overwrite", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("thread_count", "chunk_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+
+
+@dataclass(eq=False)
+class _Save:
+    """One async save in flight."""
+
+    step: int
+    uri: str
+    done: Future | None = None  # the save task: done after commit, release, retention, recording
+
+
+class CheckpointManager:
+    """Save and resume the whole training state, one checkpoint per step under ``root_uri``.
+
+    Args:
+        root_uri: the root: a local path, ``file://`` URL, or any URI the stores support.
+        keep_last: complete checkpoints to keep (``None``: all). The newest complete one and the
+            one just written are never deleted, nor a checkpoint still being written.
+        async_save: ``save`` returns once the state is copied into reused CPU buffers, and the
+            write runs in the background. With ``False`` it returns once committed.
+        fail_fast: raise a failed background save at the next ``save`` (default: log it, expose
+            it as ``last_error``, call ``on_error``, and raise it at ``wait``/``close``).
+        on_error: ``on_error(step, error)``, called from a background thread when a save fails.
+        save_rng: save every rank's RNG state (Python, NumPy, torch CPU, initialized CUDA).
+        allow_topology_change: restore under another world size (or dataloader worker count /
+            batch size) by skipping the per-rank RNG and dataloader state instead of refusing.
+        overwrite: allow a save to replace a committed checkpoint of the same step.
+        process_group: the group to checkpoint over. Default: a new gloo group over all ranks
+            when torch.distributed is initialized (creating it is collective), else none.
+        thread_count, chunk_size: passed to ``CheckpointWriter`` (``thread_count`` also to the
+            reader); ``verify``: check hashes on restore.
+        timeout_s: the longest wait for a previous save (``save``, ``restore``, ``close``).
+        **storage_options: backend options of the store (for local disk, ``fsync=``); an
+            unknown one is a ``TypeError``.
+
+    Attributes:
+        last_error: the most recent failure of a background save, or ``None``.
+    """
+
+    def __init__(
+        self,
+        root_uri: str | os.PathLike,
+        *,
+        keep_last: int | None = 3,
+        async_save: bool = True,
+        fail_fast: bool = False,
+        on_error: ErrorCallback | None = None,
+        save_rng: bool = True,
+        allow_topology_change: bool = False,
+        overwrite: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        thread_count: int | None = None,
+        chunk_size: int | None = None,
+        verify: bool = True,
+        timeout_s: float = 1800.0,
+        **storage_options: Any,
+    ) -> None:
+        self.config = ManagerConfig(
+            keep_last=keep_last, async_save=async_save, fail_fast=fail_fast, save_rng=save_rng,
+            allow_topology_change=allow_topology_change, overwrite=overwrite, thread_count=thread_count,
+            chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
+        )  # fmt: skip
+        if on_error is not None and not callable(on_error):
+            raise TypeError("on_error must be callable(step, error)")
+        self.root_uri = os.fspath(root_uri)
+        self._storage_options = dict(storage_options)
+        self._root = open_store(self.root_uri, self._storage_options)  # checks the options now
+        self._on_error = on_error
+        self.last_error: CheckpointError | None = None
+        self._unraised: CheckpointError | None = None
+        self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
+        self._inflight: _Save | None = None
+        self._stager = ReusableStager(timeout_s=self.config.timeout_s)
+        # One long-lived thread writes async saves (created on the first): dcp.async_save would
+        # start a new thread per save, and on busy cores waiting for it to start costs ms.
+        self._worker: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._own_pg = False
+        if process_group is not None:
+            self._pg: dist.ProcessGroup | None = process_group
+        elif dist.is_available() and dist.is_initialized():
+            # Async saves run collectives from a background thread; on their own group they
+            # never interleave with the training loop's collectives on the default group.
+            self._pg = dist.new_group(backend="gloo")
+            self._own_pg = True
+        else:
+            self._pg = None
+            # Without a process group the manager passes no_dist=True on purpose; torch still
+            # warns on every save and load that it "assumes a single process". Silence just that.
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        if self._pg is not None:
+            self._topology = Topology(rank=dist.get_rank(self._pg), world_size=dist.get_world_size(self._pg))
+        else:
+            self._topology = Topology(rank=0, world_size=1)
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this rank deletes old checkpoints and decides which step to restore."""
+        return self._topology.rank == 0
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step an async save is still writing (or applying retention after), or ``None``."""
+        job = self._inflight
+        return None if job is None or job.done is None or job.done.done() else job.step
+
+    def steps(self) -> list[int]:
+        """The steps that hold a complete (committed) checkpoint, ascending."""
+        return scan_steps(self._root).complete
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or ``None``."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_uri(self, step: int) -> str:
+        """Where the checkpoint of ``step`` lives (for ``CheckpointReader`` or the tools)."""
+        return child_uri(self.root_uri, step_dir_name(step))
+
+    def extra(self, step: int) -> dict[str, Any]:
+        """The ``extra`` metadata saved with ``step``.
+
+        Raises:
+            CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
+        """
+        manifest = load_manifest(open_store(self.step_uri(step), self._storage_options))
+        extra = manifest.metadata.get(EXTRA_KEY, {})
+        return dict(extra) if isinstance(extra, dict) else {}
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any,
+        optimizer: Any = None,
+        dataloader: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        **stateful: Any,
+    ) -> None:
+        """Checkpoint the training state of ``step`` (every rank calls it).
+
+        Waits for the previous save first. With ``async_save`` it returns once the state is
+        staged; what training does afterwards never reaches this checkpoint.
+
+        Raises:
+            TypeError / ValueError: bad arguments (``extra`` not JSON, a reserved name ...).
+            CheckpointError: a synchronous save failed; with ``fail_fast``, the previous
+                background save failed.
+        """
+        self._check_open()
+        name = step_dir_name(step)
+        self._finish_previous(report=self.config.fail_fast)
+        models = normalize(model, optimizer)
+        check_stateful(stateful)
+        state, metadata = build_save_state(
+            step, models=models, dataloader=dataloader, stateful=stateful, topology=self._topology,
+            save_rng=self.config.save_rng, extra=extra,
+        )  # fmt: skip
+        uri = child_uri(self.root_uri, name)
+        writer = CheckpointWriter(
+            uri, thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
+            overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
+        )  # fmt: skip
+        no_dist = self._pg is None
+        if not self.config.async_save:
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=no_dist)
+            except (Exception, CheckpointException) as e:
+                raise as_checkpoint_error(e, f"saving step {step} to {uri}")
+            self._apply_retention(step)
+            return
+        try:
+            staged = self._stager.stage(state)  # the only part of an async save that blocks
+        except BaseException as e:
+            if isinstance(e, (Exception, CheckpointException)):
+                raise as_checkpoint_error(e, f"staging step {step}")
+            raise
+        del state
+        job = _Save(step, uri)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
+        try:
+            job.done = self._worker.submit(self._write, job, staged, writer)
+        except BaseException:
+            self._stager.release()
+            raise
+        self._inflight = job
+
+    def _write(self, job: _Save, staged: dict[str, Any], writer: CheckpointWriter) -> None:
+        """Save thread: write and commit the staged state, free the buffers, apply retention,
+        record a failure. Never raises: failures are reported through ``wait``/``last_error``."""
+        err: CheckpointError | None = None
+        try:
+            dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
+        finally:
+            del staged
+            self._stager.release()
+        if err is None:
+            logger.info("committed step %d at %s", job.step, job.uri)
+            self._apply_retention(job.step)
+            return
+        with self._lock:
+            self.last_error = err
+            if self._unraised is None:
+                self._unraised = err
+        logger.error("background save of step %d failed: %s", job.step, err)
+        if self._on_error is not None:
+            try:
+                self._on_error(job.step, err)
+            except Exception:  # noqa: BLE001 - a broken callback must not hide the save error
+                logger.exception("on_error callback raised")
+
+    def _finish_previous(self, *, report: bool) -> None:
+        """Wait for the save in flight; raise its error when ``report`` (and forget it)."""
+        job = self._inflight
+        if job is not None:
+            assert job.done is not None
+            try:
+                job.done.result(timeout=self.config.timeout_s)
+            except FutureTimeout:
+                raise CheckpointError(
+                    f"the save of step {job.step} to {job.uri} is still running after "
+                    f"{self.config.timeout_s:.0f}s",
+                    path=job.uri,
+                ) from None
+            self._inflight = None
+        if report:
+            with self._lock:
+                err, self._unraised = self._unraised, None
+            if err is not None:
+                raise err
+
+    # -- retention ----------------------------------------------------------------------------------
+    def _apply_retention(self, committed: int) -> None:
+        """Coordinator, after ``committed`` was committed and with no other save in flight
+        (policy: :mod:`goodput_ckpt.retention`). Best effort: failures are logged."""
+        if not self.is_coordinator:
+            return
+        try:
+            scan = scan_steps(self._root)
+            for s in retention_victims(scan, committed=committed, keep_last=self.config.keep_last):
+                delete_step(self._root, s, scan.files[s])
+        except CheckpointError as e:
+            logger.warning("retention under %s failed (will retry after the next save): %s", self.root_uri, e)
+
+    # -- restore ------------------------------------------------------------------------------------
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        model: Any,
+        optimizer: Any = None,
+        dataloader: Any = None,
+        **stateful: Any,
+    ) -> int | None:
+        """Load the checkpoint of ``step`` (default: the newest complete one) into the objects.
+
+        Every rank calls it. Model and optimizer reshard to the current topology; per-rank RNG
+        and dataloader state follow the topology policy (``allow_topology_change``). Incomplete
+        checkpoints are ignored and deleted (by the coordinator).
+
+        Returns:
+            The restored step, or ``None`` when ``step`` is ``None`` and no checkpoint is complete.
+
+        Raises:
+            TopologyChangeError: per-rank state saved under another topology (see above).
+            CheckpointNotFoundError / IncompleteCheckpointError: an explicit ``step`` that is
+                missing or was never committed.
+            CorruptCheckpointError, CheckpointError: the checkpoint cannot be loaded.
+        """
+        self._check_open()
+        self._finish_previous(report=False)  # a save in flight lands before anything is read
+        models = normalize(model, optimizer)
+        check_stateful(stateful)
+        if step is None:
+            step = self._agree_on_latest()
+            if step is None:
+                return None
+        uri = child_uri(self.root_uri, step_dir_name(step))
+        reader = CheckpointReader(uri, verify=self.config.verify, thread_count=self.config.thread_count, **self._storage_options)
+        plan, local_err = None, None
+        try:
+            plan = plan_restore(
+                reader.manifest, where=uri, models=models, dataloader=dataloader, stateful=stateful,
+                topology=self._topology, allow_topology_change=self.config.allow_topology_change,
+            )  # fmt: skip
+        except CheckpointError as e:
+            local_err = e
+        self._agree(local_err)
+        assert plan is not None
+        try:
+            dcp.load(plan.dest, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
+        except (Exception, CheckpointException) as e:
+            raise as_checkpoint_error(e, f"loading step {step} from {uri}")
+        apply_restore(plan)
+        for note in plan.notes:
+            logger.warning("restore of step %d: %s", step, note)
+            warnings.warn(f"restore of step {step}: {note}", stacklevel=2)
+        logger.info("restored step %d from %s", step, uri)
+        return step
+
+    def _agree_on_latest(self) -> int | None:
+        """The coordinator picks the newest complete step (and applies retention: incomplete steps
+        and complete ones beyond ``keep_last`` go); every rank gets its choice, so all ranks load
+        the same step."""
+        choice: list[Any] = [None, None]
+        if self.is_coordinator:
+            try:
+                scan = scan_steps(self._root)
+                choice[0] = scan.latest
+                # Nothing of this job is in flight: every incomplete step is a leftover, and a
+                # run killed between a commit and its retention left one checkpoint too many.
+                doomed = set(scan.incomplete)
+                if scan.latest is not None:
+                    doomed.update(retention_victims(scan, committed=scan.latest, keep_last=self.config.keep_last))
+                for s in sorted(doomed):
+                    try:
+                        delete_step(self._root, s, scan.files[s])
+                    except CheckpointError as e:
+                        logger.warning("could not remove the checkpoint of step %d: %s", s, e)
+            except CheckpointError as e:
+                choice[1] = str(e)
+        if self._pg is not None:
+            dist.broadcast_object_list(choice, group=self._pg, group_src=0)
+        if choice[1] is not None:
+            raise CheckpointError(f"listing checkpoints under {self.root_uri} failed on the coordinator: {choice[1]}")
+        return choice[0]
+
+    def _agree(self, local_err: CheckpointError | None) -> None:
+        """Raise on every rank when any rank failed to plan, instead of letting the others hang in
+        the load's collectives."""
+        if self._pg is None:
+            if local_err is not None:
+                raise local_err
+            return
+        errors: list[Any] = [None] * self._topology.world_size
+        dist.all_gather_object(errors, None if local_err is None else str(local_err), group=self._pg)
+        if local_err is not None:
+            raise local_err
+        for rank, msg in enumerate(errors):
+            if msg is not None:
+                raise CheckpointError(f"restore failed on rank {rank}: {msg}")
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for the save in flight; raise the first background failure not yet raised.
+
+        Raises:
+            CheckpointError: a background save failed since the last report.
+        """
+        self._check_open()
+        self._finish_previous(report=True)
+
+    def close(self) -> None:
+        """Wait for the save in flight, release the buffers and the group. Idempotent.
+
+        Raises:
+            CheckpointError: as :meth:`wait` (resources are released all the same).
+        """
+        if self._closed:
+            return
+        try:
+            self._finish_previous(report=True)
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._stager.close()
+            if self._own_pg and self._pg is not None and dist.is_initialized():
+                dist.destroy_process_group(self._pg)
+            self._pg = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already on its way: do not mask it with a save failure
+            self.close()
+        except CheckpointError as e:
+            logger.error("closing %s after an error: %s", self.root_uri, e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this CheckpointManager ({self.root_uri}) is closed")
+

@@ -1,0 +1,322 @@
+"""The training-state bundle: what one ``CheckpointManager.save`` writes, and how it comes back.
+
+The state dict handed to DCP has these top-level sections::
+
+    model        model state (sharded for FSDP2), or {name: state} for a dict of models
+    optimizer    optimizer state keyed by parameter names, or {name: state}
+    rng          {"rank{r}": {generator: tensor}}     one entry per rank (state.rng)
+    dataloader   {"rank{r}": uint8 tensor}            one entry per rank (state.dataloader)
+    <name>       obj.state_dict() of every other keyword (scheduler=, scaler=, ...)
+
+Per-rank sections use rank-unique keys because DCP keeps only one rank's copy of a plain tensor
+or value whose key is shared by all ranks: without them every rank would get rank 0's RNG.
+
+The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``; the first part
+records the step, the world size, the sections, and what the per-rank state depends on, so that a
+restore under another topology is refused by name instead of silently misapplied
+(:func:`plan_restore`). ``extra`` is the user's JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
+from ..format.dcp_metadata import torch_dtype
+from ..format.manifest import Manifest, TensorEntry
+from .dataloader import check_dataloader, decode_dataloader_state, describe_dataloader, encode_dataloader_state
+from .modules import ModelSet
+from .rng import capture_rng, describe_rng, restore_rng
+
+__all__ = [
+    "EXTRA_KEY",
+    "META_KEY",
+    "RESERVED_NAMES",
+    "SCHEMA_VERSION",
+    "RestorePlan",
+    "Topology",
+    "apply_restore",
+    "build_save_state",
+    "check_stateful",
+    "plan_restore",
+    "rank_key",
+    "training_meta",
+]
+
+logger = logging.getLogger("goodput_ckpt.state")
+
+SCHEMA_VERSION = 1
+META_KEY = "training_state"
+EXTRA_KEY = "extra"
+MODEL, OPTIMIZER, RNG, DATALOADER = "model", "optimizer", "rng", "dataloader"
+#: Section names that keyword stateful objects may not take.
+RESERVED_NAMES = frozenset({MODEL, OPTIMIZER, RNG, DATALOADER, EXTRA_KEY, "step"})
+
+
+def rank_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its global rank and the world size of the checkpoint group."""
+
+    rank: int
+    world_size: int
+
+
+def check_stateful(stateful: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` for a keyword object that cannot be saved under its name."""
+    for name, obj in stateful.items():
+        if name in RESERVED_NAMES or "." in name or not name:
+            raise TypeError(f"{name!r} cannot name a stateful object: reserved or contains '.'")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"{name}= must have state_dict() and load_state_dict(); got {type(obj).__name__}")
+
+
+def build_save_state(
+    step: int,
+    *,
+    models: ModelSet,
+    dataloader: Any,
+    stateful: Mapping[str, Any],
+    topology: Topology,
+    save_rng: bool,
+    extra: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state dict to give DCP and the manifest metadata of one save.
+
+    Tensors in the state dict are live (parameters, optimizer states); stage or write them
+    before training continues.
+    """
+    check_stateful(stateful)
+    rk = rank_key(topology.rank)
+    state: dict[str, Any] = {}
+    msd, osd = models.state_dicts()
+    state[MODEL] = msd
+    if osd is not None:
+        state[OPTIMIZER] = osd
+    meta: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "step": step,
+        "world_size": topology.world_size,
+        "sections": [],
+        **models.describe(),
+        "stateful": sorted(stateful),
+        "rng": None,
+        "dataloader": None,
+    }
+    if save_rng:
+        rng = capture_rng()
+        state[RNG] = {rk: rng}
+        meta["rng"] = describe_rng(rng)
+    if dataloader is not None:
+        check_dataloader(dataloader)
+        state[DATALOADER] = {rk: encode_dataloader_state(dataloader, key=f"{DATALOADER}.{rk}")}
+        meta["dataloader"] = describe_dataloader(dataloader)
+    for name, obj in stateful.items():
+        state[name] = obj.state_dict()
+    meta["sections"] = list(state)
+    return state, {META_KEY: meta, EXTRA_KEY: dict(extra or {})}
+
+
+@dataclass
+class RestorePlan:
+    """What :func:`apply_restore` does once DCP filled ``dest``."""
+
+    dest: dict[str, Any]
+    models: ModelSet
+    dataloader: Any = None
+    stateful: dict[str, Any] = field(default_factory=dict)
+    restore_rng: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
+    """The validated ``training_state`` metadata of a manifest.
+
+    Raises:
+        CheckpointError: the checkpoint was not written by ``CheckpointManager``.
+        CorruptCheckpointError: the metadata is malformed or of an unknown schema version.
+    """
+    meta = manifest.metadata.get(META_KEY)
+    if meta is None:
+        raise CheckpointError(
+            f"{where} is a checkpoint without training-state metadata (not written by "
+            "CheckpointManager); load it with dcp.load and CheckpointReader instead",
+            path=where,
+        )
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: manifest metadata '{META_KEY}': {msg}", path=where)
+
+    if not isinstance(meta, dict):
+        raise bad("not an object")
+    schema = meta.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise CorruptCheckpointError(
+            f"{where}: training-state schema version {schema!r} is not supported (this goodput-ckpt "
+            f"reads version {SCHEMA_VERSION}); upgrade goodput-ckpt",
+            path=where,
+            version=schema,
+        )
+    ws = meta.get("world_size")
+    if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+        raise bad(f"world_size must be a positive integer, got {ws!r:.40}")
+    sections = meta.get("sections")
+    if not isinstance(sections, list) or not all(isinstance(s, str) for s in sections):
+        raise bad("sections must be a list of strings")
+    for name in ("rng", "dataloader"):
+        if meta.get(name) is not None and not isinstance(meta[name], dict):
+            raise bad(f"{name} must be an object or null")
+    for name in ("models", "optimizers"):
+        v = meta.get(name)
+        if v is not None and (not isinstance(v, list) or not all(isinstance(s, str) for s in v)):
+            raise bad(f"{name} must be a list of strings or null")
+    return meta
+
+
+def plan_restore(
+    manifest: Manifest,
+    *,
+    where: str,
+    models: ModelSet,
+    dataloader: Any,
+    stateful: Mapping[str, Any],
+    topology: Topology,
+    allow_topology_change: bool,
+) -> RestorePlan:
+    """Check the checkpoint against what the caller restores into, and build DCP's destination.
+
+    Policy for per-rank state (RNG, dataloader) when the world size, or the dataloader's worker
+    count or batch size, changed: refuse with :class:`TopologyChangeError`; with
+    ``allow_topology_change`` skip it (every rank keeps its current RNG and dataloader position)
+    and report what was skipped in ``notes``. Model, optimizer and other objects reshard.
+
+    Raises:
+        TopologyChangeError: see above.
+        CheckpointError: the caller asks for a section the checkpoint does not hold.
+    """
+    check_stateful(stateful)
+    meta = training_meta(manifest, where)
+    sections = set(meta["sections"])
+    saved_ws = meta["world_size"]
+    plan = RestorePlan(dest={}, models=models)
+
+    saved_named = meta.get("models") is not None
+    if saved_named != models.named or (models.named and sorted(models.pairs) != meta["models"]):
+        raise CheckpointError(
+            f"{where} holds {'models ' + str(meta['models']) if saved_named else 'a single model'} but "
+            f"restore got {'models ' + str(sorted(models.pairs)) if models.named else 'a single model'}",
+            path=where,
+        )
+    if models.has_optimizer and OPTIMIZER not in sections:
+        raise CheckpointError(f"{where} holds no optimizer state; call restore without optimizer=", path=where)
+    if models.named and models.has_optimizer:
+        missing = sorted(n for n, (_, o) in models.pairs.items() if o and n not in (meta.get("optimizers") or []))
+        if missing:
+            raise CheckpointError(f"{where} holds no optimizer state for models {missing}", path=where)
+    missing = sorted(n for n in stateful if n not in sections)
+    if missing:
+        raise CheckpointError(
+            f"{where} holds no state for {', '.join(f'{n}=' for n in missing)} (it holds "
+            f"{', '.join(sorted(sections - {MODEL, OPTIMIZER, RNG, DATALOADER})) or 'no other objects'})",
+            path=where,
+        )
+    if dataloader is not None:
+        check_dataloader(dataloader)
+        if meta.get("dataloader") is None:
+            raise CheckpointError(f"{where} holds no dataloader state; call restore without dataloader=", path=where)
+    elif meta.get("dataloader") is not None:
+        plan.notes.append("the checkpoint holds dataloader state but restore got no dataloader=; it was not restored")
+
+    # -- per-rank state and the topology ------------------------------------------------------
+    want_rng = meta.get("rng") is not None
+    want_dl = dataloader is not None
+    per_rank = [n for n, w in ((RNG, want_rng), (DATALOADER, want_dl)) if w]
+    if saved_ws != topology.world_size and per_rank:
+        msg = (
+            f"{where} was saved by {saved_ws} rank(s) and this job has {topology.world_size}: its "
+            f"per-rank {' and '.join(per_rank)} state cannot be mapped onto the new ranks"
+        )
+        if not allow_topology_change:
+            raise TopologyChangeError(
+                f"{msg}. Restart with {saved_ws} rank(s), or pass CheckpointManager(..., "
+                "allow_topology_change=True) to restore the model, optimizer and other state and "
+                "keep each rank's current RNG and dataloader state (docs/manager.md).",
+                path=where,
+                key=", ".join(per_rank),
+            )
+        plan.notes.append(f"{msg}; skipped (allow_topology_change=True): each rank keeps its current one")
+        want_rng = want_dl = False
+    if want_dl:
+        saved_dl, now_dl = meta["dataloader"], describe_dataloader(dataloader)
+        diffs = [
+            f"{k} {saved_dl.get(k)} -> {now_dl[k]}"
+            for k in ("num_workers", "batch_size")
+            if saved_dl.get(k) is not None and now_dl[k] is not None and saved_dl.get(k) != now_dl[k]
+        ]
+        if diffs:
+            msg = f"the dataloader differs from the one saved in {where} ({', '.join(diffs)}): its position cannot be restored"
+            if not allow_topology_change:
+                raise TopologyChangeError(
+                    f"{msg}. Use the saved settings, or pass CheckpointManager(..., "
+                    "allow_topology_change=True) to start this dataloader from its current state.",
+                    path=where,
+                    key=DATALOADER,
+                )
+            plan.notes.append(f"{msg}; skipped (allow_topology_change=True)")
+            want_dl = False
+
+    # -- the destination DCP loads into --------------------------------------------------------
+    msd, osd = models.state_dicts()
+    plan.dest[MODEL] = msd
+    if models.has_optimizer:
+        plan.dest[OPTIMIZER] = osd
+    rk = rank_key(topology.rank)
+    if want_rng:
+        plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
+        plan.restore_rng = True
+    if want_dl:
+        key = f"{DATALOADER}.{rk}"
+        plan.dest[DATALOADER] = {rk: _template(manifest, key, where)}
+        plan.dataloader = dataloader
+    for name, obj in stateful.items():
+        plan.dest[name] = obj.state_dict()
+        plan.stateful[name] = obj
+    return plan
+
+
+def apply_restore(plan: RestorePlan) -> None:
+    """Load the filled destination into the live objects. RNG goes last, so that nothing that
+    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it."""
+    plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
+    for name, obj in plan.stateful.items():
+        obj.load_state_dict(plan.dest[name])
+    if plan.dataloader is not None:
+        ((rk, blob),) = plan.dest[DATALOADER].items()
+        plan.dataloader.load_state_dict(decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}"))
+    if plan.restore_rng:
+        ((_, rng),) = plan.dest[RNG].items()
+        plan.notes.extend(restore_rng(rng))
+
+
+def _template(manifest: Manifest, key: str, where: str) -> torch.Tensor:
+    entry = manifest.items.get(key)
+    if not isinstance(entry, TensorEntry):
+        raise CorruptCheckpointError(f"{where}: per-rank item {key!r} is missing from the manifest", path=where, key=key)
+    return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, key))
+
+
+def _per_rank_templates(manifest: Manifest, prefix: str, where: str) -> dict[str, torch.Tensor]:
+    out = {k[len(prefix) :]: _template(manifest, k, where) for k in manifest.items if k.startswith(prefix)}
+    if not out:
+        raise CorruptCheckpointError(
+            f"{where}: no RNG state under {prefix!r} although the metadata records one", path=where, key=prefix
+        )
+    return out

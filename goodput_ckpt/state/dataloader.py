@@ -1,0 +1,78 @@
+"""Per-rank dataloader state: one opaque, safely loadable blob per rank.
+
+A dataloader's ``state_dict()`` changes shape as it runs (torchdata's ``StatefulDataLoader``
+adds worker snapshots once its iterator exists), and DCP can only load keys that the
+destination already has. So the state is not spread over DCP keys: it is serialized with
+``torch.save`` into one ``uint8`` tensor under a rank-unique key, and decoded with
+``torch.load(weights_only=True)``. It is checked at save time, so a dataloader whose state could
+not be loaded safely fails its first save instead of its restore.
+
+The manifest also records what the state depends on (:func:`describe_dataloader`): the worker
+count and the batch size. A dataloader resumed with a different worker count would silently
+replay or skip samples, so the restore refuses it (see ``state.bundle``).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["check_dataloader", "decode_dataloader_state", "describe_dataloader", "encode_dataloader_state"]
+
+
+def check_dataloader(loader: Any) -> None:
+    """Raise ``TypeError`` unless ``loader`` has ``state_dict()`` and ``load_state_dict()``."""
+    if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+        raise TypeError(
+            f"dataloader must have state_dict() and load_state_dict() (for example torchdata's "
+            f"StatefulDataLoader); got {type(loader).__name__}"
+        )
+
+
+def describe_dataloader(loader: Any) -> dict[str, Any]:
+    """What the saved position depends on, for the manifest (JSON)."""
+    out: dict[str, Any] = {"type": f"{type(loader).__module__}.{type(loader).__qualname__}"}
+    for name in ("num_workers", "batch_size"):
+        value = getattr(loader, name, None)
+        out[name] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    return out
+
+
+def encode_dataloader_state(loader: Any, *, key: str) -> torch.Tensor:
+    """Serialize ``loader.state_dict()`` into a ``uint8`` tensor that loads with weights_only.
+
+    Raises:
+        CheckpointError: the state holds objects that ``torch.load(weights_only=True)`` refuses.
+    """
+    state = loader.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    raw = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler raises many types
+        raise CheckpointError(
+            f"the dataloader state ({type(loader).__name__}.state_dict()) cannot be loaded with "
+            f"torch.load(weights_only=True): {type(e).__name__}: {str(e)[:300]}. Keep its "
+            "dataset/sampler state to tensors and plain Python types, or register the classes "
+            "with torch.serialization.add_safe_globals.",
+            key=key,
+        ) from None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_dataloader_state(blob: torch.Tensor, *, key: str) -> Any:
+    """The state dict stored by :func:`encode_dataloader_state` (weights_only)."""
+    raw = blob.contiguous().numpy().tobytes()
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"the saved dataloader state {key!r} cannot be loaded with weights_only=True "
+            f"({type(e).__name__}: {str(e)[:300]})",
+            key=key,
+        ) from None

@@ -1,0 +1,125 @@
+"""Models and optimizers through torch's distributed state-dict helpers.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` handle plain
+modules, DDP and FSDP2 alike and keep FSDP2 parameters and optimizer states as DTensors, so a
+sharded model is saved sharded (each rank writes its shard) and reshards on load. Optimizer
+state is keyed by parameter names rather than positions.
+
+Accepted shapes::
+
+    model=module,            optimizer=None | opt | [opt, ...] | {name: opt}
+    model={name: module},    optimizer=None | {name: opt}    (names a subset of the models')
+
+A dict of optimizers for one model is passed to torch as a list (in the dict's order); its state
+is one merged optimizer state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = ["ModelSet", "normalize"]
+
+
+class ModelSet:
+    """The models and optimizers of one save or restore, in a checked, uniform shape.
+
+    Attributes:
+        named: ``True`` when ``model`` was a dict (the state is then nested by name).
+        pairs: name -> (module, optimizers); the name is ``""`` for a single model.
+    """
+
+    def __init__(self, named: bool, pairs: dict[str, tuple[torch.nn.Module, list[torch.optim.Optimizer]]]) -> None:
+        self.named = named
+        self.pairs = pairs
+
+    @property
+    def has_optimizer(self) -> bool:
+        return any(opts for _, opts in self.pairs.values())
+
+    def describe(self) -> dict[str, Any]:
+        """For the manifest: which models and optimizers the state holds."""
+        return {
+            "models": sorted(self.pairs) if self.named else None,
+            "optimizers": sorted(n for n, (_, o) in self.pairs.items() if o) if self.named else None,
+        }
+
+    def state_dicts(self) -> tuple[Any, Any]:
+        """``(model_state, optimizer_state)``; the latter is ``None`` without optimizers.
+
+        Tensors in them are the live parameters and states (views, not copies).
+        """
+        opts = StateDictOptions()
+        models: dict[str, Any] = {}
+        optims: dict[str, Any] = {}
+        for name, (module, optimizers) in self.pairs.items():
+            if optimizers:
+                msd, osd = get_state_dict(module, optimizers, options=opts)
+                optims[name] = osd
+            else:
+                msd = get_model_state_dict(module, options=opts)
+            models[name] = msd
+        if not self.named:
+            return models[""], optims.get("")
+        return models, (optims or None)
+
+    def load(self, model_state: Any, optim_state: Any) -> None:
+        """Apply loaded state dicts (in the shape :meth:`state_dicts` returned)."""
+        models = model_state if self.named else {"": model_state}
+        optims = (optim_state or {}) if self.named else {"": optim_state}
+        opts = StateDictOptions(strict=True)
+        for name, (module, optimizers) in self.pairs.items():
+            if optimizers:
+                set_state_dict(
+                    module, optimizers, model_state_dict=models[name], optim_state_dict=optims[name], options=opts
+                )
+            else:
+                set_model_state_dict(module, models[name], options=opts)
+
+
+def normalize(model: Any, optimizer: Any) -> ModelSet:
+    """Check the ``model``/``optimizer`` arguments and pair them (see the module doc).
+
+    Raises:
+        TypeError: a value of the wrong kind, or optimizer names that are not model names.
+    """
+    if isinstance(model, torch.nn.Module):
+        return ModelSet(False, {"": (model, _optimizer_list(optimizer, "optimizer"))})
+    if isinstance(model, Mapping) and model:
+        mods: dict[str, torch.nn.Module] = {}
+        for name, m in model.items():
+            if not isinstance(name, str) or not name or "." in name:
+                raise TypeError(f"model names must be non-empty strings without '.', got {name!r}")
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"model[{name!r}] must be an nn.Module, got {type(m).__name__}")
+            mods[name] = m
+        if optimizer is None:
+            optimizer = {}
+        if not isinstance(optimizer, Mapping):
+            raise TypeError("with a dict of models, optimizer must be None or a dict keyed by model name")
+        unknown = sorted(set(optimizer) - set(mods))
+        if unknown:
+            raise TypeError(f"optimizer names {unknown} are not model names {sorted(mods)}")
+        return ModelSet(True, {n: (m, _optimizer_list(optimizer.get(n), f"optimizer[{n!r}]")) for n, m in mods.items()})
+    raise TypeError(f"model must be an nn.Module or a non-empty dict of them, got {type(model).__name__}")
+
+
+def _optimizer_list(value: Any, what: str) -> list[torch.optim.Optimizer]:
+    if value is None:
+        return []
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    items = list(value.values()) if isinstance(value, Mapping) else value
+    if isinstance(items, (list, tuple)) and items and all(isinstance(o, torch.optim.Optimizer) for o in items):
+        return list(items)
+    raise TypeError(f"{what} must be an Optimizer, a list or a dict of them, got {type(value).__name__}")

@@ -1,0 +1,83 @@
+"""The training-state bundle: metadata it records, and how a restore reads it back."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
+from goodput_ckpt.format.manifest import Manifest
+from goodput_ckpt.state import META_KEY, Topology, build_save_state, normalize, training_meta
+from goodput_ckpt.state.dataloader import decode_dataloader_state, encode_dataloader_state
+
+
+def _manifest(metadata):
+    return Manifest(version=1, library_version="0", torch_version="0", created_at="", world_size=1,
+                    chunk_size=1 << 20, files={}, items={}, metadata=metadata)  # fmt: skip
+
+
+def test_save_state_sections_and_metadata():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Loader:
+        num_workers, batch_size = 2, 8
+
+        def state_dict(self):
+            return {"pos": 5, "gen": torch.arange(3)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    state, meta = build_save_state(
+        7, models=normalize(model, opt), dataloader=Loader(), stateful={}, topology=Topology(1, 2),
+        save_rng=True, extra={"epoch": 1},
+    )  # fmt: skip
+    assert set(state) == {"model", "optimizer", "rng", "dataloader"}
+    assert set(state["rng"]) == {"rank1"} and set(state["dataloader"]) == {"rank1"}, "rank-unique keys"
+    ts = meta[META_KEY]
+    assert ts["step"] == 7 and ts["world_size"] == 2 and ts["sections"] == ["model", "optimizer", "rng", "dataloader"]
+    assert ts["dataloader"]["num_workers"] == 2 and ts["dataloader"]["batch_size"] == 8
+    assert meta["extra"] == {"epoch": 1}
+    back = decode_dataloader_state(state["dataloader"]["rank1"], key="k")
+    assert back["pos"] == 5 and torch.equal(back["gen"], torch.arange(3))
+
+
+def test_training_meta_validation():
+    with pytest.raises(CheckpointError, match="not written by CheckpointManager"):
+        training_meta(_manifest({}), "loc")
+    with pytest.raises(CorruptCheckpointError, match="schema version 99 is not supported") as info:
+        training_meta(_manifest({META_KEY: {"schema": 99}}), "loc")
+    assert info.value.version == 99
+    good = {"schema": 1, "step": 1, "world_size": 2, "sections": ["model"], "rng": None, "dataloader": None}
+    assert training_meta(_manifest({META_KEY: good}), "loc")["world_size"] == 2
+    for bad in ({"world_size": 0}, {"world_size": True}, {"sections": "model"}, {"rng": [1]}, {"models": [1]}):
+        with pytest.raises(CorruptCheckpointError):
+            training_meta(_manifest({META_KEY: {**good, **bad}}), "loc")
+
+
+def test_dataloader_blob_is_weights_only_safe():
+    class Loader:
+        def state_dict(self):
+            return {"x": [1, 2, {"y": torch.ones(2)}]}
+
+    blob = encode_dataloader_state(Loader(), key="k")
+    assert blob.dtype == torch.uint8
+    raw = blob.numpy().tobytes()
+    assert torch.load(io.BytesIO(raw), weights_only=True)["x"][2]["y"].sum() == 2
+
+
+def test_normalize_checks_shapes():
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=1)
+    assert normalize(m, [o, o]).pairs[""][1] == [o, o]
+    assert normalize({"a": m}, {"a": o}).describe() == {"models": ["a"], "optimizers": ["a"]}
+    with pytest.raises(TypeError, match="not model names"):
+        normalize({"a": m}, {"b": o})
+    with pytest.raises(TypeError):
+        normalize({"a.b": m}, None)
+    with pytest.raises(TypeError):
+        normalize(m, "adam")
