@@ -11,6 +11,8 @@ Call order::
     entries = write_hashed_files(store, names, placements, file_sizes, sources, ...)
     publish_manifest(store, manifest, replace=...) # the commit
     remove_stale_files(store, keep=set(entries))   # best effort, after the commit
+                                                   # (remove_stale_files_after_commit: in the
+                                                   # background where the commit is)
 
 Sources are produced lazily: ``write_hashed_files`` asks a source for a byte range only when a
 worker is about to hash and write the chunk holding it, and calls ``release()`` once its last
@@ -24,7 +26,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import blake3
@@ -39,8 +41,10 @@ __all__ = [
     "check_chunk_size",
     "clear_or_refuse_existing",
     "data_file_name",
+    "durable_future",
     "publish_manifest",
     "remove_stale_files",
+    "remove_stale_files_after_commit",
     "write_hashed_files",
 ]
 
@@ -265,3 +269,24 @@ def remove_stale_files(store: Store, keep: set[str]) -> None:
                 store.delete(name)
     except CheckpointError as e:
         warnings.warn(f"could not remove stale files in {store.uri}: {e}", stacklevel=3)
+
+
+def remove_stale_files_after_commit(store: Store, keep: set[str]) -> None:
+    """:func:`remove_stale_files`, in the background on stores that commit in the background
+    (``after_commit``, see storage.base), so the caller does not wait for a listing."""
+    after_commit = getattr(store, "after_commit", None)
+    if after_commit is None:
+        remove_stale_files(store, keep)
+    else:
+        after_commit(lambda: remove_stale_files(store, keep))
+
+
+def durable_future(store: Store) -> Future:
+    """The store's future for what it still writes in the background (``durable_future``, see
+    storage.base), or a completed one when its writes are durable once they return."""
+    get = getattr(store, "durable_future", None)
+    if get is not None:
+        return get()
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut

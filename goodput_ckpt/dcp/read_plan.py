@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Request", "Task", "plan_tasks"]
+__all__ = ["Request", "Task", "plan_tasks", "sequential_lanes"]
 
 #: Gaps below this are read through instead of starting a new request.
 COALESCE_GAP = 1 << 20
@@ -117,3 +117,40 @@ def _make_task(file: str, lo: int, hi: int, reqs: list[Request]) -> Task:
     if pos < hi:
         task.parts.append(Part(pos, hi, None))
     return task
+
+
+#: Most concurrent runs (streams) per file in :func:`sequential_lanes`. Measured with 256 MiB
+#: loads on two FUSE mounts over SeaweedFS (2 cores): with 4 files and 8 threads, one stream per
+#: file read 1.8x faster than two on ``weed mount`` and 0.8x as fast on ``rclone mount``; with
+#: one file, two streams beat one on rclone (1.6x) and tied on weed, and eight lost on both.
+MAX_RUNS_PER_FILE = 2
+
+
+def sequential_lanes(tasks: list[Task], threads: int) -> list[list[Task]]:
+    """Group ``tasks`` (in ``plan_tasks`` order: by file, then offset) into runs, each within
+    one file and read in order by one thread.
+
+    For stores that stream a file better than they serve scattered ranges (a FUSE mount reads
+    ahead within one descriptor; an object-store mount turns a seek into a new request). Every
+    file is one run, and so one stream, while the plan touches at least ``threads // 2`` files;
+    with fewer files each is cut into up to :data:`MAX_RUNS_PER_FILE` runs of about equal bytes,
+    so that a load of one or two files still has a few streams.
+    """
+    by_file: dict[str, list[Task]] = {}
+    for t in tasks:
+        by_file.setdefault(t.file, []).append(t)
+    want = max(1, threads // 2)
+    per_file = max(1, min(MAX_RUNS_PER_FILE, -(-want // max(1, len(by_file)))))
+    out: list[list[Task]] = []
+    for file_tasks in by_file.values():
+        target = -(-sum(t.end - t.start for t in file_tasks) // per_file)
+        run: list[Task] = []
+        run_bytes = 0
+        for t in file_tasks:
+            if run and run_bytes >= target:
+                out.append(run)
+                run, run_bytes = [], 0
+            run.append(t)
+            run_bytes += t.end - t.start
+        out.append(run)
+    return out

@@ -41,7 +41,7 @@ from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, parse_manifest
 from ..storage import FileSource, Store, is_supported_uri, open_store
 from .manifest_share import load_shared
-from .read_plan import Request, Task, plan_tasks
+from .read_plan import Request, Task, plan_tasks, sequential_lanes
 from .tensor_bytes import byte_view, check_byte_order
 
 __all__ = ["CheckpointReader", "DEFAULT_READ_THREADS", "load_manifest"]
@@ -58,7 +58,9 @@ def load_manifest(store: Store) -> Manifest:
 
     Raises:
         CheckpointNotFoundError: nothing is stored at the location.
-        IncompleteCheckpointError: files exist but no manifest does (an uncommitted save).
+        IncompleteCheckpointError: files exist but no manifest does (an uncommitted save); on a
+            store whose commit record is not atomic (a mounted volume), also a manifest that
+            does not parse or validate.
         CorruptCheckpointError: the manifest is invalid, or a file is missing or of the wrong size.
     """
     data = store.read_small(MANIFEST_NAME)
@@ -72,7 +74,19 @@ def load_manifest(store: Store) -> Manifest:
                 path=store.uri,
             )
         raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
-    manifest = parse_manifest(data, location=store.uri)
+    try:
+        manifest = parse_manifest(data, location=store.uri)
+    except CorruptCheckpointError as e:
+        if getattr(store, "commit_record_atomic", True):  # optional (see storage.base)
+            raise
+        # On a mounted volume a record that does not validate may be one still being written,
+        # or the truncated record of a killed save: never a commit.
+        raise IncompleteCheckpointError(
+            f"{store.uri} is on a mounted volume and its {MANIFEST_NAME} does not validate ({e}): "
+            "the save that wrote it was interrupted or is still running. Load an earlier checkpoint.",
+            path=e.path,
+            byte_range=e.byte_range,
+        ) from e
     for f in manifest.files.values():
         actual = store.size(f.path)
         where = f"{store.uri}/{f.path}"
@@ -142,7 +156,9 @@ class CheckpointReader(StorageReader):
             example ``dcp.load(..., no_dist=True)`` on rank 0 alone), which would otherwise wait
             for the missing ranks until the process group times out.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
-            :class:`~goodput_ckpt.storage.S3Config`, :class:`~goodput_ckpt.storage.FsspecConfig`).
+            :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
+            :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
+            ``False`` overrides the detection of mounted volumes (docs/volumes.md).
 
     On an error during ``read_data`` the destination tensors may be partly overwritten.
     """
@@ -241,8 +257,19 @@ class CheckpointReader(StorageReader):
                     raise CorruptCheckpointError(
                         f"{e} (keys: {keys})", path=e.path, byte_range=(0, size), key=keys
                     ) from e
+            # A job is one task, or on stores that prefer it (mounted volumes: see storage.base)
+            # a run of one file's tasks read in order by one thread.
+            if getattr(self._store, "sequential_reads", False):
+                jobs = sequential_lanes(tasks, self.thread_count)
+            else:
+                jobs = [[t] for t in tasks]
+
+            def run(job: list[Task]) -> None:
+                for t in job:
+                    self._run_task(t, sources[t.file], manifest, alloc_lock)
+
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="goodput-read") as pool:
-                futures = {pool.submit(self._run_task, t, sources[t.file], manifest, alloc_lock): t for t in tasks}
+                futures = {pool.submit(run, job): job for job in jobs}
                 pending_futs = set(futures)
                 while pending_futs:
                     done, pending_futs = wait(pending_futs, return_when=FIRST_EXCEPTION)
@@ -251,7 +278,7 @@ class CheckpointReader(StorageReader):
                             for other in pending_futs:
                                 other.cancel()
                             raise fut.exception()
-                        for part in futures[fut].parts:
+                        for part in (p for t in futures[fut] for p in t.parts):
                             r = part.request
                             if r is not None:
                                 r.pending -= 1

@@ -59,8 +59,9 @@ from .hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
     data_file_name,
+    durable_future,
     publish_manifest,
-    remove_stale_files,
+    remove_stale_files_after_commit,
     write_hashed_files,
 )
 from .layout import place_items
@@ -216,7 +217,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         except BaseException:
             self._release()
             raise
-        self._durable = _durable_future(self._store)
+        self._durable = durable_future(self._store)
         if not self._is_coordinator:
             self._release()  # the coordinator holds its claim until finish()
         fut: Future[list[WriteResult]] = Future()
@@ -226,7 +227,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             self._commit(metadata, results)
-            self._durable = _durable_future(self._store)
+            self._durable = durable_future(self._store)
         finally:
             self._release()
 
@@ -381,19 +382,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             metadata=self.user_metadata,
         )
         publish_manifest(self._store, manifest, replace=self.overwrite)
-        remove_stale_files(self._store, set(files))
+        remove_stale_files_after_commit(self._store, set(files))
 
-
-
-def _durable_future(store: Store) -> concurrent.futures.Future:
-    """The store's future for what it still writes in the background (see storage.base), or a
-    completed one when its writes are durable once they return."""
-    get = getattr(store, "durable_future", None)
-    if get is not None:
-        return get()
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    fut.set_result(None)
-    return fut
 
 
 class _BytesSource:

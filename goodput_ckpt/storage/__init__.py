@@ -2,7 +2,11 @@
 
 :func:`open_store` turns a URI plus backend options into a :class:`~.base.Store`:
 
-- a local path or ``file://`` URL: :class:`LocalStore` (:class:`LocalConfig`);
+- a local path or ``file://`` URL: :class:`LocalStore` (:class:`LocalConfig`), or
+  :class:`VolumeStore` (:class:`VolumeConfig`) when the path lies on a mounted volume (FUSE, NFS,
+  CIFS/SMB, Lustre, ``/Volumes/``; see :mod:`.mounts`) or the option ``volume=True`` is given
+  (``volume=False`` forces the local-disk store). With ``stage_dir=`` the volume store is wrapped
+  in :class:`StagedStore` (local staging, background upload);
 - ``s3://bucket/prefix``: :class:`S3Store` (:class:`S3Config`), through boto3;
 - any other URL whose protocol fsspec knows (``gs://``, ``az://``, ``memory://`` ...):
   :class:`FsspecStore` (:class:`FsspecConfig`).
@@ -20,7 +24,10 @@ from ..errors import CheckpointError
 from .base import FileSink, FileSource, Store, check_relative_name
 from .fsspec_store import FsspecConfig, FsspecStore, fsspec_protocol
 from .local import LocalConfig, LocalStore
+from .mounts import find_volume
 from .s3 import S3Config, S3Store, parse_s3_uri
+from .staged import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_UPLOAD_THREADS, StagedStore
+from .volume import VolumeConfig, VolumeStore
 
 __all__ = [
     "FileSink",
@@ -31,8 +38,12 @@ __all__ = [
     "LocalStore",
     "S3Config",
     "S3Store",
+    "StagedStore",
     "Store",
+    "VolumeConfig",
+    "VolumeStore",
     "check_relative_name",
+    "find_volume",
     "is_supported_uri",
     "open_store",
 ]
@@ -87,8 +98,10 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
 
     Args:
         uri: a local path or ``file://`` URL, ``s3://bucket/prefix``, or another fsspec URL.
-        options: backend options (see :class:`LocalConfig`, :class:`S3Config`,
-            :class:`FsspecConfig`); an unknown key is a ``TypeError``.
+        options: backend options (see :class:`LocalConfig`, :class:`VolumeConfig`,
+            :class:`S3Config`, :class:`FsspecConfig`); an unknown key is a ``TypeError``. For
+            local paths, ``volume`` (``None``, the default: detect; ``True``/``False``: force)
+            chooses between :class:`VolumeStore` and :class:`LocalStore`.
 
     Raises:
         ValueError: the URI scheme is not supported, or the URI is malformed.
@@ -109,4 +122,38 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
         )
     if not path:
         raise ValueError("empty checkpoint path")
+    volume = options.pop("volume", None)
+    if volume is not None and not isinstance(volume, bool):
+        raise TypeError(f"volume must be True, False or None (detect), got {volume!r}")
+    detected = find_volume(path) if volume is None else None
+    if volume or detected is not None:
+        return _open_volume(path, _build_config(VolumeConfig, options, "volume"), detected)
+    if set(options) & _VOLUME_ONLY:
+        why = (
+            "volume=False chose the local-disk store"
+            if volume is False
+            else f"{path} is not on one that goodput-ckpt detects (FUSE, NFS, CIFS/SMB, Lustre, /Volumes/); "
+            "pass volume=True to use volume mode there"
+        )
+        raise TypeError(f"option(s) {', '.join(sorted(set(options) & _VOLUME_ONLY))} apply to mounted volumes: {why}")
     return LocalStore(path, _build_config(LocalConfig, options, "local"))
+
+
+#: Options that only the volume backend knows (a clearer error than "unknown option").
+_VOLUME_ONLY = {f.name for f in fields(VolumeConfig)} - {f.name for f in fields(LocalConfig)}
+
+
+def _open_volume(path: str, config: VolumeConfig, detected: str | None) -> Store:
+    store = VolumeStore(path, config, detected=detected)
+    if config.stage_dir is None:
+        return store
+    stage = os.fspath(config.stage_dir)
+    on_volume = find_volume(stage)
+    if on_volume is not None:
+        raise ValueError(f"stage_dir {stage} must be on local disk, but it is on a volume ({on_volume})")
+    return StagedStore(
+        store,
+        stage,
+        upload_threads=config.upload_threads or DEFAULT_UPLOAD_THREADS,
+        commit_timeout_s=config.commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S,
+    )

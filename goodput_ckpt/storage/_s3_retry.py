@@ -7,7 +7,8 @@ which spreads out the clients that a throttling server slowed down at the same m
 succeeds, fails permanently, runs out of attempts, or would run past its time budget.
 
 Transient: HTTP 5xx and 429, throttling codes (``SlowDown`` ...), connection errors (refused,
-reset, closed), connect and read timeouts (a stalled response), a body that ends early.
+reset, closed), connect and read timeouts (a stalled response), a body that ends early, and a
+body the server found damaged (``BadDigest``: its CRC-32 or SHA-256 did not match).
 Permanent: everything else (403, 404, 400 ...): retrying those only delays the real error.
 
 Messages name the request and the object and describe the cause from its error code, HTTP status
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,8 @@ __all__ = ["RetryPolicy", "call_with_retries", "client_error_code", "describe", 
 
 log = logging.getLogger("goodput_ckpt.storage.s3")
 
+_USERINFO = re.compile(r"://[^/@\s]*@")
+
 T = TypeVar("T")
 
 #: Error codes S3 and compatible servers use for throttling or a transient server-side fault.
@@ -40,6 +44,7 @@ _TRANSIENT_CODES = frozenset(
         "TooManyRequests", "TooManyRequestsException", "RequestLimitExceeded", "RequestTimeout",
         "RequestTimeoutException", "InternalError", "ServiceUnavailable", "BandwidthLimitExceeded",
         "ConditionalRequestConflict",  # another conditional write to the key is in progress
+        "BadDigest", "XAmzContentSHA256Mismatch",  # the body was damaged in transit: send it again
     }
 )  # fmt: skip
 
@@ -93,12 +98,18 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    """A one-line cause for messages: code, status and server message, or the client error."""
+    """A one-line cause for messages: code, status and server message, or the client error.
+
+    Connection errors quote the endpoint URL; any ``user:password@`` in it is masked (an
+    endpoint from the environment is not validated like the ``endpoint_url`` option).
+    """
     code, status = client_error_code(exc)
     if code or status:
         message = str(((getattr(exc, "response", None) or {}).get("Error") or {}).get("Message") or "")
-        return f"{code or 'error'} (HTTP {status})" + (f": {message[:300]}" if message else "")
-    return f"{type(exc).__name__}: {str(exc)[:300]}"
+        text = f"{code or 'error'} (HTTP {status})" + (f": {message[:300]}" if message else "")
+    else:
+        text = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return _USERINFO.sub("://***@", text)
 
 
 def call_with_retries(

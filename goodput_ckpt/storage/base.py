@@ -16,6 +16,27 @@ Call order for a save (one rank's view)::
     store.put_commit_record(MANIFEST, data, replace=...)   # atomic publish: the commit
 
 ``sink.abort()`` replaces ``close()`` on any failure and removes what was written.
+
+Optional members (looked up with ``getattr``; a store without them gets the default):
+
+- ``commit_record_atomic`` (default ``True``): whether readers can only ever see the whole commit
+  record. A mounted volume cannot promise it (a permissive mount shows a file while it is
+  written; a killed writer leaves a truncated one), so there a record that fails to parse or
+  validate means *incomplete*, never *corrupt* or *committed*.
+- ``prepare_commit(files)``: called by the coordinator just before ``put_commit_record`` with the
+  names of every rank's data files that the record commits. A store that uploads data in the
+  background (a volume with local staging) needs them to publish the record only once all of
+  them are durable, including files that other ranks' stores wrote.
+- ``sequential_reads`` (default ``False``): the store streams a file better than it serves
+  scattered ranges (a FUSE mount reads ahead within a descriptor; an object-store mount turns a
+  seek into a new request). The reader then hands each thread a run of one file's ranges, in
+  order, instead of single ranges.
+- ``after_commit(fn)``: run ``fn`` (the clean-up of failed saves' files) once the commit
+  record is durable, in the background, instead of at once. For stores that commit in the
+  background, so the caller does not wait for a listing of the destination.
+- ``durable_future()``: a ``concurrent.futures.Future`` that completes when everything this
+  store was asked to write for the current save is durable at its destination. Stores whose
+  writes are durable when the calls return do not have it.
 """
 
 from __future__ import annotations

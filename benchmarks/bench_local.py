@@ -1,0 +1,659 @@
+"""Local-disk save and load throughput: goodput-ckpt against torch and the raw disk.
+
+One run measures, on the same synthetic model-plus-optimizer state (fixed seed), the save and
+cold-cache load throughput of:
+
+- ``ours``: ``CheckpointWriter`` / ``CheckpointReader(verify=True)`` through ``dcp.save``/``dcp.load``;
+- ``ours-nohash``: the same save with blake3 replaced by a no-op hasher *inside this benchmark
+  only* (the ``blake3`` name of every goodput_ckpt module that imported it is patched for the
+  duration of the save; the library has no switch). Load without hashing is ``ours-noverify``:
+  the ``ours`` checkpoint loaded with ``CheckpointReader(verify=False)``;
+- ``fsw-default`` / ``fsw-t4``: torch's ``FileSystemWriter`` at its defaults and with
+  ``thread_count=4``, each loaded with ``FileSystemReader`` (which has no thread option);
+- ``torch.save`` / ``torch.load(weights_only=True)`` of the nested dict, in one file;
+- ``safetensors``: ``save_file`` / ``load_file`` of the flattened dict (it takes only tensors).
+  ``load_file`` returns tensors over a lazy mmap of the file, so the timed load also reads one
+  byte of every 4 KiB page (otherwise it would time only the header parse);
+- ``raw``: the same bytes written sequentially to one file and fsynced, then read back
+  sequentially into one preallocated buffer (the disk's limit); ``raw-par4`` reads the same file
+  with 4 threads, for reference.
+
+Rules, the same for every method:
+- GB/s = payload bytes (the sum of tensor sizes, identical for all methods) / wall seconds,
+  with GB = 1e9 bytes, so every ratio is a ratio of times.
+- Saves include durability: every data file is fsynced before the clock stops. FileSystemWriter
+  (sync_files=True by default) and CheckpointWriter fsync themselves; for torch.save and
+  safetensors the benchmark fsyncs the file. The benchmark fsyncs the directory after every save.
+- Loads start with a cold page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``) when the
+  process may write that file (root); the output says whether it could. DCP loads go into a
+  preallocated, already-touched destination dict (as when resuming into a live model);
+  torch.load, safetensors and the raw read allocate what they return, as they always do.
+- Methods run round-robin within each repeat, the start rotating per repeat, and files are
+  deleted after each method. Each figure is the median over ``--repeats``.
+
+Run: ``.venv/bin/python benchmarks/bench_local.py --size 2GiB --repeats 2 --json bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+GB = 1e9
+MiB = 1 << 20
+ALL_METHODS = ("raw", "ours", "ours-nohash", "fsw-default", "fsw-t4", "torch.save", "safetensors")
+
+
+# -- the synthetic state ------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": MiB, "mib": MiB, "g": 1 << 30, "gib": 1 << 30,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(float(num) * units[t[len(num):]])
+
+
+@dataclass
+class State:
+    nested: dict[str, Any]  # {"model": {name: t}, "optim": {"state": {name: {"exp_avg": t, ...}}}}
+    flat: dict[str, torch.Tensor]  # dotted keys -> the same tensors (no copies)
+    nbytes: int
+    small: int  # tensors under 64 KiB
+    large: int
+
+
+def make_state(total: int, seed: int = 0) -> State:
+    """A model (fp32 and bf16 weights) plus Adam-like fp32 state, about ``total`` bytes.
+
+    Large parameters are 2-D with a log-uniform fp32 size of 1 to 64 MiB (bf16 ones are half);
+    each has ``exp_avg`` and ``exp_avg_sq`` in fp32. About 160 small fp32 parameters of 1 to 8
+    KiB (norms, biases), each with its two optimizer tensors, add ~480 small tensors.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shapes: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for i in range(160):
+        shapes.append((f"layers.{i // 4}.norm{i % 4}.weight", (rng.randint(256, 2048),), torch.float32))
+    used = sum(math.prod(s) * 12 for _, s, _ in shapes)
+    i = 0
+    while used < total:
+        cols = rng.choice((1024, 2048, 4096))
+        fp32_bytes = int(math.exp(rng.uniform(math.log(MiB), math.log(64 * MiB))))
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        per_numel = dtype.itemsize + 8
+        rows = max(1, min(fp32_bytes // 4, (total - used) // per_numel) // cols)
+        shapes.append((f"layers.{i // 4}.proj{i % 4}.weight", (rows, cols), dtype))
+        used += rows * cols * per_numel
+        i += 1
+        if (total - used) < per_numel * cols:
+            break
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    flat: dict[str, torch.Tensor] = {}
+    nbytes = small = 0
+    for name, shape, dtype in shapes:
+        p = torch.empty(shape, dtype=torch.float32).uniform_(-1, 1, generator=gen).to(dtype)
+        m = torch.empty(shape).normal_(0, 1e-3, generator=gen)
+        v = torch.empty(shape).uniform_(0, 1e-6, generator=gen)
+        model[name] = p
+        optim[name] = {"exp_avg": m, "exp_avg_sq": v}
+        flat[f"model.{name}"] = p
+        flat[f"optim.state.{name}.exp_avg"] = m
+        flat[f"optim.state.{name}.exp_avg_sq"] = v
+        for t in (p, m, v):
+            nbytes += t.nbytes
+            small += t.nbytes < 64 << 10
+    return State({"model": model, "optim": {"state": optim}}, flat, nbytes, small, len(flat) - small)
+
+
+def empty_like_nested(obj: Any) -> Any:
+    """A touched destination with the same structure (page faults paid here, not in the load)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    return {k: empty_like_nested(v) for k, v in obj.items()}
+
+
+def flat_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in obj.items():
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+# -- the environment ------------------------------------------------------------------------------
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False when not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file under ``root`` (for methods that do not fsync themselves)."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
+
+
+def tree_files(root: str) -> tuple[int, int]:
+    n = size = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            n += 1
+            size += os.path.getsize(os.path.join(dirpath, name))
+    return n, size
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+# -- methods --------------------------------------------------------------------------------------
+class _NoHash:
+    """Stands in for ``blake3.blake3`` to measure a save without hashing."""
+
+    def __init__(self, *_a: Any, **_k: Any) -> None:
+        pass
+
+    def update(self, _data: Any) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0" * 64
+
+
+@contextlib.contextmanager
+def no_save_hashing() -> Iterator[None]:
+    """Replace ``blake3`` by a no-op hasher in every goodput_ckpt module that imported it.
+
+    Only the write path hashes during a save, so this turns off exactly the save's hashing
+    (wherever the code that hashes lives), and nothing else. The manifest then holds dummy
+    digests: the checkpoint is not loaded with verification afterwards.
+    """
+    import types
+
+    import blake3
+
+    import goodput_ckpt.dcp.writer  # noqa: F401 - loads the write path's modules
+
+    fake = types.SimpleNamespace(blake3=_NoHash)
+    patched = [m for n, m in list(sys.modules.items())
+               if n.startswith("goodput_ckpt.") and getattr(m, "blake3", None) is blake3]
+    if not patched:
+        raise RuntimeError("no goodput_ckpt module imports blake3: update no_save_hashing")
+    for m in patched:
+        m.blake3 = fake
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.blake3 = blake3
+
+
+@dataclass
+class Ctx:
+    state: State
+    dest: dict[str, Any]  # DCP load destination, same structure as state.nested
+    raw_buf: torch.Tensor  # raw-read destination (uint8, nbytes)
+    writer_kw: dict[str, Any] = field(default_factory=dict)
+    reader_kw: dict[str, Any] = field(default_factory=dict)
+    dev: int | None = None  # st_dev of the benchmark directory, for wait_quiet's disk check
+
+
+def _raw_save(ctx: Ctx, d: str) -> None:
+    fd = os.open(os.path.join(d, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in ctx.state.flat.values():
+            view = raw_bytes(t)
+            while view:
+                view = view[os.write(fd, view[: 64 * MiB]):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(ctx: Ctx, d: str, threads: int = 1, block: int = 16 * MiB) -> dict | None:
+    buf = raw_bytes(ctx.raw_buf)
+    fd = os.open(os.path.join(d, "raw.bin"), os.O_RDONLY)
+    try:
+        if threads == 1:
+            off = 0
+            while off < len(buf):
+                n = os.preadv(fd, [buf[off: off + block]], off)
+                if n == 0:
+                    raise EOFError("raw.bin is short")
+                off += n
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def part(off: int) -> None:
+                end = min(len(buf), off + block)
+                while off < end:
+                    n = os.preadv(fd, [buf[off:end]], off)
+                    if n == 0:
+                        raise EOFError("raw.bin is short")
+                    off += n
+
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(part, range(0, len(buf), block)))
+    finally:
+        os.close(fd)
+    return None
+
+
+def _ours_save(ctx: Ctx, d: str) -> None:
+    from goodput_ckpt import CheckpointWriter
+
+    dcp.save(ctx.state.nested, storage_writer=CheckpointWriter(d, **ctx.writer_kw))
+
+
+def _ours_nohash_save(ctx: Ctx, d: str) -> None:
+    with no_save_hashing():
+        _ours_save(ctx, d)
+
+
+def _ours_load(verify: bool) -> Callable[[Ctx, str], dict]:
+    def load(ctx: Ctx, d: str) -> dict:
+        from goodput_ckpt import CheckpointReader
+
+        dcp.load(ctx.dest, storage_reader=CheckpointReader(d, verify=verify, **ctx.reader_kw))
+        return ctx.dest
+
+    return load
+
+
+def _fsw_save(**kw: Any) -> Callable[[Ctx, str], None]:
+    def save(ctx: Ctx, d: str) -> None:
+        dcp.save(ctx.state.nested, storage_writer=dcp.FileSystemWriter(d, **kw))
+
+    return save
+
+
+def _fsr_load(ctx: Ctx, d: str) -> dict:
+    dcp.load(ctx.dest, storage_reader=dcp.FileSystemReader(d))
+    return ctx.dest
+
+
+def _torch_save(ctx: Ctx, d: str) -> None:
+    with open(os.path.join(d, "state.pt"), "wb") as f:
+        torch.save(ctx.state.nested, f)
+        f.flush()
+        os.fsync(f.fileno())  # torch.save does not fsync
+
+
+def _torch_load(ctx: Ctx, d: str) -> dict:
+    return torch.load(os.path.join(d, "state.pt"), weights_only=True, map_location="cpu")
+
+
+def _st_save(ctx: Ctx, d: str) -> None:
+    from safetensors.torch import save_file
+
+    path = os.path.join(d, "state.safetensors")
+    save_file(ctx.state.flat, path)
+    fsync_path(path)  # save_file does not fsync
+
+
+def _st_load(ctx: Ctx, d: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = load_file(os.path.join(d, "state.safetensors"))
+    for t in out.values():  # load_file maps the file lazily: fault in every page, as a use would
+        t.reshape(-1).view(torch.uint8)[::4096].sum()
+    return out
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    save: Callable[[Ctx, str], None]
+    loads: tuple[tuple[str, Callable[[Ctx, str], Any]], ...]
+    save_note: str
+
+
+METHODS: dict[str, Method] = {
+    "raw": Method("raw", _raw_save, (("raw", _raw_read), ("raw-par4", lambda c, d: _raw_read(c, d, 4))),
+                  "1 thread, os.write <=64 MiB, fsync; read 1 thread / 4 threads, 16 MiB preadv"),
+    "ours": Method("ours", _ours_save, (("ours", _ours_load(True)), ("ours-noverify", _ours_load(False))),
+                   "CheckpointWriter (fsyncs itself); load verify=True / verify=False"),
+    "ours-nohash": Method("ours-nohash", _ours_nohash_save, (), "CheckpointWriter with blake3 patched to a no-op"),
+    "fsw-default": Method("fsw-default", _fsw_save(), (("fsw-default", _fsr_load),),
+                          "FileSystemWriter() (sync_files=True fsyncs); FileSystemReader()"),
+    "fsw-t4": Method("fsw-t4", _fsw_save(thread_count=4), (("fsw-t4", _fsr_load),),
+                     "FileSystemWriter(thread_count=4); FileSystemReader()"),
+    "torch.save": Method("torch.save", _torch_save, (("torch.save", _torch_load),),
+                         "torch.save + explicit fsync; torch.load(weights_only=True)"),
+    "safetensors": Method("safetensors", _st_save, (("safetensors", _st_load),),
+                          "save_file + explicit fsync; load_file (mmap) + touch every page"),
+}
+
+
+# -- the runner -----------------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all CPUs, from /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return (sum(v[:8]) - idle) / _TICK
+
+
+def _disk_busy_seconds(dev: int | None) -> float | None:
+    """Seconds the block device ``dev`` (an ``st_dev``) has been busy (/proc/diskstats io_ticks)."""
+    if dev is None:
+        return None
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                v = line.split()
+                if int(v[0]) == os.major(dev) and int(v[1]) == os.minor(dev):
+                    return int(v[12]) / 1000
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def wait_quiet(max_wait: float, dev: int | None = None, cpu_threshold: float = 0.25,
+               disk_threshold: float = 0.10, window: float = 0.5) -> float:
+    """Wait until other processes use under ``cpu_threshold`` CPUs and keep the disk ``dev``
+    busy under ``disk_threshold`` of the time, over ``window`` seconds.
+
+    The machine is shared: a neighbour's test or benchmark can halve our throughput for
+    seconds. This process is idle while it waits, so all activity seen here is someone else's.
+    Returns the seconds waited (at least ``max_wait`` means it gave up and measures anyway).
+    """
+    t0 = time.perf_counter()
+    while max_wait > 0:
+        b0, c0, w0, d0 = _busy_seconds(), time.process_time(), time.perf_counter(), _disk_busy_seconds(dev)
+        time.sleep(window)
+        dt = time.perf_counter() - w0
+        other = (_busy_seconds() - b0 - (time.process_time() - c0)) / dt
+        d1 = _disk_busy_seconds(dev)
+        disk = (d1 - d0) / dt if d0 is not None and d1 is not None else 0.0
+        waited = time.perf_counter() - t0
+        if (other < cpu_threshold and disk < disk_threshold) or waited >= max_wait:
+            return waited
+    return 0.0
+
+
+@dataclass
+class Sample:
+    wall: float
+    cpu: float  # this process's CPU seconds
+    other: float  # CPUs (cores) used by other processes during the measurement, on average
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Sample, Any]:
+    b0 = _busy_seconds()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    out = fn()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    other = max(0.0, (_busy_seconds() - b0 - cpu) / wall)
+    return Sample(wall, cpu, other), out
+
+
+def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]], check: bool,
+               reverse_loads: bool = False, quiet: float = 0.0) -> dict[str, Any]:
+    d = tempfile.mkdtemp(prefix=m.name.replace(".", "_") + "-", dir=base)
+    info: dict[str, Any] = {}
+    try:
+        os.sync()
+        wait_quiet(quiet, ctx.dev)
+        s, _ = timed(lambda: (m.save(ctx, d), fsync_path(d)))
+        samples.setdefault(f"save:{m.name}", []).append(s)
+        info["files"], info["disk_bytes"] = tree_files(d)
+        loads = list(reversed(m.loads)) if reverse_loads else list(m.loads)
+        for name, load in loads:
+            wait_quiet(quiet, ctx.dev)
+            info["cold"] = drop_caches()
+            s, out = timed(lambda: load(ctx, d))
+            samples.setdefault(f"load:{name}", []).append(s)
+            if check and out is not None and not flat_equal(ctx.state.flat, flatten(out)):
+                raise SystemExit(f"{name}: loaded values differ from the saved state")
+            if out is ctx.dest:
+                for t in flatten(ctx.dest).values():
+                    t.zero_()  # the next load must really write every byte
+            del out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        os.sync()
+    return info
+
+
+def run(state: State, methods: list[str], repeats: int, base: str, writer_kw: dict | None = None,
+        reader_kw: dict | None = None, check: bool = True, quiet: float = 20.0,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    ctx = Ctx(state, empty_like_nested(state.nested), torch.zeros(state.nbytes, dtype=torch.uint8),
+              dict(writer_kw or {}), dict(reader_kw or {}), os.stat(base).st_dev)
+    samples: dict[str, list[Sample]] = {}
+    infos: dict[str, Any] = {}
+    cold = drop_caches()
+    for rep in range(repeats):
+        k = rep % len(methods)
+        for name in methods[k:] + methods[:k]:
+            t0 = time.perf_counter()
+            infos[name] = run_method(METHODS[name], ctx, base, samples, check and rep == 0,
+                                     reverse_loads=rep % 2 == 1, quiet=quiet)
+            log(f"  repeat {rep + 1}/{repeats} {name:<12} {time.perf_counter() - t0:6.1f} s")
+    results = {}
+    for key, ss in samples.items():
+        wall = statistics.median(s.wall for s in ss)
+        results[key] = {
+            "seconds": [round(s.wall, 4) for s in ss],
+            "cpu_seconds": [round(s.cpu, 4) for s in ss],
+            "other_cpus": [round(s.other, 2) for s in ss],
+            "median_s": wall,
+            "best_gbps": state.nbytes / min(s.wall for s in ss) / GB,
+            "gbps": state.nbytes / wall / GB,
+        }
+    return {"results": results, "methods": infos, "cold_cache": cold}
+
+
+def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]:
+    """The issue's targets, from medians (``stat="gbps"``) or best repeats (``"best_gbps"``)."""
+
+    def g(key: str) -> float | None:
+        r = res.get(key)
+        return r[stat] if r else None
+
+    def ratio(a: str, b: str, target: float, kind: str = "min") -> dict[str, Any] | None:
+        x, y = g(a), g(b)
+        if x is None or y is None:
+            return None
+        v = x / y
+        return {"value": v, "target": target, "kind": kind, "ok": v >= target, "of": f"{a} / {b}"}
+
+    def overhead(hashed: str, plain: str, limit: float) -> dict[str, Any] | None:
+        x, y = g(hashed), g(plain)
+        if x is None or y is None:
+            return None
+        v = 1 - x / y
+        return {"value": v, "target": limit, "kind": "max", "ok": v <= limit,
+                "of": f"1 - {hashed} / {plain} (throughput lost to hashing)"}
+
+    out = {
+        "save vs raw write+fsync": ratio("save:ours", "save:raw", 0.9),
+        "save vs FileSystemWriter default": ratio("save:ours", "save:fsw-default", 1.4),
+        "cold load vs FileSystemReader default": ratio("load:ours", "load:fsw-default", 2.0),
+        "cold load vs raw sequential read": ratio("load:ours", "load:raw", 0.7),
+        "hashing overhead on save": overhead("save:ours", "save:ours-nohash", 0.10),
+        "hashing overhead on load": overhead("load:ours", "load:ours-noverify", 0.10),
+    }
+    out = {k: v for k, v in out.items() if v is not None}
+    # Context, not targets: how much faster than FileSystemReader any reader of this disk could
+    # be, taking the parallel raw read as the disk's limit.
+    for name, a, b in (("(disk limit) raw-par4 vs FileSystemReader", "load:raw-par4", "load:fsw-default"),
+                       ("(disk limit) raw-par4 vs raw sequential read", "load:raw-par4", "load:raw")):
+        x, y = g(a), g(b)
+        if x is not None and y is not None:
+            out[name] = {"value": x / y, "target": None, "kind": "info", "ok": True, "of": f"{a} / {b}"}
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    """The results as text: one row per load variant, then the notes."""
+    res = report["results"]
+    head = (f"{'method':<15}{'save GB/s':>10}{'load GB/s':>10}{'best save':>10}{'best load':>10}{'save s':>8}"
+            f"{'load s':>8}{'save cpu':>9}{'load cpu':>9}{'others':>10}{'files':>6}")
+    lines = [head]
+
+    def fmt(r: dict | None, key: str, spec: str) -> str:
+        if r is None:
+            return "-"
+        if key in ("cpu_seconds", "other_cpus"):
+            return format(statistics.median(r[key]), spec)
+        return format(r[key], spec)
+
+    notes = []
+    rows: list[tuple[str, str | None, str | None]] = []
+    for name in report["config"]["methods"]:
+        m = METHODS[name]
+        notes.append(f"  {name}: {m.save_note}")
+        if not m.loads:
+            rows.append((name, f"save:{name}", None))
+        for i, (lname, _) in enumerate(m.loads):
+            rows.append((lname, f"save:{name}" if i == 0 else None, f"load:{lname}"))
+    for label, skey, lkey in rows:
+        s = res.get(skey) if skey else None
+        l = res.get(lkey) if lkey else None
+        files = report["methods"].get(label, {}).get("files", "") if skey else ""
+        others = f"{fmt(s, 'other_cpus', '.1f')}/{fmt(l, 'other_cpus', '.1f')}"
+        lines.append(f"{label:<15}{fmt(s, 'gbps', '.3f'):>10}{fmt(l, 'gbps', '.3f'):>10}"
+                     f"{fmt(s, 'best_gbps', '.3f'):>10}{fmt(l, 'best_gbps', '.3f'):>10}"
+                     f"{fmt(s, 'median_s', '.2f'):>8}{fmt(l, 'median_s', '.2f'):>8}"
+                     f"{fmt(s, 'cpu_seconds', '.2f'):>9}{fmt(l, 'cpu_seconds', '.2f'):>9}{others:>10}{files!s:>6}")
+    lines.append("GB/s and s: medians; best: the fastest repeat; cpu: this process's CPU seconds (median); "
+                 "others: CPUs busy\nwith other processes of this machine during the measurement "
+                 "(save/load, median), a noise gauge")
+    return "\n".join(lines + notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="2GiB", help="total state size, e.g. 512MiB, 2GiB (default 2GiB)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (default: the temp dir)")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS))
+    p.add_argument("--chunk-size", help="CheckpointWriter chunk_size (default: the library's)")
+    p.add_argument("--write-threads", type=int, help="CheckpointWriter thread_count")
+    p.add_argument("--files-per-rank", type=int, help="CheckpointWriter files_per_rank")
+    p.add_argument("--read-threads", type=int, help="CheckpointReader thread_count")
+    p.add_argument("--quiet", type=float, default=20.0,
+                   help="before each measurement wait up to this many seconds for other processes to "
+                        "leave the CPUs and the disk idle (the machine is shared); 0 disables")
+    p.add_argument("--no-check", action="store_true", help="skip comparing loaded values with the source")
+    a = p.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        p.error(f"unknown methods: {sorted(unknown)}")
+    writer_kw: dict[str, Any] = {}
+    if a.chunk_size:
+        writer_kw["chunk_size"] = parse_size(a.chunk_size)
+    if a.write_threads:
+        writer_kw["thread_count"] = a.write_threads
+    if a.files_per_rank:
+        writer_kw["files_per_rank"] = a.files_per_rank
+    reader_kw = {"thread_count": a.read_threads} if a.read_threads else {}
+
+    import goodput_ckpt.dcp.reader as rd
+    import goodput_ckpt.dcp.writer as wr
+
+    size = parse_size(a.size)
+    os.makedirs(a.dir, exist_ok=True)
+    base = tempfile.mkdtemp(prefix="goodput-bench-", dir=a.dir)
+    t0 = time.perf_counter()
+    state = make_state(size, a.seed)
+    print(f"state: {state.nbytes / (1 << 30):.3f} GiB in {len(state.flat)} tensors ({state.large} of 1-64 MiB, "
+          f"{state.small} under 64 KiB), built in {time.perf_counter() - t0:.1f} s; writing under {base}")
+    free = shutil.disk_usage(base).free
+    if free < 2.5 * state.nbytes:
+        raise SystemExit(f"only {free / GB:.1f} GB free under {base}: need about {2.5 * state.nbytes / GB:.1f}")
+    try:
+        rep = run(state, methods, a.repeats, base, writer_kw, reader_kw, check=not a.no_check, quiet=a.quiet)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rep["config"] = {
+        "size": state.nbytes, "tensors": len(state.flat), "small_tensors": state.small, "seed": a.seed,
+        "repeats": a.repeats, "dir": a.dir, "methods": methods,
+        "writer": {"chunk_size": writer_kw.get("chunk_size", wr.DEFAULT_CHUNK_SIZE),
+                   "thread_count": writer_kw.get("thread_count", wr.DEFAULT_WRITE_THREADS),
+                   "files_per_rank": writer_kw.get("files_per_rank")},
+        "reader": {"thread_count": reader_kw.get("thread_count", rd.DEFAULT_READ_THREADS), "task_bytes": rd.TASK_BYTES},
+    }
+    rep["env"] = {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
+                  "platform": platform.platform(), "cold_cache": rep["cold_cache"]}
+    rep["ratios"] = ratios(rep["results"])
+    rep["ratios_best"] = ratios(rep["results"], "best_gbps")
+    print()
+    print(f"payload {state.nbytes / GB:.3f} GB; median of {a.repeats}; GB = 1e9 bytes; "
+          f"loads {'COLD (page cache dropped before each)' if rep['cold_cache'] else 'WARM (could not drop caches: not root?)'}")
+    print(f"ours: {rep['config']['writer']} {rep['config']['reader']}")
+    print(table(rep))
+    print()
+    print(f"{'target':<44}{'median':>8}{'best':>8}")
+    for name, r in rep["ratios"].items():
+        b = rep["ratios_best"][name]
+        cmp = ">=" if r["kind"] == "min" else "<="
+
+        def shown(x: dict[str, Any]) -> str:
+            v = f"{x['value'] * 100:.1f}%" if x["kind"] == "max" else f"{x['value']:.2f}x"
+            return v + ("" if x["ok"] else "!")
+
+        if r["kind"] == "info":
+            tgt = "no target"
+        else:
+            tgt = f"target {cmp} " + (f"{r['target'] * 100:.0f}%" if r["kind"] == "max" else f"{r['target']}x")
+        print(f"{name:<44}{shown(r):>8}{shown(b):>8}   {tgt}  [{r['of']}]")
+    print("(! = target missed; median: ratio of medians; best: ratio of the fastest repeats)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=2)
+        print(f"\nwrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

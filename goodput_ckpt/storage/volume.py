@@ -1,0 +1,329 @@
+"""Mounted-volume store: object storage or a network filesystem mounted as a path.
+
+Databricks ``/Volumes``, s3fs-fuse, gcsfuse, blobfuse, rclone mount, Mountpoint for S3, NFS and
+SMB shares look like local directories but behave like object stores: a file can be written
+once, in order, to its final name; seek, append and rewrite fail; rename is a copy or refused;
+fsync may be an upload or a no-op; small files are expensive. This store asks for nothing else:
+
+- Every file is created once (``O_TRUNC`` on a fresh name) and written strictly sequentially by
+  one thread (``random_writes = False``); the DCP writer then spreads a rank's bytes over
+  several files (``thread_count`` of them), which are written in parallel. Each write call is
+  one writer chunk (8 MiB by default): a chunk made of several pieces (small tensors, padding)
+  is first joined into a reused buffer, so the mount sees large writes, not a scatter of small
+  ones.
+- No rename anywhere, the commit record included: the manifest is written last, in one write,
+  straight to its final name (``O_EXCL`` unless replacing). A strict mount publishes it on
+  close; a permissive one may show it half written, and a writer killed mid-write can leave a
+  truncated one behind (a FUSE mount finishes the upload when the kernel releases the file).
+  Hence ``commit_record_atomic = False``: readers treat a manifest that does not parse and
+  validate as an incomplete checkpoint, never as a commit.
+- Reads are ``preadv`` calls of a whole read task (16 MiB) into the destination. With
+  ``sequential_reads`` the reader gives each of its threads a run of one file's tasks, in order;
+  each concurrent reader of a file gets its own descriptor, preferably the one whose last read
+  ended where this one starts, so every descriptor streams its file (the kernel reads ahead, and
+  a FUSE object-store mount keeps one ranged request open instead of starting one per seek).
+- fsync before close where the mount supports it (NFS: commit to the server; FUSE: flush),
+  ignored where it does not. Directory fsyncs are skipped: volumes have no such durability step.
+
+With ``stage_dir`` the writes go to local disk first and are uploaded in the background by
+:class:`~goodput_ckpt.storage.staged.StagedStore`, which wraps this store.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
+from .base import Buffer
+from .local import LocalStore, os_error, read_full
+
+__all__ = ["VolumeConfig", "VolumeStore"]
+
+#: fsync errors that mean "not supported by this filesystem" rather than "the data is lost".
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VolumeConfig:
+    """Options of the mounted-volume backend (``CheckpointWriter(path, volume=True, ...)``).
+
+    Attributes:
+        fsync: fsync every file before closing it, where the mount supports fsync.
+        stage_dir: a local directory to stage saves in. ``dcp.save`` then returns once the
+            checkpoint is on local disk; its files are uploaded to the volume in the background
+            and the manifest is written there once every rank's files are
+            (``CheckpointWriter.durable_future()`` says when). ``None``: write to the volume
+            directly.
+        upload_threads: files uploaded at once per process (staging only; default 4).
+        commit_timeout_s: how long the coordinator's background commit waits for the other
+            ranks' uploads before it gives up (staging only; default 3600 s).
+    """
+
+    fsync: bool = True
+    stage_dir: str | os.PathLike | None = None
+    upload_threads: int | None = None
+    commit_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fsync, bool):
+            raise TypeError(f"fsync must be a bool, got {type(self.fsync).__name__}")
+        if self.stage_dir is None:
+            staged_only = [n for n in ("upload_threads", "commit_timeout_s") if getattr(self, n) is not None]
+            if staged_only:
+                raise ValueError(f"{', '.join(staged_only)} only apply with stage_dir= (local staging)")
+            return
+        if not isinstance(self.stage_dir, (str, os.PathLike)) or not os.fspath(self.stage_dir):
+            raise TypeError(f"stage_dir must be a non-empty path, got {self.stage_dir!r}")
+        object.__setattr__(self, "stage_dir", os.path.abspath(os.fspath(self.stage_dir)))
+        n = self.upload_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"upload_threads must be a positive integer, got {n!r}")
+        t = self.commit_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"commit_timeout_s must be a positive number, got {t!r}")
+
+
+def _fsync(fd: int, path: str) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _FSYNC_UNSUPPORTED:
+            raise os_error(e, "flushing", path) from e
+
+
+def _close(fd: int, path: str) -> None:
+    """Close ``fd``; on a FUSE or network mount this is where a failed upload is reported."""
+    try:
+        os.close(fd)
+    except OSError as e:
+        raise os_error(e, "finishing", path) from e
+
+
+class _VolumeSink:
+    """One file written once, in order, by one thread."""
+
+    def __init__(self, path: str, fsync: bool) -> None:
+        self._path = path
+        self._fsync = fsync
+        self._pos = 0
+        self._bounce: bytearray | None = None  # joins a multi-piece chunk into one write
+        self._state = "open"
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise os_error(e, "creating", path) from e
+
+    def write_at(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        if self._state != "open":
+            raise CheckpointError(f"{self._path} is {self._state}: no more writes", path=self._path)
+        if offset != self._pos:
+            raise CheckpointError(
+                f"{self._path} is on a mounted volume and is written strictly in order: expected "
+                f"offset {self._pos}, got {offset} (a writer bug)",
+                path=self._path,
+            )
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        total = sum(v.nbytes for v in views)
+        if len(views) == 1:
+            data = views[0]
+        else:
+            if self._bounce is None or len(self._bounce) < total:
+                self._bounce = bytearray(total)
+            data = memoryview(self._bounce)[:total]
+            pos = 0
+            for v in views:
+                data[pos : pos + v.nbytes] = v
+                pos += v.nbytes
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            raise os_error(e, f"writing at offset {self._pos} of", self._path) from e
+        self._pos += total
+
+    def close(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "closed"
+        self._bounce = None
+        try:
+            if self._fsync:
+                _fsync(self._fd, self._path)
+        except BaseException:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            raise
+        _close(self._fd, self._path)
+
+    def abort(self) -> None:
+        was_open = self._state == "open"
+        self._state = "aborted"
+        self._bounce = None
+        if was_open:
+            try:
+                os.close(self._fd)  # a strict mount may now upload what was written: delete it
+            except OSError:
+                pass
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
+
+
+class _VolumeSource:
+    """One file read through a small pool of descriptors, each read sequentially."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()  # guards the pool (reader threads take and return fds)
+        self._idle: list[tuple[int, int]] = [(self._open(), 0)]  # (fd, where its last read ended)
+        self._closed = False
+
+    def _open(self) -> int:
+        try:
+            return os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(
+                f"data file {self._path} is missing: the checkpoint is incomplete or was tampered with",
+                path=self._path,
+            ) from e
+        except OSError as e:
+            raise os_error(e, "opening", self._path) from e
+
+    def _take(self, offset: int) -> int:
+        with self._lock:
+            if self._closed:
+                raise CheckpointError(f"{self._path} was closed", path=self._path)
+            for i, (fd, end) in enumerate(self._idle):
+                if end == offset:
+                    return self._idle.pop(i)[0]
+            if self._idle:
+                return self._idle.pop()[0]
+        return self._open()
+
+    def _give_back(self, fd: int, end: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append((fd, end))
+                return
+        os.close(fd)
+
+    def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        fd = self._take(offset)
+        try:
+            read_full(fd, self._path, offset, buffers)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._give_back(fd, offset + sum(memoryview(b).nbytes for b in buffers))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for fd, _ in idle:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class VolumeStore(LocalStore):
+    """A checkpoint directory on a mounted volume (see the module docstring).
+
+    A :class:`LocalStore` in everything but writing, reading and committing: prepare, size,
+    read_small, list and delete are plain POSIX calls that every volume supports.
+
+    Args:
+        root: the checkpoint directory.
+        config: the backend's options.
+        detected: why the path was found to be on a volume (for messages), ``None`` when
+            volume mode was asked for explicitly.
+    """
+
+    random_writes = False
+    min_part_size = 0
+    #: A reader can meet a partial manifest here (see the module docstring): one that fails to
+    #: parse means "incomplete", not "corrupt" (used by ``load_manifest``).
+    commit_record_atomic = False
+    #: The reader gives each thread a run of one file's ranges, read in order (see above).
+    sequential_reads = True
+
+    def __init__(self, root: str, config: VolumeConfig | None = None, *, detected: str | None = None) -> None:
+        super().__init__(root)
+        self.config = config or VolumeConfig()
+        self.detected = detected
+
+    def __repr__(self) -> str:
+        return f"VolumeStore({self.root!r})"
+
+    def _sync_dir(self, directory: str) -> None:
+        """Volumes have no directory fsync (FUSE refuses it, NFS creates synchronously)."""
+
+    def open_sink(self, name: str, *, part_size: int | None = None) -> _VolumeSink:
+        path = self._path(name)
+        parent = os.path.dirname(path)
+        if parent != self.root:
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                raise os_error(e, "creating directory", parent) from e
+        return _VolumeSink(path, self.config.fsync)
+
+    def open_source(self, name: str) -> _VolumeSource:
+        return _VolumeSource(self._path(name))
+
+    def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
+        """Write ``data`` to its final name in one write (no temporary file, no rename).
+
+        The data files were fsynced and closed by their sinks before this is called. With
+        ``replace`` an existing record is deleted first; without it the record is created with
+        ``O_EXCL``, so two savers cannot both commit.
+        """
+        path = self._path(name)
+        if replace:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise os_error(e, "replacing", path) from e
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError as e:
+            raise CheckpointExistsError(
+                f"{path} was committed by another writer while this save ran; nothing was overwritten",
+                path=path,
+            ) from e
+        except OSError as e:
+            raise os_error(e, "committing", path) from e
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError as e:
+                raise os_error(e, "committing", path) from e
+            if self.config.fsync:
+                _fsync(fd, path)
+        except BaseException:
+            for undo in (lambda: os.close(fd), lambda: os.unlink(path)):
+                try:
+                    undo()  # a partial record would read as incomplete; leave none
+                except OSError:
+                    pass
+            raise
+        try:
+            _close(fd, path)
+        except CheckpointError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise

@@ -1,0 +1,291 @@
+"""CheckpointWriter/CheckpointReader on real FUSE mounts over SeaweedFS.
+
+``rclone_dir`` is on ``rclone mount --vfs-cache-mode off`` (strict object-store semantics, checked
+by the fixture: seek-writes fail with ESPIPE, rewrites with EPERM); ``weed_dir`` on ``weed mount``
+(permissive); ``volume_dir`` runs a test on both. Nothing here passes ``volume=True``: the writer
+and reader detect the mounts themselves, unless a test overrides it on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from goodput_ckpt import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointReader,
+    CheckpointWriter,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from goodput_ckpt.errors import find_checkpoint_error
+from goodput_ckpt.format.manifest import MANIFEST_NAME
+from goodput_ckpt.storage import LocalStore, StagedStore, VolumeStore, find_volume, open_store
+
+MiB = 1 << 20
+SAVE_WORKER = Path(__file__).resolve().parents[1] / "faults" / "save_worker.py"
+
+
+def make_state(seed: int = 0) -> dict:
+    """About 14 MiB: a tensor over several chunks, odd dtypes and sizes, many small tensors."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "model": {
+            "big": torch.randn(3_000_000, generator=g),  # 12 MB: several 8 MiB chunks
+            "bf16": torch.randn(301, 117, generator=g).to(torch.bfloat16),
+            "half": torch.randn(1001, generator=g).half(),
+            "ids": torch.randint(-(2**40), 2**40, (777,), generator=g),
+            "flag": torch.rand(33, generator=g) > 0.5,
+            "u8": torch.randint(0, 255, (513,), generator=g, dtype=torch.uint8),
+            "scalar": torch.tensor(1.5 + seed),
+            "empty": torch.empty(0, 3),
+            "view": torch.randn(64, 48, generator=g).t(),  # non-contiguous
+        },
+        "small": {f"n{i}": torch.randn(17 + i, generator=g) for i in range(40)},
+        "extra": {"step": 100 + seed, "name": "run", "betas": [0.9, 0.95]},
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        sd["model"]["fp8"] = torch.randn(257, generator=g).to(torch.float8_e4m3fn)
+    return sd
+
+
+def zeros_like(tree):
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree, memory_format=torch.contiguous_format)
+    if isinstance(tree, dict):
+        return {k: zeros_like(v) for k, v in tree.items()}
+    return type(tree)() if isinstance(tree, (int, float, str, list)) else None
+
+
+def assert_same(got, want, path="") -> None:
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, want.view(torch.uint8) if want.dtype.itemsize == 1 else want), path
+    elif isinstance(want, dict):
+        assert set(got) == set(want), path
+        for k in want:
+            assert_same(got[k], want[k], f"{path}.{k}")
+    else:
+        assert got == want, path
+
+
+def save(state, path, **kw) -> CheckpointWriter:
+    writer = CheckpointWriter(path, **kw)
+    dcp.save(state, storage_writer=writer)
+    return writer
+
+
+def load(state, path, **kw) -> dict:
+    dest = zeros_like(state)
+    dcp.load(dest, storage_reader=CheckpointReader(path, **kw))
+    return dest
+
+
+def data_files(path: Path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".bin"))
+
+
+def rewrite(path: Path, data: bytes) -> None:
+    """Replace a file's content the only way a strict mount allows: create it anew."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+# -- detection ------------------------------------------------------------------------------------
+def test_mounts_are_detected_and_the_option_overrides(rclone_volume, weed_volume, tmp_path):
+    for vol, fstype in ((rclone_volume, "fuse.rclone"), (weed_volume, "fuse.seaweedfs")):
+        loc = vol.fresh()
+        why = find_volume(loc)
+        assert why is not None and fstype in why, why
+        assert type(open_store(loc)) is VolumeStore
+        assert type(open_store(f"file://{loc}")) is VolumeStore
+        assert type(open_store(loc, {"volume": False})) is LocalStore
+        assert type(CheckpointWriter(loc)._store) is VolumeStore
+        assert type(CheckpointReader(loc)._store) is VolumeStore
+        assert type(CheckpointWriter(loc, stage_dir=tmp_path / "st")._store) is StagedStore
+    assert find_volume(tmp_path) is None
+
+
+def test_local_mode_forced_onto_a_strict_mount_fails_cleanly(rclone_dir, weed_dir):
+    """``volume=False`` is the user's call: on the strict mount the local-disk store fails with
+    a CheckpointError (its parallel writes at offsets get ESPIPE, with a hint to use
+    volume=True, or, when rclone managed to reorder them, its commit by link or rename fails)
+    and leaves no manifest; on the permissive mount the local-disk store works."""
+    sd = make_state(1)
+    with pytest.raises(CheckpointException) as info:
+        save(sd, rclone_dir, volume=False)
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CheckpointError)
+    if "Illegal seek" in str(err):
+        assert "volume=True" in str(err)
+    assert not (rclone_dir / MANIFEST_NAME).exists()
+    with pytest.raises((IncompleteCheckpointError, CheckpointNotFoundError)):
+        CheckpointReader(rclone_dir).read_metadata()
+
+    save(sd, weed_dir, volume=False)  # pwrite + link/rename: a network filesystem allows them
+    assert_same(load(sd, weed_dir), sd)
+
+
+# -- round trips ------------------------------------------------------------------------------------
+def test_round_trip(volume_dir):
+    sd = make_state(2)
+    writer = save(sd, volume_dir)
+    assert writer.durable_future().done()
+    names = sorted(os.listdir(volume_dir))
+    assert MANIFEST_NAME in names and len(data_files(volume_dir)) == 4, names  # 4 files, one per thread
+    assert names == sorted([MANIFEST_NAME, *data_files(volume_dir)]), "no temporary or marker files"
+    assert_same(load(sd, volume_dir), sd)
+    # A sub-range of a tensor: the reader reads just the chunks it needs.
+    part = {"model": {"big": torch.zeros(3_000_000)}}
+    dcp.load(part, storage_reader=CheckpointReader(volume_dir, thread_count=3))
+    assert torch.equal(part["model"]["big"], sd["model"]["big"])
+
+
+def test_async_save_with_the_thread_executor(rclone_dir):
+    sd, expected = make_state(3), make_state(3)
+    writer = CheckpointWriter(rclone_dir)
+    fut = dcp.async_save(sd, storage_writer=writer)
+    sd["model"]["big"].add_(1)  # training goes on: the checkpoint must not see it
+    fut.result(timeout=120)
+    assert_same(load(expected, rclone_dir), expected)
+
+
+# -- existing checkpoints ----------------------------------------------------------------------------
+def test_overwrite_refused_unless_asked(volume_dir):
+    old, new = make_state(4), make_state(5)
+    save(old, volume_dir)
+    old_files = data_files(volume_dir)
+    with pytest.raises(CheckpointException) as info:
+        save(new, volume_dir)
+    assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
+    assert data_files(volume_dir) == old_files
+    assert_same(load(old, volume_dir), old)
+    save(new, volume_dir, overwrite=True)
+    assert_same(load(new, volume_dir), new)
+    assert not set(old_files) & set(data_files(volume_dir)), "the old data files were removed"
+
+
+# -- damage -----------------------------------------------------------------------------------------
+def test_corruption_is_detected(rclone_dir):
+    sd = make_state(6)
+    save(sd, rclone_dir)
+    manifest = (rclone_dir / MANIFEST_NAME).read_bytes()
+    biggest = max(data_files(rclone_dir), key=lambda n: (rclone_dir / n).stat().st_size)
+    original = (rclone_dir / biggest).read_bytes()
+
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0xFF
+    rewrite(rclone_dir / biggest, bytes(flipped))
+    with pytest.raises(CheckpointException) as info:
+        load(sd, rclone_dir)
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CorruptCheckpointError) and biggest in str(err) and err.byte_range is not None, err
+
+    rewrite(rclone_dir / biggest, original[:-100])  # truncated
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        CheckpointReader(rclone_dir).read_metadata()
+    (rclone_dir / biggest).unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        CheckpointReader(rclone_dir).read_metadata()
+    rewrite(rclone_dir / biggest, original)
+    assert_same(load(sd, rclone_dir), sd)
+
+    # A half-written manifest (a killed upload completes with what it had) is never a commit.
+    rewrite(rclone_dir / MANIFEST_NAME, manifest[: len(manifest) // 2])
+    with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
+        CheckpointReader(rclone_dir).read_metadata()
+    save(make_state(7), rclone_dir)  # an incomplete location takes a new save without overwrite
+    assert_same(load(make_state(7), rclone_dir), make_state(7))
+
+
+def test_save_killed_mid_write_leaves_it_incomplete(rclone_volume, tmp_path):
+    """SIGKILL while the data files are being written: the mount finishes the uploads with what
+    it had, but no manifest exists, so the location reads as incomplete; a new save there then
+    works without overwrite and removes the leftovers."""
+    loc = rclone_volume.fresh("killed")
+    log = open(tmp_path / "worker.log", "w")
+    proc = subprocess.Popen([sys.executable, str(SAVE_WORKER), str(loc), "1", "--mib", "48"],
+                            stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "READY", (tmp_path / "worker.log").read_text()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if sum((loc / n).stat().st_size for n in data_files(loc)) >= 4 * MiB:
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.01)
+        assert proc.poll() is None, "the save finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    leftovers = data_files(loc)
+    assert leftovers and MANIFEST_NAME not in os.listdir(loc)
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        CheckpointReader(loc).read_metadata()
+    sd = make_state(8)
+    save(sd, loc)
+    assert not set(leftovers) & set(data_files(loc))
+    assert_same(load(sd, loc), sd)
+
+
+# -- local staging -------------------------------------------------------------------------------------
+def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
+    sd = make_state(9)
+    loc, stage = rclone_volume.fresh("staged"), tmp_path / "stage"
+    writer = CheckpointWriter(loc, stage_dir=stage)
+    t0 = time.perf_counter()
+    dcp.save(sd, storage_writer=writer)
+    blocked = time.perf_counter() - t0
+    durable = writer.durable_future()
+    durable.result(timeout=120)
+    total = time.perf_counter() - t0
+    assert blocked <= total
+    names = os.listdir(loc)
+    assert MANIFEST_NAME in names and not [n for n in names if n.endswith(".uploaded")], names
+    assert list(stage.iterdir()) == [], "uploaded files leave the stage"
+    assert_same(load(sd, loc), sd)
+
+    # async_save, then the durable copy; a second staged save refuses the committed location.
+    sd2 = make_state(10)
+    loc2 = rclone_volume.fresh("staged")
+    writer2 = CheckpointWriter(loc2, stage_dir=stage)
+    dcp.async_save(sd2, storage_writer=writer2).result(timeout=120)
+    writer2.durable_future().result(timeout=120)
+    assert_same(load(sd2, loc2), sd2)
+    with pytest.raises(CheckpointException) as info:
+        save(sd, loc2, stage_dir=stage)
+    assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
+
+
+
+def test_readme_volume_example_runs(rclone_volume, tmp_path):
+    """The README's mounted-volume example, with its paths moved onto the strict mount."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Mounted volumes", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    root = rclone_volume.fresh("readme")
+    code = code.replace("/Volumes/main/ml/ckpts", str(root)).replace("/local_disk0/stage", str(tmp_path / "stage"))
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    for step in ("step_100", "step_200"):
+        assert (root / step / MANIFEST_NAME).exists()
+    assert namespace["state"]["step"] == 100
