@@ -27,6 +27,10 @@ Rules:
 - Loads start after ``sync; echo 3 > /proc/sys/vm/drop_caches`` when permitted (root), so
   neither the kernel's FUSE page cache nor the server's files are hot. DCP loads go into a
   preallocated, touched destination; ``cp`` writes to local disk (page cache, no fsync).
+- ``cpu`` is the CPU seconds of the phase in this process (and ``cp``), then in the processes
+  that serve the mount (the SeaweedFS server and the FUSE daemon). On 2 cores they compete:
+  a save is CPU-bound, so every CPU-second the client spends (blake3 hashing, DCP planning)
+  comes out of the servers' share, where ``cp`` spends almost none.
 - Methods run round-robin within a repeat (the order rotating per repeat); each location is
   deleted afterwards. A figure is the median over ``--repeats``. The machine is shared (2
   cores), so the ratios within one run matter, not the absolute figures.
@@ -41,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -100,10 +105,44 @@ class Bench:
         return self.dest
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+#: PIDs of the processes that serve the mount (the SeaweedFS server, the FUSE daemon), whose
+#: CPU time is reported with each phase (set per mount).
+SERVER_PIDS: list[int] = []
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds so far of this process and its children (cp), and of the servers."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return own, sum(_cpu_of(p) for p in SERVER_PIDS)
+
+
+class Phase(float):
+    """Wall seconds of a phase, with the CPU seconds spent by the client and the servers."""
+
+    client_cpu: float
+    server_cpu: float
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Phase, Any]:
+    c0, s0 = _cpu()
     t0 = time.perf_counter()
     out = fn()
-    return time.perf_counter() - t0, out
+    wall = Phase(time.perf_counter() - t0)
+    c1, s1 = _cpu()
+    wall.client_cpu, wall.server_cpu = c1 - c0, s1 - s0
+    return wall, out
 
 
 def cold() -> None:
@@ -155,10 +194,11 @@ def m_staged(b: Bench) -> dict[str, float]:
     loc = b.location("staged")
     writer = CheckpointWriter(loc, stage_dir=b.scratch / "stage")
     t0 = time.perf_counter()
-    dcp.save(b.state.nested, storage_writer=writer)
-    blocked = time.perf_counter() - t0
-    writer.durable_future().result(timeout=3600)
-    durable = time.perf_counter() - t0
+    blocked, _ = timed(lambda: dcp.save(b.state.nested, storage_writer=writer))
+    upload, _ = timed(lambda: writer.durable_future().result(timeout=3600))
+    durable = Phase(time.perf_counter() - t0)  # from the call to the commit on the volume
+    durable.client_cpu = blocked.client_cpu + upload.client_cpu
+    durable.server_cpu = blocked.server_cpu + upload.server_cpu
     dest = b.zero_dest()
     cold()
     dcp.load(dest, storage_reader=CheckpointReader(loc))
@@ -190,7 +230,8 @@ def run_mount(kind: str, server: SeaweedServer, work: Path, args: argparse.Names
         scratch.mkdir()
         bench = Bench(mount.path, scratch, parse_size(args.size))
         methods = [m for m in args.methods.split(",") if m]
-        seconds: dict[str, dict[str, list[float]]] = {}
+        SERVER_PIDS[:] = [server.proc.pid, mount.proc.pid]
+        seconds: dict[str, dict[str, list[Phase]]] = {}
         errors: dict[str, str] = {}
         for rep in range(args.repeats):
             order = methods[rep % len(methods):] + methods[: rep % len(methods)]
@@ -217,9 +258,17 @@ def run_mount(kind: str, server: SeaweedServer, work: Path, args: argparse.Names
     return summarize(kind, seconds, errors, nbytes)
 
 
-def summarize(kind: str, seconds: dict[str, dict[str, list[float]]], errors: dict[str, str], nbytes: int) -> dict[str, Any]:
-    rows = {m: {p: {"seconds": statistics.median(v), "mib_s": nbytes / MiB / statistics.median(v), "all": v}
-                for p, v in phases.items()} for m, phases in seconds.items()}  # fmt: skip
+def _row(v: list[Phase], nbytes: int) -> dict[str, Any]:
+    t = statistics.median(v)
+    return {
+        "seconds": t, "mib_s": nbytes / MiB / t, "all": [float(x) for x in v],
+        "client_cpu_s": statistics.median(x.client_cpu for x in v),
+        "server_cpu_s": statistics.median(x.server_cpu for x in v),
+    }  # fmt: skip
+
+
+def summarize(kind: str, seconds: dict[str, dict[str, list[Phase]]], errors: dict[str, str], nbytes: int) -> dict[str, Any]:
+    rows = {m: {p: _row(v, nbytes) for p, v in phases.items()} for m, phases in seconds.items()}
     ratios: dict[str, float] = {}
 
     def t(m: str, p: str) -> float | None:
@@ -241,7 +290,10 @@ def print_report(report: dict[str, Any]) -> None:
     for r in report["mounts"]:
         print(f"\n== {r['mount']} mount: payload {r['payload_bytes'] / MiB:.0f} MiB, median of {report['repeats']} ==")
         for m, phases in r["results"].items():
-            cells = "  ".join(f"{p} {v['seconds']:6.2f}s {v['mib_s']:6.1f} MiB/s" for p, v in phases.items())
+            cells = "  ".join(
+                f"{p} {v['seconds']:5.2f}s {v['mib_s']:6.1f} MiB/s cpu {v['client_cpu_s']:4.1f}+{v['server_cpu_s']:4.1f}s"
+                for p, v in phases.items()
+            )
             print(f"  {m:<8} {cells}")
         for m, e in r["errors"].items():
             print(f"  {m:<8} failed: {e}")

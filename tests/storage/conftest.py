@@ -100,6 +100,12 @@ def moto(moto_server) -> S3Target:
     return _new_bucket("moto", moto_server.url)
 
 
+@pytest.fixture
+def seaweed(seaweed_server) -> S3Target:
+    """A fresh bucket on the SeaweedFS server."""
+    return _new_bucket("seaweedfs", seaweed_server.url)
+
+
 @pytest.fixture(params=["moto", "seaweedfs"])
 def s3(request) -> S3Target:
     """A fresh bucket on each real server in turn."""

@@ -136,7 +136,7 @@ def test_failure_on_one_file_stops_the_others(moto, proxy, via_proxy):
 
 
 @pytest.mark.parametrize("checksums", [True, False])
-def test_body_damaged_in_transit(seaweed_server, checksums):
+def test_body_damaged_in_transit(seaweed, checksums):
     """A part damaged on its way to the server (one bit flipped by the proxy).
 
     With CRC-32s (the default) SeaweedFS refuses it (BadDigest), the part is sent again and the
@@ -144,10 +144,8 @@ def test_body_damaged_in_transit(seaweed_server, checksums):
     which this server does not check against the body: the damage is stored, and only the blake3
     check on load catches it, naming the chunk.
     """
-    from conftest import _new_bucket
-
-    target = _new_bucket("seaweedfs", seaweed_server.url)
-    proxy = FaultProxy(seaweed_server.url)
+    target = seaweed
+    proxy = FaultProxy(seaweed.url)
     try:
         rule = proxy.add("corrupt", op="UploadPart", times=1)
         via = type(target)("seaweedfs", proxy.url, target.bucket)

@@ -123,9 +123,11 @@ def test_sink_takes_writes_in_order_only(tmp_path):
     sink.write_at(4, [b"ef"])
     with pytest.raises(CheckpointError, match="strictly in order"):
         sink.write_at(2, [b"xx"])
+    big = [bytes([1]) * (3 << 19), bytes([2]) * (3 << 19)]  # large pieces: one writev, no copy
+    sink.write_at(6, big)
     sink.close()
     sink.close()
-    assert (tmp_path / "v" / "a.bin").read_bytes() == b"abcdef"
+    assert (tmp_path / "v" / "a.bin").read_bytes() == b"abcdef" + big[0] + big[1]
     sink = store.open_sink("b.bin")
     sink.write_at(0, [b"partial"])
     sink.abort()
