@@ -152,9 +152,11 @@ class CheckpointReader(StorageReader):
         share_manifest: when ``torch.distributed`` is initialized, rank 0 of ``process_group``
             reads and checks the manifest in ``read_metadata`` and broadcasts it; the other ranks
             make no request for it. Every rank of the group must then load together, as
-            ``dcp.load`` does. Pass ``False`` when only some ranks of the group load (for
-            example ``dcp.load(..., no_dist=True)`` on rank 0 alone), which would otherwise wait
-            for the missing ranks until the process group times out.
+            ``dcp.load`` does. The default (``None``) shares on object stores (S3, fsspec), where
+            N ranks' requests cost money and throttling, and not on local disks and mounts,
+            where a read is cheap and a partial load (``dcp.load(..., no_dist=True)`` on some
+            ranks only) must not wait for ranks that never come. ``True`` forces sharing; pass
+            ``False`` for a partial load from an object store.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -171,7 +173,7 @@ class CheckpointReader(StorageReader):
         thread_count: int | None = None,
         trust_pickle: bool = False,
         process_group: Any = None,
-        share_manifest: bool = True,
+        share_manifest: bool | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -181,7 +183,7 @@ class CheckpointReader(StorageReader):
         self.thread_count = thread_count or DEFAULT_READ_THREADS
         self.trust_pickle = bool(trust_pickle)
         self.process_group = process_group
-        self.share_manifest = bool(share_manifest)
+        self.share_manifest = share_manifest
         self._options = dict(options)
         self.checkpoint_id: str | os.PathLike = uri
         self._store: Store = open_store(uri, self._options)
@@ -209,9 +211,14 @@ class CheckpointReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_supported_uri(checkpoint_id)
 
+    def _shares_manifest(self) -> bool:
+        if self.share_manifest is not None:
+            return bool(self.share_manifest)
+        return bool(getattr(self._store, "costly_requests", False))
+
     def read_metadata(self) -> Metadata:
         # Collective when a process group exists: one rank reads, the others receive it.
-        self._manifest = load_shared(lambda: load_manifest(self._store), group=self.process_group, enabled=self.share_manifest)
+        self._manifest = load_shared(lambda: load_manifest(self._store), group=self.process_group, enabled=self._shares_manifest())
         self._chunk_cache = {}
         return to_dcp_metadata(self._manifest)
 

@@ -98,6 +98,10 @@ class Store(Protocol):
     #: upload each part as a separate request have one (S3: 5 MiB); the writer refuses a chunk
     #: size below it. Optional: a store without the attribute has no minimum.
     min_part_size: int
+    #: Optional (read with ``getattr``, default False): whether each request costs enough (an
+    #: object store, billed and throttled per request) that ranks should share one manifest
+    #: read instead of each making their own. Local disks and mounts leave it False.
+    #: costly_requests: bool
 
     def prepare(self) -> None:
         """Create the location if needed. Called by every rank before writing."""

@@ -155,6 +155,7 @@ class FsspecStore:
     """A checkpoint location on any fsspec filesystem."""
 
     random_writes = False
+    costly_requests = True  # share one manifest read across ranks (dcp/manifest_share.py)
     min_part_size = 0
 
     def __init__(self, uri: str, config: FsspecConfig | None = None) -> None:

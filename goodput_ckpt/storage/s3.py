@@ -186,6 +186,7 @@ class S3Store:
     """A checkpoint location under ``s3://bucket/prefix``."""
 
     random_writes = True
+    costly_requests = True  # share one manifest read across ranks (dcp/manifest_share.py)
 
     def __init__(self, uri: str, config: S3Config | None = None) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)

@@ -237,3 +237,13 @@ def test_overlapping_saves_on_one_writer_raise(ckpt_dir):
     t.start()
     t.join()
     assert errors and "already running" in str(errors[0])
+
+
+def test_manifest_sharing_default_depends_on_request_cost(tmp_path):
+    """Ranks share one manifest read on object stores only, so a partial load from local disk
+    (dcp.load(..., no_dist=True) on some ranks) never waits on a broadcast."""
+    assert CheckpointReader(tmp_path)._shares_manifest() is False
+    assert CheckpointReader(tmp_path, share_manifest=True)._shares_manifest() is True
+    s3 = CheckpointReader("s3://bucket/run/step_1", endpoint_url="http://127.0.0.1:9")
+    assert s3._shares_manifest() is True
+    assert CheckpointReader("s3://bucket/x", share_manifest=False, endpoint_url="http://127.0.0.1:9")._shares_manifest() is False
