@@ -29,7 +29,16 @@ Rules, the same for every method:
   preallocated, already-touched destination dict (as when resuming into a live model);
   torch.load, safetensors and the raw read allocate what they return, as they always do.
 - Methods run round-robin within each repeat, the start rotating per repeat, and files are
-  deleted after each method. Each figure is the median over ``--repeats``.
+  deleted after each method. Each figure is the median over ``--repeats``; the fastest repeat
+  ("best") is shown beside it, and the targets of issue 2 are printed for both.
+
+Noise: the machine is shared. Before each measurement the benchmark waits (up to ``--quiet``
+seconds) until other processes leave the CPUs and the disk idle, and it records how many CPUs
+others used during the measurement ("others"). On this VM a second effect, invisible to that
+gauge, dominates: memory that sat free for a few seconds is handed back to the host (virtio
+balloon free-page reporting), and touching it again (the page cache of a save, a load's
+allocations) can cost 1-2 s of CPU per GiB instead of 0.25 s. It slows random repeats of every
+method by 2-4x; the best repeat approximates the cost without it.
 
 Run: ``.venv/bin/python benchmarks/bench_local.py --size 2GiB --repeats 2 --json bench.json``.
 """

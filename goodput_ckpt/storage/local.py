@@ -53,8 +53,9 @@ def _load_sync_file_range():
 
 
 #: Starts writeback of a just-written range (a hint: failures surface in the final fsync).
-#: Measured with benchmarks/bench_local.py, 2 GiB on this machine's virtio disk (2 cores): the
-#: best save fell from 1.54 s to 0.85 s, because the device write overlaps the copy and hashing
+#: Measured on a 2-core machine's virtio disk: a 2 GiB save, best of 4, fell from 1.54 s to
+#: 0.85 s; benchmarks/sweep_local.py --writeback-ab (1 GiB, 5 repeats) gave 0.75 vs 0.59 GB/s
+#: median and 1.82 vs 1.03 GB/s best, because the device write overlaps the copy and hashing
 #: instead of following them.
 _SYNC_FILE_RANGE = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
