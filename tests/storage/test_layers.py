@@ -16,10 +16,14 @@ def test_storage_and_manifest_import_without_torch():
                 if name == "torch" or name.startswith("torch."):
                     raise ImportError("torch is blocked in this test")
         sys.meta_path.insert(0, Block())
+        import importlib, pkgutil
         import goodput_ckpt
         import goodput_ckpt.storage
         import goodput_ckpt.format.manifest
         import goodput_ckpt.errors
+        # Every store module, present and future (local, volume, staging, S3, fsspec ...).
+        for m in pkgutil.iter_modules(goodput_ckpt.storage.__path__):
+            importlib.import_module(f"goodput_ckpt.storage.{m.name}")
         assert "torch" not in sys.modules
         print("ok")
         """
