@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,8 @@ from .layout import child_uri, step_dir_name
 from .retention import delete_step, retention_victims, scan_steps
 from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from .storage import open_store
+from .storage.local import LocalStore
+from .timeline import TIMELINE_NAME, TimelineSink, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
@@ -94,6 +97,7 @@ class _Save:
 
     step: int
     uri: str
+    record: dict[str, Any]  # its timeline record, completed by the save thread
     done: Future | None = None  # the save task: done after commit, release, retention, recording
 
 
@@ -118,11 +122,16 @@ class CheckpointManager:
         thread_count, chunk_size: passed to ``CheckpointWriter`` (``thread_count`` also to the
             reader); ``verify``: check hashes on restore.
         timeout_s: the longest wait for a previous save (``save``, ``restore``, ``close``).
+        timeline: where the per-save timeline goes (:mod:`goodput_ckpt.timeline`): ``True``
+            (default) appends JSON lines to ``ROOT/goodput-timeline.jsonl`` when the root is a
+            local directory (elsewhere it stays in memory); a local file path; a callable that
+            receives each record; ``False``: in memory only.
         **storage_options: backend options of the store (for local disk, ``fsync=``); an
             unknown one is a ``TypeError``.
 
     Attributes:
         last_error: the most recent failure of a background save, or ``None``.
+        timeline: this rank's newest timeline records (dicts, oldest first).
     """
 
     def __init__(
@@ -141,6 +150,7 @@ class CheckpointManager:
         chunk_size: int | None = None,
         verify: bool = True,
         timeout_s: float = 1800.0,
+        timeline: str | os.PathLike | Callable[[dict[str, Any]], None] | bool = True,
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
@@ -154,6 +164,7 @@ class CheckpointManager:
         self._storage_options = dict(storage_options)
         self._root = open_store(self.root_uri, self._storage_options)  # checks the options now
         self._on_error = on_error
+        self._timeline = TimelineSink(self._timeline_target(timeline))
         self.last_error: CheckpointError | None = None
         self._unraised: CheckpointError | None = None
         self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
@@ -181,7 +192,26 @@ class CheckpointManager:
         else:
             self._topology = Topology(rank=0, world_size=1)
 
+    def _timeline_target(self, timeline: Any) -> Any:
+        if timeline is True:
+            return os.path.join(self._root.root, TIMELINE_NAME) if isinstance(self._root, LocalStore) else None
+        if timeline is False or timeline is None:
+            return None
+        if callable(timeline) or isinstance(timeline, (str, os.PathLike)):
+            return timeline
+        raise TypeError(f"timeline must be a bool, a file path or a callable, got {type(timeline).__name__}")
+
     # -- queries --------------------------------------------------------------------------------
+    @property
+    def timeline(self) -> list[dict[str, Any]]:
+        """This rank's newest timeline records (see :mod:`goodput_ckpt.timeline`), oldest first."""
+        return list(self._timeline.records)
+
+    @property
+    def timeline_path(self) -> str | None:
+        """The JSON-lines file the timeline is appended to, or ``None``."""
+        return self._timeline.path
+
     @property
     def is_coordinator(self) -> bool:
         """Whether this rank deletes old checkpoints and decides which step to restore."""
@@ -239,7 +269,9 @@ class CheckpointManager:
         """
         self._check_open()
         name = step_dir_name(step)
+        started, t0 = time.time(), time.perf_counter()
         self._finish_previous(report=self.config.fail_fast)
+        t_waited = time.perf_counter()
         models = normalize(model, optimizer)
         check_stateful(stateful)
         state, metadata = build_save_state(
@@ -251,12 +283,19 @@ class CheckpointManager:
             uri, thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
             overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
         )  # fmt: skip
-        no_dist = self._pg is None
+        record = self._record("save", step, started, **{"async": self.config.async_save})
+        record["wait_s"] = t_waited - t0
+        record["bytes"] = tensor_nbytes(state)
         if not self.config.async_save:
             try:
-                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=no_dist)
+                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+                record["write_s"] = time.perf_counter() - t_waited
+                self._wait_durable(writer, step, uri)
             except (Exception, CheckpointException) as e:
-                raise as_checkpoint_error(e, f"saving step {step} to {uri}")
+                err = as_checkpoint_error(e, f"saving step {step} to {uri}")
+                self._finish_record(record, t_waited, err, stall_from=t0)
+                raise err
+            self._finish_record(record, t_waited, None, stall_from=t0)
             self._apply_retention(step)
             return
         try:
@@ -266,27 +305,35 @@ class CheckpointManager:
                 raise as_checkpoint_error(e, f"staging step {step}")
             raise
         del state
-        job = _Save(step, uri)
+        t_staged = time.perf_counter()
+        record["stage_s"] = t_staged - t_waited
+        record["stall_s"] = t_staged - t0
+        job = _Save(step, uri, record)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
         try:
-            job.done = self._worker.submit(self._write, job, staged, writer)
+            job.done = self._worker.submit(self._write, job, staged, writer, t_staged)
         except BaseException:
             self._stager.release()
             raise
         self._inflight = job
 
-    def _write(self, job: _Save, staged: dict[str, Any], writer: CheckpointWriter) -> None:
-        """Save thread: write and commit the staged state, free the buffers, apply retention,
-        record a failure. Never raises: failures are reported through ``wait``/``last_error``."""
+    def _write(self, job: _Save, staged: dict[str, Any], writer: CheckpointWriter, handed_off: float) -> None:
+        """Save thread: write and commit the staged state, free the buffers, wait until it is
+        durable, apply retention, record the outcome. Never raises: failures are reported
+        through ``wait``/``last_error``."""
         err: CheckpointError | None = None
         try:
-            dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            try:
+                dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            finally:
+                del staged
+                self._stager.release()
+            job.record["write_s"] = time.perf_counter() - handed_off
+            self._wait_durable(writer, job.step, job.uri)
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
-        finally:
-            del staged
-            self._stager.release()
+        self._finish_record(job.record, handed_off, err)
         if err is None:
             logger.info("committed step %d at %s", job.step, job.uri)
             self._apply_retention(job.step)
@@ -301,6 +348,42 @@ class CheckpointManager:
                 self._on_error(job.step, err)
             except Exception:  # noqa: BLE001 - a broken callback must not hide the save error
                 logger.exception("on_error callback raised")
+
+    def _wait_durable(self, writer: CheckpointWriter, step: int, uri: str) -> None:
+        """Wait until the committed checkpoint is durable at its final location (later than the
+        commit only with local staging onto a volume), so retention and ``steps()`` see it."""
+        fut = writer.durable_future()
+        if fut.done():
+            fut.result()
+            return
+        try:
+            fut.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            raise CheckpointError(
+                f"the upload of step {step} to {uri} is still running after {self.config.timeout_s:.0f}s", path=uri
+            ) from None
+
+    def _record(self, event: str, step: int, started: float, **fields: Any) -> dict[str, Any]:
+        return {
+            "event": event, "step": step, "rank": self._topology.rank,
+            "world_size": self._topology.world_size, "time": started, **fields,
+        }  # fmt: skip
+
+    def _finish_record(
+        self, record: dict[str, Any], since: float, err: CheckpointError | None, *, stall_from: float | None = None
+    ) -> None:
+        """Complete a save record (``since``: when the write started) and emit it."""
+        now = time.perf_counter()
+        record["durable_s"] = now - since
+        record.setdefault("write_s", now - since)
+        if stall_from is not None:  # a synchronous save blocks for all of it
+            record["stage_s"] = 0.0
+            record["stall_s"] = now - stall_from
+        write_s = record["write_s"]
+        record["gbps"] = record["bytes"] / write_s / 1e9 if err is None and write_s > 0 else None
+        record["ok"] = err is None
+        record["error"] = None if err is None else str(err)
+        self._timeline.emit(record)
 
     def _finish_previous(self, *, report: bool) -> None:
         """Wait for the save in flight; raise its error when ``report`` (and forget it)."""
@@ -368,8 +451,12 @@ class CheckpointManager:
             step = self._agree_on_latest()
             if step is None:
                 return None
+        started, t0 = time.time(), time.perf_counter()
         uri = child_uri(self.root_uri, step_dir_name(step))
-        reader = CheckpointReader(uri, verify=self.config.verify, thread_count=self.config.thread_count, **self._storage_options)
+        reader = CheckpointReader(
+            uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg,
+            **self._storage_options,
+        )  # fmt: skip
         plan, local_err = None, None
         try:
             plan = plan_restore(
@@ -385,6 +472,9 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, f"loading step {step} from {uri}")
         apply_restore(plan)
+        self._timeline.emit(
+            self._record("restore", step, started, seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest), ok=True, error=None)
+        )
         for note in plan.notes:
             logger.warning("restore of step %d: %s", step, note)
             warnings.warn(f"restore of step {step}: {note}", stacklevel=2)

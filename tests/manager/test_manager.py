@@ -364,9 +364,9 @@ def test_save_waits_for_the_previous_save(tmp_path):
     order = []
     real_write = mgr._write
 
-    def write(job, staged, writer):
+    def write(job, staged, writer, *rest):
         order.append(("start", job.step, threading.current_thread().name))
-        real_write(job, staged, writer)
+        real_write(job, staged, writer, *rest)
         order.append(("end", job.step, os.path.exists(tmp_path / f"step_{job.step:08d}" / MANIFEST_NAME)))
 
     mgr._write = write

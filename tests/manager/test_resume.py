@@ -39,6 +39,7 @@ from goodput_ckpt.errors import TopologyChangeError  # noqa: E402
 from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from goodput_ckpt.layout import list_step_dirs  # noqa: E402
 from goodput_ckpt.storage import open_store  # noqa: E402
+from goodput_ckpt.timeline import TIMELINE_NAME, read_timeline  # noqa: E402
 
 # The scenario runs 6-8 two-rank job launches: 40-60 s on an idle 2-core machine.
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -240,6 +241,13 @@ def test_killed_and_restarted_job_matches_uninterrupted_run(resumed_job):
     assert restored[0] == "none" and resumed == sorted(resumed) and len(resumed) >= 3, ctx
     complete, incomplete = _complete_and_incomplete(resumed_job["root"])
     assert complete[-1] == STEPS - 1 and len(complete) == 2 and not incomplete, (complete, incomplete, ctx)
+    # Every rank appended its saves and restores to the timeline, across the kills.
+    records = read_timeline(resumed_job["root"] / TIMELINE_NAME)
+    saved = {(r["rank"], r["step"]) for r in records if r["event"] == "save" and r["ok"]}
+    assert {(rank, STEPS - 1) for rank in range(WORLD)} <= saved, ctx
+    restores = [r for r in records if r["event"] == "restore"]
+    assert {r["rank"] for r in restores} == set(range(WORLD)) and len(restores) >= 2 * len(resumed), ctx
+    assert all(r["world_size"] == WORLD and r["bytes"] > 0 for r in records), ctx
 
 
 def _plain_model() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

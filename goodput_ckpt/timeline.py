@@ -1,0 +1,166 @@
+"""The per-save timeline: what every checkpoint cost the training loop, one JSON line per event.
+
+:class:`~goodput_ckpt.CheckpointManager` records one event per save and per restore on every
+rank, so the goodput of a real run can be computed afterwards (``goodput-ckpt plan`` and
+``goodput-ckpt demo`` read it). A record is a flat JSON object::
+
+    {"event": "save", "step": 100, "rank": 0, "world_size": 2, "time": 1733150000.1,
+     "async": true, "wait_s": 0.0, "stage_s": 0.021, "stall_s": 0.021,
+     "write_s": 0.35, "durable_s": 0.35, "bytes": 104857600, "gbps": 0.30, "ok": true, "error": null}
+    {"event": "restore", "step": 100, "rank": 0, "world_size": 2, "time": ..., "seconds": 0.4,
+     "bytes": 104857600, "ok": true, "error": null}
+
+- ``time``: wall-clock start of the event (Unix seconds).
+- ``stall_s``: how long ``save`` blocked the training loop: ``wait_s`` (waiting for the previous
+  save to finish) plus ``stage_s`` (copying the state into the reused buffers). For a
+  synchronous save it is the whole save.
+- ``write_s``: the background part, from the hand-off to the save thread until the checkpoint
+  was committed; ``durable_s`` until it was durable at its final location (later than the commit
+  only with local staging onto a volume). ``gbps`` = ``bytes`` / ``write_s`` / 1e9.
+- ``bytes``: this rank's tensor payload (its shards of the model and optimizer state).
+
+Where the lines go is the manager's ``timeline=`` option: by default a file
+``ROOT/goodput-timeline.jsonl`` when the root is a local directory (each rank appends whole lines
+with ``O_APPEND``, which local filesystems keep unmixed), any local path, a callable that receives
+each record, or ``False``. Object stores and volumes cannot append, so for those roots the
+default keeps the records in memory only (:attr:`CheckpointManager.timeline`); pass a local path
+or a callable to keep them.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import statistics
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["TIMELINE_NAME", "TimelineSink", "read_timeline", "summarize_timeline", "tensor_nbytes"]
+
+#: The default timeline file name under a local manager root.
+TIMELINE_NAME = "goodput-timeline.jsonl"
+
+Record = dict[str, Any]
+
+logger = logging.getLogger("goodput_ckpt.timeline")
+
+#: Records a manager keeps in memory (the newest ones); the file keeps them all.
+MEMORY_RECORDS = 10_000
+
+
+class TimelineSink:
+    """Where the records of one manager go: an in-memory list, plus a file or a callback."""
+
+    def __init__(self, target: str | os.PathLike | Callable[[Record], None] | None) -> None:
+        self.records: collections.deque[Record] = collections.deque(maxlen=MEMORY_RECORDS)
+        self._path = None if target is None or callable(target) else os.fspath(target)
+        self._callback = target if callable(target) else None
+
+    @property
+    def path(self) -> str | None:
+        """The JSON-lines file the records are appended to, if any."""
+        return self._path
+
+    def emit(self, record: Record) -> None:
+        """Record one event. Best effort: a failure to write the timeline never fails a save."""
+        self.records.append(record)
+        if self._path is not None:
+            line = (json.dumps(record, sort_keys=True) + "\n").encode()
+            try:
+                os.makedirs(os.path.dirname(self._path) or ".", exist_ok=True)
+                fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)  # one write per line: appends from ranks do not interleave
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                logger.warning("could not append to the timeline %s: %s", self._path, e)
+        if self._callback is not None:
+            try:
+                self._callback(dict(record))
+            except Exception:  # noqa: BLE001 - a broken callback must not fail a save
+                logger.exception("timeline callback raised")
+
+
+def read_timeline(path: str | os.PathLike) -> list[Record]:
+    """The records of a timeline file, in file order.
+
+    A torn last line (a process killed mid-append) is skipped; any other line that is not a JSON
+    object raises ``ValueError`` naming the line.
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    out: list[Record] = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i >= len(lines) - 1:  # the last line, possibly without its newline
+                continue
+            raise ValueError(f"{os.fspath(path)}:{i}: not a JSON line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{os.fspath(path)}:{i}: not a JSON object")
+        out.append(record)
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {
+        "count": len(values),
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "total": math.fsum(values),
+    }
+
+
+def summarize_timeline(records: Iterable[Record]) -> dict[str, Any]:
+    """Aggregate a timeline: per-save stall and background time, restore time.
+
+    The stall of a step is the slowest rank's (a collective training loop waits for it); the
+    background and restore times likewise. Failed saves are counted apart.
+    """
+    saves: dict[int, list[Record]] = {}
+    restores: dict[tuple[float, int], list[Record]] = {}
+    failed = 0
+    for r in records:
+        if r.get("event") == "save":
+            if not r.get("ok", False):
+                failed += 1
+                continue
+            saves.setdefault(int(r["step"]), []).append(r)
+        elif r.get("event") == "restore" and r.get("ok", False):
+            restores.setdefault((round(float(r["time"])), int(r["step"])), []).append(r)
+    per_step = {s: rs for s, rs in sorted(saves.items())}
+    return {
+        "saves": len(per_step),
+        "failed_saves": failed,
+        "stall_s": _stats([max(float(r["stall_s"]) for r in rs) for rs in per_step.values()]),
+        "write_s": _stats([max(float(r["write_s"]) for r in rs) for rs in per_step.values()]),
+        "bytes_per_save": _stats([float(sum(int(r["bytes"]) for r in rs)) for rs in per_step.values()]),
+        "restores": len(restores),
+        "restore_s": _stats([max(float(r["seconds"]) for r in rs) for rs in restores.values()]),
+    }
+
+
+def tensor_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict that this rank holds: a DTensor counts its
+    local shard only."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", None)
+        t = local if isinstance(local, torch.Tensor) else obj
+        return t.numel() * t.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_nbytes(v) for v in obj)
+    return 0
