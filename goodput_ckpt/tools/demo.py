@@ -1,0 +1,424 @@
+"""``goodput-ckpt demo``: kill a real training job, resume it, prove nothing changed, count the cost.
+
+The demo runs a small 2-rank job (FSDP2 MLP with dropout, a shuffling ``StatefulDataLoader``
+with 2 workers, AdamW, a LambdaLR schedule; :mod:`._demo_job`) three ways:
+
+1. the **reference** run: the whole job with no checkpointing and no failure;
+2. the **checkpointed** run under :class:`~goodput_ckpt.CheckpointManager` (an async save every
+   ``save_every`` steps). Partway through, the demo SIGKILLs every process of the job (ranks and
+   their dataloader workers, each rank started in its own session);
+3. the **restart**: the same command again. It restores the newest complete checkpoint and
+   finishes the job.
+
+It then checks that the resumed job ended bit for bit where the reference ended (blake3 digests
+of the full parameters, optimizer and scheduler state, every rank's RNG states and the next
+batches of every rank's dataloader), verifies every checkpoint left under the root, and accounts
+for the wall time of the checkpointed run:
+
+- ``total``: from the start of the first step to the end of the last, across the kill;
+- ``training``: the useful work: the wall time of the same steps in the reference run;
+- ``stall``: the time ``save`` blocked the loop, for the saves whose work was kept;
+- ``lost``: from the end of the step the restored checkpoint holds until the kill;
+- ``restart``: from the kill until the new processes were ready (process start, process group,
+  model build; detection is instant here);
+- ``restore``: from ready until the state was restored;
+- ``other``: the rest: steps slowed by background writes (on a CPU-only machine training and
+  writing share the cores), and run-to-run noise.
+
+Goodput = training / total. The same run with synchronous checkpoints would have stalled, at
+every save whose work was kept, for a blocking ``dcp.save`` with torch's stock
+``FileSystemWriter`` (timed once at the end of the run, to local disk: the ``sync`` probe), with
+the same lost work, restart and restore and no background writes:
+``goodput_sync = training / (training + saves × sync + lost + restart + restore)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DemoConfig", "DemoReport", "run_demo"]
+
+#: A file that marks a directory as the demo's own, so a rerun may clear it.
+MARKER = ".goodput-demo"
+
+#: ``on_event(kind, text)``: ``kind`` is ``"phase"`` (a new phase starts), ``"step"`` (progress
+#: within a phase) or ``"note"`` (something worth a line).
+EventCallback = Callable[[str, str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """What the demo runs.
+
+    Attributes:
+        workdir: a local directory for logs, fingerprints and (by default) the checkpoints. It is
+            created, or cleared when a previous demo made it; any other non-empty directory is
+            refused.
+        uri: the checkpoint root (default ``WORKDIR/checkpoints``): a local path, ``s3://...``
+            or a path on a mounted volume.
+        storage_options: backend options for ``uri`` (for example ``endpoint_url``).
+        steps, save_every, width: the job's length, checkpoint interval and model width
+            (``width``² × 4 layers parameters, about 16 MB of fp32 weights at 1024).
+        kill_at: the step after which the job is killed (default: a save step 40-70% through
+            the run, chosen with ``seed``: the kill lands while that save is written in the
+            background, so the restart goes back to the save before).
+        seed: seeds the kill point.
+        timeout_s: the longest any launch may run.
+    """
+
+    workdir: str = "goodput-demo"
+    uri: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    steps: int = 120
+    save_every: int = 20
+    width: int = 1024
+    world_size: int = 2
+    kill_at: int | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "save_every", "width", "world_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.steps < 2 * self.save_every + 2:
+            raise ValueError(f"steps ({self.steps}) must be at least 2 × save_every + 2 so a checkpoint exists before the kill")
+        if self.width % 2:
+            raise ValueError(f"width must be even, got {self.width}")
+        if self.kill_at is not None and not self.save_every <= self.kill_at < self.steps - 1:
+            raise ValueError(f"kill_at must be in [save_every, steps - 1) = [{self.save_every}, {self.steps - 1}), got {self.kill_at}")
+
+    @property
+    def root(self) -> str:
+        return self.uri if self.uri is not None else os.path.join(self.workdir, "checkpoints")
+
+
+@dataclass
+class DemoReport:
+    """What the demo found. ``ok``: the resumed run matched and every checkpoint verified."""
+
+    root: str
+    device: str
+    steps: int
+    save_every: int
+    world_size: int
+    killed_after_step: int
+    save_in_flight_at_kill: int | None
+    restored_step: int | None
+    bit_exact: bool
+    values_compared: int
+    mismatches: list[str]
+    checkpoints: list[dict[str, Any]]
+    seconds: dict[str, float]
+    goodput: float
+    sync_save_s: float
+    saves_kept: int
+    goodput_sync: float
+    stall_per_save_s: float
+    reference_s: float
+    logs: str
+
+    @property
+    def ok(self) -> bool:
+        return self.bit_exact and bool(self.checkpoints) and all(c["ok"] for c in self.checkpoints)
+
+
+class _Launch:
+    """One start of the job: every rank in its own session (so a SIGKILL of the session takes its
+    dataloader workers too); rank 0's stdout is parsed, everything else goes to log files."""
+
+    def __init__(self, cfg: DemoConfig, tag: str, out: str, logs: str, *, managed: bool, timeline: str) -> None:
+        self.tag, self.logs = tag, logs
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.procs: list[subprocess.Popen] = []
+        self.started = time.time()
+        os.makedirs(out, exist_ok=True)
+        port = _free_port()
+        for rank in range(cfg.world_size):
+            cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank),
+                   "--world-size", str(cfg.world_size), "--port", str(port), "--out", out,
+                   "--steps", str(cfg.steps), "--width", str(cfg.width)]  # fmt: skip
+            if managed:
+                cmd += ["--root", cfg.root, "--save-every", str(cfg.save_every), "--timeline", timeline, "--sync-probe"]
+                for k, v in cfg.storage_options.items():
+                    cmd += ["-o", f"{k}={json.dumps(v)}"]
+            with open(os.path.join(logs, f"{tag}-rank{rank}.err"), "w") as err:
+                stdout = subprocess.PIPE if rank == 0 else open(os.path.join(logs, f"{tag}-rank{rank}.out"), "w")  # noqa: SIM115
+                try:
+                    self.procs.append(
+                        subprocess.Popen(cmd, stdout=stdout, stderr=err, text=True, start_new_session=True)
+                    )
+                finally:
+                    if stdout is not subprocess.PIPE:
+                        stdout.close()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        stream = self.procs[0].stdout
+        assert stream is not None
+        with open(os.path.join(self.logs, f"{self.tag}-rank0.out"), "w") as log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+                self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def next_line(self, deadline: float) -> str | None:
+        try:
+            return self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RuntimeError(f"{self.tag}: no output for too long{self.why()}") from None
+
+    def why(self) -> str:
+        tails = []
+        for rank in range(len(self.procs)):
+            path = os.path.join(self.logs, f"{self.tag}-rank{rank}.err")
+            with open(path, errors="replace") as f:
+                err = [ln for ln in f.read().splitlines() if ln.strip()]
+            if err:
+                tails.append(f"\n  rank {rank} stderr ({path}) ends:\n    " + "\n    ".join(err[-8:]))
+        return "".join(tails)
+
+    def kill(self) -> float:
+        """SIGKILL every process of the job; return when it happened."""
+        at = time.time()
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait(60)
+        return at
+
+    def finish(self, deadline: float) -> None:
+        for p in self.procs:
+            try:
+                rc = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{self.tag}: the job did not exit{self.why()}") from None
+            if rc != 0:
+                raise RuntimeError(f"{self.tag}: a rank exited with status {rc}{self.why()}")
+
+
+@dataclass
+class _Trace:
+    """What rank 0 printed during one launch."""
+
+    ready: float | None = None
+    restored: int | None = None
+    restored_at: float | None = None
+    steps: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (end time, seconds)
+    saves: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (end time, stall)
+    sync_s: float | None = None
+    done: float | None = None
+
+
+def _parse(trace: _Trace, line: str) -> None:
+    word, *rest = line.split()
+    if word == "READY":
+        trace.ready = float(rest[0])
+    elif word == "RESTORED":
+        trace.restored = None if rest[0] == "none" else int(rest[0])
+        trace.restored_at = float(rest[1])
+    elif word == "STEP":
+        trace.steps[int(rest[0])] = (float(rest[1]), float(rest[2]))
+    elif word == "SAVED":
+        trace.saves[int(rest[0])] = (float(rest[1]), float(rest[2]))
+    elif word == "SYNC":
+        trace.sync_s = float(rest[0])
+    elif word == "DONE":
+        trace.done = float(rest[0])
+
+
+def _run_launch(launch: _Launch, cfg: DemoConfig, emit: EventCallback, *, kill_after: int | None = None) -> tuple[_Trace, float | None]:
+    """Follow a launch to its end, or SIGKILL it once ``kill_after`` was printed."""
+    trace, deadline, shown = _Trace(), time.monotonic() + cfg.timeout_s, -1
+    try:
+        while True:
+            line = launch.next_line(deadline)
+            if line is None:
+                break
+            try:
+                _parse(trace, line)
+            except (ValueError, IndexError):
+                continue  # not one of ours (a library printed something)
+            if line.startswith("STEP"):
+                step = int(line.split()[1])
+                if step * 10 // cfg.steps != shown * 10 // cfg.steps or step == cfg.steps - 1:
+                    emit("step", f"step {step + 1}/{cfg.steps}")
+                shown = step
+                if kill_after is not None and step == kill_after:
+                    return trace, launch.kill()
+            elif line.startswith("SAVED"):
+                emit("note", f"  save of step {line.split()[1]} handed to the background")
+            elif line.startswith("RESTORED"):
+                emit("note", f"  restored: {'nothing yet' if trace.restored is None else f'step {trace.restored}'}")
+        launch.finish(deadline)
+    except BaseException:
+        launch.kill()
+        raise
+    return trace, None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prepare(workdir: str) -> None:
+    if os.path.isdir(workdir) and os.listdir(workdir):
+        if not os.path.exists(os.path.join(workdir, MARKER)):
+            raise ValueError(f"{workdir} exists and was not made by goodput-ckpt demo; choose another --dir")
+        shutil.rmtree(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, MARKER), "w") as f:
+        f.write("made by goodput-ckpt demo; a rerun clears this directory\n")
+
+
+def _compare(a_dir: str, b_dir: str, world_size: int) -> tuple[int, list[str]]:
+    compared, mismatches = 0, []
+    for rank in range(world_size):
+        with open(os.path.join(a_dir, f"fingerprint-rank{rank}.json")) as f:
+            want = json.load(f)
+        with open(os.path.join(b_dir, f"fingerprint-rank{rank}.json")) as f:
+            got = json.load(f)
+        for key in sorted(set(want) | set(got)):
+            compared += 1
+            if want.get(key) != got.get(key):
+                mismatches.append(f"rank {rank}: {key}")
+    return compared, mismatches
+
+
+def _kill_point(cfg: DemoConfig) -> int:
+    """A save step 40-70% through the run (the one after 40% when none is in that window)."""
+    if cfg.kill_at is not None:
+        return cfg.kill_at
+    lo, hi = int(cfg.steps * 0.4), int(cfg.steps * 0.7)
+    options = [s for s in range(lo, hi + 1) if s % cfg.save_every == 0]
+    return random.Random(cfg.seed).choice(options or [lo + (-lo) % cfg.save_every])
+
+
+def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoReport:
+    """Run the demo (see the module docstring) and return its report.
+
+    Raises:
+        ValueError: a bad configuration or a work directory that is not the demo's.
+        RuntimeError: a launch failed (the message ends with its stderr).
+    """
+    from ..storage import open_store
+    from ..timeline import read_timeline
+    from .verify import verify_checkpoint
+
+    emit = on_event or (lambda kind, text: None)
+    workdir = os.path.abspath(cfg.workdir)
+    cfg = DemoConfig(**{**cfg.__dict__, "workdir": workdir})
+    _prepare(workdir)
+    logs = os.path.join(workdir, "logs")
+    os.makedirs(logs)
+    timeline = os.path.join(workdir, "timeline.jsonl")
+    if cfg.uri is not None:
+        open_store(cfg.uri, cfg.storage_options)  # a bad URI or option fails before any job starts
+    from ._demo_job import device_for
+
+    device = str(device_for(0, cfg.world_size))
+    kill_after = _kill_point(cfg)
+
+    emit("phase", f"reference run: {cfg.steps} steps, {cfg.world_size} ranks on {device}, no checkpoints")
+    ref_dir = os.path.join(workdir, "reference")
+    ref, _ = _run_launch(_Launch(cfg, "reference", ref_dir, logs, managed=False, timeline=timeline), cfg, emit)
+
+    run_dir = os.path.join(workdir, "resumed")
+    emit("phase", f"checkpointed run: async save every {cfg.save_every} steps to {cfg.root}; SIGKILL after step {kill_after}")
+    first, killed_at = _run_launch(
+        _Launch(cfg, "launch1", run_dir, logs, managed=True, timeline=timeline), cfg, emit, kill_after=kill_after
+    )
+    assert killed_at is not None
+    emit("note", f"  SIGKILL of every process of the job after step {kill_after}")
+    emit("phase", "restart: the same command again")
+    second, _ = _run_launch(_Launch(cfg, "launch2", run_dir, logs, managed=True, timeline=timeline), cfg, emit)
+
+    emit("phase", "checking the resumed run against the reference, and verifying every checkpoint")
+    compared, mismatches = _compare(ref_dir, run_dir, cfg.world_size)
+    records = read_timeline(timeline)
+    checkpoints = []
+    for step in _complete_steps(cfg):
+        v = verify_checkpoint(_step_uri(cfg, step), **cfg.storage_options)
+        checkpoints.append({"step": step, "ok": v.ok, "status": v.status, "bytes": v.bytes_hashed, "gbps": v.gbps})
+    # Saves of the first launch whose commit was recorded before the kill; the restart saves
+    # some of the same steps again.
+    committed = {r["step"] for r in records if r["event"] == "save" and r["ok"] and r["time"] < killed_at}
+    in_flight = max((s for s in first.saves if s not in committed), default=None)
+    acc = _account(ref, first, second, killed_at)
+    return DemoReport(
+        root=cfg.root, device=device, steps=cfg.steps, save_every=cfg.save_every, world_size=cfg.world_size,
+        killed_after_step=kill_after, save_in_flight_at_kill=in_flight, restored_step=second.restored,
+        bit_exact=not mismatches and compared > 0, values_compared=compared, mismatches=mismatches,
+        checkpoints=checkpoints, reference_s=_span(ref), logs=logs, **acc,
+    )  # fmt: skip
+
+
+def _complete_steps(cfg: DemoConfig) -> list[int]:
+    from ..retention import scan_steps
+    from ..storage import open_store
+
+    return scan_steps(open_store(cfg.root, cfg.storage_options)).complete
+
+
+def _step_uri(cfg: DemoConfig, step: int) -> str:
+    from ..layout import child_uri, step_dir_name
+
+    return child_uri(cfg.root, step_dir_name(step))
+
+
+def _first_step_start(trace: _Trace) -> float:
+    end, seconds = trace.steps[min(trace.steps)]
+    return end - seconds
+
+
+def _span(trace: _Trace) -> float:
+    """Wall time from the start of the first step to the end of the last one."""
+    return max(t for t, _ in trace.steps.values()) - _first_step_start(trace)
+
+
+def _account(ref: _Trace, first: _Trace, second: _Trace, killed_at: float) -> dict[str, Any]:
+    """Split the checkpointed run's wall time (see the module docstring)."""
+    restored = second.restored
+    if restored is None or restored not in first.steps:
+        raise RuntimeError(f"the restart restored {restored!r}, not a step the first launch completed")
+    stalls = {s: v[1] for s, v in first.saves.items() if s <= restored} | {s: v[1] for s, v in second.saves.items()}
+    seconds = {
+        "total": max(t for t, _ in second.steps.values()) - _first_step_start(first),
+        "training": _span(ref),
+        "stall": sum(stalls.values()),
+        "lost": killed_at - first.steps[restored][0],
+        "restart": (second.ready or killed_at) - killed_at,
+        "restore": (second.restored_at or 0.0) - (second.ready or killed_at),
+    }
+    seconds["other"] = seconds["total"] - sum(v for k, v in seconds.items() if k != "total")
+    sync_s = second.sync_s if second.sync_s is not None else float("nan")
+    failure = seconds["lost"] + seconds["restart"] + seconds["restore"]
+    total_sync = seconds["training"] + len(stalls) * sync_s + failure
+    return {
+        "seconds": seconds,
+        "goodput": seconds["training"] / seconds["total"],
+        "sync_save_s": sync_s,
+        "saves_kept": len(stalls),
+        "goodput_sync": seconds["training"] / total_sync,
+        "stall_per_save_s": seconds["stall"] / max(1, len(stalls)),
+    }
