@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["COMMAND_MODULES", "Command", "load_commands"]
 
 #: Modules of ``goodput_ckpt.cli`` that define a ``COMMAND``, in the order ``--help`` lists them.
-#: TODO(issue 7): add "bench" and "demo" here.
-COMMAND_MODULES = ("verify", "inspect", "ls", "reshard", "convert", "plan")
+#: TODO(issue 7): add "bench" here.
+COMMAND_MODULES = ("demo", "verify", "inspect", "ls", "reshard", "convert", "plan")
 
 
 @dataclass(frozen=True)
