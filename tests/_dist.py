@@ -23,26 +23,18 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["run_ranks"]
 
 #: After one rank fails, how long the others get to finish or fail on their own.
 _GRACE_S = 15.0
 #: Rendezvous and collective timeout inside the ranks; the parent's ``timeout`` bounds the whole run.
 _PG_TIMEOUT = datetime.timedelta(seconds=120)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, report_dir: str, args: tuple) -> None:

@@ -36,18 +36,15 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._job_launch import JobLaunch, free_port
 
 __all__ = ["DemoConfig", "DemoReport", "run_demo"]
 
@@ -137,82 +134,21 @@ class DemoReport:
         return self.bit_exact and bool(self.checkpoints) and all(c["ok"] for c in self.checkpoints)
 
 
-class _Launch:
-    """One start of the job: every rank in its own session (so a SIGKILL of the session takes its
-    dataloader workers too); rank 0's stdout is parsed, everything else goes to log files."""
-
-    def __init__(self, cfg: DemoConfig, tag: str, out: str, logs: str, *, managed: bool, timeline: str) -> None:
-        self.tag, self.logs = tag, logs
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.procs: list[subprocess.Popen] = []
-        self.started = time.time()
-        os.makedirs(out, exist_ok=True)
-        port = _free_port()
-        for rank in range(cfg.world_size):
-            cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank),
-                   "--world-size", str(cfg.world_size), "--port", str(port), "--out", out,
-                   "--steps", str(cfg.steps), "--width", str(cfg.width)]  # fmt: skip
-            if managed:
-                cmd += ["--root", cfg.root, "--save-every", str(cfg.save_every), "--timeline", timeline, "--sync-probe"]
-                for k, v in cfg.storage_options.items():
-                    cmd += ["-o", f"{k}={json.dumps(v)}"]
-            with open(os.path.join(logs, f"{tag}-rank{rank}.err"), "w") as err:
-                stdout = subprocess.PIPE if rank == 0 else open(os.path.join(logs, f"{tag}-rank{rank}.out"), "w")  # noqa: SIM115
-                try:
-                    self.procs.append(
-                        subprocess.Popen(cmd, stdout=stdout, stderr=err, text=True, start_new_session=True)
-                    )
-                finally:
-                    if stdout is not subprocess.PIPE:
-                        stdout.close()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        stream = self.procs[0].stdout
-        assert stream is not None
-        with open(os.path.join(self.logs, f"{self.tag}-rank0.out"), "w") as log:
-            for line in stream:
-                log.write(line)
-                log.flush()
-                self.lines.put(line.strip())
-        self.lines.put(None)
-
-    def next_line(self, deadline: float) -> str | None:
-        try:
-            return self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise RuntimeError(f"{self.tag}: no output for too long{self.why()}") from None
-
-    def why(self) -> str:
-        tails = []
-        for rank in range(len(self.procs)):
-            path = os.path.join(self.logs, f"{self.tag}-rank{rank}.err")
-            with open(path, errors="replace") as f:
-                err = [ln for ln in f.read().splitlines() if ln.strip()]
-            if err:
-                tails.append(f"\n  rank {rank} stderr ({path}) ends:\n    " + "\n    ".join(err[-8:]))
-        return "".join(tails)
-
-    def kill(self) -> float:
-        """SIGKILL every process of the job; return when it happened."""
-        at = time.time()
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in self.procs:
-            p.wait(60)
-        return at
-
-    def finish(self, deadline: float) -> None:
-        for p in self.procs:
-            try:
-                rc = p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{self.tag}: the job did not exit{self.why()}") from None
-            if rc != 0:
-                raise RuntimeError(f"{self.tag}: a rank exited with status {rc}{self.why()}")
+def _launch(cfg: DemoConfig, tag: str, out: str, logs: str, *, managed: bool, timeline: str) -> JobLaunch:
+    """Start the demo job once, every rank on a fresh port."""
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    commands = []
+    for rank in range(cfg.world_size):
+        cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank),
+               "--world-size", str(cfg.world_size), "--port", str(port), "--out", out,
+               "--steps", str(cfg.steps), "--width", str(cfg.width)]  # fmt: skip
+        if managed:
+            cmd += ["--root", cfg.root, "--save-every", str(cfg.save_every), "--timeline", timeline, "--sync-probe"]
+            for k, v in cfg.storage_options.items():
+                cmd += ["-o", f"{k}={json.dumps(v)}"]
+        commands.append(cmd)
+    return JobLaunch(commands, logs, tag)
 
 
 @dataclass
@@ -245,7 +181,7 @@ def _parse(trace: _Trace, line: str) -> None:
         trace.done = float(rest[0])
 
 
-def _run_launch(launch: _Launch, cfg: DemoConfig, emit: EventCallback, *, kill_after: int | None = None) -> tuple[_Trace, float | None]:
+def _run_launch(launch: JobLaunch, cfg: DemoConfig, emit: EventCallback, *, kill_after: int | None = None) -> tuple[_Trace, float | None]:
     """Follow a launch to its end, or SIGKILL it once ``kill_after`` was printed."""
     trace, deadline, shown = _Trace(), time.monotonic() + cfg.timeout_s, -1
     try:
@@ -273,12 +209,6 @@ def _run_launch(launch: _Launch, cfg: DemoConfig, emit: EventCallback, *, kill_a
         launch.kill()
         raise
     return trace, None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prepare(workdir: str) -> None:
@@ -341,17 +271,17 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
 
     emit("phase", f"reference run: {cfg.steps} steps, {cfg.world_size} ranks on {device}, no checkpoints")
     ref_dir = os.path.join(workdir, "reference")
-    ref, _ = _run_launch(_Launch(cfg, "reference", ref_dir, logs, managed=False, timeline=timeline), cfg, emit)
+    ref, _ = _run_launch(_launch(cfg, "reference", ref_dir, logs, managed=False, timeline=timeline), cfg, emit)
 
     run_dir = os.path.join(workdir, "resumed")
     emit("phase", f"checkpointed run: async save every {cfg.save_every} steps to {cfg.root}; SIGKILL after step {kill_after}")
     first, killed_at = _run_launch(
-        _Launch(cfg, "launch1", run_dir, logs, managed=True, timeline=timeline), cfg, emit, kill_after=kill_after
+        _launch(cfg, "launch1", run_dir, logs, managed=True, timeline=timeline), cfg, emit, kill_after=kill_after
     )
     assert killed_at is not None
     emit("note", f"  SIGKILL of every process of the job after step {kill_after}")
     emit("phase", "restart: the same command again")
-    second, _ = _run_launch(_Launch(cfg, "launch2", run_dir, logs, managed=True, timeline=timeline), cfg, emit)
+    second, _ = _run_launch(_launch(cfg, "launch2", run_dir, logs, managed=True, timeline=timeline), cfg, emit)
 
     emit("phase", "checking the resumed run against the reference, and verifying every checkpoint")
     compared, mismatches = _compare(ref_dir, run_dir, cfg.world_size)

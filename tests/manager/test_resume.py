@@ -15,12 +15,8 @@ The second test restarts at 1 rank from the 2-rank checkpoints the first one lef
 from __future__ import annotations
 
 import os
-import queue
 import random
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,7 +27,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_job (shared model definition)
-from _dist import free_port  # noqa: E402
 import train_job  # noqa: E402
 
 from goodput_ckpt import CheckpointManager  # noqa: E402
@@ -39,6 +34,7 @@ from goodput_ckpt.errors import TopologyChangeError  # noqa: E402
 from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from goodput_ckpt.layout import list_step_dirs  # noqa: E402
 from goodput_ckpt.storage import open_store  # noqa: E402
+from goodput_ckpt.tools._job_launch import JobLaunch, free_port  # noqa: E402
 from goodput_ckpt.timeline import TIMELINE_NAME, read_timeline  # noqa: E402
 
 # The scenario runs 6-8 two-rank job launches: 40-60 s on an idle 2-core machine.
@@ -52,49 +48,28 @@ WORLD = 2
 JOB_TIMEOUT_S = 180.0
 
 
-class Job:
-    """One launch of the 2-rank job: each rank in its own session, so a SIGKILL of the session
-    takes its dataloader workers too (only processes this test started)."""
+class Job(JobLaunch):
+    """One launch of the 2-rank job (the demo's launcher: each rank in its own session, so a
+    SIGKILL of the session takes its dataloader workers too)."""
 
     def __init__(self, out: Path, logs: Path, root: Path | None, tag: str) -> None:
         port = free_port()
         out.mkdir(parents=True, exist_ok=True)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.log: list[str] = []
-        self.procs: list[subprocess.Popen] = []
-        self.tag = tag
-        self.logs = logs
+        commands = []
         for rank in range(WORLD):
             cmd = [sys.executable, str(JOB), "--rank", str(rank), "--world-size", str(WORLD), "--port", str(port),
                    "--out", str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]  # fmt: skip
             if root is not None:
                 cmd += ["--root", str(root)]
-            stdout = subprocess.PIPE if rank == 0 else open(logs / f"{tag}-rank{rank}.log", "w")  # noqa: SIM115
-            self.procs.append(
-                subprocess.Popen(cmd, stdout=stdout, stderr=open(logs / f"{tag}-rank{rank}.err", "w"),  # noqa: SIM115
-                                 text=True, start_new_session=True)  # fmt: skip
-            )
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def why(self) -> str:
-        """The last lines of rank 0's output and of every rank's stderr, for failure messages."""
-        parts = [f"{self.tag}: rank 0 output ends {self.log[-5:]}"]
-        for rank in range(WORLD):
-            err = (self.logs / f"{self.tag}-rank{rank}.err").read_text(errors="replace").strip().splitlines()
-            if err:
-                parts.append(f"rank {rank} stderr:\n  " + "\n  ".join(err[-15:]))
-        return "\n".join(parts)
-
-    def _pump(self) -> None:
-        for line in self.procs[0].stdout:
-            self.lines.put(line.strip())
-        self.lines.put(None)
+            commands.append(cmd)
+        super().__init__(commands, str(logs), tag)
+        self.log: list[str] = []
 
     def next_line(self, deadline: float) -> str | None:
         try:
-            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise AssertionError(f"no output for too long\n{self.why()}") from None
+            line = super().next_line(deadline)
+        except RuntimeError as e:
+            raise AssertionError(str(e)) from None
         if line is not None:
             self.log.append(line)
         return line
@@ -103,25 +78,17 @@ class Job:
         while True:
             line = self.next_line(deadline)
             if line is None:
-                raise AssertionError(f"rank 0 exited before {prefix!r}\n{self.why()}")
+                raise AssertionError(f"rank 0 exited before {prefix!r}; output ends {self.log[-5:]}{self.why()}")
             if line.startswith(prefix):
                 return line
-
-    def kill(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in self.procs:
-            p.wait(30)
 
     def finish(self, deadline: float) -> None:
         while self.next_line(deadline) is not None:
             pass
-        for p in self.procs:
-            rc = p.wait(max(1.0, deadline - time.monotonic()))
-            assert rc == 0, f"a rank exited with {rc}\n{self.why()}"
+        try:
+            super().finish(deadline)
+        except RuntimeError as e:
+            raise AssertionError(str(e)) from None
 
 
 def _complete_and_incomplete(root: Path) -> tuple[list[int], list[int]]:
