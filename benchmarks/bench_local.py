@@ -48,10 +48,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -65,94 +63,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+# The synthetic state is the library's, so `goodput-ckpt bench` measures the same one.
+from goodput_ckpt.cli._output import parse_size
+from goodput_ckpt.tools._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 GB = 1e9
 MiB = 1 << 20
 ALL_METHODS = ("raw", "ours", "ours-nohash", "fsw-default", "fsw-t4", "torch.save", "safetensors")
-
-
-# -- the synthetic state ------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": MiB, "mib": MiB, "g": 1 << 30, "gib": 1 << 30,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(float(num) * units[t[len(num):]])
-
-
-@dataclass
-class State:
-    nested: dict[str, Any]  # {"model": {name: t}, "optim": {"state": {name: {"exp_avg": t, ...}}}}
-    flat: dict[str, torch.Tensor]  # dotted keys -> the same tensors (no copies)
-    nbytes: int
-    small: int  # tensors under 64 KiB
-    large: int
-
-
-def make_state(total: int, seed: int = 0) -> State:
-    """A model (fp32 and bf16 weights) plus Adam-like fp32 state, about ``total`` bytes.
-
-    Large parameters are 2-D with a log-uniform fp32 size of 1 to 64 MiB (bf16 ones are half);
-    each has ``exp_avg`` and ``exp_avg_sq`` in fp32. About 160 small fp32 parameters of 1 to 8
-    KiB (norms, biases), each with its two optimizer tensors, add ~480 small tensors.
-    """
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    shapes: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    for i in range(160):
-        shapes.append((f"layers.{i // 4}.norm{i % 4}.weight", (rng.randint(256, 2048),), torch.float32))
-    used = sum(math.prod(s) * 12 for _, s, _ in shapes)
-    i = 0
-    while used < total:
-        cols = rng.choice((1024, 2048, 4096))
-        fp32_bytes = int(math.exp(rng.uniform(math.log(MiB), math.log(64 * MiB))))
-        dtype = rng.choice((torch.float32, torch.bfloat16))
-        per_numel = dtype.itemsize + 8
-        rows = max(1, min(fp32_bytes // 4, (total - used) // per_numel) // cols)
-        shapes.append((f"layers.{i // 4}.proj{i % 4}.weight", (rows, cols), dtype))
-        used += rows * cols * per_numel
-        i += 1
-        if (total - used) < per_numel * cols:
-            break
-    model: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    flat: dict[str, torch.Tensor] = {}
-    nbytes = small = 0
-    for name, shape, dtype in shapes:
-        p = torch.empty(shape, dtype=torch.float32).uniform_(-1, 1, generator=gen).to(dtype)
-        m = torch.empty(shape).normal_(0, 1e-3, generator=gen)
-        v = torch.empty(shape).uniform_(0, 1e-6, generator=gen)
-        model[name] = p
-        optim[name] = {"exp_avg": m, "exp_avg_sq": v}
-        flat[f"model.{name}"] = p
-        flat[f"optim.state.{name}.exp_avg"] = m
-        flat[f"optim.state.{name}.exp_avg_sq"] = v
-        for t in (p, m, v):
-            nbytes += t.nbytes
-            small += t.nbytes < 64 << 10
-    return State({"model": model, "optim": {"state": optim}}, flat, nbytes, small, len(flat) - small)
-
-
-def empty_like_nested(obj: Any) -> Any:
-    """A touched destination with the same structure (page faults paid here, not in the load)."""
-    if isinstance(obj, torch.Tensor):
-        return torch.zeros_like(obj)
-    return {k: empty_like_nested(v) for k, v in obj.items()}
-
-
-def flat_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def flatten(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    out: dict[str, torch.Tensor] = {}
-    for k, v in obj.items():
-        out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
-    return out
 
 
 # -- the environment ------------------------------------------------------------------------------

@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["COMMAND_MODULES", "Command", "load_commands"]
 
 #: Modules of ``goodput_ckpt.cli`` that define a ``COMMAND``, in the order ``--help`` lists them.
-#: TODO(issue 7): add "bench" here.
-COMMAND_MODULES = ("demo", "verify", "inspect", "ls", "reshard", "convert", "plan")
+COMMAND_MODULES = ("demo", "verify", "inspect", "ls", "reshard", "convert", "bench", "plan")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,11 @@ Each returns a dataclass report that the CLI renders as a table or JSON:
 - :func:`list_checkpoints` (``ls``): the checkpoints under a manager root and their status;
 - :func:`reshard_checkpoint` (``reshard``): rewrite for M ranks (dim-0 split), streaming;
 - :func:`convert_checkpoint` (``convert``): between format v1, torch DCP, ``torch.save`` and
-  safetensors, streaming.
+  safetensors, streaming;
+- :func:`bench_storage` (``bench``): save, load, stall and verify throughput of a storage location,
+  against torch's own writers;
+- :func:`run_demo` (``demo``): a training job killed, resumed bit for bit, and its goodput;
+- :func:`plan_interval` (``plan``): the checkpoint interval that maximizes goodput.
 
 ``verify``, ``inspect`` and ``ls`` need no torch; the names are imported lazily so that using
 them does not load it.
@@ -18,26 +22,35 @@ from __future__ import annotations
 import importlib
 
 __all__ = [
+    "bench_storage",
     "convert_checkpoint",
     "detect_format",
     "inspect_checkpoint",
     "list_checkpoints",
+    "plan_interval",
     "reshard_checkpoint",
+    "run_demo",
     "verify_checkpoint",
 ]
 
-_WHERE = {
+_WHERE: dict[str, str | tuple[str, str]] = {
     "verify_checkpoint": ".verify",
     "inspect_checkpoint": ".inspect",
     "list_checkpoints": ".ls",
     "reshard_checkpoint": ".reshard",
     "convert_checkpoint": ".convert",
     "detect_format": ".convert",
+    "bench_storage": (".bench", "bench"),
+    "run_demo": ".demo",
+    "plan_interval": (".plan", "plan"),
 }
 
 
 def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
+    where = _WHERE.get(name)
+    if where is None:
         raise AttributeError(f"module 'goodput_ckpt.tools' has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+    # A function named like its module is exported under another name: importing the module
+    # sets the package attribute of that name to the module.
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    return getattr(importlib.import_module(module, __name__), attr)

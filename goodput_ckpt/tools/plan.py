@@ -26,14 +26,34 @@ clipped to [0, 1]. Ignoring second-order terms, maximizing it gives Young's inte
 FGCS 22(3), 2006). The sensitivity of the goodput at ``τ*`` to each input is reported as the
 change in goodput (in percentage points) when that input doubles, so inputs can be ranked by
 what improving them is worth.
+
+:func:`inputs_from_bench` takes ``stall``, ``persist`` and ``restore`` from the JSON report of
+``goodput-ckpt bench`` (medians of its measurements on a synthetic state of the size it was run
+with: bench with the size one node saves for the figures to apply).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import statistics
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-__all__ = ["GoodputPlan", "PlanInputs", "goodput", "mtbf_from_fleet", "optimal_interval", "plan"]
+from ._bench_report import BenchReport
+
+__all__ = [
+    "BenchMeasurement",
+    "GoodputPlan",
+    "PlanInputs",
+    "goodput",
+    "inputs_from_bench",
+    "mtbf_from_fleet",
+    "optimal_interval",
+    "plan",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +94,60 @@ class GoodputPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchMeasurement:
+    """The model's inputs measured by ``goodput-ckpt bench`` (seconds), and what was measured.
+
+    Attributes:
+        stall: median time ``dcp.async_save`` blocked the caller.
+        persist: median time from the end of the stall until that save was durable.
+        restore: median time ``dcp.load`` took to read the state back.
+        method: the bench method the figures are from (``goodput`` or ``torch``).
+        size_bytes, backend, uri: the state size and the storage the bench ran on.
+    """
+
+    stall: float
+    persist: float
+    restore: float
+    method: str
+    size_bytes: int
+    backend: str
+    uri: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def inputs_from_bench(report: Mapping[str, Any] | str | os.PathLike, *, method: str = "goodput") -> BenchMeasurement:
+    """``stall``, ``persist`` and ``restore`` from a ``goodput-ckpt bench --json`` report.
+
+    Args:
+        report: the report's JSON document, or the path of a file holding it.
+        method: whose figures: ``goodput`` (this library) or ``torch`` (torch's writer).
+
+    Raises:
+        ValueError: the file cannot be read, is not a bench report, or lacks the method's figures.
+    """
+    if not isinstance(report, Mapping):
+        try:
+            with open(report, encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the bench report {os.fspath(report)}: {e}") from e
+    bench = BenchReport.from_json(report)
+    try:
+        m = bench.method(method)
+    except KeyError:
+        raise ValueError(f"the bench report has no method {method!r}") from None
+    if not (m.available and m.stall_s and m.load_s and m.async_total_s):
+        raise ValueError(f"the bench report has no figures for {method!r}: {m.reason or 'no samples'}")
+    persist = statistics.median(max(0.0, t - s) for t, s in zip(m.async_total_s, m.stall_s))
+    return BenchMeasurement(
+        stall=m.median("stall_s"), persist=persist, restore=m.median("load_s"), method=method,
+        size_bytes=bench.size_bytes, backend=bench.backend, uri=bench.uri,
+    )  # fmt: skip
 
 
 def mtbf_from_fleet(gpus: int, failures_per_gpu_hour: float) -> float:

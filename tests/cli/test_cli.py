@@ -242,3 +242,11 @@ def test_readme_command_line_examples_run(tmp_path, monkeypatch):
         code, out, err = run(*argv[1:])
         assert code == 0, (line, out, err)
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "w8" / MANIFEST_NAME).exists()
+
+
+def test_every_command_is_also_a_library_function():
+    import goodput_ckpt.tools as tools
+
+    for name in tools.__all__:
+        assert callable(getattr(tools, name)), name
+        assert callable(getattr(tools, name)), f"{name}: a second lookup found a module"

@@ -35,6 +35,8 @@ def test_plan_text_and_json():
         ("plan", "--stall", "1s"),
         ("plan", "--stall", "1s", "--gpus", "8"),
         ("plan", "--stall", "1s", "--mtbf", "0s"),
+        ("plan", "--mtbf", "3h"),  # no --stall and no --from-bench
+        ("plan", "--from-bench", "/nonexistent/bench.json", "--mtbf", "3h"),
     ],
 )
 def test_plan_usage_errors_exit_2_without_traceback(argv):
@@ -48,3 +50,41 @@ def test_parse_duration():
     assert parse_duration("250ms") == 0.25
     assert parse_duration("1.5h") == 5400
     assert parse_duration("2d") == 172800
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory):
+    """The --json output of a real (small) `goodput-ckpt bench`, written to a file."""
+    where = tmp_path_factory.mktemp("bench")
+    code, out, err = _run("bench", str(where / "scratch"), "--size", "8MiB", "--repeats", "1", "--json", "--no-progress")
+    assert code == 0, err
+    path = where / "bench.json"
+    path.write_text(out)
+    return path, json.loads(out)
+
+
+def test_plan_from_bench(bench_json):
+    path, doc = bench_json
+    ours = doc["methods"][0]
+    code, out, _ = _run("plan", "--from-bench", str(path), "--mtbf", "3h", "--json")
+    plan_doc = json.loads(out)
+    assert code == 0
+    assert plan_doc["inputs"]["stall"] == ours["median"]["stall_s"]
+    assert plan_doc["inputs"]["restore"] == ours["median"]["load_s"]
+    persist = ours["samples"]["async_total_s"][0] - ours["samples"]["stall_s"][0]
+    assert plan_doc["inputs"]["persist"] == pytest.approx(persist)
+    assert plan_doc["from_bench"]["method"] == "goodput" and plan_doc["from_bench"]["size_bytes"] == doc["size_bytes"]
+    # Explicit flags override the measured figures; the others still come from the report.
+    code, out, _ = _run("plan", "--from-bench", str(path), "--mtbf", "3h", "--stall", "2s", "--restore", "90s", "--json")
+    inputs = json.loads(out)["inputs"]
+    assert (inputs["stall"], inputs["restore"]) == (2.0, 90.0) and inputs["persist"] == pytest.approx(persist)
+    code, out, _ = _run("plan", "--from-bench", str(path), "--mtbf", "3h", "--stall", "2s")
+    assert code == 0 and out.startswith(f"from {path} (goodput, 8.0 MiB state on local): persist ")
+    assert "restore" in out.splitlines()[0] and "stall" not in out.splitlines()[0] and "optimal (Daly)" in out
+
+
+def test_plan_from_a_file_that_is_not_a_bench_report(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"stall": 1}))
+    code, out, err = _run("plan", "--from-bench", str(path), "--mtbf", "3h")
+    assert code == 2 and "not a goodput-ckpt bench report" in err and "Traceback" not in out + err

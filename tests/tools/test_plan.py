@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 
-from goodput_ckpt.tools.plan import PlanInputs, goodput, mtbf_from_fleet, optimal_interval, plan
+from goodput_ckpt.tools._bench_report import BenchReport, MethodResult
+from goodput_ckpt.tools.plan import PlanInputs, goodput, inputs_from_bench, mtbf_from_fleet, optimal_interval, plan
 
 
 def test_young_daly_closed_forms():
@@ -54,3 +58,46 @@ def test_goodput_formula_and_bounds():
 def test_bad_inputs(kwargs):
     with pytest.raises(ValueError):
         PlanInputs(**kwargs)
+
+
+def _bench_doc(torch_reason: str | None = None) -> dict:
+    """A bench report with known samples (three repeats) for the goodput method."""
+    ours = MethodResult("goodput", "CheckpointWriter", "CheckpointReader", 1 << 30, stall_s=[0.1, 0.3, 0.2],
+                        async_total_s=[1.0, 1.5, 1.1], load_s=[2.0, 4.0, 3.0], save_s=[1.0, 1.0, 1.0])  # fmt: skip
+    theirs = MethodResult("torch", "FileSystemWriter", "FileSystemReader", 1 << 30, reason=torch_reason)
+    return BenchReport(uri="/data", root="/data/goodput-bench-x", backend="local", size_bytes=1 << 30,
+                       requested_bytes=1 << 30, tensors=600, repeats=3, seed=0, thread_count=None,
+                       torch_thread_count=None, cold_cache=True, host={}, methods=[ours, theirs]).to_json()  # fmt: skip
+
+
+def test_inputs_from_bench_takes_medians(tmp_path):
+    m = inputs_from_bench(_bench_doc())
+    assert (m.stall, m.restore, m.method, m.size_bytes, m.backend) == (0.2, 3.0, "goodput", 1 << 30, "local")
+    assert m.persist == pytest.approx(0.9)  # median of async_total - stall per repeat: 0.9, 1.2, 0.9
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_bench_doc()))
+    assert inputs_from_bench(path) == m and inputs_from_bench(str(path)) == m
+
+
+def test_inputs_from_bench_refuses_what_it_cannot_use(tmp_path):
+    with pytest.raises(ValueError, match="no figures for 'torch': n/a: no s3fs"):
+        inputs_from_bench(_bench_doc(torch_reason="n/a: no s3fs"), method="torch")
+    with pytest.raises(ValueError, match="no method 'other'"):
+        inputs_from_bench(_bench_doc(), method="other")
+    with pytest.raises(ValueError, match="not a goodput-ckpt bench report"):
+        inputs_from_bench({"stall": 1})
+    with pytest.raises(ValueError, match="cannot read the bench report"):
+        inputs_from_bench(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the bench report"):
+        inputs_from_bench(tmp_path / "bad.json")
+
+
+def test_plan_from_a_bench_report_needs_no_torch(tmp_path):
+    """The model and the bench report's reader load no torch (plan is arithmetic on a JSON file)."""
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_bench_doc()))
+    code = f"import sys; from goodput_ckpt.tools.plan import inputs_from_bench as f; f({str(path)!r}); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
