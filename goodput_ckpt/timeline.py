@@ -49,6 +49,9 @@ Record = dict[str, Any]
 
 logger = logging.getLogger("goodput_ckpt.timeline")
 
+#: Restore records of one step that start this close together belong to one restore of the job.
+RESTORE_WINDOW_S = 60.0
+
 #: Records a manager keeps in memory (the newest ones); the file keeps them all.
 MEMORY_RECORDS = 10_000
 
@@ -130,7 +133,7 @@ def summarize_timeline(records: Iterable[Record]) -> dict[str, Any]:
     background and restore times likewise. Failed saves are counted apart.
     """
     saves: dict[int, list[Record]] = {}
-    restores: dict[tuple[float, int], list[Record]] = {}
+    restored: list[Record] = []
     failed = 0
     for r in records:
         if r.get("event") == "save":
@@ -139,16 +142,26 @@ def summarize_timeline(records: Iterable[Record]) -> dict[str, Any]:
                 continue
             saves.setdefault(int(r["step"]), []).append(r)
         elif r.get("event") == "restore" and r.get("ok", False):
-            restores.setdefault((round(float(r["time"])), int(r["step"])), []).append(r)
+            restored.append(r)
     per_step = {s: rs for s, rs in sorted(saves.items())}
+    # One restore of a job = the records of its ranks: same step, started within a minute.
+    restores: list[list[Record]] = []
+    for r in sorted(restored, key=lambda r: (int(r["step"]), float(r["time"]))):
+        last = restores[-1][0] if restores else None
+        if last is not None and last["step"] == r["step"] and float(r["time"]) - float(last["time"]) < RESTORE_WINDOW_S:
+            restores[-1].append(r)
+        else:
+            restores.append([r])
     return {
         "saves": len(per_step),
         "failed_saves": failed,
         "stall_s": _stats([max(float(r["stall_s"]) for r in rs) for rs in per_step.values()]),
         "write_s": _stats([max(float(r["write_s"]) for r in rs) for rs in per_step.values()]),
+        "durable_s": _stats([max(float(r.get("durable_s", r["write_s"])) for r in rs) for rs in per_step.values()]),
+        "async_saves": sum(1 for rs in per_step.values() if any(r.get("async") for r in rs)),
         "bytes_per_save": _stats([float(sum(int(r["bytes"]) for r in rs)) for rs in per_step.values()]),
         "restores": len(restores),
-        "restore_s": _stats([max(float(r["seconds"]) for r in rs) for rs in restores.values()]),
+        "restore_s": _stats([max(float(r["seconds"]) for r in rs) for rs in restores]),
     }
 
 

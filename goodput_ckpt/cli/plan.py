@@ -32,7 +32,9 @@ def _fmt(seconds: float | None) -> str:
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-bench", metavar="BENCH_JSON",
                    help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output (flags override)")  # fmt: skip
-    p.add_argument("--stall", type=parse_duration, help="time training blocks per checkpoint (required without --from-bench)")
+    p.add_argument("--from-timeline", metavar="TIMELINE_JSONL",
+                   help="take --stall, --persist and --restore from a CheckpointManager timeline (flags override)")  # fmt: skip
+    p.add_argument("--stall", type=parse_duration, help="time training blocks per checkpoint (required without --from-bench/--from-timeline)")
     p.add_argument("--persist", type=parse_duration, help="time a background save takes to be durable after the stall (default 0)")
     p.add_argument("--restore", type=parse_duration, help="time to load a checkpoint after a restart (default 0)")
     p.add_argument("--restart", type=parse_duration, default=0.0, help="time to detect a failure and restart the job")
@@ -44,27 +46,36 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.plan import PlanInputs, inputs_from_bench, mtbf_from_fleet, plan
+    from ..tools.plan import PlanInputs, inputs_from_bench, inputs_from_timeline, mtbf_from_fleet, plan
 
     if args.mtbf is None:
         if args.gpu_failures_per_hour is None:
             raise ValueError("--gpus needs --gpu-failures-per-hour")
         args.mtbf = mtbf_from_fleet(args.gpus, args.gpu_failures_per_hour)
-    measured = inputs_from_bench(args.from_bench) if args.from_bench else None
+    if args.from_bench and args.from_timeline:
+        raise ValueError("give --from-bench or --from-timeline, not both")
+    source = args.from_bench or args.from_timeline
+    if args.from_bench:
+        measured = inputs_from_bench(args.from_bench)
+    elif args.from_timeline:
+        measured = inputs_from_timeline(args.from_timeline)
+    else:
+        measured = None
     timing = {}
     for name in ("stall", "persist", "restore"):
         given = getattr(args, name)
         timing[name] = given if given is not None else getattr(measured, name, 0.0)
     if args.stall is None and measured is None:
-        raise ValueError("--stall is required (or --from-bench BENCH_JSON)")
+        raise ValueError("--stall is required (or --from-bench BENCH_JSON, or --from-timeline TIMELINE_JSONL)")
     inputs = PlanInputs(mtbf=args.mtbf, restart=args.restart, current_interval=args.current_interval, **timing)
     result = plan(inputs)
     if out.json_mode:
-        out.emit_json({**to_jsonable(result), "from_bench": None if measured is None else measured.to_dict()})
+        key = "from_timeline" if args.from_timeline else "from_bench"
+        out.emit_json({**to_jsonable(result), key: None if measured is None else measured.to_dict()})
         return 0
     if measured is not None:
         taken = [f"{n} {_fmt(getattr(measured, n))}" for n in ("stall", "persist", "restore") if getattr(args, n) is None]
-        out.print(f"from {args.from_bench} ({measured.method}, {human_bytes(measured.size_bytes)} state on "
+        out.print(f"from {source} ({measured.method}, {human_bytes(measured.size_bytes)} state on "
                   f"{measured.backend}): {', '.join(taken) or 'nothing (every flag given)'}\n")  # fmt: skip
     rows = [["optimal (Daly)", _fmt(result.optimal_interval), f"{100 * result.goodput_at_optimum:.2f} %"]]
     rows.append(["Young sqrt(2*stall*MTBF)", _fmt(result.young_interval), "-"])
@@ -92,6 +103,7 @@ COMMAND = Command(
         "goodput-ckpt plan --stall 2s --persist 40s --gpus 4096 --gpu-failures-per-hour 2e-5 --current-interval 1h",
         "goodput-ckpt plan --stall 2s --mtbf 12h --json",
         "goodput-ckpt plan --from-bench bench.json --restart 5m --mtbf 3h",
+        "goodput-ckpt plan --from-timeline /ckpt/run/goodput-timeline.jsonl --restart 5m --mtbf 3h",
     ),
     configure=_configure,
     run=_run,

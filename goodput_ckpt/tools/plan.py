@@ -29,7 +29,9 @@ what improving them is worth.
 
 :func:`inputs_from_bench` takes ``stall``, ``persist`` and ``restore`` from the JSON report of
 ``goodput-ckpt bench`` (medians of its measurements on a synthetic state of the size it was run
-with: bench with the size one node saves for the figures to apply).
+with: bench with the size one node saves for the figures to apply). :func:`inputs_from_timeline`
+takes them from a real run: the per-save timeline that ``CheckpointManager`` writes
+(:mod:`goodput_ckpt.timeline`), medians over its saves and restores, the slowest rank per step.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "PlanInputs",
     "goodput",
     "inputs_from_bench",
+    "inputs_from_timeline",
     "mtbf_from_fleet",
     "optimal_interval",
     "plan",
@@ -147,6 +150,33 @@ def inputs_from_bench(report: Mapping[str, Any] | str | os.PathLike, *, method: 
     return BenchMeasurement(
         stall=m.median("stall_s"), persist=persist, restore=m.median("load_s"), method=method,
         size_bytes=bench.size_bytes, backend=bench.backend, uri=bench.uri,
+    )  # fmt: skip
+
+
+def inputs_from_timeline(path: str | os.PathLike) -> BenchMeasurement:
+    """``stall``, ``persist`` and ``restore`` from a manager's timeline file.
+
+    ``stall``: the median over saves of the slowest rank's stall; ``persist``: the median time
+    from the hand-off to the background until durable (0 for synchronous saves, whose write is
+    all stall); ``restore``: the median restore time (0 when the run never restored).
+
+    Raises:
+        ValueError: the file cannot be read, or it records no successful save.
+    """
+    from ..timeline import read_timeline, summarize_timeline
+
+    try:
+        records = read_timeline(path)
+    except OSError as e:
+        raise ValueError(f"cannot read the timeline {os.fspath(path)}: {e}") from e
+    summary = summarize_timeline(records)
+    if not summary["saves"]:
+        raise ValueError(f"the timeline {os.fspath(path)} records no successful save")
+    persist = summary["durable_s"]["median"] if summary["async_saves"] else 0.0
+    restore = summary["restore_s"]["median"] if summary["restore_s"] else 0.0
+    return BenchMeasurement(
+        stall=summary["stall_s"]["median"], persist=persist, restore=restore, method=f"median of {summary['saves']} saves",
+        size_bytes=int(summary["bytes_per_save"]["median"]), backend="the run's storage", uri=os.fspath(path),
     )  # fmt: skip
 
 

@@ -88,3 +88,27 @@ def test_plan_from_a_file_that_is_not_a_bench_report(tmp_path):
     path.write_text(json.dumps({"stall": 1}))
     code, out, err = _run("plan", "--from-bench", str(path), "--mtbf", "3h")
     assert code == 2 and "not a goodput-ckpt bench report" in err and "Traceback" not in out + err
+
+
+def test_plan_from_a_real_manager_timeline(tmp_path):
+    import torch
+
+    from goodput_ckpt import CheckpointManager
+
+    model = torch.nn.Linear(32, 32)
+    with CheckpointManager(tmp_path / "run") as mgr:
+        for step in range(3):
+            mgr.save(step, model=model)
+        mgr.wait()
+        mgr.restore(model=model)
+        path = mgr.timeline_path
+    code, out, err = _run("plan", "--from-timeline", path, "--mtbf", "3h", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    got = doc["from_timeline"]
+    assert got["stall"] > 0 and got["persist"] > 0 and got["restore"] > 0 and got["method"] == "median of 3 saves"
+    assert doc["inputs"]["stall"] == got["stall"]
+    code, out, err = _run("plan", "--from-timeline", path, "--stall", "1s", "--mtbf", "3h")
+    assert code == 0 and "from " in out and "stall" not in out.split("\n")[0].split(":")[1]
+    code, _, err = _run("plan", "--from-timeline", path, "--from-bench", path, "--mtbf", "3h")
+    assert code == 2 and "not both" in err and "Traceback" not in err

@@ -101,3 +101,43 @@ def test_plan_from_a_bench_report_needs_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _timeline(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _save(step, rank, stall, durable, *, ok=True, asynchronous=True):
+    return {"event": "save", "step": step, "rank": rank, "time": 1000.0 + step, "async": asynchronous, "stall_s": stall,
+            "write_s": durable, "durable_s": durable, "bytes": 100, "ok": ok}  # fmt: skip
+
+
+def test_inputs_from_timeline_take_medians_of_the_slowest_rank(tmp_path):
+    from goodput_ckpt.tools.plan import inputs_from_timeline
+
+    records = [_save(s, r, 0.01 * (s + 1) * (r + 1), 0.5 + s + r) for s in range(3) for r in range(2)]
+    records.append(_save(9, 0, 99.0, 99.0, ok=False))  # a failed save counts for nothing
+    records += [{"event": "restore", "step": 2, "rank": r, "time": 2000.0 + r, "seconds": 3.0 + r, "ok": True} for r in range(2)]
+    records += [{"event": "restore", "step": 2, "rank": 0, "time": 9000.0, "seconds": 5.0, "ok": True}]  # a later job
+    m = inputs_from_timeline(_timeline(tmp_path / "t.jsonl", records))
+    assert m.stall == pytest.approx(0.04)  # per step: 0.02, 0.04, 0.06
+    assert m.persist == pytest.approx(2.5)  # per step: 1.5, 2.5, 3.5
+    assert m.restore == pytest.approx(4.5)  # restores: max(3, 4) = 4 and 5
+    assert m.size_bytes == 200 and m.method == "median of 3 saves"
+
+
+def test_inputs_from_timeline_of_synchronous_saves_have_no_persist_time(tmp_path):
+    from goodput_ckpt.tools.plan import inputs_from_timeline
+
+    m = inputs_from_timeline(_timeline(tmp_path / "t.jsonl", [_save(1, 0, 2.0, 2.0, asynchronous=False)]))
+    assert (m.stall, m.persist, m.restore) == (2.0, 0.0, 0.0)
+
+
+def test_inputs_from_timeline_refuse_a_run_without_saves(tmp_path):
+    from goodput_ckpt.tools.plan import inputs_from_timeline
+
+    with pytest.raises(ValueError, match="no successful save"):
+        inputs_from_timeline(_timeline(tmp_path / "t.jsonl", [_save(1, 0, 1.0, 1.0, ok=False)]))
+    with pytest.raises(ValueError, match="cannot read the timeline"):
+        inputs_from_timeline(tmp_path / "missing.jsonl")
