@@ -40,6 +40,7 @@ from ..errors import (
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, parse_manifest
 from ..storage import FileSource, Store, is_supported_uri, open_store
+from ..storage.base import parse_commit_record
 from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks, sequential_lanes
 from .tensor_bytes import byte_view, check_byte_order
@@ -80,19 +81,7 @@ def load_manifest(store: Store) -> Manifest:
                 path=store.uri,
             )
         raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
-    try:
-        manifest = parse_manifest(data, location=store.uri)
-    except CorruptCheckpointError as e:
-        if getattr(store, "commit_record_atomic", True):  # optional (see storage.base)
-            raise
-        # On a mounted volume a record that does not validate may be one still being written,
-        # or the truncated record of a killed save: never a commit.
-        raise IncompleteCheckpointError(
-            f"{store.uri} is on a mounted volume and its {MANIFEST_NAME} does not validate ({e}): "
-            "the save that wrote it was interrupted or is still running. Load an earlier checkpoint.",
-            path=e.path,
-            byte_range=e.byte_range,
-        ) from e
+    manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=store.uri))
     for f in manifest.files.values():
         actual = store.size(f.path)
         where = f"{store.uri}/{f.path}"

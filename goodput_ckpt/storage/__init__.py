@@ -10,6 +10,11 @@
 - ``s3://bucket/prefix``: :class:`S3Store` (:class:`S3Config`), through boto3;
 - any other URL whose protocol fsspec knows (``gs://``, ``az://``, ``memory://`` ...):
   :class:`FsspecStore` (:class:`FsspecConfig`).
+
+Options come flat (``CheckpointWriter(uri, endpoint_url=...)``) or, for the dedicated backends
+(local disk, volume, S3), also gathered in one mapping, ``storage_options={"endpoint_url": ...}``,
+the spelling fsspec users know; both may be mixed, but a name given twice is refused. For the
+fsspec backend ``storage_options`` keeps its fsspec meaning: the filesystem's own arguments.
 """
 
 from __future__ import annotations
@@ -82,15 +87,47 @@ def is_supported_uri(uri: object) -> bool:
         return False
 
 
-def _build_config(cls: type, options: Mapping[str, Any], backend: str):
+#: Names other S3 clients (s3fs, botocore) use for our S3 options: named in the error, not accepted.
+_S3_SPELLINGS = {
+    "key": "aws_access_key_id",
+    "secret": "aws_secret_access_key",
+    "token": "aws_session_token",
+    "region_name": "region",
+    "client_kwargs": "endpoint_url / region, given directly",
+    "config_kwargs": "addressing_style, connect_timeout, read_timeout ...",
+}
+
+
+def _build_config(cls: type, options: Mapping[str, Any], backend: str, spellings: Mapping[str, str] | None = None):
+    """``cls(**options)`` after refusing unknown keys (by name only: values may be secrets)."""
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(options) - known)
     if unknown:
+        hints = [f"{k} -> {spellings[k]}" for k in unknown if spellings and k in spellings]
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)} for the {backend} backend; "
             f"known options: {', '.join(sorted(known)) or 'none'}"
+            + (f" (use: {'; '.join(hints)})" if hints else "")
         )
     return cls(**options)
+
+
+def _flatten(options: dict[str, Any]) -> dict[str, Any]:
+    """Merge a ``storage_options`` mapping into the flat options (dedicated backends only).
+
+    Raises:
+        TypeError: ``storage_options`` is not a mapping with string keys, or a name is given both
+            flat and inside it. Messages name keys, never values (they may be credentials).
+    """
+    nested = options.pop("storage_options", None)
+    if nested is None:
+        return options
+    if not isinstance(nested, Mapping) or not all(isinstance(k, str) for k in nested):
+        raise TypeError(f"storage_options must be a mapping with string keys, got {type(nested).__name__}")
+    twice = sorted(set(nested) & set(options))
+    if twice:
+        raise TypeError(f"option(s) {', '.join(twice)} given both directly and in storage_options: give each once")
+    return {**options, **nested}
 
 
 def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None) -> Store:
@@ -99,13 +136,13 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
     Args:
         uri: a local path or ``file://`` URL, ``s3://bucket/prefix``, or another fsspec URL.
         options: backend options (see :class:`LocalConfig`, :class:`VolumeConfig`,
-            :class:`S3Config`, :class:`FsspecConfig`); an unknown key is a ``TypeError``. For
-            local paths, ``volume`` (``None``, the default: detect; ``True``/``False``: force)
+            :class:`S3Config`, :class:`FsspecConfig`), flat or (except for fsspec URLs) under a
+            ``storage_options`` mapping; an unknown key is a ``TypeError``. For local paths, ``volume`` (``None``, the default: detect; ``True``/``False``: force)
             chooses between :class:`VolumeStore` and :class:`LocalStore`.
 
     Raises:
         ValueError: the URI scheme is not supported, or the URI is malformed.
-        TypeError: an option is unknown to the chosen backend.
+        TypeError: an option is unknown to the chosen backend, or given twice.
     """
     options = dict(options or {})
     path = _local_path(uri)
@@ -113,7 +150,7 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
         text = os.fspath(uri)
         if isinstance(text, str) and text.startswith("s3://"):
             parse_s3_uri(text)  # a malformed URI is a ValueError before any option error
-            return S3Store(text, _build_config(S3Config, options, "S3"))
+            return S3Store(text, _build_config(S3Config, _flatten(options), "S3", _S3_SPELLINGS))
         if isinstance(text, str) and fsspec_protocol(text) is not None:
             return FsspecStore(text, _build_config(FsspecConfig, options, f"fsspec {fsspec_protocol(text)}://"))
         raise ValueError(
@@ -122,6 +159,7 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
         )
     if not path:
         raise ValueError("empty checkpoint path")
+    options = _flatten(options)
     volume = options.pop("volume", None)
     if volume is not None and not isinstance(volume, bool):
         raise TypeError(f"volume must be True, False or None (detect), got {volume!r}")

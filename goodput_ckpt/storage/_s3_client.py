@@ -11,6 +11,8 @@
 - Bodies are SHA-256 signed only over plain http without CRCs (then the signature is the only
   check in transit). With CRCs the server checks every body; over https TLS protects it; and
   SHA-256 costs ~680 MiB/s of one core, the largest client cost of a save.
+- Explicit credentials (``S3Config.aws_access_key_id`` ...) go to this client only, never into the
+  shared session, so stores with different credentials never see each other's.
 - An endpoint with ``user:password@`` is refused wherever it came from (the option is checked in
   ``S3Config``; ``AWS_ENDPOINT_URL`` and the config file are checked here), so no message can
   quote a secret.
@@ -26,7 +28,7 @@ from urllib.parse import urlparse
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .s3 import S3Config
+    from ._s3_config import S3Config
 
 __all__ = ["make_client"]
 
@@ -76,7 +78,8 @@ def _new_client(cfg: S3Config, *, sign_payload: bool | None) -> Any:
     if cfg.session is not None:
         return cfg.session.client("s3", endpoint_url=cfg.endpoint_url, config=botocore_config)
     with _session_lock:
-        return _default_session().client("s3", endpoint_url=cfg.endpoint_url, config=botocore_config)
+        # Explicit credentials (never combined with a session) override the chain for this client.
+        return _default_session().client("s3", endpoint_url=cfg.endpoint_url, config=botocore_config, **cfg.credentials())
 
 
 def _default_session() -> Any:

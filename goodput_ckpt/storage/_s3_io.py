@@ -35,7 +35,7 @@ from ._s3_retry import client_error_code
 if TYPE_CHECKING:
     from .s3 import S3Store
 
-__all__ = ["MAX_PARTS", "S3Sink", "S3Source", "crc32_b64"]
+__all__ = ["MAX_PARTS", "S3Sink", "S3Source", "crc32_b64", "ignore_no_such_upload"]
 
 log = logging.getLogger("goodput_ckpt.storage.s3")
 
@@ -185,7 +185,7 @@ class S3Sink:
                 self._store.call(
                     "aborting the multipart upload of",
                     self._key,
-                    lambda: _ignore_no_such_upload(lambda: client.abort_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id)),
+                    lambda: ignore_no_such_upload(lambda: client.abort_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id)),
                 )
             if was_closed or self._put_size is not None:
                 self._store.call("deleting", self._key, lambda: client.delete_object(Bucket=bucket, Key=self._key))
@@ -320,7 +320,8 @@ class S3Sink:
         self._store.call("completing the multipart upload of", self._key, complete)
 
 
-def _ignore_no_such_upload(fn) -> None:
+def ignore_no_such_upload(fn) -> None:
+    """Run ``fn`` (an abort); an upload that is already gone (aborted, completed) is no error."""
     try:
         fn()
     except Exception as e:

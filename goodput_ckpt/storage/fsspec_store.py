@@ -10,7 +10,10 @@ Why these choices:
 - The commit record is ``pipe_file``: one whole-object PUT on object stores, where it is atomic.
   Without ``replace`` it is check-then-put: fsspec has no portable conditional write, so two
   savers that pass the check at the same moment both write and the later one wins. On
-  filesystem-like backends (sftp, ftp ...) ``pipe_file`` is not atomic: prefer a dedicated store.
+  filesystem-like backends (sftp, ftp, hdfs ...) ``pipe_file`` writes the record in place under
+  its final name, not atomically: there ``commit_record_atomic`` is False, so readers and tools
+  call a record that does not validate incomplete, as on a mounted volume (storage.base). Only
+  the object stores of :data:`ATOMIC_PUT_PROTOCOLS` (and ``memory://``) count as atomic.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
 from .base import check_relative_name
 
-__all__ = ["FsspecConfig", "FsspecStore", "fsspec_protocol"]
+__all__ = ["ATOMIC_PUT_PROTOCOLS", "FsspecConfig", "FsspecStore", "fsspec_protocol"]
+
+#: Protocols whose ``pipe_file`` is one whole-object PUT (or, for ``memory``, one assignment):
+#: readers see the commit record whole or not at all.
+ATOMIC_PUT_PROTOCOLS = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "tos", "memory"}
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +178,11 @@ class FsspecStore:
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.uri!r})"
+
+    @property
+    def commit_record_atomic(self) -> bool:
+        """Whether readers only ever see the whole commit record (see the module docstring)."""
+        return self.protocol in ATOMIC_PUT_PROTOCOLS
 
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()  # guards creating the filesystem

@@ -22,147 +22,35 @@ Why these choices:
 
 User guide: ``docs/s3.md``.
 
-Credentials come from boto3's standard chain (or the client/session given), never from options,
-and appear nowhere in this store's state, reprs, messages or logs.
+Credentials come from boto3's standard chain, the client or session given, or the
+``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token`` options. They appear in
+no repr, message, log record or manifest; the config holds them (pickled with the writer for
+``dcp.async_save``'s process executor) and hands them only to boto3.
+
+A save killed mid-upload leaves its multipart uploads open (stored, billed, invisible). When a
+save starts, :meth:`S3Store.prepare` aborts those under this location that have been idle for
+``S3Config.stale_upload_age`` (``_s3_stale``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 from ..errors import CheckpointError, CheckpointExistsError
 from ._s3_client import make_client
+from ._s3_config import DEFAULT_PART_SIZE, MIN_PART_SIZE, S3Config
 from ._s3_io import S3Sink, S3Source, crc32_b64
-from ._s3_retry import RetryPolicy, call_with_retries, client_error_code
+from ._s3_retry import call_with_retries, client_error_code
+from ._s3_stale import abort_stale_uploads
 from .base import check_relative_name
 
 __all__ = ["MIN_PART_SIZE", "S3Config", "S3Store", "parse_s3_uri"]
 
 T = TypeVar("T")
-
-#: S3's smallest multipart part (all but the last part of an upload).
-MIN_PART_SIZE = 5 << 20
-#: S3's largest part, and the largest single PUT.
-MAX_PART_SIZE = 5 << 30
-#: Part size when a caller opens a sink without giving one (the DCP writer always gives its chunk).
-DEFAULT_PART_SIZE = 8 << 20
-_ADDRESSING = ("auto", "path", "virtual")
-
-
-@dataclass(frozen=True, kw_only=True)
-class S3Config:
-    """Options of the S3 backend (``CheckpointWriter("s3://...", **options)``).
-
-    Attributes:
-        endpoint_url: the S3 endpoint (``http(s)://host:port``) of a non-AWS server. ``None``:
-            boto3's choice (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, the config file, or
-            AWS). Must not contain credentials.
-        region: the signing region; ``None``: boto3's chain (``AWS_REGION``, config file).
-        addressing_style: ``"path"`` (``host/bucket/key``, what most self-hosted servers need),
-            ``"virtual"`` (``bucket.host/key``) or ``"auto"`` (botocore decides).
-        max_concurrency: multipart parts in flight per store, across its files. Also bounds the
-            memory held in part bodies (``max_concurrency x part size``).
-        part_size: bytes per multipart part. ``None``: one part per writer chunk
-            (``CheckpointWriter(chunk_size=...)``, 8 MiB by default). When set, the writer's
-            chunk size must be a multiple of it. 5 MiB to 5 GiB.
-        max_attempts: attempts per request, the first included, for transient failures
-            (HTTP 5xx and 429, ``SlowDown``, connection errors, timeouts).
-        retry_time_limit: seconds after a request's first attempt past which no retry starts;
-            with the timeouts below it bounds how long a failing save takes to fail.
-        connect_timeout: seconds to establish a connection.
-        read_timeout: seconds without a byte from the server before an attempt is abandoned (a
-            stalled response) and retried.
-        checksums: send the CRC-32 of every part and object (``x-amz-checksum-crc32``), which
-            the server checks on receipt, and send bodies without a SHA-256 signature (half the
-            CPU). ``False``, for servers that reject checksum headers: no CRC, and over plain
-            http bodies are SHA-256 signed instead (botocore's default).
-        client: a ready boto3 S3 client to use instead of creating one. Its own endpoint,
-            region, credentials, pool size and retries apply (turn botocore's retries off to avoid
-            retrying twice). A store holding it cannot be pickled, so use ``dcp.async_save``'s
-            thread executor (the default) with it.
-        session: a boto3 ``Session`` to create the client from (its credentials and profile);
-            the other options above still apply. Not picklable either.
-
-    Raises:
-        TypeError, ValueError: a field of the wrong type or out of range, or options that
-            contradict each other (``client`` with ``session`` or with client settings).
-    """
-
-    endpoint_url: str | None = None
-    region: str | None = None
-    addressing_style: str = "auto"
-    max_concurrency: int = 16
-    part_size: int | None = None
-    max_attempts: int = 10
-    retry_time_limit: float = 120.0
-    connect_timeout: float = 10.0
-    read_timeout: float = 30.0
-    checksums: bool = True
-    client: Any = field(default=None, repr=False, compare=False)
-    session: Any = field(default=None, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.endpoint_url is not None:
-            _check_endpoint(self.endpoint_url)
-        if self.region is not None and (not isinstance(self.region, str) or not self.region):
-            raise TypeError(f"region must be a non-empty string, got {self.region!r}")
-        if self.addressing_style not in _ADDRESSING:
-            raise ValueError(f"addressing_style must be one of {', '.join(_ADDRESSING)}, got {self.addressing_style!r}")
-        _int_in("max_concurrency", self.max_concurrency, 1, 1024)
-        if self.part_size is not None:
-            _int_in("part_size", self.part_size, MIN_PART_SIZE, MAX_PART_SIZE)
-        _int_in("max_attempts", self.max_attempts, 1, 100)
-        if not isinstance(self.checksums, bool):
-            raise TypeError(f"checksums must be a bool, got {type(self.checksums).__name__}")
-        for name in ("retry_time_limit", "connect_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-                raise ValueError(f"{name} must be a number of seconds in (0, 86400], got {value!r}")
-        if self.client is not None:
-            if self.session is not None:
-                raise ValueError("pass either client or session, not both")
-            own = [n for n in ("endpoint_url", "region") if getattr(self, n) is not None]
-            if self.addressing_style != "auto":
-                own.append("addressing_style")
-            if own:
-                raise ValueError(
-                    f"{', '.join(own)} cannot be combined with client: configure the client itself"
-                )
-            meta = getattr(self.client, "meta", None)
-            if getattr(getattr(meta, "service_model", None), "service_name", None) != "s3":
-                raise TypeError(f"client must be a boto3 S3 client, got {type(self.client).__name__}")
-        if self.session is not None and not callable(getattr(self.session, "client", None)):
-            raise TypeError(f"session must be a boto3 Session, got {type(self.session).__name__}")
-
-    @property
-    def retry_policy(self) -> RetryPolicy:
-        return RetryPolicy(max_attempts=self.max_attempts, time_limit=float(self.retry_time_limit))
-
-
-def _int_in(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be between {lo} and {hi}, got {value}")
-
-
-def _check_endpoint(url: Any) -> None:
-    if not isinstance(url, str):
-        raise TypeError(f"endpoint_url must be a string, got {type(url).__name__}")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError("endpoint_url must look like http(s)://host[:port]")
-    if parsed.username is not None or parsed.password is not None:
-        # Never echo the URL: it holds a secret.
-        raise ValueError(
-            "endpoint_url must not contain credentials (user:password@): use the standard AWS "
-            "credential chain (environment, config file, instance role) or a boto3 session"
-        )
-
+log = logging.getLogger("goodput_ckpt.storage.s3")
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://bucket/prefix`` (the prefix without slashes at its ends).
@@ -264,7 +152,38 @@ class S3Store:
 
     # -- Store -------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Nothing to create: object stores have no directories, and the bucket must exist."""
+        """Before a save (every rank): abort this location's stale multipart uploads.
+
+        Nothing is created (object stores have no directories; the bucket must exist). Every
+        rank prepares before any rank writes (DCP plans collectively first), so no upload of
+        this save exists yet. The clean-up is best effort: a failure (a policy without
+        ``s3:ListBucketMultipartUploads``, say) is logged and the save goes on.
+        """
+        if self.config.stale_upload_age is None or not self.prefix:
+            return
+        try:
+            self.abort_stale_uploads(older_than=self.config.stale_upload_age)
+        except CheckpointError as e:
+            log.warning("could not clean up stale multipart uploads under %s: %s", self.uri, e)
+
+    def abort_stale_uploads(self, *, older_than: float, recursive: bool = False) -> list[str]:
+        """Abort the multipart uploads under this location idle for ``older_than`` seconds.
+
+        Idle: neither started nor given a part for that long, by the server's clock. Reclaims
+        the parts of saves that were killed mid-upload (see ``S3Config.stale_upload_age``).
+
+        Args:
+            older_than: seconds of inactivity (0: every open upload, live ones included).
+            recursive: also uploads under nested prefixes (a manager root's step locations);
+                by default only files directly under this location, this checkpoint's own.
+
+        Returns:
+            The keys whose uploads were aborted.
+
+        Raises:
+            CheckpointError: listing or aborting failed after retries.
+        """
+        return abort_stale_uploads(self, older_than=older_than, recursive=recursive)
 
     def open_sink(self, name: str, *, part_size: int | None = None) -> S3Sink:
         unit = part_size or self.config.part_size or DEFAULT_PART_SIZE

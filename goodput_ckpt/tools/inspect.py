@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.manifest import DTYPE_SIZES, FORMAT_NAME, MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
 from ..layout import parse_step_dir
+from ..storage.base import parse_commit_record
 from ._common import open_location, read_manifest_bytes
 
 __all__ = ["InspectReport", "ItemRow", "SECTIONS", "SectionRow", "inspect_checkpoint", "section_of"]
@@ -111,8 +112,9 @@ def inspect_checkpoint(
 
     Raises:
         CheckpointNotFoundError: nothing is stored at ``uri``.
-        IncompleteCheckpointError: files but no manifest (an uncommitted save).
-        CorruptCheckpointError: the manifest is invalid.
+        IncompleteCheckpointError: files but no manifest (an uncommitted save), or on a mounted
+            volume a manifest that does not validate (one still being written or cut short).
+        CorruptCheckpointError: the manifest is invalid (where commits are atomic).
         CheckpointError: a manifest version this library does not read.
     """
     store = open_location(uri, options)
@@ -126,7 +128,7 @@ def inspect_checkpoint(
                 path=store.uri,
             )
         raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
-    manifest = parse_manifest(data, location=store.uri)
+    manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=store.uri))
     patterns = [pattern] if isinstance(pattern, str) else (list(pattern) if pattern else None)
     report = _describe(store.uri, manifest, patterns)
     if check_files:

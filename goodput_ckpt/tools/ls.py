@@ -4,9 +4,10 @@ Status of each:
 
 - ``complete``: a manifest that parses (and, with ``verify``, whose files pass
   :func:`~goodput_ckpt.tools.verify.verify_checkpoint`);
-- ``incomplete``: files but no manifest: a save that is running, failed or was interrupted;
-- ``corrupt``: a manifest that does not parse, or (with ``verify``) missing, resized or
-  damaged files;
+- ``incomplete``: files but no manifest: a save that is running, failed or was interrupted; on a
+  mounted volume also a manifest that does not validate (being written, or cut short);
+- ``corrupt``: a manifest that does not validate where commits are atomic (local disk, S3), or
+  (with ``verify``) missing, resized or damaged files;
 - ``unsupported``: a manifest of a format version this library does not read.
 
 The listing is one ``list`` of the root plus one manifest read per step (and, with ``verify``,
@@ -18,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.manifest import MANIFEST_NAME, parse_manifest
 from ..layout import child_uri, list_step_dirs, step_dir_name
+from ..storage.base import parse_commit_record
 from ._common import NO_PROGRESS, Progress, open_location, require_positive
 from .verify import verify_checkpoint
 
@@ -99,7 +101,10 @@ def list_checkpoints(
             row.problems.append(f"{MANIFEST_NAME} disappeared while listing")
             continue
         try:
-            manifest = parse_manifest(data, location=row.uri)
+            manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=row.uri))
+        except IncompleteCheckpointError as e:  # on a mounted volume: written now, or cut short
+            row.problems.append(str(e))
+            continue
         except CorruptCheckpointError as e:
             row.status = "corrupt"
             row.problems.append(str(e))

@@ -3,8 +3,11 @@
 What is checked, in order:
 
 1. the manifest exists (else the checkpoint is *incomplete*), parses, is of a known version and
-   is self-consistent (:func:`~goodput_ckpt.format.parse_manifest` checks types, ranges, paths,
-   byte ranges inside files, chunk tiling and item overlaps);
+   is self-consistent (:func:`~goodput_ckpt.format.parse_manifest` checks its own digest, types,
+   ranges, paths, byte ranges inside files, chunk tiling and item overlaps). A manifest that
+   fails this is *corrupt* where commits are atomic (local disk, S3), but *incomplete* on a
+   mounted volume, where it may be a record still being written or cut short by a killed save
+   (the reader decides the same way: :func:`~goodput_ckpt.storage.base.parse_commit_record`);
 2. every listed file exists with exactly its recorded size;
 3. unless ``quick``: every hash chunk of every file matches its blake3 digest.
 
@@ -28,9 +31,10 @@ from typing import Any
 
 import blake3
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import FileSource, Store
+from ..storage.base import parse_commit_record
 from ._common import NO_PROGRESS, KeyIndex, Progress, open_location, read_manifest_bytes, require_positive
 
 __all__ = ["DEFAULT_VERIFY_THREADS", "Problem", "TASK_BYTES", "VerifyReport", "verify_checkpoint"]
@@ -68,8 +72,8 @@ class VerifyReport:
     """The outcome of :func:`verify_checkpoint`.
 
     ``status`` is ``ok``, ``corrupt`` (a committed checkpoint whose bytes or manifest are
-    damaged), ``incomplete`` (no manifest: a save never committed) or ``unsupported`` (a
-    manifest version this library does not read).
+    damaged), ``incomplete`` (no manifest, or on a mounted volume one that does not validate: a
+    save never committed) or ``unsupported`` (a manifest version this library does not read).
     """
 
     uri: str
@@ -151,7 +155,11 @@ def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
         )
         return None
     try:
-        manifest = parse_manifest(data, location=store.uri)
+        manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=store.uri))
+    except IncompleteCheckpointError as e:  # a record still being written, or cut short (volumes)
+        report.status = "incomplete"
+        report.problems.append(Problem("incomplete", str(e), file=MANIFEST_NAME))
+        return None
     except CorruptCheckpointError as e:
         report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME, keys=_split(e.key)))
         return None

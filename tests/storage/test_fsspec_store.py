@@ -120,6 +120,9 @@ def test_options_and_uris(mem_uri):
         open_store(mem_uri, {"endpoint_url": "http://x"})
     fs = fsspec.filesystem("memory")
     assert open_store(mem_uri, {"filesystem": fs}).config.filesystem is fs
+    # One whole-object PUT commits atomically; sftp/ftp write the record in place (not atomic).
+    assert open_store(mem_uri).commit_record_atomic and open_store("gs://bucket/x").commit_record_atomic
+    assert not open_store("sftp://host/x").commit_record_atomic and not open_store("ftp://host/x").commit_record_atomic
     with pytest.raises(ValueError, match="either filesystem or storage_options"):
         FsspecConfig(filesystem=fs, storage_options={"a": 1})
     with pytest.raises(TypeError):

@@ -277,6 +277,7 @@ def test_config_is_checked():
     for bad in (
         {"max_concurrency": 0}, {"part_size": 4 * MiB}, {"addressing_style": "sideways"}, {"max_attempts": 0},
         {"retry_time_limit": -1}, {"read_timeout": 0}, {"endpoint_url": "127.0.0.1:9000"},
+        {"stale_upload_age": -1}, {"stale_upload_age": True},
     ):  # fmt: skip
         with pytest.raises(ValueError):
             S3Config(**bad)
@@ -371,6 +372,95 @@ def test_credentials_never_leak(moto, proxy, seaweed_server, caplog):
     texts.append(caplog.text)
     for text in texts:
         assert ACCESS_KEY not in text and SECRET_KEY not in text, text
+
+
+def test_storage_options_mapping(moto):
+    """``storage_options={...}`` (the spelling of issue 3 and of fsspec users) works like flat
+    options, for the writer, the reader and open_store, and mixes with them."""
+    nested = {"endpoint_url": moto.url, "addressing_style": "path", "region": "us-east-1"}
+    state = make_state()
+    dcp.save(state, storage_writer=CheckpointWriter(moto.uri("nested"), chunk_size=CHUNK, storage_options=nested))
+    dest = zeros_like(state)
+    reader = CheckpointReader(moto.uri("nested"), thread_count=2, endpoint_url=moto.url,
+                              storage_options={"addressing_style": "path", "max_concurrency": 4})  # fmt: skip
+    dcp.load(dest, storage_reader=reader)
+    assert_same(dest, state)
+    assert reader._store.config.max_concurrency == 4 and reader._store.config.endpoint_url == moto.url
+    assert open_store(moto.uri("nested"), {"storage_options": nested}).config == open_store(moto.uri("nested"), nested).config
+    with pytest.raises(TypeError, match=r"unknown option\(s\) bogus for the S3 backend; known options: .*endpoint_url"):
+        CheckpointWriter(moto.uri("x"), chunk_size=CHUNK, storage_options={**nested, "bogus": 1})
+    with pytest.raises(TypeError, match=r"key, secret .*key -> aws_access_key_id; secret -> aws_secret_access_key"):
+        CheckpointReader(moto.uri("x"), storage_options={"key": "k", "secret": "s"})
+    with pytest.raises(TypeError, match="endpoint_url given both directly and in storage_options"):
+        CheckpointReader(moto.uri("x"), endpoint_url=moto.url, storage_options=nested)
+    with pytest.raises(TypeError, match="storage_options must be a mapping"):
+        open_store(moto.uri("x"), {"storage_options": [("endpoint_url", moto.url)]})
+
+
+EXPLICIT_KEY_ID = "GOODPUTEXPLICITKEY9Z"
+EXPLICIT_SECRET = "goodput-explicit-secret-Qm7Rt2"
+EXPLICIT_TOKEN = "goodput-explicit-token-Hw4Np8"
+
+
+def test_explicit_credentials_are_used_and_never_leak(moto, seaweed, caplog):
+    """Credentials in ``storage_options`` reach boto3 and nothing else: no log record (the secret
+    key in none at all, not even botocore's; the key id and token in none of ours), no message,
+    no repr, no stored object."""
+    caplog.set_level(logging.DEBUG)
+    creds = {"aws_access_key_id": EXPLICIT_KEY_ID, "aws_secret_access_key": EXPLICIT_SECRET, "aws_session_token": EXPLICIT_TOKEN}
+    opts = {"storage_options": {**moto.options(), **creds}}
+    state = make_state()
+    writer = CheckpointWriter(moto.uri("explicit"), chunk_size=CHUNK, **opts)
+    assert writer._store.client()._request_signer._credentials.secret_key == EXPLICIT_SECRET  # boto3 got them
+    texts = [repr(writer), repr(writer._store), repr(writer._store.config), str(writer._store.config)]
+    dcp.save(state, storage_writer=writer)
+    reader = CheckpointReader(moto.uri("explicit"), **opts)
+    texts += [repr(reader), repr(reader._store)]
+    dest = zeros_like(state)
+    dcp.load(dest, storage_reader=reader)
+    assert_same(dest, state)
+    client = moto.client()
+    for key in moto.keys("explicit/"):  # every file of the checkpoint, the manifest included
+        texts.append(client.get_object(Bucket=moto.bucket, Key=key)["Body"].read().decode("latin-1"))
+
+    errors = []
+    # A server that checks signatures (SeaweedFS) refuses a wrong secret: it was really used.
+    wrong = {**seaweed.options(), "aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": "not-" + SECRET_KEY}
+    with pytest.raises(CheckpointError, match="SignatureDoesNotMatch|AccessDenied|InvalidAccessKeyId") as refused:
+        open_store(seaweed.uri("x"), {"storage_options": wrong}).list()
+    errors.append(refused.value)
+    right = {**seaweed.options(), "aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY}
+    assert open_store(seaweed.uri("x"), {"storage_options": right}).list() == []
+    missing_bucket = type(moto)("moto", moto.url, "no-such-bucket-here")
+    with pytest.raises(BaseException) as no_bucket:
+        dcp.save(state, storage_writer=CheckpointWriter(missing_bucket.uri("x"), chunk_size=CHUNK,
+                                                        storage_options={**missing_bucket.options(), **creds}))  # fmt: skip
+    errors.append(checkpoint_error(no_bucket))
+    for bad in (
+        {**creds, "bogus": EXPLICIT_SECRET},  # unknown key: named, its value not quoted
+        {"aws_access_key_id": EXPLICIT_KEY_ID, "aws_secret_access_key": EXPLICIT_SECRET.encode()},  # wrong type
+        {"aws_secret_access_key": EXPLICIT_SECRET},  # half a key pair
+        {"aws_session_token": EXPLICIT_TOKEN},
+        {**creds, "session": boto3.session.Session()},
+    ):
+        with pytest.raises((TypeError, ValueError)) as info:
+            open_store(moto.uri("x"), {"storage_options": {**moto.options(), **bad}})
+        errors.append(info.value)
+    with pytest.raises(TypeError, match="aws_secret_access_key given both") as twice:
+        CheckpointReader(moto.uri("x"), aws_secret_access_key=EXPLICIT_SECRET, storage_options=creds)
+    errors.append(twice.value)
+    for e in errors:
+        while e is not None:  # the error and every cause chained to it
+            texts += [str(e), repr(e), str(getattr(e, "path", ""))]
+            e = e.__cause__ or e.__context__
+    for text in texts:
+        for secret in (EXPLICIT_KEY_ID, EXPLICIT_SECRET, EXPLICIT_TOKEN, SECRET_KEY):
+            assert secret not in text, (secret, text[:2000])
+    # Logs: botocore's own DEBUG wire log shows request headers (the key id, the session token),
+    # as for any boto3 program; the secret key is never sent, so it is in no record at all.
+    assert all(EXPLICIT_SECRET not in r.getMessage() and SECRET_KEY not in r.getMessage() for r in caplog.records)
+    ours = [r.getMessage() for r in caplog.records if not r.name.startswith("botocore")]
+    assert not [m for m in ours if EXPLICIT_KEY_ID in m or EXPLICIT_TOKEN in m]
 
 
 def test_client_settings():

@@ -9,8 +9,6 @@ and reader detect the mounts themselves, unless a test overrides it on purpose.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _kill import kill_when
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import (
@@ -209,32 +208,52 @@ def test_corruption_is_detected(rclone_dir):
     assert_same(load(make_state(7), rclone_dir), make_state(7))
 
 
+def test_tools_call_a_half_written_manifest_incomplete(rclone_volume):
+    """verify, inspect and ls judge the manifest as the reader does: on the mount a manifest cut
+    short (what a killed upload leaves) is an uncommitted save, never corruption; a damaged data
+    file under a valid manifest is still corruption."""
+    from goodput_ckpt.tools import inspect_checkpoint, list_checkpoints, verify_checkpoint
+
+    root = rclone_volume.fresh("tools")
+    step, other = root / "step_00000100", root / "step_00000200"
+    save(make_state(10), step)
+    save(make_state(11), other)
+    manifest = (step / MANIFEST_NAME).read_bytes()
+    assert verify_checkpoint(str(step)).ok
+    rewrite(step / MANIFEST_NAME, manifest[: len(manifest) // 2])
+    report = verify_checkpoint(str(step))
+    assert report.status == "incomplete" and [p.kind for p in report.problems] == ["incomplete"], report.problems
+    assert "mounted volume" in report.problems[0].message
+    with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
+        inspect_checkpoint(str(step))
+    with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
+        CheckpointReader(step).read_metadata()
+    listing = list_checkpoints(str(root), verify=True)
+    assert [(c.step, c.status) for c in listing.checkpoints] == [(100, "incomplete"), (200, "complete")]
+    assert listing.latest_complete == 200
+
+    biggest = max(data_files(other), key=lambda n: (other / n).stat().st_size)
+    data = bytearray((other / biggest).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rewrite(other / biggest, bytes(data))
+    report = verify_checkpoint(str(other))
+    assert report.status == "corrupt" and [p.kind for p in report.problems] == ["checksum"]
+    assert [c.status for c in list_checkpoints(str(root), verify=True).checkpoints] == ["incomplete", "corrupt"]
+
+
 def test_save_killed_mid_write_leaves_it_incomplete(rclone_volume, tmp_path):
     """SIGKILL while the data files are being written: the mount finishes the uploads with what
     it had, but no manifest exists, so the location reads as incomplete; a new save there then
     works without overwrite and removes the leftovers."""
     loc = rclone_volume.fresh("killed")
-    log = open(tmp_path / "worker.log", "w")
-    proc = subprocess.Popen([sys.executable, str(SAVE_WORKER), str(loc), "1", "--mib", "48"],
-                            stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
-    try:
-        assert proc.stdout.readline().strip() == "READY", (tmp_path / "worker.log").read_text()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if sum((loc / n).stat().st_size for n in data_files(loc)) >= 4 * MiB:
-                    break
-            except FileNotFoundError:
-                pass
-            time.sleep(0.01)
-        assert proc.poll() is None, "the save finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+
+    def written() -> bool:
+        try:
+            return sum((loc / n).stat().st_size for n in data_files(loc)) >= 4 * MiB
+        except FileNotFoundError:
+            return False
+
+    kill_when([sys.executable, str(SAVE_WORKER), str(loc), "1", "--mib", "48"], tmp_path / "worker.log", written)
     leftovers = data_files(loc)
     assert leftovers and MANIFEST_NAME not in os.listdir(loc)
     with pytest.raises(IncompleteCheckpointError, match="never committed"):

@@ -158,3 +158,11 @@ def rewrite_manifest(path: str | os.PathLike, doc: dict[str, Any]) -> None:
 
     body = {k: v for k, v in doc.items() if k != "digest"}
     Path(path, MANIFEST_NAME).write_bytes(seal_manifest(json.dumps(body).encode("utf-8")))
+
+
+def damaged_manifests(good: bytes) -> dict[str, bytes]:
+    """Ways a manifest fails to validate: cut short (a record still being written, or a killed
+    save's), sealed but with one edited byte (its own digest fails), and not JSON at all."""
+    at = good.index(b'"world_size":') + len(b'"world_size":')
+    edited = good[:at] + (b"7" if good[at : at + 1] != b"7" else b"8") + good[at + 1 :]
+    return {"truncated": good[: len(good) // 2], "digest": edited, "garbage": b"{"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import pytest
-from _ckpt_samples import flat_tensors, item_range, save, truncate
+from _ckpt_samples import damaged_manifests, flat_tensors, item_range, save, truncate
 
 from goodput_ckpt import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from goodput_ckpt.format import MANIFEST_NAME
@@ -79,3 +79,13 @@ def test_damaged_and_missing(ckpt, tmp_path):
         inspect_checkpoint(str(ckpt))
     with pytest.raises(CheckpointNotFoundError):
         inspect_checkpoint(str(tmp_path / "none"))
+
+
+def test_invalid_manifest_is_corrupt_on_disk_and_incomplete_on_a_volume(ckpt):
+    good = (ckpt / MANIFEST_NAME).read_bytes()
+    for damage, data in damaged_manifests(good).items():
+        (ckpt / MANIFEST_NAME).write_bytes(data)
+        with pytest.raises(CorruptCheckpointError):
+            inspect_checkpoint(str(ckpt))
+        with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
+            inspect_checkpoint(str(ckpt), volume=True)

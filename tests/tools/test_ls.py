@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ckpt_samples import copy_ckpt, flip_byte, item_range
+from _ckpt_samples import copy_ckpt, damaged_manifests, flip_byte, item_range
 
 from goodput_ckpt import CheckpointNotFoundError
 from goodput_ckpt.format import MANIFEST_NAME
@@ -43,6 +43,20 @@ def test_statuses_without_and_with_verify(root):
     assert any("checksum mismatch" in p for p in v.checkpoints[2].problems)
     quick = list_checkpoints(str(root), verify=True, quick=True)
     assert quick.checkpoints[2].status == "complete"  # a flipped byte needs hashing
+
+
+def test_invalid_manifest_is_corrupt_on_disk_and_incomplete_on_a_volume(sample_ckpt, tmp_path):
+    root = tmp_path / "run"
+    good = (sample_ckpt[0] / MANIFEST_NAME).read_bytes()
+    copy_ckpt(sample_ckpt[0], root / "step_00000100")
+    for i, data in enumerate(damaged_manifests(good).values()):
+        (copy_ckpt(sample_ckpt[0], root / f"step_0000020{i}") / MANIFEST_NAME).write_bytes(data)
+    on_disk = list_checkpoints(str(root))
+    assert [c.status for c in on_disk.checkpoints] == ["complete", "corrupt", "corrupt", "corrupt"]
+    on_volume = list_checkpoints(str(root), volume=True, verify=True)
+    assert [c.status for c in on_volume.checkpoints] == ["complete", "incomplete", "incomplete", "incomplete"]
+    assert all("mounted volume" in c.problems[0] for c in on_volume.checkpoints[1:])
+    assert on_volume.latest_complete == 100
 
 
 def test_missing_root_and_a_checkpoint_as_root(sample_ckpt, tmp_path):

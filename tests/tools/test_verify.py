@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from _ckpt_samples import CHUNK, flip_byte, item_range, manifest, rewrite_manifest, save, truncate
+from _ckpt_samples import CHUNK, damaged_manifests, flip_byte, item_range, manifest, rewrite_manifest, save, truncate
 
-from goodput_ckpt import CheckpointNotFoundError
+from goodput_ckpt import CheckpointNotFoundError, CheckpointReader, CorruptCheckpointError, IncompleteCheckpointError
 from goodput_ckpt.format import MANIFEST_NAME
 from goodput_ckpt.tools.verify import verify_checkpoint
 
@@ -123,6 +123,25 @@ def test_garbled_and_hostile_manifests(ckpt):
     (ckpt / MANIFEST_NAME).write_text(json.dumps(doc))
     r = verify_checkpoint(str(ckpt))
     assert r.status == "corrupt" and r.problems[0].kind == "manifest"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "digest", "garbage"])
+def test_invalid_manifest_is_corrupt_on_disk_and_incomplete_on_a_volume(ckpt, damage):
+    """Local disk commits the manifest by link/replace, so an invalid one (its own digest
+    included) was damaged: corrupt. In volume mode the manifest is written in place, so an
+    invalid one may be half written: incomplete. verify and the reader agree on both."""
+    (ckpt / MANIFEST_NAME).write_bytes(damaged_manifests((ckpt / MANIFEST_NAME).read_bytes())[damage])
+    r = verify_checkpoint(str(ckpt))
+    assert r.status == "corrupt" and [p.kind for p in r.problems] == ["manifest"], r.problems
+    with pytest.raises(CorruptCheckpointError):
+        CheckpointReader(str(ckpt)).read_metadata()
+    if damage == "digest":
+        assert "fails its own checksum" in r.problems[0].message
+    r = verify_checkpoint(str(ckpt), volume=True)
+    assert r.status == "incomplete" and [p.kind for p in r.problems] == ["incomplete"], r.problems
+    assert "mounted volume" in r.problems[0].message and r.problems[0].file == MANIFEST_NAME
+    with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
+        CheckpointReader(str(ckpt), volume=True).read_metadata()
 
 
 def test_extra_file_is_a_warning_only(ckpt):
