@@ -500,6 +500,7 @@ class CheckpointManager:
                         delete_step(self._root, s, scan.files[s])
                     except CheckpointError as e:
                         logger.warning("could not remove the checkpoint of step %d: %s", s, e)
+                self._abort_orphaned_uploads()
             except CheckpointError as e:
                 choice[1] = str(e)
         if self._pg is not None:
@@ -507,6 +508,21 @@ class CheckpointManager:
         if choice[1] is not None:
             raise CheckpointError(f"listing checkpoints under {self.root_uri} failed on the coordinator: {choice[1]}")
         return choice[0]
+
+    def _abort_orphaned_uploads(self) -> None:
+        """On object stores, abort the multipart uploads that killed saves left under the root
+        (they cost storage and are invisible to listings). Nothing of this job is in flight and
+        one job writes a root at a time, so every open upload under it is an orphan. Best effort."""
+        abort = getattr(self._root, "abort_stale_uploads", None)
+        if abort is None:
+            return
+        try:
+            aborted = abort(older_than=0, recursive=True)
+        except CheckpointError as e:
+            logger.warning("could not clean up unfinished uploads under %s: %s", self.root_uri, e)
+            return
+        if aborted:
+            logger.info("aborted %d unfinished upload(s) under %s left by interrupted saves", len(aborted), self.root_uri)
 
     def _agree(self, local_err: CheckpointError | None) -> None:
         """Raise on every rank when any rank failed to plan, instead of letting the others hang in

@@ -100,3 +100,22 @@ def _uploads_with_parts(target, prefix: str) -> bool:
         if client.list_parts(Bucket=target.bucket, Key=upload["Key"], UploadId=upload["UploadId"]).get("Parts"):
             return True
     return False
+
+
+def test_manager_restore_aborts_every_orphaned_upload_under_its_root(moto):
+    """A job restarting after a kill owns its root: uploads its dead saves left are aborted,
+    however recent, in any step location; other roots are left alone."""
+    import torch
+
+    from goodput_ckpt import CheckpointManager
+
+    start_upload(moto, "run/step_00000007/rank00000-00.abc.bin")
+    start_upload(moto, "run/step_00000009/rank00001-00.abc.bin", part=False)
+    start_upload(moto, "other-run/step_00000001/rank00000-00.abc.bin")
+    model = torch.nn.Linear(4, 4)
+    mgr = CheckpointManager(moto.uri("run"), async_save=False, **moto.options())
+    assert mgr.restore(model=model) is None
+    assert moto.open_uploads() == ["other-run/step_00000001/rank00000-00.abc.bin"]
+    mgr.save(1, model=model)
+    assert mgr.restore(model=model) == 1
+    mgr.close()
