@@ -194,7 +194,8 @@ class CheckpointManager:
 
     def _timeline_target(self, timeline: Any) -> Any:
         if timeline is True:
-            return os.path.join(self._root.root, TIMELINE_NAME) if isinstance(self._root, LocalStore) else None
+            # Only a local disk can append (a volume store is a LocalStore that cannot).
+            return os.path.join(self._root.root, TIMELINE_NAME) if type(self._root) is LocalStore else None
         if timeline is False or timeline is None:
             return None
         if callable(timeline) or isinstance(timeline, (str, os.PathLike)):

@@ -2,7 +2,9 @@
 
 No torch here: a root is a :class:`~goodput_ckpt.storage.Store` whose files are grouped into step
 directories by :mod:`.layout`. A step is *complete* when its commit record (``manifest.json``)
-exists, *incomplete* otherwise (a save that is running, failed or was interrupted).
+exists, *incomplete* otherwise (a save that is running, failed or was interrupted). On a store
+whose commit record is written in place (a mounted volume: ``commit_record_atomic`` false), the
+record must also validate: a torn record is a save that did not finish, so the scan reads it.
 
 Retention policy (:func:`retention_victims`), applied after the commit of step ``committed``
 while no other save of the same job runs:
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import logging
 
-from .format.manifest import MANIFEST_NAME
+from .errors import CheckpointError, IncompleteCheckpointError
+from .format.manifest import MANIFEST_NAME, parse_manifest
 from .layout import list_step_dirs, step_dir_name
-from .storage.base import Store
+from .storage.base import Store, parse_commit_record
 
 __all__ = ["StepScan", "delete_step", "retention_victims", "scan_steps"]
 
@@ -29,10 +32,10 @@ logger = logging.getLogger("goodput_ckpt.retention")
 class StepScan:
     """One listing of a root: step -> its files, split into complete and incomplete steps."""
 
-    def __init__(self, files: dict[int, list[str]]) -> None:
+    def __init__(self, files: dict[int, list[str]], torn: set[int] = frozenset()) -> None:
         self.files = files
-        self.complete = [s for s, f in files.items() if MANIFEST_NAME in f]
-        self.incomplete = [s for s, f in files.items() if MANIFEST_NAME not in f]
+        self.complete = [s for s, f in files.items() if MANIFEST_NAME in f and s not in torn]
+        self.incomplete = [s for s, f in files.items() if MANIFEST_NAME not in f or s in torn]
 
     @property
     def latest(self) -> int | None:
@@ -40,8 +43,29 @@ class StepScan:
 
 
 def scan_steps(root: Store) -> StepScan:
-    """List ``root`` once (steps ascending)."""
-    return StepScan(list_step_dirs(root))
+    """List ``root`` once (steps ascending); on a store without atomic commit records, also read
+    each step's record to tell a torn one from a commit."""
+    files = list_step_dirs(root)
+    torn: set[int] = set()
+    if not getattr(root, "commit_record_atomic", True):
+        for step, names in files.items():
+            if MANIFEST_NAME in names and _record_is_torn(root, step):
+                torn.add(step)
+    return StepScan(files, torn)
+
+
+def _record_is_torn(root: Store, step: int) -> bool:
+    name = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    try:
+        data = root.read_small(name)
+        if data is None:  # deleted since the listing
+            return True
+        parse_commit_record(root, name, data, lambda d: parse_manifest(d, location=f"{root.uri}/{step_dir_name(step)}"))
+    except IncompleteCheckpointError:
+        return True
+    except CheckpointError:
+        return False  # complete but unusable (an unknown version, say): restore reports it
+    return False
 
 
 def retention_victims(scan: StepScan, *, committed: int, keep_last: int | None) -> list[int]:
