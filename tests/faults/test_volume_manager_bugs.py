@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 from crash_worker import TrialModel
 
 from goodput_ckpt import CheckpointManager
