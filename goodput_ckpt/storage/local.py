@@ -320,6 +320,16 @@ class LocalStore:
                 "nothing was overwritten",
                 path=path,
             ) from e
+        except FileNotFoundError as e:
+            # A writer that committed first removes every other temporary record (its cleanup
+            # of stale files), ours included: the location is taken.
+            if os.path.exists(path):
+                raise CheckpointExistsError(
+                    f"{path} was committed by another writer while this save ran; "
+                    "nothing was overwritten",
+                    path=path,
+                ) from e
+            raise
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                 raise

@@ -102,9 +102,7 @@ def test_two_writers_one_location(where, forker, tmp_path):
         results = [json.loads(out.read_text()) for _, out in started]
         won = [r["seed"] for r in results if r["ok"]]
         lost = [r for r in results if not r["ok"]]
-        if len(won) == 1 and len(lost) == 1 and _known_bug_tmp_manifest_removed(lost[0]):
-            outcomes["refused at its commit, misleading error (known bug)"] += 1
-        elif len(won) != 1 or [r["type"] for r in lost] != ["CheckpointExistsError"]:
+        if len(won) != 1 or [r["type"] for r in lost] != ["CheckpointExistsError"]:
             failures.append(f"trial {trial}: {results}")
             continue
         else:
@@ -119,26 +117,11 @@ def test_two_writers_one_location(where, forker, tmp_path):
         if got["writer"] != won[0] or not _holds(got, won[0], where.mib):
             failures.append(f"trial {trial}: writer {won[0]} committed, the location holds writer {got['writer']}'s "
                             f"step value (all values theirs: {_holds(got, got['writer'], where.mib)})")  # fmt: skip
-    unclear = sum(n for k, n in outcomes.items() if "known bug" in k)
     record("two writers, one location", where.backend, trials=trials, faults_injected=trials,
-           detected_or_recovered=trials - len(failures) - unclear, data_lost=len(failures), outcomes=dict(outcomes))  # fmt: skip
+           detected_or_recovered=trials - len(failures), data_lost=len(failures), outcomes=dict(outcomes))  # fmt: skip
     assert not failures, "\n".join(failures)
 
 
-def _known_bug_tmp_manifest_removed(result: dict[str, Any]) -> bool:
-    """The loser's error when the winner's clean-up removed its temporary manifest (see
-    test_commit_race_loser_gets_checkpoint_exists_error): a plain CheckpointError."""
-    message = result["message"]
-    return result["type"] == "CheckpointError" and ".manifest.json.tmp-" in message and "No such file" in message
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="after committing, the winner's remove_stale_files (dcp/hashed_write.py) deletes every "
-    ".manifest.json.tmp-*, including the loser's in-flight temporary manifest; the loser's os.link "
-    "in LocalStore._link_exclusive (storage/local.py) then fails with ENOENT and it reports "
-    "'committing ... failed: no such file or directory' instead of CheckpointExistsError",
-)
 def test_commit_race_loser_gets_checkpoint_exists_error(tmp_path, monkeypatch):
     """Deterministic form of a race the two-writer trials hit now and then: the rival commits
     (and cleans up) between the moment this save wrote its temporary manifest and its link."""
