@@ -108,8 +108,11 @@ def write_hashed_files(
 
     Each file is cut into ``chunk_size`` chunks (see :mod:`.layout`); a worker gathers the
     bytes of one chunk (item ranges and zero padding), hashes exactly those bytes and writes
-    them, so digests never need a read-back. On stores with random writes every chunk is a
-    task; otherwise each file is written in order, and closed, by one worker.
+    them, so digests never need a read-back. A sink with ``write_hashed(offset, buffers,
+    hasher)`` (S3's, which copies every chunk into its part bodies) is handed the hasher and
+    feeds it the bytes as it copies them: one pass over memory instead of two. On stores with
+    random writes every chunk is a task; otherwise each file is written in order, and closed,
+    by one worker.
 
     Args:
         placements: where each item goes; ``placements[i].item`` indexes ``sources``.
@@ -142,9 +145,15 @@ def write_hashed_files(
         for seg in ch.segments:
             bufs.append(_ZEROS[: seg.end - seg.start] if seg.item < 0 else sources[seg.item].view(seg.start, seg.end))
         h = blake3.blake3()
-        for b in bufs:
-            h.update(b)
-        sink.write_at(ch.offset, bufs)
+        # Looked up on the class: a wrapper that forwards attributes (``__getattr__``) to a sink
+        # keeps its own ``write_at`` in the path.
+        write_hashed = getattr(type(sink), "write_hashed", None)  # optional: see the docstring
+        if write_hashed is not None:
+            write_hashed(sink, ch.offset, bufs, h)
+        else:
+            for b in bufs:
+                h.update(b)
+            sink.write_at(ch.offset, bufs)
         for seg, b in zip(ch.segments, bufs):
             recycle = getattr(sources[seg.item], "recycle", None) if seg.item >= 0 else None
             if recycle is not None:

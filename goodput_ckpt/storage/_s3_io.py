@@ -4,10 +4,15 @@ Writes. The DCP writer hands a sink one chunk per ``write_at`` call, at an offse
 multiple of its chunk size (``part_size`` here), from several threads and in any order. Each call
 becomes one multipart part (or several, when ``S3Config.part_size`` is smaller than the chunk),
 numbered ``offset // split + 1``, so parts need no coordination and may finish in any order.
-``write_at`` copies the chunk into one contiguous body (botocore needs one) and hands it to the
-sink's upload pool, then returns: hashing the next chunks overlaps with the uploads. A
-store-wide semaphore caps the parts in flight, which bounds both the memory held in bodies
-(``max_concurrency x part size``) and the connections in use.
+``write_at`` copies the chunk into one contiguous body (botocore sends a ``bytearray`` with one
+``sendall``; a file-like body would cost a ``100-continue`` round trip and a read per 128 KiB)
+and hands it to the sink's upload pool, then returns: hashing the next chunks overlaps with the
+uploads. The copy is made in cache-sized pieces, and each piece, once copied, is also
+CRC-summed and (through ``write_hashed``, which the DCP writer uses) blake3-hashed while it is
+still in the CPU cache: one pass over the tensor memory instead of three, and the digest and the
+CRC cover exactly the bytes sent, even if the source changed meanwhile. A store-wide semaphore
+caps the parts in flight, which bounds both the memory held in bodies (``max_concurrency x part
+size``) and the connections in use.
 
 A file that is a single chunk shorter than a part is one ``PutObject``: no multipart upload.
 ``close()`` waits for every part, checks that the parts tile ``[0, size)`` without a gap, then
@@ -45,36 +50,50 @@ MAX_PARTS = 10_000
 #: and copies it out, so one read per 16 MiB task would hold 32 MiB of transient buffers per
 #: reader thread; 1 MiB pieces keep that small and reuse the allocator's memory.
 READ_PIECE = 1 << 20
+#: Bytes per step when a part body is filled: the piece is copied, then hashed and CRC-summed from
+#: the copy while it is in the CPU cache (an 8 MiB chunk is not). Measured on 512 MiB: 0.23 s of
+#: CPU against 0.30 s for whole-chunk passes; 128-256 KiB are equal, 1 MiB is slower.
+FILL_PIECE = 256 << 10
 
 
 def crc32_b64(data: Any) -> str:
     """The ``x-amz-checksum-crc32`` value of ``data``: its CRC-32, big-endian, base64."""
-    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode("ascii")
+    return _b64(zlib.crc32(data))
+
+
+def _b64(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
 
 
 def _views(buffers: Sequence[Any]) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in buffers]
 
 
-def _gather(views: list[memoryview], start: int, end: int, into: bytearray | None = None) -> bytes | bytearray:
-    """Bytes ``[start, end)`` of the concatenation of ``views``, copied into ``into`` (of exactly
-    ``end - start`` bytes) when given, else into a new ``bytes``."""
-    pieces = []
-    pos = 0
+def _fill(views: list[memoryview], start: int, end: int, into: bytearray, hasher: Any, crc: bool) -> int:
+    """Copy bytes ``[start, end)`` of the concatenation of ``views`` into ``into`` (exactly that
+    long); ``hasher.update`` (when given) gets them in order. Returns their CRC-32 (0 unless
+    ``crc``).
+
+    Piece by piece (:data:`FILL_PIECE`): each piece is hashed and summed from the copy, so the
+    digest and the CRC describe the body that is sent. blake3 and zlib release the GIL.
+    """
+    out = memoryview(into)
+    value = at = pos = 0
     for v in views:
-        lo, hi = max(start, pos), min(end, pos + v.nbytes)
-        if lo < hi:
-            pieces.append(v[lo - pos : hi - pos])
+        lo, hi = max(start, pos) - pos, min(end, pos + v.nbytes) - pos
         pos += v.nbytes
+        for a in range(lo, hi, FILL_PIECE):
+            b = min(hi, a + FILL_PIECE)
+            dst = out[at : at + b - a]
+            dst[:] = v[a:b]
+            at += b - a
+            if hasher is not None:
+                hasher.update(dst)
+            if crc:
+                value = zlib.crc32(dst, value)
         if pos >= end:
             break
-    if into is None:
-        return pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
-    at = 0
-    for piece in pieces:
-        into[at : at + piece.nbytes] = piece
-        at += piece.nbytes
-    return into
+    return value
 
 
 class S3Sink:
@@ -105,15 +124,25 @@ class S3Sink:
 
     # -- FileSink --------------------------------------------------------------------------
     def write_at(self, offset: int, buffers: Sequence[Any]) -> None:
+        self.write_hashed(offset, buffers, None)
+
+    def write_hashed(self, offset: int, buffers: Sequence[Any], hasher: Any) -> None:
+        """``write_at`` that also hands the chunk's bytes, in order, to ``hasher.update`` (when
+        not ``None``) as they are copied into the part bodies: the writer's blake3 then reads
+        the copy while it is in the CPU cache instead of making a pass of its own over the
+        source, and covers exactly the bytes sent (``hashed_write`` uses it when a sink has it).
+        """
         self._check_usable()
         views = _views(buffers)
         n = sum(v.nbytes for v in views)
         if offset % self._unit:
             raise ValueError(f"write at offset {offset} of {self._where}: not a multiple of the part size {self._unit}")
+        checksums = self._store.config.checksums
         if offset == 0 and n < self._unit:
             # The whole file is this one short chunk (every other chunk is a full unit).
-            body = _gather(views, 0, n)
-            self._put(body)
+            body = bytearray(n)
+            crc = _fill(views, 0, n, body, hasher, checksums)
+            self._put(body, crc)
             with self._lock:
                 self._put_size = n
             return
@@ -133,8 +162,9 @@ class S3Sink:
             self._acquire_slot(slots)
             try:
                 self._check_usable()
-                body = _gather(views, start, end, self._spare_body(end - start))
-                fut = self._executor().submit(self._upload_part, upload_id, number, offset + start, body)
+                body = self._spare_body(end - start)
+                crc = _fill(views, start, end, body, hasher, checksums)
+                fut = self._executor().submit(self._upload_part, upload_id, number, offset + start, body, crc)
             except BaseException:
                 slots.release()
                 raise
@@ -155,7 +185,7 @@ class S3Sink:
                 raise self._error
             if self._upload_id is None:
                 if self._put_size is None:  # no bytes at all: an empty object
-                    self._put(b"")
+                    self._put(bytearray(), 0)
             else:
                 self._complete()
             with self._lock:
@@ -193,9 +223,11 @@ class S3Sink:
             log.warning("could not clean up %s after a failed save: %s", self._where, e)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _put(self, body: bytes) -> None:
+    def _put(self, body: bytearray, crc: int) -> None:
+        # A bytearray, not bytes: botocore turns a bytes body of PutObject into a file object,
+        # which costs a 100-continue round trip.
         client, bucket = self._store.client(), self._store.bucket
-        extra = {"ChecksumCRC32": crc32_b64(body)} if self._store.config.checksums else {}
+        extra = {"ChecksumCRC32": _b64(crc)} if self._store.config.checksums else {}
         self._store.call(
             "writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra), stop=self._failed
         )
@@ -241,22 +273,21 @@ class S3Sink:
                 self._upload_id = resp["UploadId"]
             return self._upload_id
 
-    def _spare_body(self, n: int) -> bytearray | None:
-        if n != self._split:
-            return None  # the file's short last part: a one-off buffer
-        with self._lock:
-            if self._spare:
-                return self._spare.pop()
-        return bytearray(n)
+    def _spare_body(self, n: int) -> bytearray:
+        if n == self._split:
+            with self._lock:
+                if self._spare:
+                    return self._spare.pop()
+        return bytearray(n)  # else the file's short last part: a one-off buffer
 
-    def _upload_part(self, upload_id: str, number: int, offset: int, body: bytes | bytearray) -> None:
+    def _upload_part(self, upload_id: str, number: int, offset: int, body: bytearray, crc: int) -> None:
         try:
             if self._failed.is_set():
                 raise CheckpointError(f"part {number} of {self._where} skipped: another part failed", path=self._where)
             client, bucket = self._store.client(), self._store.bucket
             # The server checks the CRC on receipt (a corrupted body fails with BadDigest and is
-            # retried). Computed here, off the hashing threads; zlib releases the GIL.
-            extra = {"ChecksumCRC32": crc32_b64(body)} if self._store.config.checksums else {}
+            # retried with the same body).
+            extra = {"ChecksumCRC32": _b64(crc)} if self._store.config.checksums else {}
             resp = self._store.call(
                 f"uploading part {number} of",
                 self._key,
@@ -265,7 +296,7 @@ class S3Sink:
             )
             with self._lock:
                 self._parts[number] = (offset, len(body), resp["ETag"], extra.get("ChecksumCRC32"))
-                if isinstance(body, bytearray) and len(body) == self._split:
+                if len(body) == self._split:
                     self._spare.append(body)
         except BaseException as e:
             with self._lock:

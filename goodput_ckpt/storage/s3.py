@@ -238,7 +238,8 @@ class S3Store:
         """
         key = self.key(name)
         client = self.client()
-        body = bytes(data)
+        # A bytearray: botocore would turn bytes into a file object (a 100-continue round trip).
+        body = bytearray(data)
         crc = {"ChecksumCRC32": crc32_b64(body)} if self.config.checksums else {}
         if replace:
             self.call("committing", key, lambda: client.put_object(Bucket=self.bucket, Key=key, Body=body, **crc))
