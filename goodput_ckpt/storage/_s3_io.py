@@ -228,8 +228,25 @@ class S3Sink:
         # which costs a 100-continue round trip.
         client, bucket = self._store.client(), self._store.bucket
         extra = {"ChecksumCRC32": _b64(crc)} if self._store.config.checksums else {}
-        self._store.call(
-            "writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra), stop=self._failed
+        for attempt in range(1, SHORT_OBJECT_ATTEMPTS + 1):
+            self._store.call(
+                "writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra), stop=self._failed
+            )
+            stored = self._store.size_of_key(self._key)
+            if stored == len(body):
+                return
+            if attempt < SHORT_OBJECT_ATTEMPTS:
+                log.warning("%s was stored with %s bytes instead of %d; sending it again", self._where, stored, len(body))
+        raise self._short_object(stored, len(body))
+
+    def _short_object(self, stored: int | None, expected: int) -> CheckpointError:
+        """The server kept other bytes than were sent: a body cut short in transit on a server that
+        checks no checksum. Never committed: the caller aborts, which deletes the object."""
+        return CheckpointError(
+            f"{self._where} was stored with {stored} bytes instead of the {expected} sent (the request body "
+            "was cut short on the way and the server did not check its checksum); the save is aborted",
+            path=self._where,
+            byte_range=(min(stored or 0, expected), expected),
         )
 
     def _check_usable(self) -> None:
@@ -349,6 +366,16 @@ class S3Sink:
                 if self._store.size_of_key(self._key) != size:
                     raise
         self._store.call("completing the multipart upload of", self._key, complete)
+        stored = self._store.size_of_key(self._key)
+        if stored != size:
+            # Completed short: delete it here, since an abort after a completion deletes only
+            # single-PUT objects.
+            self._store.call("deleting", self._key, lambda: client.delete_object(Bucket=bucket, Key=self._key))
+            raise self._short_object(stored, size)
+
+
+#: PUTs of one small file whose stored size differs from the body sent, before the save fails.
+SHORT_OBJECT_ATTEMPTS = 3
 
 
 def ignore_no_such_upload(fn) -> None:

@@ -7,7 +7,8 @@ reset/stall on reads, each failing cleanly. Added here:
 
 - a **request body truncated** on its way (``truncate_request``, see ``_truncating_proxy``):
   retried to success where the server checks the body's CRC-32 (SeaweedFS), and, where it does
-  not (moto), a known bug: the short object is completed and committed (xfail);
+  not (moto), caught by the size check after each PUT (sent again) or completion (the save
+  fails cleanly): never committed short;
 - **persistent** faults not covered there: the answer to every part lost after the server
   stored it, a stalled commit, a stalled multipart completion, every read body cut short, and
   a persistently truncated body; each must fail with a ``CheckpointError`` that names the
@@ -96,16 +97,12 @@ def test_truncated_upload_body_is_sent_again(seaweed, tproxy_seaweed, op):
            detected_or_recovered=1, data_lost=0)  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="S3Sink._put and S3Sink._complete (goodput_ckpt/storage/_s3_io.py) trust the server: on a "
-    "server that does not check the body's CRC-32 (moto; SeaweedFS with checksums=False), a body "
-    "truncated in transit is stored short, completed and committed; the manifest records the "
-    "intended size, so the checkpoint is committed but corrupt (caught only at load)",
-)
-def test_truncated_upload_body_never_completes_a_short_object(moto, tproxy_moto):
-    tproxy_moto.add("truncate_request", op="PutObject", key_contains=".bin", times=1)
-    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+@pytest.mark.parametrize("op", ["PutObject", "UploadPart"])
+def test_truncated_upload_body_never_completes_a_short_object(moto, tproxy_moto, op):
+    """moto checks no body checksum: the client's size check after the PUT (sent again) or the
+    completion (the save fails cleanly) is what keeps a short object out of a checkpoint."""
+    tproxy_moto.add("truncate_request", op=op, key_contains=".bin", times=1)
+    state = make_state(3) if op == "UploadPart" else {"w": torch.arange(1 << 18, dtype=torch.float32)}
     try:
         save(state, _via(moto, tproxy_moto), "short", **BUDGET)
     except BaseException as e:  # noqa: BLE001 - a clean failure is fine too
