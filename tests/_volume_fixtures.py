@@ -1,4 +1,4 @@
-"""Pytest fixtures for the mounted-volume tests (imported by tests/storage/conftest.py).
+"""Pytest fixtures for the mounted-volume tests (imported by tests/_store_fixtures.py).
 
 One SeaweedFS server (the S3 tests' ``seaweed_server``) serves two session-wide FUSE mounts of two
 buckets: ``rclone_volume`` (strict, checked by :func:`~_volume.assert_strict`) and

@@ -1,4 +1,6 @@
-"""Fixtures for the store tests: real S3 servers on 127.0.0.1, started once per session.
+"""Fixtures of real stores, shared by every test folder (a plugin of tests/conftest.py): real S3
+servers on 127.0.0.1 and FUSE mounts over them, each started at most once per session, and only
+when a test asks for it.
 
 ``moto`` (in-process, quick) serves the S3-semantics and fault tests; ``seaweed`` (a real object
 store in its own process, stopped by PID) the integration tests. ``s3`` is parametrized over
@@ -16,7 +18,6 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _s3 helper
 from _s3 import FaultProxy, MotoServer, SeaweedServer, s3_env  # noqa: E402
 
 _bucket_ids = itertools.count()
