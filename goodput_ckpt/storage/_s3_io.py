@@ -233,11 +233,20 @@ class S3Sink:
                 "writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra), stop=self._failed
             )
             stored = self._store.size_of_key(self._key)
+            if stored is None:
+                self._vanished()
+                return
             if stored == len(body):
                 return
             if attempt < SHORT_OBJECT_ATTEMPTS:
                 log.warning("%s was stored with %s bytes instead of %d; sending it again", self._where, stored, len(body))
         raise self._short_object(stored, len(body))
+
+    def _vanished(self) -> None:
+        """An object gone right after it was stored was deleted by someone else: a writer that
+        committed this location first removes the files its manifest does not name. Not a short
+        body; the commit that follows refuses the location (``CheckpointExistsError``)."""
+        log.info("%s was deleted right after it was stored (another writer committed here?)", self._where)
 
     def _short_object(self, stored: int | None, expected: int) -> CheckpointError:
         """The server kept other bytes than were sent: a body cut short in transit on a server that
@@ -367,7 +376,9 @@ class S3Sink:
                     raise
         self._store.call("completing the multipart upload of", self._key, complete)
         stored = self._store.size_of_key(self._key)
-        if stored != size:
+        if stored is None:
+            self._vanished()
+        elif stored != size:
             # Completed short: delete it here, since an abort after a completion deletes only
             # single-PUT objects.
             self._store.call("deleting", self._key, lambda: client.delete_object(Bucket=bucket, Key=self._key))

@@ -145,6 +145,35 @@ def test_commit_race_loser_gets_checkpoint_exists_error(tmp_path, monkeypatch):
     assert isinstance(err, CheckpointExistsError), repr(err)
 
 
+def test_s3_commit_race_loser_whose_files_were_cleaned_up_gets_checkpoint_exists_error(seaweed, monkeypatch):
+    """Deterministic form of an S3 race the two-writer trials hit now and then: the rival
+    commits, and deletes this save's freshly stored data object, just before this save checks
+    the object's size. Not a short body: this save must end with CheckpointExistsError."""
+    from goodput_ckpt import CheckpointExistsError, CheckpointWriter
+    from goodput_ckpt.storage.s3 import S3Store
+
+    where = Where("s3", seaweed.uri, seaweed.options(), mib=8, chunk_size=5 << 20)  # multipart
+    loc = where.make_uri("rival")
+    real_size = S3Store.size_of_key
+    rival = []
+
+    def rival_commits_first(self, key):
+        if not rival and key.endswith(".bin"):
+            rival.append(True)
+            dcp.save(writer_state(1, 8), storage_writer=CheckpointWriter(loc, **where.options))
+            # The rival's clean-up of files its manifest does not name (at its start or after its
+            # commit, depending on timing) removes this object: done here so it always happens.
+            seaweed.client().delete_object(Bucket=seaweed.bucket, Key=key)
+        return real_size(self, key)
+
+    monkeypatch.setattr(S3Store, "size_of_key", rival_commits_first)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(writer_state(2, 8), storage_writer=CheckpointWriter(loc, **where.options))
+    monkeypatch.setattr(S3Store, "size_of_key", real_size)
+    assert rival and isinstance(find_checkpoint_error(info.value), CheckpointExistsError), repr(info.value)
+    assert verify_checkpoint(loc, **where.options).ok and _holds(_load(loc, where), 1, 8)
+
+
 def test_reader_racing_a_writer(where, forker, tmp_path):
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     trials = fault_trials(6)
