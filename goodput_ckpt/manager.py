@@ -42,11 +42,12 @@ from .dcp.staging import ReusableStager
 from .dcp.writer import CheckpointWriter
 from .errors import CheckpointError, as_checkpoint_error
 from .layout import child_uri, step_dir_name
-from .retention import delete_step, retention_victims, scan_steps
+from .manager_config import ManagerConfig
+from .retention import clean_before_restore, delete_step, retention_victims, scan_steps
 from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from .storage import open_store
 from .storage.local import LocalStore
-from .timeline import TIMELINE_NAME, TimelineSink, tensor_nbytes
+from .timeline import TIMELINE_NAME, TimelineSink, finish_save_record, new_record, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
@@ -54,41 +55,6 @@ logger = logging.getLogger("goodput_ckpt.manager")
 
 #: ``on_error(step, error)``: called from the save thread when a background save fails.
 ErrorCallback = Callable[[int, CheckpointError], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ManagerConfig:
-    """The options of a :class:`CheckpointManager` (see its docstring), checked once.
-
-    Raises:
-        ValueError / TypeError: an out-of-range value or a value of the wrong type.
-    """
-
-    keep_last: int | None = 3
-    async_save: bool = True
-    fail_fast: bool = False
-    save_rng: bool = True
-    allow_topology_change: bool = False
-    overwrite: bool = False
-    thread_count: int | None = None
-    chunk_size: int | None = None
-    verify: bool = True
-    timeout_s: float = 1800.0
-
-    def __post_init__(self) -> None:
-        if self.keep_last is not None and (
-            isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
-        ):
-            raise ValueError(f"keep_last must be None (keep all) or a positive integer, got {self.keep_last!r}")
-        for name in ("async_save", "fail_fast", "save_rng", "allow_topology_change", "overwrite", "verify"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        for name in ("thread_count", "chunk_size"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
 
 @dataclass(eq=False)
@@ -365,26 +331,12 @@ class CheckpointManager:
             ) from None
 
     def _record(self, event: str, step: int, started: float, **fields: Any) -> dict[str, Any]:
-        return {
-            "event": event, "step": step, "rank": self._topology.rank,
-            "world_size": self._topology.world_size, "time": started, **fields,
-        }  # fmt: skip
+        return new_record(event, step, self._topology.rank, self._topology.world_size, started, **fields)
 
     def _finish_record(
         self, record: dict[str, Any], since: float, err: CheckpointError | None, *, stall_from: float | None = None
     ) -> None:
-        """Complete a save record (``since``: when the write started) and emit it."""
-        now = time.perf_counter()
-        record["durable_s"] = now - since
-        record.setdefault("write_s", now - since)
-        if stall_from is not None:  # a synchronous save blocks for all of it
-            record["stage_s"] = 0.0
-            record["stall_s"] = now - stall_from
-        write_s = record["write_s"]
-        record["gbps"] = record["bytes"] / write_s / 1e9 if err is None and write_s > 0 else None
-        record["ok"] = err is None
-        record["error"] = None if err is None else str(err)
-        self._timeline.emit(record)
+        self._timeline.emit(finish_save_record(record, since, None if err is None else str(err), stall_from=stall_from))
 
     def _finish_previous(self, *, report: bool) -> None:
         """Wait for the save in flight; raise its error when ``report`` (and forget it)."""
@@ -489,19 +441,7 @@ class CheckpointManager:
         choice: list[Any] = [None, None]
         if self.is_coordinator:
             try:
-                scan = scan_steps(self._root)
-                choice[0] = scan.latest
-                # Nothing of this job is in flight: every incomplete step is a leftover, and a
-                # run killed between a commit and its retention left one checkpoint too many.
-                doomed = set(scan.incomplete)
-                if scan.latest is not None:
-                    doomed.update(retention_victims(scan, committed=scan.latest, keep_last=self.config.keep_last))
-                for s in sorted(doomed):
-                    try:
-                        delete_step(self._root, s, scan.files[s])
-                    except CheckpointError as e:
-                        logger.warning("could not remove the checkpoint of step %d: %s", s, e)
-                self._abort_orphaned_uploads()
+                choice[0] = clean_before_restore(self._root, keep_last=self.config.keep_last)
             except CheckpointError as e:
                 choice[1] = str(e)
         if self._pg is not None:
@@ -509,21 +449,6 @@ class CheckpointManager:
         if choice[1] is not None:
             raise CheckpointError(f"listing checkpoints under {self.root_uri} failed on the coordinator: {choice[1]}")
         return choice[0]
-
-    def _abort_orphaned_uploads(self) -> None:
-        """On object stores, abort the multipart uploads that killed saves left under the root
-        (they cost storage and are invisible to listings). Nothing of this job is in flight and
-        one job writes a root at a time, so every open upload under it is an orphan. Best effort."""
-        abort = getattr(self._root, "abort_stale_uploads", None)
-        if abort is None:
-            return
-        try:
-            aborted = abort(older_than=0, recursive=True)
-        except CheckpointError as e:
-            logger.warning("could not clean up unfinished uploads under %s: %s", self.root_uri, e)
-            return
-        if aborted:
-            logger.info("aborted %d unfinished upload(s) under %s left by interrupted saves", len(aborted), self.root_uri)
 
     def _agree(self, local_err: CheckpointError | None) -> None:
         """Raise on every rank when any rank failed to plan, instead of letting the others hang in

@@ -24,7 +24,7 @@ from .format.manifest import MANIFEST_NAME, parse_manifest
 from .layout import list_step_dirs, step_dir_name
 from .storage.base import Store, parse_commit_record
 
-__all__ = ["StepScan", "delete_step", "retention_victims", "scan_steps"]
+__all__ = ["StepScan", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
 
 logger = logging.getLogger("goodput_ckpt.retention")
 
@@ -85,3 +85,43 @@ def delete_step(root: Store, step: int, files: list[str]) -> None:
     for f in sorted(files, key=lambda f: f != MANIFEST_NAME):
         root.delete(f"{name}/{f}")
     logger.info("deleted the checkpoint of step %d under %s", step, root.uri)
+
+
+def clean_before_restore(root: Store, *, keep_last: int | None) -> int | None:
+    """The coordinator's clean-up before a restore, when nothing of the job is in flight: delete
+    every incomplete step (a leftover) and complete ones beyond ``keep_last`` (a run killed
+    between a commit and its retention left one too many), abort the multipart uploads killed
+    saves left under the root on object stores, and return the newest complete step.
+
+    Deletions and aborts are best effort (logged).
+
+    Raises:
+        CheckpointError: the root cannot be listed.
+    """
+    scan = scan_steps(root)
+    doomed = set(scan.incomplete)
+    if scan.latest is not None:
+        doomed.update(retention_victims(scan, committed=scan.latest, keep_last=keep_last))
+    for s in sorted(doomed):
+        try:
+            delete_step(root, s, scan.files[s])
+        except CheckpointError as e:
+            logger.warning("could not remove the checkpoint of step %d: %s", s, e)
+    _abort_orphaned_uploads(root)
+    return scan.latest
+
+
+def _abort_orphaned_uploads(root: Store) -> None:
+    """On object stores, abort every multipart upload open under the root (they cost storage and
+    are invisible to listings). One job writes a root at a time and nothing of it is in flight,
+    so every open upload is an orphan."""
+    abort = getattr(root, "abort_stale_uploads", None)
+    if abort is None:
+        return
+    try:
+        aborted = abort(older_than=0, recursive=True)
+    except CheckpointError as e:
+        logger.warning("could not clean up unfinished uploads under %s: %s", root.uri, e)
+        return
+    if aborted:
+        logger.info("aborted %d unfinished upload(s) under %s left by interrupted saves", len(aborted), root.uri)

@@ -35,12 +35,21 @@ import logging
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["TIMELINE_NAME", "TimelineSink", "read_timeline", "summarize_timeline", "tensor_nbytes"]
+__all__ = [
+    "TIMELINE_NAME",
+    "TimelineSink",
+    "finish_save_record",
+    "new_record",
+    "read_timeline",
+    "summarize_timeline",
+    "tensor_nbytes",
+]
 
 #: The default timeline file name under a local manager root.
 TIMELINE_NAME = "goodput-timeline.jsonl"
@@ -88,6 +97,27 @@ class TimelineSink:
                 self._callback(dict(record))
             except Exception:  # noqa: BLE001 - a broken callback must not fail a save
                 logger.exception("timeline callback raised")
+
+
+def new_record(event: str, step: int, rank: int, world_size: int, started: float, **fields: Any) -> Record:
+    """The common fields of a record; ``started`` is the wall-clock start (``time.time()``)."""
+    return {"event": event, "step": step, "rank": rank, "world_size": world_size, "time": started, **fields}
+
+
+def finish_save_record(record: Record, since: float, error: str | None, *, stall_from: float | None = None) -> Record:
+    """Complete a save record now: ``since`` is when its write started and ``stall_from``, for
+    a synchronous save, when the caller started to block (``time.perf_counter()`` values)."""
+    now = time.perf_counter()
+    record["durable_s"] = now - since
+    record.setdefault("write_s", now - since)
+    if stall_from is not None:  # a synchronous save blocks for all of it
+        record["stage_s"] = 0.0
+        record["stall_s"] = now - stall_from
+    write_s = record["write_s"]
+    record["gbps"] = record["bytes"] / write_s / 1e9 if error is None and write_s > 0 else None
+    record["ok"] = error is None
+    record["error"] = error
+    return record
 
 
 def read_timeline(path: str | os.PathLike) -> list[Record]:
