@@ -20,14 +20,19 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _DESCRIPTION = """\
-Inspect, verify, list, reshard and convert goodput-ckpt checkpoints.
+Checkpoints that survive failures cheaply: see a training job killed and resumed bit for bit
+(demo), measure your storage (bench), choose a checkpoint interval (plan), and verify, inspect,
+list, reshard and convert checkpoints.
 
 Exit status: 0 when everything is fine, 1 when a check fails (a corrupt or incomplete
-checkpoint, a failed conversion), 2 on a usage error or when there is no checkpoint at all.
+checkpoint, a failed conversion, a resume that was not exact), 2 on a usage error or when there is no checkpoint at all.
 Every command takes --json for machine-readable output."""
 
 _EXAMPLES = """\
 examples:
+  goodput-ckpt demo
+  goodput-ckpt bench /mnt/checkpoints --size 4GiB --json > bench.json
+  goodput-ckpt plan --from-bench bench.json --restart 5m --mtbf 3h
   goodput-ckpt verify /ckpt/step_00001000
   goodput-ckpt inspect /ckpt/step_00001000 --keys 'model.*'
   goodput-ckpt ls /ckpt --verify
