@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _s3 import ACCESS_KEY, SECRET_KEY
+from _trees import assert_same, zeros_like
 
 from goodput_ckpt import (
     CheckpointError,
@@ -48,26 +49,6 @@ def make_state(seed: int = 0) -> dict:
         },
         "optim": {"step": 7 + seed, "lr": 0.001, "betas": [0.9, 0.95], "name": "adam"},
     }
-
-
-def zeros_like(tree):
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree, memory_format=torch.contiguous_format)
-    if isinstance(tree, dict):
-        return {k: zeros_like(v) for k, v in tree.items()}
-    return type(tree)() if isinstance(tree, (int, float, str, list)) else None
-
-
-def assert_same(got, want, path="") -> None:
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(got, want), path
-    elif isinstance(want, dict):
-        assert set(got) == set(want), path
-        for k in want:
-            assert_same(got[k], want[k], f"{path}.{k}")
-    else:
-        assert got == want, path
 
 
 def save(state, target, prefix, **kw):

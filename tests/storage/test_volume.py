@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _kill import kill_when
+from _trees import assert_same, zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import (
@@ -57,26 +58,6 @@ def make_state(seed: int = 0) -> dict:
     if hasattr(torch, "float8_e4m3fn"):
         sd["model"]["fp8"] = torch.randn(257, generator=g).to(torch.float8_e4m3fn)
     return sd
-
-
-def zeros_like(tree):
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree, memory_format=torch.contiguous_format)
-    if isinstance(tree, dict):
-        return {k: zeros_like(v) for k, v in tree.items()}
-    return type(tree)() if isinstance(tree, (int, float, str, list)) else None
-
-
-def assert_same(got, want, path="") -> None:
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, want.view(torch.uint8) if want.dtype.itemsize == 1 else want), path
-    elif isinstance(want, dict):
-        assert set(got) == set(want), path
-        for k in want:
-            assert_same(got[k], want[k], f"{path}.{k}")
-    else:
-        assert got == want, path
 
 
 def save(state, path, **kw) -> CheckpointWriter:
