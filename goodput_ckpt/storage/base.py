@@ -47,7 +47,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
-__all__ = ["Buffer", "FileSink", "FileSource", "Store", "check_relative_name", "parse_commit_record"]
+__all__ = ["Buffer", "FileSink", "FileSource", "Store", "check_relative_name", "drop_done", "parse_commit_record"]
 
 T = TypeVar("T")
 
@@ -146,6 +146,16 @@ class Store(Protocol):
 
     def delete(self, name: str) -> None:
         """Remove ``name`` durably. Missing files are not an error."""
+
+
+def drop_done(views: list[memoryview], done: int) -> None:
+    """Remove the first ``done`` bytes from ``views``, in place: what a vectored read or write
+    (``preadv``/``pwritev``/``writev``) moved, so a short one continues with the rest."""
+    while views and done >= views[0].nbytes:
+        done -= views[0].nbytes
+        views.pop(0)
+    if views and done:
+        views[0] = views[0][done:]
 
 
 def check_relative_name(name: object) -> str:

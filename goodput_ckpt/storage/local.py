@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
-from .base import Buffer, check_relative_name
+from .base import Buffer, check_relative_name, drop_done
 
 __all__ = ["LocalConfig", "LocalStore"]
 
@@ -124,11 +124,7 @@ def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> Non
                         byte_range=(start, want),
                     )
                 offset += got
-                while views and got >= views[0].nbytes:
-                    got -= views[0].nbytes
-                    views.pop(0)
-                if views and got:
-                    views[0] = views[0][got:]
+                drop_done(views, got)
     except OSError as e:
         raise os_error(e, f"reading at offset {offset} of", path) from e
 
@@ -153,12 +149,7 @@ class _LocalSink:
                 while views:
                     written = os.pwritev(self._fd, views, offset)
                     offset += written
-                    # Rare: a short write. Drop what went out and retry the rest.
-                    while views and written >= views[0].nbytes:
-                        written -= views[0].nbytes
-                        views.pop(0)
-                    if views and written:
-                        views[0] = views[0][written:]
+                    drop_done(views, written)  # rare: a short write; retry the rest
         except OSError as e:
             raise os_error(e, f"writing at offset {offset} of", self._path) from e
         if self._fsync and _SYNC_FILE_RANGE is not None and offset > start:

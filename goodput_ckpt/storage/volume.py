@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
-from .base import Buffer
+from .base import Buffer, drop_done
 from .local import LocalStore, os_error, read_full
 
 __all__ = ["VolumeConfig", "VolumeStore"]
@@ -146,12 +146,7 @@ class _VolumeSink:
             views = [data]
         try:
             while views:
-                done = os.writev(self._fd, views[:_MAX_IOV])
-                while views and done >= views[0].nbytes:  # drop what went out (short writes)
-                    done -= views[0].nbytes
-                    views.pop(0)
-                if views and done:
-                    views[0] = views[0][done:]
+                drop_done(views, os.writev(self._fd, views[:_MAX_IOV]))  # short writes go on
         except OSError as e:
             raise os_error(e, f"writing at offset {self._pos} of", self._path) from e
         self._pos += total

@@ -38,3 +38,17 @@ def test_an_invalid_record_is_corrupt_where_commits_are_atomic_and_incomplete_el
         with pytest.raises(CheckpointError, match="version 9") as other:
             parse_commit_record(store, "manifest.json", b"{}", unknown_version)
         assert type(other.value) is CheckpointError
+
+
+def test_drop_done_continues_a_short_vectored_transfer():
+    from goodput_ckpt.storage.base import drop_done
+
+    views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"h")]
+    drop_done(views, 0)
+    assert [bytes(v) for v in views] == [b"abc", b"defg", b"h"]
+    drop_done(views, 4)  # all of the first view and one byte of the second
+    assert [bytes(v) for v in views] == [b"efg", b"h"]
+    drop_done(views, 3)
+    assert [bytes(v) for v in views] == [b"h"]
+    drop_done(views, 1)
+    assert views == []
