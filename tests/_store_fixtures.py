@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest

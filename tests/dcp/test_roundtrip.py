@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _ckpt_samples import zeros_like_tree
+from _trees import assert_tree_equal
 
 from goodput_ckpt import CheckpointError, CheckpointExistsError, CheckpointReader, CheckpointWriter
 from goodput_ckpt.format import MANIFEST_NAME
@@ -32,30 +34,9 @@ def _random(shape, dtype, gen):
     return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
-def _zeros_like_tree(tree):
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree, memory_format=torch.contiguous_format)
-    if isinstance(tree, dict):
-        return {k: _zeros_like_tree(v) for k, v in tree.items()}
-    return tree
-
-
-def _assert_equal_tree(got, want, path=""):
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), path
-        assert got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(got.view(torch.uint8) if got.numel() and got.dtype.itemsize == 1 else got, want.view(torch.uint8) if want.numel() and want.dtype.itemsize == 1 else want) or torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), path
-    elif isinstance(want, dict):
-        assert set(got) == set(want), path
-        for k in want:
-            _assert_equal_tree(got[k], want[k], f"{path}.{k}")
-    else:
-        assert got == want, path
-
-
 def _save_load(sd, path, dest=None, **writer_kw):
     dcp.save(sd, storage_writer=CheckpointWriter(path, **writer_kw))
-    dest = _zeros_like_tree(sd) if dest is None else dest
+    dest = zeros_like_tree(sd) if dest is None else dest
     dcp.load(dest, storage_reader=CheckpointReader(path))
     return dest
 
@@ -76,7 +57,7 @@ def test_all_dtypes_nested_and_objects(ckpt_dir):
         "cfg": {"lr": 0.001, "betas": [0.9, 0.95], "nested": {"flag": True, "none": None}},
     }
     got = _save_load(sd, ckpt_dir)
-    _assert_equal_tree(got, sd)
+    assert_tree_equal(got, sd)
 
 
 def test_bit_exact_float_specials(ckpt_dir):
@@ -92,7 +73,7 @@ def test_many_small_and_large_tensors(ckpt_dir):
     sd["large"] = torch.randn(9 << 20, generator=gen)  # 36 MiB: spans several hash chunks
     sd["odd"] = torch.randn(1_000_003, generator=gen).to(torch.float16)
     got = _save_load(sd, ckpt_dir, chunk_size=1 << 20)  # 1 MiB chunks: items straddle chunks
-    _assert_equal_tree(got, sd)
+    assert_tree_equal(got, sd)
     manifest = json.loads((ckpt_dir / MANIFEST_NAME).read_bytes())
     assert manifest["hash"]["chunk_size"] == 1 << 20
     (f,) = manifest["files"].values()
@@ -104,7 +85,7 @@ def test_files_per_rank_and_threads(ckpt_dir, files_per_rank, thread_count):
     gen = torch.Generator().manual_seed(2)
     sd = {f"t{i}": torch.randn(1000 * (i + 1), generator=gen) for i in range(12)}
     got = _save_load(sd, ckpt_dir, files_per_rank=files_per_rank, thread_count=thread_count, chunk_size=1 << 16)
-    _assert_equal_tree(got, sd)
+    assert_tree_equal(got, sd)
     data_files = [n for n in os.listdir(ckpt_dir) if n.endswith(".bin")]
     assert len(data_files) == files_per_rank
 

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from _ckpt_samples import assert_tree_equal, sample_state, save, zeros_like_tree
+from _ckpt_samples import sample_state, save, zeros_like_tree
+from _trees import assert_tree_equal
 from _reliability import fault_trials, record
 from torch.distributed.checkpoint.api import CheckpointException
 

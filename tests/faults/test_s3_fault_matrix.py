@@ -30,7 +30,8 @@ from _reliability import fault_trials, record
 from _truncating_proxy import TruncatingProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # test_s3's helpers
-from test_s3 import assert_same, checkpoint_error, load, make_state, save  # noqa: E402
+from _trees import assert_tree_equal  # noqa: E402
+from test_s3 import checkpoint_error, load, make_state, save  # noqa: E402
 
 from goodput_ckpt import CheckpointError, CheckpointNotFoundError, CheckpointReader, IncompleteCheckpointError  # noqa: E402
 from goodput_ckpt.errors import find_checkpoint_error  # noqa: E402
@@ -92,7 +93,7 @@ def test_truncated_upload_body_is_sent_again(seaweed, tproxy_seaweed, op):
     state = make_state(3) if op == "UploadPart" else {"w": torch.arange(1 << 18, dtype=torch.float32)}
     save(state, _via(seaweed, tproxy_seaweed), "cut", **{**BUDGET, "read_timeout": 10.0, "retry_time_limit": 30.0})
     assert rule.fired == 1
-    assert_same(load(state, seaweed, "cut"), state)
+    assert_tree_equal(load(state, seaweed, "cut"), state)
     record(f"S3: request body truncated once ({op})", "s3 (seaweedfs)", trials=1, faults_injected=1,
            detected_or_recovered=1, data_lost=0)  # fmt: skip
 
@@ -109,7 +110,7 @@ def test_truncated_upload_body_never_completes_a_short_object(moto, tproxy_moto,
         assert isinstance(find_checkpoint_error(e), CheckpointError), e
         assert not any(k.endswith(MANIFEST_NAME) for k in moto.keys("short/"))
         return
-    assert_same(load(state, moto, "short"), state)  # committed: then every byte must be there
+    assert_tree_equal(load(state, moto, "short"), state)  # committed: then every byte must be there
 
 
 # -- persistent faults ---------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_persistent_fault_fails_cleanly_within_the_budget(case, seaweed, tproxy_
     assert per_key <= BUDGET["max_attempts"] * 2, f"{per_key} attempts on one object: not bounded by the budget"
     if reading:
         tproxy_seaweed.clear()
-        assert_same(load(SMALL, via, prefix), SMALL)  # nothing was damaged by the failed reads
+        assert_tree_equal(load(SMALL, via, prefix), SMALL)  # nothing was damaged by the failed reads
     else:
         assert_nothing_committed(seaweed, prefix, data_written=part == MANIFEST_NAME)
     record(f"S3 persistent fault: {case}", "s3 (seaweedfs)", trials=1, faults_injected=len(faulted),
@@ -188,7 +189,7 @@ def test_random_faults_at_a_high_rate(seaweed, tproxy_seaweed):
             continue
         try:
             got = load(state, via, prefix, **BUDGET)
-            assert_same(got, state)
+            assert_tree_equal(got, state)
         except AssertionError:
             problems.append(f"trial {trial}: a load through the faults returned wrong values")
         except BaseException as e:  # noqa: BLE001 - a clean read failure is acceptable
@@ -196,7 +197,7 @@ def test_random_faults_at_a_high_rate(seaweed, tproxy_seaweed):
                 problems.append(f"trial {trial}: unclean read failure {e!r}")
         injected += len(tproxy_seaweed.log.faults)
         tproxy_seaweed.clear()
-        assert_same(load(state, seaweed, prefix), state)
+        assert_tree_equal(load(state, seaweed, prefix), state)
         committed += 1
     record("S3 random faults by probability (8 kinds, ~22% of requests)", "s3 (seaweedfs)", trials=trials,
            faults_injected=injected, detected_or_recovered=trials - len(problems), data_lost=len(problems),

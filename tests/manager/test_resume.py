@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -28,6 +27,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_job (shared model definition)
 import train_job  # noqa: E402
+from _trees import assert_tree_equal  # noqa: E402
 
 from goodput_ckpt import CheckpointManager  # noqa: E402
 from goodput_ckpt.errors import TopologyChangeError  # noqa: E402
@@ -94,24 +94,6 @@ class Job(JobLaunch):
 def _complete_and_incomplete(root: Path) -> tuple[list[int], list[int]]:
     steps = list_step_dirs(open_store(str(root)))
     return ([s for s, f in steps.items() if MANIFEST_NAME in f], [s for s, f in steps.items() if MANIFEST_NAME not in f])
-
-
-def _assert_same(got, want, path: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(got, want), f"{path} differs"
-    elif isinstance(want, dict):
-        assert set(got) == set(want), f"{path}: keys {set(got) ^ set(want)}"
-        for k in want:
-            _assert_same(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_same(g, w, f"{path}[{i}]")
-    elif isinstance(want, np.ndarray):
-        assert np.array_equal(got, want), f"{path} differs"
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
 
 
 def _load(path: Path):
@@ -199,7 +181,7 @@ def test_killed_and_restarted_job_matches_uninterrupted_run(resumed_job):
         want = _load(resumed_job["ref"] / f"rank{rank}.pt")
         got = _load(resumed_job["managed"] / f"rank{rank}.pt")
         try:
-            _assert_same(got, want, f"rank{rank}")
+            assert_tree_equal(got, want, f"rank{rank}")
         except AssertionError as e:
             raise AssertionError(f"{e} {ctx}") from None
     # The restarts really resumed (not started over) and left a clean root.
@@ -255,9 +237,9 @@ def test_restart_at_one_rank_from_two_rank_checkpoint(resumed_job):
         step = mgr.restore(model=model, optimizer=opt, dataloader=loader, scheduler=sched)
     mgr.close()
     assert step == STEPS - 1
-    _assert_same(dict(model.state_dict()), dict(want["model"]), "model")
+    assert_tree_equal(dict(model.state_dict()), dict(want["model"]), "model")
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    _assert_same(osd["state"], want["optimizer"]["state"], "optimizer.state")
-    _assert_same(sched.state_dict(), want["scheduler"], "scheduler")
+    assert_tree_equal(osd["state"], want["optimizer"]["state"], "optimizer.state")
+    assert_tree_equal(sched.state_dict(), want["scheduler"], "scheduler")
     assert torch.equal(torch.get_rng_state(), rng_before), "the RNG state was kept, as the policy says"
     assert loader.state_dict() == loader_before, "the dataloader state was kept, as the policy says"

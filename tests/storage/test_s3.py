@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _s3 import ACCESS_KEY, SECRET_KEY
-from _trees import assert_same, zeros_like
+from _trees import assert_tree_equal, zeros_like
 
 from goodput_ckpt import (
     CheckpointError,
@@ -74,7 +74,7 @@ def test_round_trip(s3):
     keys = s3.keys("run/step_1/")
     assert keys[0] == "run/step_1/manifest.json" and len(keys) == 2, keys  # one data file per rank
     assert s3.open_uploads() == []
-    assert_same(load(state, s3, "run/step_1"), state)
+    assert_tree_equal(load(state, s3, "run/step_1"), state)
     # A partial load reads only what it needs, with fewer threads.
     part = {"model": {"mid": torch.zeros(300, 1001, dtype=torch.bfloat16)}}
     dcp.load(part, storage_reader=CheckpointReader(s3.uri("run/step_1"), thread_count=2, **s3.options()))
@@ -86,11 +86,11 @@ def test_existing_checkpoint_refused_then_overwritten(moto):
     with pytest.raises(BaseException) as info:
         save(make_state(1), moto, "ckpt")
     assert isinstance(checkpoint_error(info), CheckpointExistsError)
-    assert_same(load(make_state(0), moto, "ckpt"), make_state(0))
+    assert_tree_equal(load(make_state(0), moto, "ckpt"), make_state(0))
     old = moto.keys("ckpt/")
     save(make_state(1), moto, "ckpt", overwrite=True)
     new = moto.keys("ckpt/")
-    assert_same(load(make_state(1), moto, "ckpt"), make_state(1))
+    assert_tree_equal(load(make_state(1), moto, "ckpt"), make_state(1))
     assert len(new) == 2 and set(old) & set(new) == {"ckpt/manifest.json"}, "old data files are removed"
     assert moto.keys("ckpt2/") == [], "prefixes are directories: ckpt does not list ckpt2"
 
@@ -112,7 +112,7 @@ def test_part_size_splits_chunks(moto, proxy):
     save(state, target, "split", chunk_size=10 * MiB, part_size=5 * MiB)
     size = next(o["Size"] for o in moto.client().list_objects_v2(Bucket=moto.bucket)["Contents"] if o["Key"].endswith(".bin"))
     assert proxy.count("UploadPart") == -(-size // (5 * MiB)) == 4
-    assert_same(load(state, target, "split"), state)
+    assert_tree_equal(load(state, target, "split"), state)
 
 
 def test_async_save_and_pickling(moto):
@@ -127,7 +127,7 @@ def test_async_save_and_pickling(moto):
         t.add_(1) if t.dtype != torch.bool else t.logical_not_()
     state["optim"]["step"] = -1
     fut.result(timeout=120)
-    assert_same(load(expected, moto, "async"), expected)
+    assert_tree_equal(load(expected, moto, "async"), expected)
 
 
 # -- the store ----------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def test_user_client_and_session(moto):
     client = moto.client()
     state = make_state()
     dcp.save(state, storage_writer=CheckpointWriter(moto.uri("own"), chunk_size=CHUNK, client=client))
-    assert_same(load(state, moto, "own"), state)
+    assert_tree_equal(load(state, moto, "own"), state)
     store = open_store(moto.uri("own"), {"client": client})
     assert store.client() is client and "client" not in repr(store)
     with pytest.raises(TypeError, match="thread executor"):
@@ -390,7 +390,7 @@ def test_storage_options_mapping(moto):
     reader = CheckpointReader(moto.uri("nested"), thread_count=2, endpoint_url=moto.url,
                               storage_options={"addressing_style": "path", "max_concurrency": 4})  # fmt: skip
     dcp.load(dest, storage_reader=reader)
-    assert_same(dest, state)
+    assert_tree_equal(dest, state)
     assert reader._store.config.max_concurrency == 4 and reader._store.config.endpoint_url == moto.url
     assert open_store(moto.uri("nested"), {"storage_options": nested}).config == open_store(moto.uri("nested"), nested).config
     with pytest.raises(TypeError, match=r"unknown option\(s\) bogus for the S3 backend; known options: .*endpoint_url"):
@@ -424,7 +424,7 @@ def test_explicit_credentials_are_used_and_never_leak(moto, seaweed, caplog):
     texts += [repr(reader), repr(reader._store)]
     dest = zeros_like(state)
     dcp.load(dest, storage_reader=reader)
-    assert_same(dest, state)
+    assert_tree_equal(dest, state)
     client = moto.client()
     for key in moto.keys("explicit/"):  # every file of the checkpoint, the manifest included
         texts.append(client.get_object(Bucket=moto.bucket, Key=key)["Body"].read().decode("latin-1"))

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _s3 import FaultProxy
-from test_s3 import CHUNK, assert_same, checkpoint_error, load, make_state, save
+from _trees import assert_tree_equal
+from test_s3 import CHUNK, checkpoint_error, load, make_state, save
 
 from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter, CorruptCheckpointError, IncompleteCheckpointError
 
@@ -48,7 +49,7 @@ def test_transient_faults_are_retried(moto, proxy, via_proxy):
     ]
     state = make_state()
     save(state, via_proxy, "retry", **FAST, retry_time_limit=30.0)
-    assert_same(load(state, via_proxy, "retry", **FAST, retry_time_limit=30.0), state)
+    assert_tree_equal(load(state, via_proxy, "retry", **FAST, retry_time_limit=30.0), state)
     assert [r.fired for r in rules] == [r.times for r in rules], proxy.log.faults
     assert moto.open_uploads() == []
 
@@ -59,7 +60,7 @@ def test_random_faults_everywhere(moto, proxy, via_proxy):
         proxy.add(action, probability=0.03)
     state = make_state(5)
     save(state, via_proxy, "random", **FAST, retry_time_limit=60.0, max_attempts=20)
-    assert_same(load(state, via_proxy, "random", **FAST, retry_time_limit=60.0, max_attempts=20), state)
+    assert_tree_equal(load(state, via_proxy, "random", **FAST, retry_time_limit=60.0, max_attempts=20), state)
     assert len(proxy.log.faults) > 0 and moto.open_uploads() == []
 
 
@@ -114,7 +115,7 @@ def test_persistent_read_faults_fail_cleanly(moto, proxy, via_proxy):
         assert isinstance(err, CheckpointError) and "/readfail/rank00000-00." in str(err) and "gave up after" in str(err)
     # Once the faults stop, the checkpoint reads fine: nothing was damaged.
     proxy.clear()
-    assert_same(load(state, via_proxy, "readfail"), state)
+    assert_tree_equal(load(state, via_proxy, "readfail"), state)
 
 
 def test_failure_on_one_file_stops_the_others(moto, proxy, via_proxy):
@@ -154,7 +155,7 @@ def test_body_damaged_in_transit(seaweed, checksums):
         assert rule.fired == 1
         if checksums:
             assert proxy.count("UploadPart") == 5  # 4 parts, one sent twice
-            assert_same(load(state, target, "crc"), state)
+            assert_tree_equal(load(state, target, "crc"), state)
         else:
             with pytest.raises(BaseException) as info:
                 load(state, target, "crc")

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 from _kill import kill_when
-from test_s3 import assert_same, load, make_state, save
+from _trees import assert_tree_equal
+from test_s3 import load, make_state, save
 
 from goodput_ckpt.storage import open_store
 
@@ -50,7 +51,7 @@ def test_only_this_locations_idle_uploads_are_aborted(s3):
     # Idle for 0 s is idle: aborted when a save starts, but only this location's own files.
     save(make_state(1), s3, "run/step_1", overwrite=True, stale_upload_age=0)
     assert sorted(s3.open_uploads()) == ["run/step_1/nested/x.bin", "run/step_10/y.bin", "run/step_1x.bin"]
-    assert_same(load(make_state(1), s3, "run/step_1"), make_state(1))
+    assert_tree_equal(load(make_state(1), s3, "run/step_1"), make_state(1))
     # Explicitly, with the nested locations (a manager root's steps).
     store = open_store(s3.uri("run/step_1"), s3.options())
     assert store.abort_stale_uploads(older_than=3600) == []  # nothing idle that long
@@ -77,7 +78,7 @@ def test_a_failed_clean_up_does_not_fail_the_save(moto, proxy, caplog):
         save(make_state(), target, "denied", stale_upload_age=0)
     assert "could not clean up stale multipart uploads" in caplog.text and "SignatureDoesNotMatch" in caplog.text
     assert moto.open_uploads() == ["denied/orphan.bin"]
-    assert_same(load(make_state(), moto, "denied"), make_state())
+    assert_tree_equal(load(make_state(), moto, "denied"), make_state())
 
 
 def test_uploads_of_a_killed_save_are_reclaimed_by_the_next_save(moto, tmp_path):
@@ -91,7 +92,7 @@ def test_uploads_of_a_killed_save_are_reclaimed_by_the_next_save(moto, tmp_path)
     # Once idle long enough (0 s here) the next save there reclaims it.
     save(make_state(1), moto, "killed", overwrite=True, stale_upload_age=0)
     assert [k for k in moto.open_uploads() if k.startswith("killed/")] == []
-    assert_same(load(make_state(1), moto, "killed"), make_state(1))
+    assert_tree_equal(load(make_state(1), moto, "killed"), make_state(1))
 
 
 def _uploads_with_parts(target, prefix: str) -> bool:

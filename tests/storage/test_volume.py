@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _kill import kill_when
-from _trees import assert_same, zeros_like
+from _trees import assert_tree_equal, zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import (
@@ -114,7 +114,7 @@ def test_local_mode_forced_onto_a_strict_mount_fails_cleanly(rclone_dir, weed_di
         CheckpointReader(rclone_dir).read_metadata()
 
     save(sd, weed_dir, volume=False)  # pwrite + link/rename: a network filesystem allows them
-    assert_same(load(sd, weed_dir), sd)
+    assert_tree_equal(load(sd, weed_dir), sd)
 
 
 # -- round trips ------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def test_round_trip(volume_dir):
     names = sorted(os.listdir(volume_dir))
     assert MANIFEST_NAME in names and len(data_files(volume_dir)) == 4, names  # 4 files, one per thread
     assert names == sorted([MANIFEST_NAME, *data_files(volume_dir)]), "no temporary or marker files"
-    assert_same(load(sd, volume_dir), sd)
+    assert_tree_equal(load(sd, volume_dir), sd)
     # A sub-range of a tensor: the reader reads just the chunks it needs.
     part = {"model": {"big": torch.zeros(3_000_000)}}
     dcp.load(part, storage_reader=CheckpointReader(volume_dir, thread_count=3))
@@ -138,7 +138,7 @@ def test_async_save_with_the_thread_executor(rclone_dir):
     fut = dcp.async_save(sd, storage_writer=writer)
     sd["model"]["big"].add_(1)  # training goes on: the checkpoint must not see it
     fut.result(timeout=120)
-    assert_same(load(expected, rclone_dir), expected)
+    assert_tree_equal(load(expected, rclone_dir), expected)
 
 
 # -- existing checkpoints ----------------------------------------------------------------------------
@@ -150,9 +150,9 @@ def test_overwrite_refused_unless_asked(volume_dir):
         save(new, volume_dir)
     assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
     assert data_files(volume_dir) == old_files
-    assert_same(load(old, volume_dir), old)
+    assert_tree_equal(load(old, volume_dir), old)
     save(new, volume_dir, overwrite=True)
-    assert_same(load(new, volume_dir), new)
+    assert_tree_equal(load(new, volume_dir), new)
     assert not set(old_files) & set(data_files(volume_dir)), "the old data files were removed"
 
 
@@ -179,14 +179,14 @@ def test_corruption_is_detected(rclone_dir):
     with pytest.raises(CorruptCheckpointError, match="missing"):
         CheckpointReader(rclone_dir).read_metadata()
     rewrite(rclone_dir / biggest, original)
-    assert_same(load(sd, rclone_dir), sd)
+    assert_tree_equal(load(sd, rclone_dir), sd)
 
     # A half-written manifest (a killed upload completes with what it had) is never a commit.
     rewrite(rclone_dir / MANIFEST_NAME, manifest[: len(manifest) // 2])
     with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
         CheckpointReader(rclone_dir).read_metadata()
     save(make_state(7), rclone_dir)  # an incomplete location takes a new save without overwrite
-    assert_same(load(make_state(7), rclone_dir), make_state(7))
+    assert_tree_equal(load(make_state(7), rclone_dir), make_state(7))
 
 
 def test_tools_call_a_half_written_manifest_incomplete(rclone_volume):
@@ -242,7 +242,7 @@ def test_save_killed_mid_write_leaves_it_incomplete(rclone_volume, tmp_path):
     sd = make_state(8)
     save(sd, loc)
     assert not set(leftovers) & set(data_files(loc))
-    assert_same(load(sd, loc), sd)
+    assert_tree_equal(load(sd, loc), sd)
 
 
 # -- local staging -------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     names = os.listdir(loc)
     assert MANIFEST_NAME in names and not [n for n in names if n.endswith(".uploaded")], names
     assert list(stage.iterdir()) == [], "uploaded files leave the stage"
-    assert_same(load(sd, loc), sd)
+    assert_tree_equal(load(sd, loc), sd)
 
     # async_save, then the durable copy; a second staged save refuses the committed location.
     sd2 = make_state(10)
@@ -268,7 +268,7 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     writer2 = CheckpointWriter(loc2, stage_dir=stage)
     dcp.async_save(sd2, storage_writer=writer2).result(timeout=120)
     writer2.durable_future().result(timeout=120)
-    assert_same(load(sd2, loc2), sd2)
+    assert_tree_equal(load(sd2, loc2), sd2)
     with pytest.raises(CheckpointException) as info:
         save(sd, loc2, stage_dir=stage)
     assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)

@@ -67,30 +67,6 @@ def zeros_like_tree(tree: Any) -> Any:
     return tree
 
 
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (dtype, shape and bytes), for every dtype including fp8 and bool."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def assert_tree_equal(got: Any, want: Any, path: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and same_tensor(got, want), f"{path}: {got!r} != {want!r}"
-    elif isinstance(want, dict):
-        assert set(got) == set(want), f"{path}: keys {sorted(got)} != {sorted(want)}"
-        for k in want:
-            assert_tree_equal(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_tree_equal(g, w, f"{path}.{i}")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
-
-
 def flat_tensors(sd: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
     """Tensors of a nested state dict under DCP's flattened keys (dicts only)."""
     out: dict[str, torch.Tensor] = {}

@@ -13,7 +13,6 @@ import torch.distributed.checkpoint as dcp
 from _ckpt_samples import (
     Evil,
     Opaque,
-    assert_tree_equal,
     flat_tensors,
     flip_byte,
     item_range,
@@ -22,6 +21,7 @@ from _ckpt_samples import (
     save,
     zeros_like_tree,
 )
+from _trees import assert_tree_equal
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from goodput_ckpt import (

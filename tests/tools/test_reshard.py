@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt_samples import assert_tree_equal, flat_tensors, flip_byte, item_range, manifest, sample_state, save, zeros_like_tree
+from _ckpt_samples import flat_tensors, flip_byte, item_range, manifest, sample_state, save, zeros_like_tree
+from _trees import assert_tree_equal
 
 from goodput_ckpt import (
     CheckpointExistsError,
