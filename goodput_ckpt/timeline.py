@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 
 __all__ = [
     "TIMELINE_NAME",
@@ -198,6 +197,8 @@ def summarize_timeline(records: Iterable[Record]) -> dict[str, Any]:
 def tensor_nbytes(obj: Any) -> int:
     """Bytes of the tensors in a (nested) state dict that this rank holds: a DTensor counts its
     local shard only."""
+    import torch  # here, so that reading a timeline (``goodput-ckpt plan``) loads no torch
+
     if isinstance(obj, torch.Tensor):
         local = getattr(obj, "_local_tensor", None)
         t = local if isinstance(local, torch.Tensor) else obj

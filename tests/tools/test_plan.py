@@ -93,11 +93,16 @@ def test_inputs_from_bench_refuses_what_it_cannot_use(tmp_path):
         inputs_from_bench(tmp_path / "bad.json")
 
 
-def test_plan_from_a_bench_report_needs_no_torch(tmp_path):
-    """The model and the bench report's reader load no torch (plan is arithmetic on a JSON file)."""
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(_bench_doc()))
-    code = f"import sys; from goodput_ckpt.tools.plan import inputs_from_bench as f; f({str(path)!r}); print('torch' in sys.modules)"
+@pytest.mark.parametrize("reader", ["inputs_from_bench", "inputs_from_timeline"])
+def test_plan_from_a_report_needs_no_torch(tmp_path, reader):
+    """The model and the readers of bench reports and timelines load no torch (plan is
+    arithmetic on a file)."""
+    path = tmp_path / "report"
+    if reader == "inputs_from_bench":
+        path.write_text(json.dumps(_bench_doc()))
+    else:
+        _timeline(path, [_save(1, 0, 0.1, 1.0)])
+    code = f"import sys; from goodput_ckpt.tools.plan import {reader} as f; f({str(path)!r}); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
