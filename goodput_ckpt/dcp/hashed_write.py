@@ -31,9 +31,10 @@ from typing import Any, Protocol
 
 import blake3
 
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import Store
+from ..storage.base import parse_commit_record
 from .layout import ChunkPlan, Placement, chunk_plans
 
 __all__ = [
@@ -224,15 +225,13 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     if old is None:
         return
     try:
-        old_files = list(parse_manifest(old, location=store.uri).files)
-    except CorruptCheckpointError:
-        if not getattr(store, "commit_record_atomic", True):
-            # A mounted volume can hold the truncated record of a killed save: that location
-            # is incomplete, not committed, so it is saved into as if it had no record.
-            store.delete(MANIFEST_NAME)
-            return
-        old_files = []
-    except CheckpointError:  # a version this library does not know: still a checkpoint
+        old_files = list(parse_commit_record(store, MANIFEST_NAME, old, lambda d: parse_manifest(d, location=store.uri)).files)
+    except IncompleteCheckpointError:
+        # A record that is not a commit (a mounted volume can hold the truncated record of a
+        # killed save): the location is saved into as if it had no record.
+        store.delete(MANIFEST_NAME)
+        return
+    except CheckpointError:  # damaged, or a version this library does not know: still a checkpoint
         old_files = []
     if not overwrite:
         raise CheckpointExistsError(
