@@ -275,3 +275,23 @@ def test_failed_staged_save_leaves_nothing_on_the_volume(tmp_path):
         assert os.listdir(loc) == []
     finally:
         subprocess.run(["umount", str(stage)], check=True)
+
+
+@pytest.mark.parametrize("volume", [True, False])
+def test_saving_over_a_torn_record(tmp_path, volume):
+    """A location whose manifest does not validate: on a volume it is the record of a killed
+    save (incomplete), so a new save goes in without overwrite=True; on local disk, where
+    records commit atomically, it is a damaged commit and is refused like any checkpoint."""
+    loc = tmp_path / "loc"
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    dcp.save(state, storage_writer=CheckpointWriter(loc, volume=volume))
+    (loc / MANIFEST_NAME).write_bytes((loc / MANIFEST_NAME).read_bytes()[:40])
+    if not volume:
+        with pytest.raises(BaseException) as info:
+            dcp.save(state, storage_writer=CheckpointWriter(loc, volume=volume))
+        assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
+        return
+    dcp.save({"w": state["w"] + 1}, storage_writer=CheckpointWriter(loc, volume=volume))
+    dest = {"w": torch.zeros(64)}
+    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume))
+    assert torch.equal(dest["w"], state["w"] + 1)
