@@ -4,22 +4,32 @@ One run builds one model (a stack of ``Linear`` layers plus small ``LayerNorm``s
 state, and measures on that same state the time a training loop is blocked by one save:
 
 - ``copy``: one copy of every tensor of the state into preallocated, already-touched CPU memory
-  (the floor for any save that lets training continue while it writes);
+  (the floor for any save that copies the state before it lets training continue);
 - ``sync``: ``dcp.save`` with ``CheckpointWriter`` (the whole save blocks); ``sync-torch``: the
   same with torch's ``FileSystemWriter`` at its defaults;
 - ``torch-async``: ``dcp.async_save`` with torch's ``FileSystemWriter``, whose default staging
   copies into fresh memory on every save (blocks until staged);
+- ``torch-async-staging``: ``dcp.async_save`` with torch's ``DefaultStager`` and
+  ``use_async_staging=True`` (staging in a background thread); its stall is the time
+  ``async_save`` blocks plus the wait for ``staging_completion``, which a training loop must
+  make before its next optimizer step;
 - ``writer-async``: ``dcp.async_save`` with ``CheckpointWriter`` and no stager: the writer's
   own staging, also into fresh memory;
-- ``manager``: ``CheckpointManager(async_save=True).save(...)`` (model, optimizer, RNG): staging
-  into buffers reused from the previous save. Its first save (which allocates them) is reported
-  apart as ``manager-first``.
+- ``manager-blocking``: ``CheckpointManager(async_staging=False).save(...)`` (model, optimizer,
+  RNG): the whole copy, into buffers reused from the previous save, before ``save`` returns;
+- ``manager``: ``CheckpointManager()`` with its default async staging: ``save`` copies only what
+  a forward pass may change and returns; the parameters and optimizer state are copied behind
+  the next training step's forward and backward, and that step's ``optimizer.step()`` waits for
+  what is left. Its stall is the time ``save`` blocks plus that wait (the timeline's
+  ``guard_s``).
 
-Every async save is waited for (outside the timed region) before the next one starts, so a
-stall never includes the previous write. Then it times training steps (forward, backward, AdamW)
-with no save running (``step-idle``) and while a manager save writes in the background
-(``step-during-save``). Each figure is the median over ``--repeats`` saves (steps: over every
-step taken).
+Each manager save is followed by one training step (``step-after-*``: the step that overlaps
+the start of the background work). Every async save is waited for (outside the timed region)
+before the next one starts, so a stall never includes the previous write. The first save of
+each manager (which allocates the buffers) is reported apart as ``*-first``. Then it times
+training steps with no save running (``step-idle``) and while a manager save writes in the
+background (``step-during-save``). Each figure is the median over ``--repeats`` saves (steps:
+over every step taken).
 
 Run: ``.venv/bin/python benchmarks/bench_stall.py --size 1GiB --repeats 5 --json stall.json``.
 """
@@ -65,13 +75,16 @@ def build(total_bytes: int, batch: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, WIDTH)
 
-    def step() -> None:
+    def forward_backward() -> None:
         model(x).square().mean().backward()
+
+    def optimizer_step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # creates the optimizer state
-    return model, opt, step
+    forward_backward()
+    optimizer_step()  # creates the optimizer state
+    return model, opt, forward_backward, optimizer_step
 
 
 def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -104,10 +117,17 @@ def main(argv: list[str]) -> int:
 def _run(args: argparse.Namespace, scratch: str) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     from goodput_ckpt import CheckpointManager, CheckpointWriter
 
     torch.manual_seed(0)
-    model, opt, train_step = build(parse_size(args.size), args.batch)
+    model, opt, forward_backward, optimizer_step = build(parse_size(args.size), args.batch)
+
+    def train_step() -> None:
+        forward_backward()
+        optimizer_step()
+
     tensors = state_tensors(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     print(f"state: {nbytes / MiB:.0f} MiB in {len(tensors)} tensors; {args.repeats} saves each; "
@@ -120,7 +140,7 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
 
     def clean_files() -> None:
         for name in os.listdir(scratch):
-            if name != "mgr":
+            if name not in ("mgr", "mgr-overlap"):
                 shutil.rmtree(os.path.join(scratch, name), ignore_errors=True)
 
     # Methods run round-robin within each repeat (the start rotating), so that load from other
@@ -133,12 +153,27 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optimizer": osd}
 
-    mgr = CheckpointManager(os.path.join(scratch, "mgr"), keep_last=1, async_save=True)
-    t0 = time.perf_counter()
-    mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers
-    res["manager-first"] = 1e3 * (time.perf_counter() - t0)
-    mgr.wait()
+    managers = {
+        "manager-blocking": CheckpointManager(os.path.join(scratch, "mgr"), keep_last=1, async_staging=False),
+        "manager": CheckpointManager(os.path.join(scratch, "mgr-overlap"), keep_last=1),
+    }
+
+    def timed_save(m: CheckpointManager, step: int) -> tuple[float, float]:
+        """One manager save and the training step after it: (stall, that step's time)."""
+        t0 = time.perf_counter()
+        m.save(step, model=model, optimizer=opt)
+        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        train_step()  # its optimizer step waits for the rest of an async staging copy
+        step_s = time.perf_counter() - t1
+        m.wait()
+        (record,) = [r for r in m.timeline[-1:] if r["event"] == "save" and r["ok"]]
+        return dt + record["guard_s"], step_s
+
+    for name, m in managers.items():
+        res[f"{name}-first"] = 1e3 * timed_save(m, 0)[0]  # allocates the staging buffers
     steps = iter(range(1, 10**9))
+    after: dict[str, list[float]] = {name: [] for name in managers}
 
     def run_copy() -> float:
         t0 = time.perf_counter()
@@ -158,20 +193,36 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
         fut.result()
         return dt
 
-    def run_manager() -> float:
+    def run_torch_async_staging() -> float:
+        """Like the manager's: staging overlaps the next forward and backward, and the loop waits
+        for it before the optimizer step (as torch's docs ask)."""
+        stager = DefaultStager(StagingOptions(False, False, True, False))
         t0 = time.perf_counter()
-        mgr.save(next(steps), model=model, optimizer=opt)
+        resp = dcp.async_save(sd(), storage_writer=dcp.FileSystemWriter(fresh_dir()), async_stager=stager)
         dt = time.perf_counter() - t0
-        mgr.wait()
+        forward_backward()
+        t1 = time.perf_counter()
+        resp.staging_completion.result()
+        dt += time.perf_counter() - t1
+        optimizer_step()
+        resp.upload_completion.result()
+        stager.close()
         return dt
+
+    def run_manager(name: str) -> float:
+        stall, step_s = timed_save(managers[name], next(steps))
+        after[name].append(step_s)
+        return stall
 
     methods = {
         "copy": run_copy,
         "sync": lambda: run_sync(lambda p: CheckpointWriter(p)),
         "sync-torch": lambda: run_sync(lambda p: dcp.FileSystemWriter(p)),
         "torch-async": lambda: run_async(lambda p: dcp.FileSystemWriter(p)),
+        "torch-async-staging": run_torch_async_staging,
         "writer-async": lambda: run_async(lambda p: CheckpointWriter(p)),
-        "manager": run_manager,
+        "manager-blocking": lambda: run_manager("manager-blocking"),
+        "manager": lambda: run_manager("manager"),
     }
     names = list(methods)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -181,8 +232,11 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
             clean_files()
     for n in names:
         res[n] = median_ms(times[n])
-    per_repeat = [m / c for m, c in zip(times["manager"], times["copy"])]
+    for name, xs in after.items():
+        res[f"step-after-{name}"] = median_ms(xs)
     bufs.clear()
+    managers["manager-blocking"].close()
+    mgr = managers["manager"]
 
     # -- a training step, idle and during a background save -------------------------------------
     idle, busy, overlap = [], [], []
@@ -205,27 +259,36 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
     res["step-idle"] = median_ms(idle)
     res["step-during-save"] = median_ms(busy) if busy else float("nan")
 
+    def per_repeat(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
     ratios = {
         "manager / copy": res["manager"] / res["copy"],
-        "manager / copy (median per repeat)": statistics.median(per_repeat),
+        "manager / copy (median per repeat)": per_repeat("manager", "copy"),
+        "manager-blocking / copy": res["manager-blocking"] / res["copy"],
         "sync / manager": res["sync"] / res["manager"],
+        "sync / manager (median per repeat)": per_repeat("sync", "manager"),
         "sync-torch / manager": res["sync-torch"] / res["manager"],
+        "sync / manager-blocking": res["sync"] / res["manager-blocking"],
         "torch-async / manager": res["torch-async"] / res["manager"],
+        "torch-async-staging / manager": res["torch-async-staging"] / res["manager"],
         "writer-async / manager": res["writer-async"] / res["manager"],
+        "step-after-manager / step-after-manager-blocking": res["step-after-manager"] / res["step-after-manager-blocking"],
         "step-during-save / step-idle": res["step-during-save"] / res["step-idle"],
     }
-    print(f"\n{'measure':<20}{'ms':>10}")
+    print(f"\n{'measure':<32}{'ms':>10}")
     for k, v in res.items():
-        print(f"{k:<20}{v:>10.1f}")
-    print(f"\n{'ratio':<40}{'value':>8}   target")
+        print(f"{k:<32}{v:>10.1f}")
+    print(f"\n{'ratio':<50}{'value':>8}   target")
     targets = {
         "manager / copy": "<= 1.25",
         "manager / copy (median per repeat)": "<= 1.25",
         "sync / manager": ">= 10",
+        "sync / manager (median per repeat)": ">= 10",
         "sync-torch / manager": ">= 10",
     }
     for k, v in ratios.items():
-        print(f"{k:<40}{v:>8.2f}   {targets.get(k, '')}")
+        print(f"{k:<50}{v:>8.2f}   {targets.get(k, '')}")
     print(f"\nsteps during background saves: {len(busy)} over {statistics.median(overlap) * 1e3:.0f} ms per save (median)")
     if args.json:
         with open(args.json, "w") as f:

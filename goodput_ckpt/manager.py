@@ -10,9 +10,13 @@ state bundle of :mod:`.state`. Call order (every rank of the job makes every cal
     ...
     mgr.wait(); mgr.close()
 
-An async save stages the state in the caller's thread into buffers that a
+An async save stages the state into buffers that a
 :class:`~goodput_ckpt.dcp.staging.ReusableStager` keeps from save to save, then hands the staged
-copy to the manager's one save thread. That thread runs ``dcp.save`` (its planning collectives go
+copy to the manager's one save thread. With ``async_staging`` (the default) only what a forward
+pass may change is copied in the caller's thread; the parameters and optimizer states are copied
+by the save thread behind the next forward and backward, and a pre-hook on each optimizer's
+``step()`` finishes those copies before the step changes them (:mod:`.step_guard`). The save
+thread then runs ``dcp.save`` (its planning collectives go
 over the manager's own gloo group, so they never interleave with training collectives on the
 default group), releases the buffers, applies retention on the coordinator and records the
 outcome. The next ``save`` (and ``restore``, ``wait``, ``close``) waits for it, so at most one
@@ -43,9 +47,11 @@ from .dcp.writer import CheckpointWriter
 from .errors import CheckpointError, as_checkpoint_error
 from .layout import child_uri, step_dir_name
 from .manager_config import ManagerConfig
+from .dcp.deferred_copy import DeferredCopies
 from .retention import clean_before_restore, delete_step, retention_victims, scan_steps
 from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from .storage import open_store
+from .step_guard import StepGuard, guarded_tensor_keys, tensor_key
 from .storage.local import LocalStore
 from .timeline import TIMELINE_NAME, TimelineSink, finish_save_record, new_record, tensor_nbytes
 
@@ -76,6 +82,11 @@ class CheckpointManager:
             one just written are never deleted, nor a checkpoint still being written.
         async_save: ``save`` returns once the state is copied into reused CPU buffers, and the
             write runs in the background. With ``False`` it returns once committed.
+        async_staging: with ``async_save``, copy the parameters and optimizer states of the
+            optimizers passed to ``save`` in the background too: ``save`` returns at once and
+            those optimizers' next ``step()`` waits for what is left of the copy (usually
+            nothing). Other in-place changes to them before that step fail the save (call
+            ``wait_staged()`` first). ``False``: ``save`` copies everything before returning.
         fail_fast: raise a failed background save at the next ``save`` (default: log it, expose
             it as ``last_error``, call ``on_error``, and raise it at ``wait``/``close``).
         on_error: ``on_error(step, error)``, called from a background thread when a save fails.
@@ -106,6 +117,7 @@ class CheckpointManager:
         *,
         keep_last: int | None = 3,
         async_save: bool = True,
+        async_staging: bool = True,
         fail_fast: bool = False,
         on_error: ErrorCallback | None = None,
         save_rng: bool = True,
@@ -120,7 +132,7 @@ class CheckpointManager:
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
-            keep_last=keep_last, async_save=async_save, fail_fast=fail_fast, save_rng=save_rng,
+            keep_last=keep_last, async_save=async_save, async_staging=async_staging, fail_fast=fail_fast, save_rng=save_rng,
             allow_topology_change=allow_topology_change, overwrite=overwrite, thread_count=thread_count,
             chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
         )  # fmt: skip
@@ -136,6 +148,7 @@ class CheckpointManager:
         self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
         self._inflight: _Save | None = None
         self._stager = ReusableStager(timeout_s=self.config.timeout_s)
+        self._guard = StepGuard()
         # One long-lived thread writes async saves (created on the first): dcp.async_save would
         # start a new thread per save, and on busy cores waiting for it to start costs ms.
         self._worker: ThreadPoolExecutor | None = None
@@ -252,6 +265,7 @@ class CheckpointManager:
         )  # fmt: skip
         record = self._record("save", step, started, **{"async": self.config.async_save})
         record["wait_s"] = t_waited - t0
+        record["guard_s"] = 0.0  # async staging: what the next optimizer step waited (save thread)
         record["bytes"] = tensor_nbytes(state)
         if not self.config.async_save:
             try:
@@ -265,8 +279,8 @@ class CheckpointManager:
             self._finish_record(record, t_waited, None, stall_from=t0)
             self._apply_retention(step)
             return
-        try:
-            staged = self._stager.stage(state)  # the only part of an async save that blocks
+        try:  # the only part of an async save that blocks
+            staged, later = self._stager.stage_deferred(state, self._deferrable(models))
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
                 raise as_checkpoint_error(e, f"staging step {step}")
@@ -278,20 +292,48 @@ class CheckpointManager:
         job = _Save(step, uri, record)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
+        self._guard.arm(later)
         try:
-            job.done = self._worker.submit(self._write, job, staged, writer, t_staged)
+            job.done = self._worker.submit(self._write, job, staged, later, writer, t_staged)
         except BaseException:
+            later.finish()
             self._stager.release()
             raise
         self._inflight = job
 
-    def _write(self, job: _Save, staged: dict[str, Any], writer: CheckpointWriter, handed_off: float) -> None:
-        """Save thread: write and commit the staged state, free the buffers, wait until it is
-        durable, apply retention, record the outcome. Never raises: failures are reported
-        through ``wait``/``last_error``."""
+    def _deferrable(self, models: Any) -> Callable[[Any], bool] | None:
+        """Which sources ``save`` may leave to the save thread: the tensors of the optimizers
+        passed to it, which only their (hooked) ``step()`` changes. ``None``: copy all now."""
+        if not (self.config.async_save and self.config.async_staging):
+            return None
+        optimizers = [o for _, opts in models.pairs.values() for o in opts if self._guard.can_guard(o)]
+        keys = guarded_tensor_keys(optimizers)
+        if not keys:
+            return None
+        self._guard.watch(optimizers)
+        return lambda t: tensor_key(t) in keys
+
+    def wait_staged(self) -> None:
+        """Finish the background staging copies of the save in flight, in this thread.
+
+        Call it before changing parameters or optimizer states in place other than through an
+        optimizer's ``step()`` (which waits by itself) while a save may still be staging.
+        """
+        self._guard.finish_pending()
+
+    def _write(
+        self, job: _Save, staged: dict[str, Any], later: DeferredCopies, writer: CheckpointWriter, handed_off: float
+    ) -> None:
+        """Save thread: finish the deferred staging copies, write and commit the staged state,
+        free the buffers, wait until it is durable, apply retention, record the outcome. Never
+        raises: failures are reported through ``wait``/``last_error``."""
         err: CheckpointError | None = None
         try:
             try:
+                later.finish()
+                job.record["guard_s"] = later.blocked_seconds()
+                job.record["stall_s"] += job.record["guard_s"]
+                later.result()
                 dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
             finally:
                 del staged
@@ -489,6 +531,7 @@ class CheckpointManager:
             self._closed = True
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
+            self._guard.close()
             self._stager.close()
             if self._own_pg and self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)

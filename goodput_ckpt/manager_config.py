@@ -17,6 +17,7 @@ class ManagerConfig:
 
     keep_last: int | None = 3
     async_save: bool = True
+    async_staging: bool = True
     fail_fast: bool = False
     save_rng: bool = True
     allow_topology_change: bool = False
@@ -31,7 +32,7 @@ class ManagerConfig:
             isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1
         ):
             raise ValueError(f"keep_last must be None (keep all) or a positive integer, got {self.keep_last!r}")
-        for name in ("async_save", "fail_fast", "save_rng", "allow_topology_change", "overwrite", "verify"):
+        for name in ("async_save", "async_staging", "fail_fast", "save_rng", "allow_topology_change", "overwrite", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("thread_count", "chunk_size"):

@@ -5,15 +5,16 @@ rank, so the goodput of a real run can be computed afterwards (``goodput-ckpt pl
 ``goodput-ckpt demo`` read it). A record is a flat JSON object::
 
     {"event": "save", "step": 100, "rank": 0, "world_size": 2, "time": 1733150000.1,
-     "async": true, "wait_s": 0.0, "stage_s": 0.021, "stall_s": 0.021,
+     "async": true, "wait_s": 0.0, "stage_s": 0.004, "guard_s": 0.0, "stall_s": 0.004,
      "write_s": 0.35, "durable_s": 0.35, "bytes": 104857600, "gbps": 0.30, "ok": true, "error": null}
     {"event": "restore", "step": 100, "rank": 0, "world_size": 2, "time": ..., "seconds": 0.4,
      "bytes": 104857600, "ok": true, "error": null}
 
 - ``time``: wall-clock start of the event (Unix seconds).
-- ``stall_s``: how long ``save`` blocked the training loop: ``wait_s`` (waiting for the previous
-  save to finish) plus ``stage_s`` (copying the state into the reused buffers). For a
-  synchronous save it is the whole save.
+- ``stall_s``: how long the save blocked the training loop: ``wait_s`` (waiting for the previous
+  save to finish) plus ``stage_s`` (the part of the copy into the reused buffers made in
+  ``save``) plus ``guard_s`` (with async staging, how long the next optimizer steps waited for
+  the rest of that copy). For a synchronous save it is the whole save.
 - ``write_s``: the background part, from the hand-off to the save thread until the checkpoint
   was committed; ``durable_s`` until it was durable at its final location (later than the commit
   only with local staging onto a volume). ``gbps`` = ``bytes`` / ``write_s`` / 1e9.

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..errors import CheckpointError
+from .deferred_copy import DeferredCopies
 
 __all__ = ["ReusableStager", "stage_state_dict"]
+
+#: ``defer(tensor)``: whether the copy of this source may finish after ``stage`` returned.
+DeferPredicate = Callable[[torch.Tensor], bool]
 
 
 def stage_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +83,10 @@ class ReusableStager(AsyncStager):
     Pass the stager to ``dcp.async_save(..., async_stager=stager)`` and call :meth:`release`
     from the future's completion; :class:`~goodput_ckpt.CheckpointManager` does both.
 
+    :meth:`stage_deferred` leaves the copies of chosen sources to a
+    :class:`~goodput_ckpt.dcp.deferred_copy.DeferredCopies` that other threads finish later
+    (``CheckpointManager``'s async staging); the buffers are the same.
+
     Tensors keep their wrappers: a DTensor is staged as a DTensor with the same spec around a
     CPU buffer, so DCP still plans sharded writes. Values that are not tensors are deep-copied
     on every call (they are small: optimizer hyper-parameters, counters). Tensor subclasses other
@@ -98,6 +107,10 @@ class ReusableStager(AsyncStager):
         self._busy = False
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._wrappers: dict[tuple, Any] = {}
+        # Set only inside stage_deferred (which holds the busy flag): what may be deferred, and
+        # the copies deferred so far.
+        self._defer: DeferPredicate | None = None
+        self._later: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +129,21 @@ class ReusableStager(AsyncStager):
         Raises:
             CheckpointError: the previous staged copy was not released within ``timeout_s``.
         """
+        return self.stage_deferred(state_dict, None)[0]
+
+    def stage_deferred(
+        self, state_dict: dict[str, Any], defer: DeferPredicate | None
+    ) -> tuple[dict[str, Any], DeferredCopies]:
+        """Like :meth:`stage`, but the copies of CPU sources for which ``defer`` is true are left
+        to a :class:`~goodput_ckpt.dcp.deferred_copy.DeferredCopies`: the staged copy is not
+        complete (nor may it be written) until its ``finish()`` returned.
+
+        The caller must keep those sources unchanged until then (``CheckpointManager`` holds the
+        next optimizer step). Accelerator tensors are always copied here.
+
+        Raises:
+            CheckpointError: the previous staged copy was not released within ``timeout_s``.
+        """
         with self._cond:
             if not self._cond.wait_for(lambda: not self._busy, timeout=self.timeout_s):
                 raise CheckpointError(
@@ -127,15 +155,19 @@ class ReusableStager(AsyncStager):
             buffers: dict[tuple, torch.Tensor] = {}
             wrappers: dict[tuple, Any] = {}
             devices: set[torch.device] = set()
+            later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            self._defer, self._later = defer, later
             staged = self._stage(state_dict, (), buffers, wrappers, devices)
             for device in devices:
                 torch.cuda.synchronize(device)
         except BaseException:
             self.release()
             raise
+        finally:
+            self._defer, self._later = None, None
         # Buffers of tensors that left the state dict are dropped; the rest are kept.
         self._buffers, self._wrappers = buffers, wrappers
-        return staged
+        return staged, DeferredCopies(later, timeout_s=self.timeout_s)
 
     def release(self) -> None:
         """Mark the staged copy as no longer in use. Idempotent."""
@@ -184,7 +216,10 @@ class ReusableStager(AsyncStager):
             pin = on_cuda and torch.cuda.is_available()
             buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
         buffers[path] = buf
-        if src.numel():
+        if src.numel() and self._defer is not None and not on_cuda and self._defer(src):
+            name = ".".join(map(str, path))
+            self._later.append((name, src, buf))  # type: ignore[union-attr] - set with _defer
+        elif src.numel():
             buf.copy_(src, non_blocking=on_cuda)
             if on_cuda:
                 devices.add(src.device)

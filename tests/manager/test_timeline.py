@@ -12,7 +12,7 @@ from goodput_ckpt import CheckpointError, CheckpointManager
 from goodput_ckpt.timeline import TIMELINE_NAME, read_timeline, summarize_timeline, tensor_nbytes
 
 SAVE_FIELDS = {
-    "event", "step", "rank", "world_size", "time", "async", "wait_s", "stage_s", "stall_s",
+    "event", "step", "rank", "world_size", "time", "async", "wait_s", "stage_s", "guard_s", "stall_s",
     "write_s", "durable_s", "bytes", "gbps", "ok", "error",
 }  # fmt: skip
 
@@ -51,7 +51,7 @@ def test_saves_and_restores_are_recorded_in_a_file_under_a_local_root(tmp_path, 
         assert 0 <= r["wait_s"] <= r["stall_s"] and r["write_s"] > 0 and r["durable_s"] >= r["write_s"]
         assert r["gbps"] == pytest.approx(r["bytes"] / r["write_s"] / 1e9)
         if async_save:
-            assert r["stall_s"] == pytest.approx(r["wait_s"] + r["stage_s"])
+            assert r["stall_s"] == pytest.approx(r["wait_s"] + r["stage_s"] + r["guard_s"])
         else:
             assert r["stage_s"] == 0 and r["stall_s"] >= r["write_s"]
     (restore,) = [r for r in records if r["event"] == "restore"]

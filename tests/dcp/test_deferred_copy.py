@@ -1,0 +1,99 @@
+"""DeferredCopies: staging copies finished after save() returned, by any thread, with a change check."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from goodput_ckpt import CheckpointError
+from goodput_ckpt.dcp import deferred_copy
+from goodput_ckpt.dcp.deferred_copy import DeferredCopies
+from goodput_ckpt.dcp.staging import ReusableStager
+
+
+def _copies(n: int = 6, size: int = 300_000):
+    srcs = [torch.randn(size) for _ in range(n)]
+    return [(f"t{i}", s, torch.empty_like(s)) for i, s in enumerate(srcs)]
+
+
+def test_pieces_are_shared_by_threads_and_every_byte_lands(monkeypatch):
+    monkeypatch.setattr(deferred_copy, "PIECE_BYTES", 64 << 10)  # many pieces per tensor
+    copies = _copies()
+    later = DeferredCopies(copies)
+    assert len(later._pieces) > 6 * 10 and not later.done
+    threads = [threading.Thread(target=later.finish) for _ in range(3)]
+    for t in threads:
+        t.start()
+    later.finish(blocking_caller=True)
+    for t in threads:
+        t.join()
+    assert later.done
+    later.result()
+    for _, src, dst in copies:
+        assert torch.equal(src, dst)
+    assert later.blocked_seconds() > 0
+    assert later.finish(blocking_caller=True) == 0.0, "nothing left: returns at once"
+
+
+def test_non_contiguous_sources_are_copied_whole():
+    src = torch.randn(64, 32).t()
+    dst = torch.empty(src.shape)
+    later = DeferredCopies([("v", src, dst)])
+    assert len(later._pieces) == 1
+    later.finish()
+    later.result()
+    assert torch.equal(src, dst)
+
+
+def test_nothing_to_copy_is_done_at_once():
+    later = DeferredCopies([])
+    assert later.done and later.finish() == 0.0 and later.blocked_seconds() == 0.0
+    later.result()
+
+
+def test_a_source_changed_before_the_copies_finished_fails_them_by_name():
+    copies = _copies(3)
+    later = DeferredCopies(copies)
+    copies[1][1].add_(1.0)  # an in-place change the manager's hook did not hold back
+    later.finish()
+    assert later.done
+    with pytest.raises(CheckpointError, match=r"t1 changed in place after save\(\) returned") as info:
+        later.result()
+    assert info.value.key == "t1"
+
+
+def test_a_change_after_the_copies_finished_is_fine():
+    copies = _copies(2)
+    later = DeferredCopies(copies)
+    later.finish()
+    copies[0][1].add_(1.0)
+    later.result()
+    assert not torch.equal(copies[0][1], copies[0][2])
+
+
+def test_a_failed_copy_is_reported_by_result_not_by_finish():
+    src = torch.randn(10)
+    later = DeferredCopies([("bad", src, torch.empty(3))])  # copy_ cannot broadcast 10 into 3
+    later.finish(blocking_caller=True)  # never raises: a training thread calls it from a hook
+    with pytest.raises(CheckpointError, match="copying the state into the staging buffers failed"):
+        later.result()
+
+
+def test_stage_deferred_copies_only_what_defer_selects():
+    deferred_src, now_src = torch.randn(1000), torch.randn(1000)
+    sd = {"p": deferred_src, "buf": now_src, "n": 3}
+    stager = ReusableStager()
+    staged, later = stager.stage_deferred(sd, lambda t: t.data_ptr() == deferred_src.data_ptr())
+    assert torch.equal(staged["buf"], now_src), "copied before stage_deferred returned"
+    assert not later.done and [name for name, _, _ in later._sources] == ["p"]
+    now_src.add_(1.0)  # a forward pass updating a buffer after save() returned: already staged
+    later.finish()
+    later.result()
+    assert torch.equal(staged["p"], deferred_src)
+    assert not torch.equal(staged["buf"], now_src)
+    stager.release()
+    staged, later = stager.stage_deferred(sd, None)
+    assert later.done and torch.equal(staged["p"], deferred_src) and torch.equal(staged["buf"], now_src)
+    stager.release()
