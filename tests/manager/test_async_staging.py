@@ -35,6 +35,15 @@ def _snapshot(model, opt):
     )
 
 
+def _trained_and_held(path, **kw):
+    """A model and optimizer after one step (so AdamW has state), and a held manager."""
+    model, opt = _make()
+    _forward_backward(model)
+    opt.step()
+    opt.zero_grad()
+    return (model, opt, *_held_manager(path, **kw))
+
+
 def _held_manager(path, **kw):
     """A manager whose save thread first waits for ``release.set()``."""
     mgr = CheckpointManager(path, **kw)
@@ -57,11 +66,7 @@ def _assert_restores(path, want) -> None:
 
 
 def test_the_next_optimizer_step_finishes_the_copy_first(tmp_path):
-    model, opt = _make()
-    _forward_backward(model)
-    opt.step()
-    opt.zero_grad()
-    mgr, release = _held_manager(tmp_path)
+    model, opt, mgr, release = _trained_and_held(tmp_path)
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
     assert mgr._guard._pending is not None and not mgr._guard._pending.done, "the copy was left to later"
@@ -83,10 +88,7 @@ def test_the_next_optimizer_step_finishes_the_copy_first(tmp_path):
 
 
 def test_buffers_a_forward_pass_updates_are_staged_before_save_returns(tmp_path):
-    model, opt = _make()
-    _forward_backward(model)
-    opt.step()
-    mgr, release = _held_manager(tmp_path)
+    model, opt, mgr, release = _trained_and_held(tmp_path)
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
     _forward_backward(model)  # train mode: BatchNorm updates running_mean/var in place
@@ -98,10 +100,7 @@ def test_buffers_a_forward_pass_updates_are_staged_before_save_returns(tmp_path)
 
 
 def test_an_in_place_change_outside_the_optimizer_fails_the_save_by_name(tmp_path):
-    model, opt = _make()
-    _forward_backward(model)
-    opt.step()
-    mgr, release = _held_manager(tmp_path)
+    model, opt, mgr, release = _trained_and_held(tmp_path)
     mgr.save(1, model=model, optimizer=opt)
     with torch.no_grad():
         model[0].weight.mul_(0.5)  # not through opt.step(): nothing holds it back
@@ -113,10 +112,7 @@ def test_an_in_place_change_outside_the_optimizer_fails_the_save_by_name(tmp_pat
 
 
 def test_wait_staged_makes_other_in_place_changes_safe(tmp_path):
-    model, opt = _make()
-    _forward_backward(model)
-    opt.step()
-    mgr, release = _held_manager(tmp_path)
+    model, opt, mgr, release = _trained_and_held(tmp_path)
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
     mgr.wait_staged()
@@ -128,10 +124,7 @@ def test_wait_staged_makes_other_in_place_changes_safe(tmp_path):
 
 
 def test_async_staging_off_copies_everything_before_save_returns(tmp_path):
-    model, opt = _make()
-    _forward_backward(model)
-    opt.step()
-    mgr, release = _held_manager(tmp_path, async_staging=False)
+    model, opt, mgr, release = _trained_and_held(tmp_path, async_staging=False)
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
     assert mgr._guard._pending.done
