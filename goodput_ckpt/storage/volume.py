@@ -17,7 +17,14 @@ fsync may be an upload or a no-op; small files are expensive. This store asks fo
   truncated one behind (a FUSE mount finishes the upload when the kernel releases the file).
   Hence ``commit_record_atomic = False``: readers treat a manifest that does not parse and
   validate as an incomplete checkpoint, never as a commit.
-- Reads are ``preadv`` calls of a whole read task (16 MiB) into the destination. With
+- Reads are ``preadv`` calls of a whole read task (16 MiB) into the destination, through
+  descriptors opened with ``O_DIRECT`` where the filesystem takes it (``direct_reads``). A
+  buffered read of a FUSE file goes daemon -> page cache -> destination, in readahead-sized
+  requests (128 KiB on ``weed mount``); a direct one goes daemon -> destination in ``max_read``-
+  sized requests (1 MiB there), without the page cache's copy and page bookkeeping. On two
+  cores shared with the FUSE daemon and the server, that CPU is the load's bottleneck
+  (docs/volumes.md). A filesystem that refuses ``O_DIRECT`` or an unaligned direct read (a local
+  directory with ``volume=True``: ext4, older tmpfs) is read buffered instead. With
   ``sequential_reads`` the reader gives each of its threads a run of one file's tasks, in order;
   each concurrent reader of a file gets its own descriptor, preferably the one whose last read
   ended where this one starts, so every descriptor streams its file (the kernel reads ahead, and
@@ -49,6 +56,8 @@ __all__ = ["VolumeConfig", "VolumeStore"]
 _JOIN_BELOW = 1 << 20
 #: Linux caps an iovec array at IOV_MAX (1024).
 _MAX_IOV = 512
+#: ``O_DIRECT`` where the platform has it (Linux); 0 elsewhere (then reads are buffered).
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: fsync errors that mean "not supported by this filesystem" rather than "the data is lost".
 _FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
@@ -67,9 +76,15 @@ class VolumeConfig:
         upload_threads: files uploaded at once per process (staging only; default 4).
         commit_timeout_s: how long the coordinator's background commit waits for the other
             ranks' uploads before it gives up (staging only; default 3600 s).
+        direct_reads: read data files with ``O_DIRECT`` where the filesystem accepts it
+            (bypassing the page cache: a checkpoint is read once, and on a FUSE mount a direct
+            read moves the bytes from the daemon straight into the destination in large
+            requests). Reads fall back to buffered ones on a filesystem that refuses it.
+            ``False``: always buffered.
     """
 
     fsync: bool = True
+    direct_reads: bool = True
     stage_dir: str | os.PathLike | None = None
     upload_threads: int | None = None
     commit_timeout_s: float | None = None
@@ -77,6 +92,8 @@ class VolumeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.fsync, bool):
             raise TypeError(f"fsync must be a bool, got {type(self.fsync).__name__}")
+        if not isinstance(self.direct_reads, bool):
+            raise TypeError(f"direct_reads must be a bool, got {type(self.direct_reads).__name__}")
         if self.stage_dir is None:
             staged_only = [n for n in ("upload_threads", "commit_timeout_s") if getattr(self, n) is not None]
             if staged_only:
@@ -183,17 +200,38 @@ class _VolumeSink:
 
 
 class _VolumeSource:
-    """One file read through a small pool of descriptors, each read sequentially."""
+    """One file read through a small pool of descriptors, each read sequentially.
 
-    def __init__(self, path: str) -> None:
+    With ``direct`` the descriptors are opened with ``O_DIRECT`` (see the module docstring).
+    The first refusal (``EINVAL`` from the open or a read: the filesystem has no direct I/O, or
+    wants aligned buffers and offsets) turns it off for this file: the pool's direct
+    descriptors are closed and that read, and every later one, is made buffered.
+    """
+
+    def __init__(self, path: str, direct: bool = True) -> None:
         self._path = path
-        self._lock = threading.Lock()  # guards the pool (reader threads take and return fds)
-        self._idle: list[tuple[int, int]] = [(self._open(), 0)]  # (fd, where its last read ended)
+        self._lock = threading.Lock()  # guards the pool and _direct (reader threads share them)
+        self._direct = bool(direct and _O_DIRECT)
+        fd, is_direct = self._open()
+        self._idle: list[tuple[int, int, bool]] = [(fd, 0, is_direct)]  # (fd, its last read's end, O_DIRECT)
         self._closed = False
 
-    def _open(self) -> int:
+    @property
+    def direct(self) -> bool:
+        """Whether new descriptors are opened with ``O_DIRECT``."""
+        return self._direct
+
+    def _open(self) -> tuple[int, bool]:
+        flags = os.O_RDONLY | os.O_CLOEXEC
         try:
-            return os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            if self._direct:
+                try:
+                    return os.open(self._path, flags | _O_DIRECT), True
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._direct = False  # no direct I/O on this filesystem
+            return os.open(self._path, flags), False
         except FileNotFoundError as e:
             raise IncompleteCheckpointError(
                 f"data file {self._path} is missing: the checkpoint is incomplete or was tampered with",
@@ -202,38 +240,58 @@ class _VolumeSource:
         except OSError as e:
             raise os_error(e, "opening", self._path) from e
 
-    def _take(self, offset: int) -> int:
+    def _take(self, offset: int) -> tuple[int, bool]:
         with self._lock:
             if self._closed:
                 raise CheckpointError(f"{self._path} was closed", path=self._path)
-            for i, (fd, end) in enumerate(self._idle):
+            for i, (_fd, end, _is_direct) in enumerate(self._idle):
                 if end == offset:
-                    return self._idle.pop(i)[0]
+                    fd, _, is_direct = self._idle.pop(i)
+                    return fd, is_direct
             if self._idle:
-                return self._idle.pop()[0]
+                fd, _, is_direct = self._idle.pop()
+                return fd, is_direct
         return self._open()
 
-    def _give_back(self, fd: int, end: int) -> None:
+    def _give_back(self, fd: int, end: int, is_direct: bool) -> None:
         with self._lock:
-            if not self._closed:
-                self._idle.append((fd, end))
+            if not self._closed and (self._direct or not is_direct):
+                self._idle.append((fd, end, is_direct))
                 return
         os.close(fd)
 
-    def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
-        fd = self._take(offset)
-        try:
-            read_full(fd, self._path, offset, buffers)
-        except BaseException:
+    def _stop_direct(self) -> None:
+        """Direct reads were refused: read buffered from now on (closes idle direct fds)."""
+        with self._lock:
+            self._direct = False
+            stale = [fd for fd, _, is_direct in self._idle if is_direct]
+            self._idle = [e for e in self._idle if not e[2]]
+        for fd in stale:
             os.close(fd)
-            raise
-        self._give_back(fd, offset + sum(memoryview(b).nbytes for b in buffers))
+
+    def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        while True:
+            fd, is_direct = self._take(offset)
+            try:
+                read_full(fd, self._path, offset, buffers)
+            except CheckpointError as e:
+                os.close(fd)
+                cause = e.__cause__
+                if is_direct and isinstance(cause, OSError) and cause.errno == errno.EINVAL:
+                    self._stop_direct()  # e.g. ext4: O_DIRECT opens, but wants aligned buffers
+                    continue  # the whole range again, buffered
+                raise
+            except BaseException:
+                os.close(fd)
+                raise
+            break
+        self._give_back(fd, offset + sum(memoryview(b).nbytes for b in buffers), is_direct)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for fd, _ in idle:
+        for fd, _, _ in idle:
             try:
                 os.close(fd)
             except OSError:
@@ -283,7 +341,7 @@ class VolumeStore(LocalStore):
         return _VolumeSink(path, self.config.fsync)
 
     def open_source(self, name: str) -> _VolumeSource:
-        return _VolumeSource(self._path(name))
+        return _VolumeSource(self._path(name), self.config.direct_reads)
 
     def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
         """Write ``data`` to its final name in one write (no temporary file, no rename).

@@ -132,6 +132,25 @@ def test_round_trip(volume_dir):
     assert torch.equal(part["model"]["big"], sd["model"]["big"])
 
 
+def test_mounts_are_read_with_o_direct(volume_dir):
+    """Both FUSE mounts take O_DIRECT reads at unaligned offsets into unaligned buffers (the
+    volume store's default: docs/volumes.md), and they return the bytes written."""
+    from goodput_ckpt.storage import VolumeStore
+
+    data = os.urandom((2 << 20) + 123)
+    store = VolumeStore(str(volume_dir))
+    store.prepare()
+    sink = store.open_sink("d.bin")
+    sink.write_at(0, [data])
+    sink.close()
+    src = store.open_source("d.bin")
+    buf = bytearray((1 << 20) + 1)
+    src.read_into(4097, [memoryview(buf)[1:], bytearray(7)])
+    assert bytes(buf[1:]) == data[4097 : 4097 + (1 << 20)]
+    assert src.direct, "the mount refused O_DIRECT: reads fell back to buffered"
+    src.close()
+
+
 def test_async_save_with_the_thread_executor(rclone_dir):
     sd, expected = make_state(3), make_state(3)
     writer = CheckpointWriter(rclone_dir)
