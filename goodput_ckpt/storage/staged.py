@@ -21,7 +21,10 @@ Call order on one rank (the store's view of one save)::
     durable_future()                       # the DCP writer keeps it for the caller
 
 How the coordinator knows other ranks' uploads are done: after uploading a file, a rank writes
-an empty marker ``<file>.uploaded`` next to it on the volume. The coordinator's commit job waits
+a marker ``<file>.uploaded`` next to it on the volume (the file's size in ASCII: never empty,
+because ``rclone mount`` without a cache uploads a file that got no write only when the kernel
+releases it, after ``close`` has returned, so a deletion right after could precede the upload
+and leave the marker behind for good; seen in CI). The coordinator's commit job waits
 for its own uploads' futures, then for the markers of the other files (polling, up to
 ``commit_timeout_s``), then writes the manifest and deletes the markers. A marker is written
 only after its file was closed (and fsynced) on the volume, so the manifest never precedes
@@ -41,6 +44,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -66,6 +70,10 @@ UPLOAD_BLOCK = 8 << 20
 MARKER_SUFFIX = ".uploaded"
 #: Marker polling: first and largest pause between two checks.
 _POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
+#: How long the commit keeps deleting markers that are still listed after their deletion.
+_MARKER_DELETE_S = 10.0
+
+_log = logging.getLogger(__name__)
 
 
 def all_of(futures: Iterable[Future]) -> Future:
@@ -261,7 +269,13 @@ class StagedStore:
             except BaseException:
                 sink.abort()
                 raise
-            self.inner.open_sink(name + MARKER_SUFFIX).close()
+            marker = self.inner.open_sink(name + MARKER_SUFFIX)
+            try:
+                marker.write_at(0, [str(pos).encode()])
+                marker.close()
+            except BaseException:
+                marker.abort()
+                raise
         except OSError as e:
             raise CheckpointError(f"uploading the staged file {src} to {self.uri}/{name} failed: {e}", path=src) from e
         finally:
@@ -298,9 +312,34 @@ class StagedStore:
             time.sleep(pause)
             pause = min(_POLL_MAX_S, pause * 2)
         self.inner.put_commit_record(name, data, replace=replace)
-        for f in files:
-            self.inner.delete(f + MARKER_SUFFIX)
+        self._delete_markers(files)
         self._prune_stage()
+
+    def _delete_markers(self, files: list[str]) -> None:
+        """Delete the markers of ``files`` and check that they are gone.
+
+        The checkpoint is committed by now, so a marker that outlives its deletion (a mount's
+        listing lagging behind, or an upload finishing after the unlink) is only clutter: it
+        is deleted again for a few seconds, then left with a warning.
+        """
+        markers = [f + MARKER_SUFFIX for f in files]
+        deadline = time.monotonic() + _MARKER_DELETE_S
+        pause = _POLL_FIRST_S
+        while True:
+            for m in markers:
+                self.inner.delete(m)
+            markers = [m for m in markers if self.inner.size(m) is not None]
+            if not markers:
+                return
+            if time.monotonic() >= deadline:
+                _log.warning(
+                    "%s: %d upload marker(s) are still listed after their deletion (first: %s); "
+                    "the checkpoint is committed, the markers can be deleted by hand",
+                    self.uri, len(markers), markers[0],
+                )
+                return
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 2)
 
     def _prune_stage(self) -> None:
         """Remove the emptied staging directories of this location (best effort)."""

@@ -300,6 +300,23 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
 
 
+def test_upload_markers_are_never_empty_so_deleting_them_sticks(rclone_volume, tmp_path):
+    """``rclone mount`` uploads a file that got no write only when the kernel releases it,
+    after ``close`` returned: an empty marker deleted at once came back and stayed (seen in
+    CI). A marker holds its file's size, and a marker deleted right after its upload is gone."""
+    loc = rclone_volume.fresh("markers")
+    store = StagedStore(VolumeStore(str(loc)), str(tmp_path / "stage"))
+    store.prepare()
+    sink = store.open_sink("a.bin")
+    sink.write_at(0, [b"x" * 1000])
+    sink.close()  # the last open file: its upload is queued
+    store.durable_future().result(timeout=60)
+    assert (loc / "a.bin.uploaded").read_bytes() == b"1000"
+    store.inner.delete("a.bin.uploaded")
+    time.sleep(2)  # the window in which a late upload would bring it back
+    assert sorted(os.listdir(loc)) == ["a.bin"]
+
+
 
 def test_readme_volume_example_runs(rclone_volume, tmp_path):
     """The README's mounted-volume example, with its paths moved onto the strict mount."""
