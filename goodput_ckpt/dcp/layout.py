@@ -53,9 +53,12 @@ def place_items(sizes: list[int], file_count: int) -> tuple[list[Placement], lis
     """Assign items to ``file_count`` files, balancing bytes, keeping item order within a file.
 
     Returns the placements (indexed like ``sizes``) and the size of each file. Files that
-    would receive no item are dropped (``file_count`` is an upper bound).
+    would receive no bytes are dropped (``file_count`` is an upper bound): an empty file is a
+    hazard on an object-store mount (``rclone mount`` without a cache uploads a file that got
+    no write only after ``close`` has returned), and a request for nothing everywhere else.
+    Only a rank whose items are all empty gets one empty file.
     """
-    file_count = max(1, min(file_count, len(sizes))) if sizes else 0
+    file_count = max(1, min(file_count, sum(1 for n in sizes if n))) if sizes else 0
     loads = [0] * file_count
     owner = [0] * len(sizes)
     if file_count > 1:

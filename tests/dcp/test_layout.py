@@ -48,3 +48,12 @@ def test_balanced_files():
     assert placements == [] and sizes == []
     _, sizes = place_items([5, 5], 4)
     assert len(sizes) == 2
+
+
+def test_no_file_holds_only_empty_items():
+    """Empty tensors (an uneven shard) must not make empty files: see place_items."""
+    placements, sizes = place_items([4096, 0, 0, 100, 0], 8)
+    assert len(sizes) == 2 and all(sizes), sizes
+    assert sorted(p.item for p in placements) == [0, 1, 2, 3, 4]
+    _, sizes = place_items([0, 0, 0], 4)
+    assert sizes == [0], "a rank with nothing to write still gets one (empty) file"
