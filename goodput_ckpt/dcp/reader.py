@@ -21,6 +21,7 @@ import math
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future as PoolFuture
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +250,7 @@ class CheckpointReader(StorageReader):
         tasks = plan_tasks(requests, chunk_size=manifest.chunk_size, verify=self.verify, file_sizes=file_sizes, task_bytes=TASK_BYTES)
         sources: dict[str, FileSource] = {}
         alloc_lock = threading.Lock()
+        hashers: ThreadPoolExecutor | None = None
         try:
             for name in sorted({t.file for t in tasks}):
                 try:
@@ -266,9 +268,30 @@ class CheckpointReader(StorageReader):
             else:
                 jobs = [[t] for t in tasks]
 
+            # A run of several tasks hashes each one in a helper thread while it reads the next,
+            # so the stream always has a read in flight (a direct read of a FUSE file keeps
+            # nothing in flight otherwise). At most one hash per run is outstanding.
+            hashers = ThreadPoolExecutor(
+                min(self.thread_count, sum(len(j) > 1 for j in jobs)) or 1, thread_name_prefix="goodput-hash"
+            ) if self.verify and any(len(j) > 1 for j in jobs) else None
+
             def run(job: list[Task]) -> None:
-                for t in job:
-                    self._run_task(t, sources[t.file], manifest, alloc_lock)
+                hashing: PoolFuture[None] | None = None
+                try:
+                    for i, t in enumerate(job):
+                        bufs = self._read_task(t, sources[t.file], manifest, alloc_lock)
+                        if hashing is not None:
+                            hashing.result()
+                            hashing = None
+                        if not self.verify:
+                            continue
+                        if hashers is None or i == len(job) - 1:
+                            self._verify(t, bufs, manifest)
+                        else:
+                            hashing = hashers.submit(self._verify, t, bufs, manifest)
+                finally:
+                    if hashing is not None:
+                        hashing.cancel() or wait([hashing])
 
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="goodput-read") as pool:
                 futures = {pool.submit(run, job): job for job in jobs}
@@ -287,6 +310,8 @@ class CheckpointReader(StorageReader):
                                 if r.pending == 0:
                                     self._finish(r, planner)
         finally:
+            if hashers is not None:
+                hashers.shutdown(wait=True, cancel_futures=True)
             for src in sources.values():
                 src.close()
 
@@ -332,7 +357,10 @@ class CheckpointReader(StorageReader):
             index = self._chunk_cache[entry.key] = {c.offsets: c for c in entry.chunks}
         return index
 
-    def _run_task(self, task: Task, source: FileSource, manifest: Manifest, alloc_lock: threading.Lock) -> None:
+    def _read_task(
+        self, task: Task, source: FileSource, manifest: Manifest, alloc_lock: threading.Lock
+    ) -> list[memoryview]:
+        """Read ``task`` into its requests' buffers (scratch for gaps); returns the buffers."""
         bufs: list[memoryview] = []
         for part in task.parts:
             r = part.request
@@ -353,8 +381,7 @@ class CheckpointReader(StorageReader):
                 f"{e} (keys: {_keys_in(manifest, task.file, task.start, task.end)})",
                 path=e.path, byte_range=e.byte_range, key=_keys_in(manifest, task.file, task.start, task.end),
             ) from e
-        if self.verify:
-            self._verify(task, bufs, manifest)
+        return bufs
 
     def _verify(self, task: Task, bufs: list[memoryview], manifest: Manifest) -> None:
         cs = manifest.chunk_size
