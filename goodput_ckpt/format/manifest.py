@@ -249,25 +249,51 @@ def seal_manifest(body: bytes) -> bytes:
     return head + _DIGEST_MEMBER + blake3.blake3(head).hexdigest().encode() + b'"}'
 
 
-def _check_seal(data: bytes, where_file: str) -> None:
-    """Verify the digest written by :func:`seal_manifest` (see docs/format.md)."""
+def _read_seal(data: bytes) -> tuple[int, bool] | None:
+    """``(digest_start, matches)`` for a manifest that ends with a digest member of the form
+    :func:`seal_manifest` writes, or ``None`` when it does not."""
     text = data.rstrip()
     start = len(text) - len(b'"}') - 64 - len(_DIGEST_MEMBER)
     if start < 0 or text[start : start + len(_DIGEST_MEMBER)] != _DIGEST_MEMBER or not text.endswith(b'"}'):
+        return None
+    recorded = text[start + len(_DIGEST_MEMBER) : -2]
+    return start, recorded == blake3.blake3(text[:start]).hexdigest().encode()
+
+
+def _check_seal(data: bytes, where_file: str) -> None:
+    """Verify the digest written by :func:`seal_manifest` (see docs/format.md)."""
+    seal = _read_seal(data)
+    if seal is None:
         raise CorruptCheckpointError(
             f"manifest {where_file} does not end with its digest member: it was edited or "
             "truncated by something other than goodput-ckpt",
             path=where_file,
         )
-    recorded = text[start + len(_DIGEST_MEMBER) : -2].decode("ascii", "replace")
-    actual = blake3.blake3(text[:start]).hexdigest()
-    if recorded != actual:
+    start, matches = seal
+    if not matches:
         raise CorruptCheckpointError(
-            f"manifest {where_file} fails its own checksum (recorded {recorded[:16]}..., "
-            f"computed {actual[:16]}...): the commit record was edited or damaged; restore an "
-            "earlier checkpoint",
+            f"manifest {where_file} fails its own checksum: the commit record was edited or "
+            "damaged; restore an earlier checkpoint",
             path=where_file,
             byte_range=(0, start),
+        )
+
+
+def _refuse_damaged_version(data: bytes, where_file: str, version: Any) -> None:
+    """Tell a damaged ``version`` field from a genuinely newer manifest.
+
+    A later version may seal its manifest another way, so an unknown version is normally
+    reported as such. But when the bytes end with a digest member of this version's form and
+    that digest does not match, the manifest was sealed and then changed: a flipped bit in the
+    version digit is damage, not a manifest from the future.
+    """
+    seal = _read_seal(data)
+    if seal is not None and not seal[1]:
+        raise CorruptCheckpointError(
+            f"manifest {where_file} claims format version {version!r} but fails its own checksum: "
+            "the commit record (its version field, or more) was damaged; restore an earlier checkpoint",
+            path=where_file,
+            byte_range=(0, seal[0]),
         )
 
 
@@ -302,6 +328,7 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
         )
     version = doc.get("version")
     if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        _refuse_damaged_version(data, where_file, version)
         raise CheckpointError(
             f"{where_file} has format version {version!r}; this goodput-ckpt reads versions "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}. Upgrade goodput-ckpt to read it.",

@@ -144,10 +144,9 @@ def check_verify(d: Path, damage: Damage, names: set[str]) -> str | None:
     """Why ``verify`` missed ``damage`` (``None``: detected and named). ``names``: the files a
     problem may name (the damaged file, or the files of a foreign manifest)."""
     report = verify_checkpoint(str(d))
-    # A flip that turns the version number into another one reads as a manifest of an unknown
-    # version: refused by name ("unsupported"), before its seal is checked.
-    allowed = {damage.status, "unsupported"} if damage.file == MANIFEST_NAME else {damage.status}
-    if report.status not in allowed:
+    # A flip that turns the version number into another one fails the seal too: damage, never
+    # "unsupported" (a manifest from a newer goodput-ckpt).
+    if report.status != damage.status:
         return f"verify said {report.status!r}, expected {damage.status!r}: {[p.message for p in report.problems]}"
     if damage.status == "incomplete":
         return None

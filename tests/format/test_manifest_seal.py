@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from goodput_ckpt import CheckpointReader, CheckpointWriter, CorruptCheckpointError
+from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter, CorruptCheckpointError
 from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest, seal_manifest
 
 
@@ -60,3 +60,26 @@ def test_seal_rejects_non_objects():
     for bad in (b"[]", b"{}", b"", b"1"):
         with pytest.raises(ValueError):
             seal_manifest(bad)
+
+
+def test_damaged_version_digit_is_damage_not_a_newer_format(saved):
+    """A flipped bit in ``"version":1`` fails the seal: corrupt, with the byte range, not
+    "upgrade goodput-ckpt"."""
+    path = saved / MANIFEST_NAME
+    raw = path.read_bytes()
+    assert raw.count(b'"version":1,') == 1
+    path.write_bytes(raw.replace(b'"version":1,', b'"version":3,'))  # '1' ^ 0x02
+    with pytest.raises(CorruptCheckpointError, match="claims format version 3 but fails its own checksum") as info:
+        CheckpointReader(saved).read_metadata()
+    assert info.value.byte_range[0] == 0 and info.value.version is None
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+def test_newer_version_is_named_whether_or_not_sealed_like_v1(sealed):
+    """A manifest written by a later version is refused by version, never called corrupt: sealed
+    the v1 way (valid digest) or in a way this reader does not know (no digest member)."""
+    body = b'{"format":"goodput-ckpt","version":2,"items":{}}'
+    raw = seal_manifest(body) if sealed else body
+    with pytest.raises(CheckpointError, match="reads versions 1") as info:
+        parse_manifest(raw)
+    assert not isinstance(info.value, CorruptCheckpointError) and info.value.version == 2
