@@ -38,10 +38,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
 import platform
-import random
 import resource
 import shutil
 import statistics
@@ -63,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the Se
 from _s3 import ACCESS_KEY, SECRET_KEY, SeaweedServer, free_port, s3_env  # noqa: E402
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
+from goodput_ckpt.cli._output import parse_size  # noqa: E402
+from goodput_ckpt.tools._bench_state import make_state  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -72,44 +72,7 @@ ALL_METHODS = ("ours", "tm-default", "tm-tuned", "tm-crc", "fsspec", "s3tc")
 TM_METHODS = ("tm-default", "tm-tuned", "tm-crc")
 
 
-# -- the synthetic state --------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    units = {"": 1, "mib": MiB, "m": MiB, "gib": 1 << 30, "g": 1 << 30}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(float(num) * units[t[len(num) :]])
-
-
-def make_state(total: int, seed: int = 0) -> tuple[dict[str, Any], int]:
-    """A model (fp32/bf16 weights of 1-64 MiB, log-uniform) plus Adam-like fp32 state, and ~480
-    small tensors (norms and their optimizer state), about ``total`` bytes. Returns (state, bytes).
-    """
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(f"layers.{i // 4}.norm{i % 4}.weight", (rng.randint(256, 2048),), torch.float32) for i in range(160)]
-    used = sum(math.prod(s) * 12 for _, s, _ in shapes)
-    i = 0
-    while used < total:
-        cols = rng.choice((1024, 2048, 4096))
-        dtype = rng.choice((torch.float32, torch.bfloat16))
-        per_numel = dtype.itemsize + 8
-        fp32_bytes = int(math.exp(rng.uniform(math.log(MiB), math.log(64 * MiB))))
-        rows = max(1, min(fp32_bytes // 4, (total - used) // per_numel) // cols)
-        shapes.append((f"layers.{i // 4}.proj{i % 4}.weight", (rows, cols), dtype))
-        used += rows * cols * per_numel
-        i += 1
-        if total - used < per_numel * cols:
-            break
-    model, optim, nbytes = {}, {}, 0
-    for name, shape, dtype in shapes:
-        p = torch.empty(shape).uniform_(-1, 1, generator=gen).to(dtype)
-        m = torch.empty(shape).normal_(0, 1e-3, generator=gen)
-        v = torch.empty(shape).uniform_(0, 1e-6, generator=gen)
-        model[name], optim[name] = p, {"exp_avg": m, "exp_avg_sq": v}
-        nbytes += p.nbytes + m.nbytes + v.nbytes
-    return {"model": model, "optim": {"state": optim}}, nbytes
-
-
+# -- comparing states ------------------------------------------------------------------------------
 def zeros_like_nested(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return torch.zeros_like(obj)
@@ -302,7 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError:
             print("s3torchconnector is not installed: skipping s3tc", file=sys.stderr)
             methods.remove("s3tc")
-    state, nbytes = make_state(parse_size(args.size))
+    synthetic = make_state(parse_size(args.size))
+    state, nbytes = synthetic.nested, synthetic.nbytes
     raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for _, t in tensors(state))
     metrics_port = free_port(55535)
     data_dir = Path(tempfile.mkdtemp(prefix="bench-s3-"))

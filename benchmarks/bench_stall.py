@@ -28,8 +28,11 @@ the start of the background work). Every async save is waited for (outside the t
 before the next one starts, so a stall never includes the previous write. The first save of
 each manager (which allocates the buffers) is reported apart as ``*-first``. Then it times
 training steps with no save running (``step-idle``) and while a manager save writes in the
-background (``step-during-save``). Each figure is the median over ``--repeats`` saves (steps:
-over every step taken).
+background (``step-during-save``), and what a save costs the loop in all (``cost-*``): the wall
+time of a save plus the training steps taken until it has committed, minus as many idle steps.
+The stall is only part of that cost: the background copy and write slow the steps that run
+beside them. A blocking save costs its stall (``cost-sync``). Each figure is the median over
+``--repeats`` saves (steps: over every step taken).
 
 Run: ``.venv/bin/python benchmarks/bench_stall.py --size 1GiB --repeats 5 --json stall.json``.
 """
@@ -51,18 +54,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from goodput_ckpt.cli._output import parse_size
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 MiB = 1 << 20
 WIDTH = 2048  # one Linear is 16 MiB of weights
-
-
-def parse_size(text: str) -> int:
-    units = {"": 1, "mib": MiB, "m": MiB, "gib": 1 << 30, "g": 1 << 30}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(float(num) * units[t[len(num) :]])
 
 
 def build(total_bytes: int, batch: int):
@@ -235,29 +233,43 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
     for name, xs in after.items():
         res[f"step-after-{name}"] = median_ms(xs)
     bufs.clear()
-    managers["manager-blocking"].close()
-    mgr = managers["manager"]
 
-    # -- a training step, idle and during a background save -------------------------------------
-    idle, busy, overlap = [], [], []
+    # -- what a save costs the training loop in all ----------------------------------------------
+    # A save's stall is not its whole cost: the background copy and write share the machine with
+    # the steps taken meanwhile and slow them. Each window is one save plus training steps until
+    # that save has committed; its cost is the window's wall time minus as many idle steps.
+    idle: list[float] = []
+    busy: list[float] = []  # steps taken while the default manager's save runs
+    windows: dict[str, list[tuple[float, int]]] = {name: [] for name in managers}
     for i in range(args.repeats):
         for _ in range(2):  # idle steps, interleaved with the busy ones (shared machine)
             t0 = time.perf_counter()
             train_step()
             idle.append(time.perf_counter() - t0)
-        mgr.save(100 + i, model=model, optimizer=opt)
-        t_save = time.perf_counter()
-        while mgr.in_flight_step is not None:
-            t0 = time.perf_counter()
-            train_step()
-            busy.append(time.perf_counter() - t0)
-            if len(busy) > 1000:
-                break
-        overlap.append(time.perf_counter() - t_save)
-        mgr.wait()
-    mgr.close()
+        order = list(managers) if i % 2 == 0 else list(reversed(managers))
+        for name in order:
+            m = managers[name]
+            t_save = time.perf_counter()
+            m.save(next(steps), model=model, optimizer=opt)
+            n = 0
+            while n == 0 or m.in_flight_step is not None:
+                t0 = time.perf_counter()
+                train_step()
+                if name == "manager":
+                    busy.append(time.perf_counter() - t0)
+                n += 1
+                if n > 1000:
+                    break
+            m.wait()
+            windows[name].append((time.perf_counter() - t_save, n))
+    for m in managers.values():
+        m.close()
     res["step-idle"] = median_ms(idle)
     res["step-during-save"] = median_ms(busy) if busy else float("nan")
+    idle_s = statistics.median(idle)
+    for name, ws in windows.items():
+        res[f"cost-{name}"] = median_ms([wall - n * idle_s for wall, n in ws])
+    res["cost-sync"] = res["sync"]  # a blocking save costs its stall: nothing runs beside it
 
     def per_repeat(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
@@ -275,6 +287,9 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
         "writer-async / manager": res["writer-async"] / res["manager"],
         "step-after-manager / step-after-manager-blocking": res["step-after-manager"] / res["step-after-manager-blocking"],
         "step-during-save / step-idle": res["step-during-save"] / res["step-idle"],
+        "cost-manager / cost-manager-blocking": res["cost-manager"] / res["cost-manager-blocking"],
+        "cost-sync / cost-manager": res["cost-sync"] / res["cost-manager"],
+        "cost-sync / cost-manager-blocking": res["cost-sync"] / res["cost-manager-blocking"],
     }
     print(f"\n{'measure':<32}{'ms':>10}")
     for k, v in res.items():
@@ -289,7 +304,8 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
     }
     for k, v in ratios.items():
         print(f"{k:<50}{v:>8.2f}   {targets.get(k, '')}")
-    print(f"\nsteps during background saves: {len(busy)} over {statistics.median(overlap) * 1e3:.0f} ms per save (median)")
+    steps_per_window = statistics.median(n for _, n in windows["manager"])
+    print(f"\nsteps per save window (manager, median): {steps_per_window}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": nbytes, "repeats": args.repeats, "ms": res, "ratios": ratios,

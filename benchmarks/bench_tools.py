@@ -45,13 +45,6 @@ GB = 1e9
 MiB = 1 << 20
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "mib": MiB, "m": MiB, "gib": 1 << 30, "g": 1 << 30, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(float(num) * units[t[len(num) :]])
-
-
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -210,6 +203,8 @@ def main() -> None:
     if a.child:
         child(a.child, a.rest)
         return
+    from goodput_ckpt.cli._output import parse_size
+
     scratch = Path(tempfile.mkdtemp(prefix="bench-tools-", dir=a.dir))
     try:
         src = scratch / "src"
