@@ -1,0 +1,81 @@
+"""``CheckpointReader``'s sequential runs: on stores that read files as streams (mounted volumes),
+a run of several tasks hashes each task on a helper thread while it reads the next. A damaged
+chunk must still fail the load, named by file and byte range, wherever it sits in a run."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from goodput_ckpt import CheckpointReader, CheckpointWriter, CorruptCheckpointError
+from goodput_ckpt.dcp import reader as reader_mod
+from goodput_ckpt.errors import find_checkpoint_error
+from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
+
+KiB = 1 << 10
+CHUNK = 64 * KiB
+TASK = 256 * KiB  # four hash chunks a task, so a file of ~1 MiB is a run of four tasks
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(256 * KiB // 4, generator=g) for i in range(16)}  # 4 MiB
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch):
+    """A volume-mode checkpoint of four ~1 MiB files, read in 256 KiB tasks."""
+    monkeypatch.setattr(reader_mod, "TASK_BYTES", TASK)
+    loc = tmp_path / "ckpt"
+    dcp.save(_state(), storage_writer=CheckpointWriter(loc, volume=True, chunk_size=CHUNK, files_per_rank=4))
+    manifest = parse_manifest((loc / MANIFEST_NAME).read_bytes())
+    assert len(manifest.files) == 4 and all(f.size >= 4 * TASK for f in manifest.files.values())
+    return loc, manifest
+
+
+def _load(loc, **kw) -> dict[str, torch.Tensor]:
+    dest = {k: torch.zeros_like(v) for k, v in _state().items()}
+    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=True, **kw))
+    return dest
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_runs_hash_on_helper_threads_and_load_exactly(runs, threads, monkeypatch):
+    loc, _ = runs
+    hashed_on: list[str] = []
+    verify = reader_mod.CheckpointReader._verify
+
+    def spy(self, *args, **kwargs):
+        hashed_on.append(threading.current_thread().name)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(reader_mod.CheckpointReader, "_verify", spy)
+    out = _load(loc, thread_count=threads)
+    assert all(torch.equal(out[k], v) for k, v in _state().items())
+    assert len(hashed_on) == 16, "every task is verified once"
+    helpers = [n for n in hashed_on if n.startswith("goodput-hash")]
+    assert helpers and len(helpers) < len(hashed_on), "the last task of a run is hashed by its reader"
+
+
+@pytest.mark.parametrize("task_index", [0, 1, 3])  # the first, a middle and the last task of a run
+@pytest.mark.parametrize("threads", [1, 8])
+def test_a_damaged_chunk_anywhere_in_a_run_fails_the_load_by_name(runs, task_index, threads):
+    loc, manifest = runs
+    name = sorted(manifest.files)[1]
+    at = task_index * TASK + TASK // 2 + 7
+    path = loc / name
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as info:
+        _load(loc, thread_count=threads)
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CorruptCheckpointError), info.value
+    assert name in str(err) and err.byte_range is not None
+    lo, hi = err.byte_range
+    assert lo <= at < hi and hi - lo <= TASK, (err.byte_range, at)
+    assert _load(loc, thread_count=threads, verify=False) is not None  # the damage is only in the hash
