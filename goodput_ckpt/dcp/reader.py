@@ -20,8 +20,6 @@ import io
 import math
 import os
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from concurrent.futures import Future as PoolFuture
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +32,19 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
-from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, parse_manifest
+from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..storage import FileSource, Store, is_supported_uri, open_store
-from ..storage.base import parse_commit_record
+from .manifest_load import keys_in, load_manifest
 from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks, sequential_lanes
+from .read_runs import run_jobs
 from .tensor_bytes import byte_view, check_byte_order
 
-__all__ = ["CheckpointReader", "DEFAULT_READ_THREADS", "load_manifest"]
+__all__ = ["CheckpointReader", "DEFAULT_READ_THREADS"]
 
 #: Reader threads: several reads in flight keep the disk's queue busy. Cold loads here are bound
 #: by the disk (about 1.7 GB/s with 4 parallel raw reads); benchmarks/sweep_local.py (1 GiB,
@@ -59,62 +57,6 @@ DEFAULT_READ_THREADS = 8
 #: 8 / 16 / 32 / 64 MiB medians 1.16 / 1.24 / 0.90 / 0.95 GB/s (best 1.82 / 1.46 / 1.51 / 1.75),
 #: within noise; 16 MiB leaves about 8 tasks per thread per GiB for balance.
 TASK_BYTES = 16 << 20
-
-
-def load_manifest(store: Store) -> Manifest:
-    """Read, parse and validate the manifest of ``store``, and check every file's size.
-
-    Raises:
-        CheckpointNotFoundError: nothing is stored at the location.
-        IncompleteCheckpointError: files exist but no manifest does (an uncommitted save); on a
-            store whose commit record is not atomic (a mounted volume), also a manifest that
-            does not parse or validate.
-        CorruptCheckpointError: the manifest is invalid, or a file is missing or of the wrong size.
-    """
-    data = store.read_small(MANIFEST_NAME)
-    if data is None:
-        names = store.list()
-        if names:
-            raise IncompleteCheckpointError(
-                f"{store.uri} holds {len(names)} file(s) but no {MANIFEST_NAME}: the save that "
-                "wrote them never committed (interrupted, failed or still running). Load an "
-                "earlier checkpoint.",
-                path=store.uri,
-            )
-        raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
-    manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=store.uri))
-    for f in manifest.files.values():
-        actual = store.size(f.path)
-        where = f"{store.uri}/{f.path}"
-        if actual is None:
-            raise CorruptCheckpointError(
-                f"data file {where} listed in the manifest is missing; keys stored in it: "
-                f"{_keys_in(manifest, f.path, 0, f.size)}",
-                path=where,
-                byte_range=(0, f.size),
-                key=_keys_in(manifest, f.path, 0, f.size),
-            )
-        if actual != f.size:
-            lo, hi = sorted((actual, f.size))
-            raise CorruptCheckpointError(
-                f"data file {where} is {actual} bytes but the manifest records {f.size}: it was "
-                f"{'truncated' if actual < f.size else 'extended'}; bytes [{lo}, {hi}) are "
-                f"affected (keys: {_keys_in(manifest, f.path, lo, hi) or 'padding only'})",
-                path=where,
-                byte_range=(lo, hi),
-                key=_keys_in(manifest, f.path, lo, hi),
-            )
-    return manifest
-
-
-def _keys_in(manifest: Manifest, file: str, lo: int, hi: int) -> str:
-    """Comma-separated keys whose bytes overlap ``[lo, hi)`` of ``file`` (for error messages)."""
-    keys = []
-    for key, e in manifest.items.items():
-        ranges = [(c.file, c.offset, c.length) for c in e.chunks] if isinstance(e, TensorEntry) else [(e.file, e.offset, e.length)]
-        if any(f == file and off < hi and lo < off + max(n, 1) for f, off, n in ranges):
-            keys.append(key)
-    return ", ".join(keys)
 
 
 @dataclass(eq=False)
@@ -250,68 +192,39 @@ class CheckpointReader(StorageReader):
         tasks = plan_tasks(requests, chunk_size=manifest.chunk_size, verify=self.verify, file_sizes=file_sizes, task_bytes=TASK_BYTES)
         sources: dict[str, FileSource] = {}
         alloc_lock = threading.Lock()
-        hashers: ThreadPoolExecutor | None = None
+
+        def job_done(job: list[Task]) -> None:
+            for part in (p for t in job for p in t.parts):
+                r = part.request
+                if r is not None:
+                    r.pending -= 1
+                    if r.pending == 0:
+                        self._finish(r, planner)
+
         try:
             for name in sorted({t.file for t in tasks}):
                 try:
                     sources[name] = self._store.open_source(name)
                 except IncompleteCheckpointError as e:  # listed in a committed manifest: corrupt
                     size = manifest.files[name].size
-                    keys = _keys_in(manifest, name, 0, size)
+                    keys = keys_in(manifest, name, 0, size)
                     raise CorruptCheckpointError(
                         f"{e} (keys: {keys})", path=e.path, byte_range=(0, size), key=keys
                     ) from e
             # A job is one task, or on stores that prefer it (mounted volumes: see storage.base)
-            # a run of one file's tasks read in order by one thread.
+            # a run of one file's tasks read in order by one thread (see read_runs).
             if getattr(self._store, "sequential_reads", False):
                 jobs = sequential_lanes(tasks, self.thread_count)
             else:
                 jobs = [[t] for t in tasks]
-
-            # A run of several tasks hashes each one in a helper thread while it reads the next,
-            # so the stream always has a read in flight (a direct read of a FUSE file keeps
-            # nothing in flight otherwise). At most one hash per run is outstanding.
-            hashers = ThreadPoolExecutor(
-                min(self.thread_count, sum(len(j) > 1 for j in jobs)) or 1, thread_name_prefix="goodput-hash"
-            ) if self.verify and any(len(j) > 1 for j in jobs) else None
-
-            def run(job: list[Task]) -> None:
-                hashing: PoolFuture[None] | None = None
-                try:
-                    for i, t in enumerate(job):
-                        bufs = self._read_task(t, sources[t.file], manifest, alloc_lock)
-                        if hashing is not None:
-                            hashing.result()
-                            hashing = None
-                        if not self.verify:
-                            continue
-                        if hashers is None or i == len(job) - 1:
-                            self._verify(t, bufs, manifest)
-                        else:
-                            hashing = hashers.submit(self._verify, t, bufs, manifest)
-                finally:
-                    if hashing is not None:
-                        hashing.cancel() or wait([hashing])
-
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="goodput-read") as pool:
-                futures = {pool.submit(run, job): job for job in jobs}
-                pending_futs = set(futures)
-                while pending_futs:
-                    done, pending_futs = wait(pending_futs, return_when=FIRST_EXCEPTION)
-                    for fut in done:
-                        if fut.exception() is not None:
-                            for other in pending_futs:
-                                other.cancel()
-                            raise fut.exception()
-                        for part in (p for t in futures[fut] for p in t.parts):
-                            r = part.request
-                            if r is not None:
-                                r.pending -= 1
-                                if r.pending == 0:
-                                    self._finish(r, planner)
+            run_jobs(
+                jobs,
+                threads=self.thread_count,
+                read=lambda t: self._read_task(t, sources[t.file], manifest, alloc_lock),
+                verify=(lambda t, bufs: self._verify(t, bufs, manifest)) if self.verify else None,
+                job_done=job_done,
+            )
         finally:
-            if hashers is not None:
-                hashers.shutdown(wait=True, cancel_futures=True)
             for src in sources.values():
                 src.close()
 
@@ -378,8 +291,8 @@ class CheckpointReader(StorageReader):
             source.read_into(task.start, bufs)
         except IncompleteCheckpointError as e:
             raise CorruptCheckpointError(
-                f"{e} (keys: {_keys_in(manifest, task.file, task.start, task.end)})",
-                path=e.path, byte_range=e.byte_range, key=_keys_in(manifest, task.file, task.start, task.end),
+                f"{e} (keys: {keys_in(manifest, task.file, task.start, task.end)})",
+                path=e.path, byte_range=e.byte_range, key=keys_in(manifest, task.file, task.start, task.end),
             ) from e
         return bufs
 
@@ -402,7 +315,7 @@ class CheckpointReader(StorageReader):
                     i, off = i + 1, 0
             if h.hexdigest() != expected[ci]:
                 lo, hi = ci * cs, cend
-                keys = _keys_in(manifest, task.file, lo, hi)
+                keys = keys_in(manifest, task.file, lo, hi)
                 where = f"{self._store.uri}/{task.file}"
                 raise CorruptCheckpointError(
                     f"checksum mismatch in {where}, bytes [{lo}, {hi}) (chunk {ci}): the data "

@@ -36,7 +36,7 @@ from ...dcp.hashed_write import (
     write_hashed_files,
 )
 from ...dcp.layout import Placement, place_items
-from ...dcp.reader import load_manifest
+from ...dcp.manifest_load import load_manifest
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.manifest import FORMAT_VERSION, ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
