@@ -41,12 +41,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .dcp.reader import CheckpointReader, load_manifest
+from .dcp.manifest_load import load_manifest
+from .dcp.reader import CheckpointReader
 from .dcp.staging import ReusableStager
 from .dcp.writer import CheckpointWriter
 from .errors import CheckpointError, as_checkpoint_error
 from .layout import child_uri, step_dir_name
 from .manager_config import ManagerConfig
+from .dcp.confirmed_writer import ConfirmedWriter
 from .dcp.deferred_copy import DeferredCopies
 from .retention import clean_before_restore, delete_step, retention_victims, scan_steps
 from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
@@ -259,8 +261,8 @@ class CheckpointManager:
             save_rng=self.config.save_rng, extra=extra,
         )  # fmt: skip
         uri = child_uri(self.root_uri, name)
-        writer = CheckpointWriter(
-            uri, thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
+        writer_options = dict(
+            thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
             overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
         )  # fmt: skip
         record = self._record("save", step, started, **{"async": self.config.async_save})
@@ -268,6 +270,7 @@ class CheckpointManager:
         record["guard_s"] = 0.0  # async staging: what the next optimizer step waited (save thread)
         record["bytes"] = tensor_nbytes(state)
         if not self.config.async_save:
+            writer = CheckpointWriter(uri, **writer_options)
             try:
                 dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
                 record["write_s"] = time.perf_counter() - t_waited
@@ -279,6 +282,8 @@ class CheckpointManager:
             self._finish_record(record, t_waited, None, stall_from=t0)
             self._apply_retention(step)
             return
+        # Commits only if every rank's deferred copies are good (dcp/confirmed_writer.py).
+        writer = ConfirmedWriter(uri, **writer_options)
         try:  # the only part of an async save that blocks
             staged, later = self._stager.stage_deferred(state, self._deferrable(models))
         except BaseException as e:
@@ -289,6 +294,7 @@ class CheckpointManager:
         t_staged = time.perf_counter()
         record["stage_s"] = t_staged - t_waited
         record["stall_s"] = t_staged - t0
+        writer.copies = later
         job = _Save(step, uri, record)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
@@ -322,10 +328,11 @@ class CheckpointManager:
         self._guard.finish_pending()
 
     def _write(
-        self, job: _Save, staged: dict[str, Any], later: DeferredCopies, writer: CheckpointWriter, handed_off: float
+        self, job: _Save, staged: dict[str, Any], later: DeferredCopies, writer: ConfirmedWriter, handed_off: float
     ) -> None:
-        """Save thread: finish the deferred staging copies, write and commit the staged state,
-        free the buffers, wait until it is durable, apply retention, record the outcome. Never
+        """Save thread: finish the deferred staging copies, write the staged state and commit it
+        if the copies are good on every rank (``writer`` is a ``ConfirmedWriter``), free
+        the buffers, wait until it is durable, apply retention, record the outcome. Never
         raises: failures are reported through ``wait``/``last_error``."""
         err: CheckpointError | None = None
         try:
@@ -333,7 +340,6 @@ class CheckpointManager:
                 later.finish()
                 job.record["guard_s"] = later.blocked_seconds()
                 job.record["stall_s"] += job.record["guard_s"]
-                later.result()
                 dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
             finally:
                 del staged
@@ -381,7 +387,11 @@ class CheckpointManager:
         self._timeline.emit(finish_save_record(record, since, None if err is None else str(err), stall_from=stall_from))
 
     def _finish_previous(self, *, report: bool) -> None:
-        """Wait for the save in flight; raise its error when ``report`` (and forget it)."""
+        """Wait for the save in flight; raise its error when ``report`` (and forget it).
+
+        Called from the training thread, so it first confirms that save's deferred copies: no
+        in-place change of the state is running now (see ``DeferredCopies.confirm``)."""
+        self._guard.finish_pending()
         job = self._inflight
         if job is not None:
             assert job.done is not None

@@ -77,11 +77,12 @@ class StepGuard:
         self._pending = copies
 
     def finish_pending(self) -> None:
-        """Finish the pending copies in the calling thread (time counted as stall)."""
+        """Finish and confirm the pending copies in the calling (training) thread, whose time
+        here counts as stall (:meth:`DeferredCopies.confirm`)."""
         copies = self._pending
-        if copies is not None and not copies.done:
+        if copies is not None and not copies.confirmed:
             try:
-                copies.finish(blocking_caller=True)
+                copies.confirm()
             except Exception as e:  # noqa: BLE001 - never stop training; the save reports it
                 logger.error("finishing the deferred staging copies failed: %s", e)
 

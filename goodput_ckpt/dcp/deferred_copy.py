@@ -9,11 +9,18 @@ sources are about to change (``CheckpointManager`` hooks every optimizer's step)
 then copies what is left itself, with the save thread, so it never waits for more than the rest
 of one copy; if the background copy finished first, it does not wait at all.
 
-Nothing else protects the sources. So when the last piece is copied every source's version
-counter (bumped by every in-place operation on a tensor or its views) is compared with the one
-recorded when the copies were deferred: a source changed in between fails the copies, and with
-them the save, instead of letting a checkpoint mix two steps. A change through ``.data`` or
-outside autograd's view tracking bumps no counter and cannot be seen; see ``docs/manager.md``.
+Nothing else protects the sources. So every source's version counter (bumped by every
+in-place operation on a tensor or its views, once the operation has returned) is compared with
+the one recorded when the copies were deferred: a source changed in between fails the copies,
+and with them the save, instead of letting a checkpoint mix two steps. It is compared when the
+last piece is copied, and once more at the last moment that can still fail the save: when a
+training thread confirms the copies before the sources may change (:meth:`DeferredCopies.confirm`,
+from the optimizer's step pre-hook) or, if that comes later, just before the save commits
+(:meth:`DeferredCopies.check_before_commit`). An operation that was still running while its
+tensor was copied has returned by then, and shows up. Both take one lock, so the optimizer step
+cannot start changing the sources while the save thread compares them. A change through
+``.data`` or outside autograd's view tracking bumps no counter and cannot be seen; see
+``docs/manager.md``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,20 +47,29 @@ class DeferredCopies:
 
     Call order::
 
-        copies = DeferredCopies([(name, src, dst), ...])   # records each source's version
-        copies.finish()                 # any thread, any number of times: returns once all are copied
-        copies.result()                 # raises CheckpointError if a copy failed or a source changed
+        copies = DeferredCopies([(name, src, dst, watch), ...])   # records each version
+        copies.finish()          # any thread, any number of times: returns once all are copied
+        copies.confirm()         # the training thread, before the sources may change again
+        copies.check_before_commit()   # the saving thread, before it commits
+        copies.result()          # raises CheckpointError if a copy failed or a source changed
 
     Args:
-        copies: the copies; ``src`` and ``dst`` have the same shape and dtype, ``dst`` is on the CPU.
+        copies: ``(name, src, dst)`` or ``(name, src, dst, watch)``; ``src`` and ``dst`` have
+            the same shape and dtype, ``dst`` is on the CPU. ``watch`` is the tensor whose
+            version counter tells whether ``src`` changed (default ``src``): for the local
+            shard of a DTensor, the DTensor, whose in-place operations bump only its own counter.
         timeout_s: the longest :meth:`finish` waits for pieces that another thread copies.
     """
 
-    def __init__(self, copies: Sequence[tuple[str, torch.Tensor, torch.Tensor]], *, timeout_s: float = 1800.0) -> None:
+    def __init__(self, copies: Sequence[tuple[Any, ...]], *, timeout_s: float = 1800.0) -> None:
         self.timeout_s = float(timeout_s)
-        self.nbytes = sum(src.numel() * src.element_size() for _, src, _ in copies)
-        self._pieces = [piece for _, src, dst in copies for piece in _pieces(src, dst)]
-        self._sources = [(name, src, _version(src)) for name, src, _ in copies]
+        self.nbytes = sum(c[1].numel() * c[1].element_size() for c in copies)
+        self._pieces = [piece for c in copies for piece in _pieces(c[1], c[2])]
+        self._sources = [(c[0], w, _version(w)) for c in copies for w in [c[3] if len(c) > 3 else c[1]]]
+        # Set by confirm() (the training thread) / check_before_commit() (the save thread):
+        # whichever comes first makes the last comparison of the versions, under _cond.
+        self._confirmed = False
+        self._final_check_done = not copies
         # Guards the cursor, the count of pieces being copied, the error and the blocked time;
         # ``finish`` waits on it for pieces that another thread is copying.
         self._cond = threading.Condition()
@@ -115,6 +132,42 @@ class DeferredCopies:
                     self._cond.notify_all()
         return spent
 
+    @property
+    def confirmed(self) -> bool:
+        """Whether a training thread confirmed the copies."""
+        with self._cond:
+            return self._confirmed
+
+    def confirm(self) -> float:
+        """Finish the copies in this (training) thread and, unless the save thread already did,
+        compare the versions for the last time. Idempotent; never raises for a failed copy.
+
+        Call it where the training thread's in-place operations have all returned and before the
+        sources may legitimately change (an optimizer's step pre-hook, ``wait_staged``, the next
+        save, ``wait``, ``close``): a version that changed since the copies were deferred is then
+        an in-place change of the state between ``save`` and the optimizer step, including one
+        that was still running while its tensor was copied.
+
+        Returns:
+            The seconds spent here.
+        """
+        with self._cond:
+            if self._confirmed:
+                return 0.0
+        spent = self.finish(blocking_caller=True)
+        with self._cond:
+            self._final_check()
+            self._confirmed = True
+        return spent
+
+    def check_before_commit(self) -> None:
+        """The save thread's last comparison of the versions, unless the training thread already
+        confirmed the copies (then its comparison stands, and the sources may be changing under
+        the optimizer step now). Call it after :meth:`finish`, right before committing, then
+        :meth:`result`."""
+        with self._cond:
+            self._final_check()
+
     def result(self) -> None:
         """Raise the failure of the copies, if any (call after :meth:`finish`).
 
@@ -156,20 +209,32 @@ class DeferredCopies:
 
     def _complete(self) -> None:
         """Check that no source changed while its copy was deferred, then wake the waiters."""
-        changed = [name for name, src, v in self._sources if v is not None and _version(src) != v]
+        self._check_sources()
         with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def _final_check(self) -> None:
+        """Under ``_cond``: the last comparison of the versions, made once."""
+        if not self._final_check_done:
+            self._final_check_done = True
+            self._check_sources()
+
+    def _check_sources(self) -> None:
+        """Fail the copies (once) when a source's version changed since they were deferred."""
+        changed = [name for name, src, v in self._sources if v is not None and _version(src) != v]
+        with self._cond:  # reentrant: _final_check calls it with the lock held
             if changed and self._error is None:
                 shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
                 self._error = CheckpointError(
-                    f"{shown} changed in place after save() returned and before staging finished; "
+                    f"{shown} changed in place after save() returned and before the optimizer's next "
+                    "step(); "
                     "the checkpoint would mix two steps, so this save fails. Only an optimizer "
                     "passed to save() may change the state before its next step(); call "
                     "CheckpointManager.wait_staged() before other in-place changes, or pass "
                     "async_staging=False",
                     key=changed[0],
                 )
-            self._done = True
-            self._cond.notify_all()
 
 
 def _copy_on_one_core(dst: torch.Tensor, src: torch.Tensor) -> bool:

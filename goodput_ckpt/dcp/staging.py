@@ -110,7 +110,7 @@ class ReusableStager(AsyncStager):
         # Set only inside stage_deferred (which holds the busy flag): what may be deferred, and
         # the copies deferred so far.
         self._defer: DeferPredicate | None = None
-        self._later: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+        self._later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -155,7 +155,7 @@ class ReusableStager(AsyncStager):
             buffers: dict[tuple, torch.Tensor] = {}
             wrappers: dict[tuple, Any] = {}
             devices: set[torch.device] = set()
-            later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
             self._defer, self._later = defer, later
             staged = self._stage(state_dict, (), buffers, wrappers, devices)
             for device in devices:
@@ -196,7 +196,8 @@ class ReusableStager(AsyncStager):
     def _stage_tensor(self, t: torch.Tensor, path: tuple, buffers: dict, wrappers: dict, devices: set) -> Any:
         dtensor_cls = _dtensor_class()
         if dtensor_cls is not None and type(t) is dtensor_cls:
-            local = self._copy_into(t._local_tensor, path, buffers, devices)
+            # In-place ops on a DTensor bump its own version counter, not its shard's.
+            local = self._copy_into(t._local_tensor, path, buffers, devices, watch=t)
             old = self._wrappers.get(path)
             if old is not None and old._local_tensor is local and old._spec == t._spec:
                 wrapper = old
@@ -208,7 +209,9 @@ class ReusableStager(AsyncStager):
             return stage_state_dict({"v": t})["v"]  # other subclasses: fresh memory
         return self._copy_into(t, path, buffers, devices)
 
-    def _copy_into(self, src: torch.Tensor, path: tuple, buffers: dict, devices: set) -> torch.Tensor:
+    def _copy_into(
+        self, src: torch.Tensor, path: tuple, buffers: dict, devices: set, watch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         src = src.detach()
         on_cuda = src.device.type == "cuda"
         buf = self._buffers.get(path)
@@ -218,7 +221,7 @@ class ReusableStager(AsyncStager):
         buffers[path] = buf
         if src.numel() and self._defer is not None and not on_cuda and self._defer(src):
             name = ".".join(map(str, path))
-            self._later.append((name, src, buf))  # type: ignore[union-attr] - set with _defer
+            self._later.append((name, src, buf, src if watch is None else watch))  # type: ignore[union-attr]
         elif src.numel():
             buf.copy_(src, non_blocking=on_cuda)
             if on_cuda:

@@ -66,13 +66,49 @@ def test_a_source_changed_before_the_copies_finished_fails_them_by_name():
     assert info.value.key == "t1"
 
 
-def test_a_change_after_the_copies_finished_is_fine():
+def test_a_change_after_the_training_thread_confirmed_is_fine():
+    """What the optimizer step does after its pre-hook confirmed the copies."""
     copies = _copies(2)
     later = DeferredCopies(copies)
+    assert not later.confirmed
     later.finish()
-    copies[0][1].add_(1.0)
+    later.confirm()
+    copies[0][1].add_(1.0)  # the step: the save thread does not compare again after confirm()
+    later.check_before_commit()
     later.result()
     assert not torch.equal(copies[0][1], copies[0][2])
+
+
+@pytest.mark.parametrize("last", ["training thread", "save thread"])
+def test_a_change_that_lands_after_the_copy_fails_them_at_the_last_comparison(last):
+    """An in-place op still running while its tensor was copied bumps the version counter only
+    when it returns, after the copy's own check: the last comparison sees it, whether the
+    training thread confirms first or the save thread gets to its commit first."""
+    copies = _copies(2)
+    later = DeferredCopies(copies)
+    later.finish()  # the save thread copied everything and found no change
+    later.result()
+    copies[0][1].add_(1.0)  # ...the op returns now
+    if last == "training thread":
+        later.confirm()  # the optimizer's step pre-hook
+    else:
+        later.check_before_commit()
+        later.confirm()  # no second comparison: the first one stands
+    with pytest.raises(CheckpointError, match=r"t0 changed in place after save\(\) returned") as info:
+        later.result()
+    assert info.value.key == "t0"
+
+
+def test_a_watch_tensor_stands_for_its_source():
+    """A DTensor's in-place ops bump the wrapper's version counter, not its local shard's: the
+    wrapper is watched instead of the shard that is copied."""
+    src, watch = torch.randn(1000), torch.zeros(1)
+    later = DeferredCopies([("dt.weight", src, torch.empty_like(src), watch)])
+    later.finish()
+    watch.add_(1.0)
+    later.confirm()
+    with pytest.raises(CheckpointError, match="dt.weight changed in place"):
+        later.result()
 
 
 def test_a_failed_copy_is_reported_by_result_not_by_finish():

@@ -8,6 +8,7 @@ moves on (otherwise the background copy may win the race and hide a missing guar
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -109,6 +110,47 @@ def test_an_in_place_change_outside_the_optimizer_fails_the_save_by_name(tmp_pat
         mgr.wait()
     assert mgr.steps() == [], "the mixed checkpoint was never committed"
     mgr.close()
+
+
+@pytest.mark.parametrize("last", ["training thread", "save thread"])
+def test_a_change_after_the_background_copy_fails_the_save(tmp_path, last):
+    """The copy may already be done when an in-place op outside the optimizer returns (its
+    version bump lands after the copy's own check, as for an op that ran during the copy): the
+    last comparison, by the optimizer step's pre-hook or by the save thread before its commit,
+    catches it, and the save commits nothing."""
+    model, opt, mgr, release = _trained_and_held(tmp_path)
+    mgr.save(1, model=model, optimizer=opt)
+    pending = mgr._guard._pending
+    pending.finish()  # as the save thread does: every piece copied, no change seen yet
+    pending.result()
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    if last == "training thread":
+        _forward_backward(model)
+        opt.step()  # the pre-hook confirms: the change is seen now
+    release.set()
+    with pytest.raises(CheckpointError, match=r"0\.weight changed in place after save\(\) returned"):
+        mgr.wait()
+    assert mgr.steps() == [] and not (tmp_path / "step_00000001" / "manifest.json").exists()
+    opt.zero_grad()
+    want = _snapshot(model, opt)
+    mgr.save(2, model=model, optimizer=opt)  # the next save is unaffected
+    mgr.close()
+    _assert_restores(tmp_path, want)
+
+
+def test_a_save_commits_without_waiting_for_the_training_loop(tmp_path):
+    """No optimizer step after save(): the save thread's own last comparison lets it commit."""
+    model, opt, mgr, release = _trained_and_held(tmp_path)
+    want = _snapshot(model, opt)
+    mgr.save(1, model=model, optimizer=opt)
+    release.set()
+    deadline = time.monotonic() + 60
+    while mgr.in_flight_step is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mgr.steps() == [1] and not mgr._guard._pending.confirmed
+    mgr.close()
+    _assert_restores(tmp_path, want)
 
 
 def test_wait_staged_makes_other_in_place_changes_safe(tmp_path):

@@ -1,0 +1,99 @@
+"""Async staging on 2 gloo ranks: a failed staging copy on one rank fails that save on every rank
+(nothing is committed, and the next save pairs with the right step everywhere), and in-place
+changes to FSDP2's DTensor parameters are seen like those of plain tensors."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
+from _dist import run_ranks  # noqa: E402
+
+from goodput_ckpt import CheckpointError, CheckpointManager  # noqa: E402
+
+
+def _held(root: Path) -> tuple[CheckpointManager, threading.Event]:
+    """A manager whose save thread first waits for ``release.set()`` (the copy stays pending)."""
+    mgr = CheckpointManager(root, keep_last=None, timeline=False)
+    release = threading.Event()
+    mgr._worker = ThreadPoolExecutor(1, thread_name_prefix="held-save")
+    mgr._worker.submit(release.wait, 60)
+    return mgr, release
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 16)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world_size: int, root: str) -> None:
+    # -- one rank changes a parameter in place: the save fails everywhere -------------------------
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    mgr, release = _held(Path(root, "plain"))
+    mgr.save(1, model=model, optimizer=opt)
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+    release.set()
+    _train(model, opt)
+    with torch.no_grad():  # one model again (DCP saves each replicated tensor from one rank)
+        for p in model.parameters():
+            dist.broadcast(p, 0)
+    want = _snapshot(model)
+    mgr.save(2, model=model, optimizer=opt)
+    with pytest.raises(CheckpointError, match=r"0\.weight changed in place"):
+        mgr.wait()  # the failure of save 1, on rank 0 too (DCP gathered rank 1's error)
+    mgr.wait()  # save 2 went through on both ranks
+    assert mgr.steps() == [2], mgr.steps()
+    assert not Path(root, "plain", "step_00000001", "manifest.json").exists()
+    got = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    assert mgr.restore(model=got) == 2
+    for k, v in want.items():
+        assert torch.equal(got.state_dict()[k], v), k
+    mgr.close()
+
+    # -- FSDP2: an in-place change of a DTensor parameter is seen --------------------------------
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(1)
+    fmodel = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    fully_shard(fmodel[0], mesh=mesh)
+    fully_shard(fmodel, mesh=mesh)
+    fopt = torch.optim.AdamW(fmodel.parameters(), lr=1e-2)
+    _train(fmodel, fopt)
+    assert isinstance(fmodel[0].weight, DTensor)
+    fmgr, release = _held(Path(root, "fsdp"))
+    fmgr.save(1, model=fmodel, optimizer=fopt)
+    assert not fmgr._guard._pending.done, "the DTensor shards' copies were deferred"
+    with torch.no_grad():
+        fmodel[0].weight.mul_(2.0)  # bumps the DTensor's version counter, not its shard's
+    release.set()
+    _train(fmodel, fopt)
+    with pytest.raises(CheckpointError, match=r"0\.weight changed in place"):
+        fmgr.wait()
+    assert fmgr.steps() == []
+    fmgr.close()
+
+
+@pytest.mark.multiproc
+def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    run_ranks(_worker, 2, str(tmp_path), report_dir=tmp_path / "reports", timeout=240)
