@@ -312,7 +312,13 @@ class StagedStore:
             time.sleep(pause)
             pause = min(_POLL_MAX_S, pause * 2)
         self.inner.put_commit_record(name, data, replace=replace)
-        self._delete_markers(files)
+        try:  # committed: what is left is clean-up, which must not turn the save into a failure
+            self._delete_markers(files)
+        except (OSError, CheckpointError) as e:
+            _log.warning(
+                "%s: the checkpoint is committed, but deleting its upload markers failed (%s); "
+                "they can be deleted by hand", self.uri, e,
+            )  # fmt: skip
         self._prune_stage()
 
     def _delete_markers(self, files: list[str]) -> None:

@@ -309,6 +309,27 @@ def test_staged_save_refuses_an_existing_checkpoint(tmp_path):
     assert _load(loc, volume=True)["step"] == 2
 
 
+def test_a_clean_up_error_after_the_commit_does_not_fail_the_save(tmp_path, monkeypatch, caplog):
+    """Once the manifest is on the volume the checkpoint is committed: an error deleting the
+    upload markers (EIO on a FUSE mount, say) is logged, not reported as a failed save."""
+    loc = tmp_path / "vol" / "ckpt"
+
+    def broken_delete(self, name):
+        if name.endswith(".uploaded"):
+            raise OSError(errno.EIO, "Input/output error", name)
+        return original(self, name)
+
+    original = VolumeStore.delete
+    monkeypatch.setattr(VolumeStore, "delete", broken_delete)
+    writer = CheckpointWriter(loc, volume=True, stage_dir=tmp_path / "stage")
+    with caplog.at_level("WARNING", logger="goodput_ckpt"):
+        dcp.save(_state(5), storage_writer=writer)
+        writer.durable_future().result(timeout=60)
+    assert (loc / MANIFEST_NAME).exists()
+    assert any("deleting its upload markers failed" in r.getMessage() for r in caplog.records)
+    assert _load(loc, volume=True)["step"] == 5
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_failed_upload_fails_the_durable_future(tmp_path):
     """A volume that fills up during the background upload (a 1 MiB tmpfs forced into volume
