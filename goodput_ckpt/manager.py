@@ -540,7 +540,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             if self._worker is not None:
-                self._worker.shutdown(wait=True)
+                # A save still in flight here timed out in _finish_previous: do not wait forever.
+                self._worker.shutdown(wait=self._inflight is None, cancel_futures=True)
             self._guard.close()
             self._stager.close()
             if self._own_pg and self._pg is not None and dist.is_initialized():

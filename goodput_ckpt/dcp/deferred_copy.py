@@ -103,6 +103,8 @@ class DeferredCopies:
 
         Raises:
             CheckpointError: the pieces other threads copy were not done within ``timeout_s``.
+            KeyboardInterrupt, SystemExit: raised during a copy in this thread (passed on, so
+                Ctrl-C in a training step still stops training; the copies fail with it).
         """
         t0 = time.perf_counter()
         with self._cond:
@@ -120,6 +122,8 @@ class DeferredCopies:
                 except BaseException as e:  # noqa: BLE001 - reported by result(), never lost
                     err = e
                 self._unclaim(err)
+                if err is not None and not isinstance(err, Exception):
+                    raise err  # Ctrl-C or SystemExit in the training thread's hook: not a copy failure
             with self._cond:
                 if not self._cond.wait_for(lambda: self._done, timeout=self.timeout_s):
                     raise CheckpointError(f"staging copies still running after {self.timeout_s:.0f}s")

@@ -160,14 +160,15 @@ class ReusableStager(AsyncStager):
             staged = self._stage(state_dict, (), buffers, wrappers, devices)
             for device in devices:
                 torch.cuda.synchronize(device)
+            copies = DeferredCopies(later, timeout_s=self.timeout_s)
         except BaseException:
-            self.release()
+            self.release()  # or the next save would wait timeout_s for buffers nobody holds
             raise
         finally:
             self._defer, self._later = None, None
         # Buffers of tensors that left the state dict are dropped; the rest are kept.
         self._buffers, self._wrappers = buffers, wrappers
-        return staged, DeferredCopies(later, timeout_s=self.timeout_s)
+        return staged, copies
 
     def release(self) -> None:
         """Mark the staged copy as no longer in use. Idempotent."""

@@ -135,3 +135,21 @@ def test_stage_deferred_copies_only_what_defer_selects():
     staged, later = stager.stage_deferred(sd, None)
     assert later.done and torch.equal(staged["p"], deferred_src) and torch.equal(staged["buf"], now_src)
     stager.release()
+
+
+def test_ctrl_c_during_a_hooked_copy_reaches_the_training_loop(monkeypatch):
+    """A KeyboardInterrupt in the training thread's copy is passed on (training stops, as the
+    user asked) and fails the copies; it is not swallowed like a copy failure."""
+    later = DeferredCopies(_copies(2))
+
+    def interrupted(dst, src):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deferred_copy, "_copy_on_one_core", interrupted)
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: interrupted(self, src))
+    with pytest.raises(KeyboardInterrupt):
+        later.finish(blocking_caller=True)
+    monkeypatch.undo()
+    later.finish()
+    with pytest.raises(CheckpointError, match="KeyboardInterrupt|staging buffers failed"):
+        later.result()

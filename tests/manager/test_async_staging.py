@@ -207,3 +207,15 @@ def test_close_removes_the_optimizer_hooks(tmp_path):
     assert len(opt._optimizer_step_pre_hooks) == hooks_before + 1, "one hook per optimizer, not per save"
     mgr.close()
     assert len(opt._optimizer_step_pre_hooks) == hooks_before
+
+
+def test_close_after_a_save_timed_out_does_not_wait_for_it(tmp_path):
+    """A save stuck past timeout_s (a hung store or collective) makes close() raise promptly
+    instead of waiting on the stuck thread."""
+    model, opt, mgr, release = _trained_and_held(tmp_path, timeout_s=0.5)
+    mgr.save(1, model=model, optimizer=opt)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="still running after"):
+        mgr.close()
+    assert time.monotonic() - t0 < 10
+    release.set()  # let the held thread go (its save then runs and commits on its own)
