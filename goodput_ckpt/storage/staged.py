@@ -299,7 +299,9 @@ class StagedStore:
         waiting = [f for f in files if f not in own]
         pause = _POLL_FIRST_S
         while waiting:
-            waiting = [f for f in waiting if self.inner.size(f + MARKER_SUFFIX) is None]
+            # A marker is never empty (it holds its file's size): an empty one is still being
+            # written (a strict mount lists a file while its upload runs).
+            waiting = [f for f in waiting if not self.inner.size(f + MARKER_SUFFIX)]
             if not waiting:
                 break
             if time.monotonic() >= deadline:
