@@ -250,27 +250,33 @@ class CheckpointManager:
                 background save failed.
         """
         self._check_open()
-        name = step_dir_name(step)
+        uri = child_uri(self.root_uri, step_dir_name(step))
         started, t0 = time.time(), time.perf_counter()
         self._finish_previous(report=self.config.fail_fast)
         t_waited = time.perf_counter()
-        models = normalize(model, optimizer)
-        check_stateful(stateful)
-        state, metadata = build_save_state(
-            step, models=models, dataloader=dataloader, stateful=stateful, topology=self._topology,
-            save_rng=self.config.save_rng, extra=extra,
-        )  # fmt: skip
-        uri = child_uri(self.root_uri, name)
-        writer_options = dict(
-            thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
-            overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
-        )  # fmt: skip
+        try:
+            models = normalize(model, optimizer)
+            check_stateful(stateful)
+            state, metadata = build_save_state(
+                step, models=models, dataloader=dataloader, stateful=stateful, topology=self._topology,
+                save_rng=self.config.save_rng, extra=extra,
+            )  # fmt: skip
+            writer_options = dict(
+                thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
+                overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
+            )  # fmt: skip
+            # An async save commits only if every rank's deferred copies are good
+            # (dcp/confirmed_writer.py).
+            writer_cls = ConfirmedWriter if self.config.async_save else CheckpointWriter
+            writer = writer_cls(uri, **writer_options)
+        except Exception as e:
+            self._fail_on_every_rank(uri, e)
+            raise
         record = self._record("save", step, started, **{"async": self.config.async_save})
         record["wait_s"] = t_waited - t0
         record["guard_s"] = 0.0  # async staging: what the next optimizer step waited (save thread)
         record["bytes"] = tensor_nbytes(state)
         if not self.config.async_save:
-            writer = CheckpointWriter(uri, **writer_options)
             try:
                 dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
                 record["write_s"] = time.perf_counter() - t_waited
@@ -282,18 +288,19 @@ class CheckpointManager:
             self._finish_record(record, t_waited, None, stall_from=t0)
             self._apply_retention(step)
             return
-        # Commits only if every rank's deferred copies are good (dcp/confirmed_writer.py).
-        writer = ConfirmedWriter(uri, **writer_options)
         try:  # the only part of an async save that blocks
             staged, later = self._stager.stage_deferred(state, self._deferrable(models))
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
-                raise as_checkpoint_error(e, f"staging step {step}")
+                err = as_checkpoint_error(e, f"staging step {step}")
+                self._fail_on_every_rank(uri, err)
+                raise err from e
             raise
         del state
         t_staged = time.perf_counter()
         record["stage_s"] = t_staged - t_waited
         record["stall_s"] = t_staged - t0
+        assert isinstance(writer, ConfirmedWriter)
         writer.copies = later
         job = _Save(step, uri, record)
         if self._worker is None:
@@ -306,6 +313,20 @@ class CheckpointManager:
             self._stager.release()
             raise
         self._inflight = job
+
+    def _fail_on_every_rank(self, uri: str, err: BaseException) -> None:
+        """This rank cannot save to ``uri`` (``err``) while the other ranks go on into
+        ``dcp.save``: join them with a save that fails in DCP's first collective phase, so the
+        save fails on every rank (with this rank's error) instead of leaving them waiting for
+        this rank, and every rank's next save pairs with the same step. Alone: nothing to do."""
+        if self._pg is None:
+            return
+        writer = ConfirmedWriter(uri, **self._storage_options)
+        writer.failure = err
+        try:
+            dcp.save({}, storage_writer=writer, process_group=self._pg)
+        except (Exception, CheckpointException):
+            pass  # the failure it was made for; ``err`` is raised by the caller
 
     def _deferrable(self, models: Any) -> Callable[[Any], bool] | None:
         """Which sources ``save`` may leave to the save thread: the tensors of the optimizers

@@ -36,11 +36,14 @@ class ConfirmedWriter(CheckpointWriter):
     Attributes:
         copies: the deferred staging copies of the state being saved; set it before ``dcp.save``
             (the writer is made before staging, so that its set-up is not part of the stall).
+        failure: set instead of ``copies`` when this rank could not stage at all: the save then
+            fails in its first collective phase on every rank, with this error.
     """
 
     def __init__(self, uri: Any, **kw: Any) -> None:
         super().__init__(uri, **kw)
         self.copies: DeferredCopies | None = None
+        self.failure: BaseException | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("ConfirmedWriter holds live staging copies and cannot be pickled (process executor)")
@@ -56,6 +59,8 @@ class ConfirmedWriter(CheckpointWriter):
 
     def _checked(self, *, final: bool) -> None:
         try:
+            if self.failure is not None:
+                raise self.failure
             if self.copies is None:
                 raise CheckpointError("ConfirmedWriter.copies was not set before the save")
             if final:

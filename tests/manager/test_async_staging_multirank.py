@@ -66,6 +66,26 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     assert mgr.restore(model=got) == 2
     for k, v in want.items():
         assert torch.equal(got.state_dict()[k], v), k
+
+    # -- staging itself fails on one rank (out of memory, say): that rank joins the others'
+    # save with a failing one, so every rank fails step 3 and step 4 pairs everywhere ----------
+    stage = mgr._stager.stage_deferred
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("cannot allocate the staging buffers")
+
+    if rank == 1:
+        mgr._stager.stage_deferred = out_of_memory
+        with pytest.raises(CheckpointError, match="staging step 3.*cannot allocate"):
+            mgr.save(3, model=model, optimizer=opt)
+        mgr._stager.stage_deferred = stage
+    else:
+        mgr.save(3, model=model, optimizer=opt)
+        with pytest.raises(CheckpointError, match="cannot allocate"):
+            mgr.wait()
+    mgr.save(4, model=model, optimizer=opt)
+    mgr.wait()
+    assert mgr.steps() == [2, 4], mgr.steps()
     mgr.close()
 
     # -- FSDP2: an in-place change of a DTensor parameter is seen --------------------------------
