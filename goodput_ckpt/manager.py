@@ -252,7 +252,11 @@ class CheckpointManager:
         self._check_open()
         uri = child_uri(self.root_uri, step_dir_name(step))
         started, t0 = time.time(), time.perf_counter()
-        self._finish_previous(report=self.config.fail_fast)
+        self._finish_previous(report=False)
+        if self.config.fail_fast and (failed := self._take_unraised()) is not None:
+            # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
+            self._fail_on_every_rank(uri, failed)
+            raise failed
         t_waited = time.perf_counter()
         try:
             models = normalize(model, optimizer)
@@ -425,11 +429,14 @@ class CheckpointManager:
                     path=job.uri,
                 ) from None
             self._inflight = None
-        if report:
-            with self._lock:
-                err, self._unraised = self._unraised, None
-            if err is not None:
-                raise err
+        if report and (err := self._take_unraised()) is not None:
+            raise err
+
+    def _take_unraised(self) -> CheckpointError | None:
+        """The first background failure not yet raised, now counted as raised."""
+        with self._lock:
+            err, self._unraised = self._unraised, None
+        return err
 
     # -- retention ----------------------------------------------------------------------------------
     def _apply_retention(self, committed: int) -> None:

@@ -88,6 +88,22 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     assert mgr.steps() == [2, 4], mgr.steps()
     mgr.close()
 
+    # -- fail_fast with a failure only one rank saw (a staged upload's durability, say) --------
+    fmgr = CheckpointManager(Path(root, "fail-fast"), keep_last=None, timeline=False, fail_fast=True)
+    fmgr.save(1, model=model, optimizer=opt)
+    fmgr.wait()
+    if rank == 1:
+        fmgr._unraised = CheckpointError("the upload of step 1 never became durable")
+        with pytest.raises(CheckpointError, match="never became durable"):
+            fmgr.save(2, model=model, optimizer=opt)
+    else:
+        fmgr.save(2, model=model, optimizer=opt)  # joined by rank 1's failing save
+        with pytest.raises(CheckpointError, match="never became durable"):
+            fmgr.wait()
+    fmgr.save(3, model=model, optimizer=opt)
+    fmgr.close()
+    assert fmgr.steps() == [1, 3], fmgr.steps()
+
     # -- FSDP2: an in-place change of a DTensor parameter is seen --------------------------------
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
