@@ -325,9 +325,9 @@ class CheckpointManager:
         this rank, and every rank's next save pairs with the same step. Alone: nothing to do."""
         if self._pg is None:
             return
-        writer = ConfirmedWriter(uri, **self._storage_options)
-        writer.failure = err
         try:
+            writer = ConfirmedWriter(uri, **self._storage_options)
+            writer.failure = err
             dcp.save({}, storage_writer=writer, process_group=self._pg)
         except (Exception, CheckpointException):
             pass  # the failure it was made for; ``err`` is raised by the caller
