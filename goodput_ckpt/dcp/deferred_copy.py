@@ -29,7 +29,6 @@ import ctypes
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -54,18 +53,20 @@ class DeferredCopies:
         copies.result()          # raises CheckpointError if a copy failed or a source changed
 
     Args:
-        copies: ``(name, src, dst)`` or ``(name, src, dst, watch)``; ``src`` and ``dst`` have
-            the same shape and dtype, ``dst`` is on the CPU. ``watch`` is the tensor whose
-            version counter tells whether ``src`` changed (default ``src``): for the local
-            shard of a DTensor, the DTensor, whose in-place operations bump only its own counter.
+        copies: ``(name, src, dst, watch)``; ``src`` and ``dst`` have the same shape and dtype,
+            ``dst`` is on the CPU. ``watch`` is the tensor whose version counter tells whether
+            ``src`` changed: ``src`` itself, or for the local shard of a DTensor the DTensor,
+            whose in-place operations bump only its own counter.
         timeout_s: the longest :meth:`finish` waits for pieces that another thread copies.
     """
 
-    def __init__(self, copies: Sequence[tuple[Any, ...]], *, timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self, copies: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], *, timeout_s: float = 1800.0
+    ) -> None:
         self.timeout_s = float(timeout_s)
-        self.nbytes = sum(c[1].numel() * c[1].element_size() for c in copies)
-        self._pieces = [piece for c in copies for piece in _pieces(c[1], c[2])]
-        self._sources = [(c[0], w, _version(w)) for c in copies for w in [c[3] if len(c) > 3 else c[1]]]
+        self.nbytes = sum(src.numel() * src.element_size() for _, src, _, _ in copies)
+        self._pieces = [piece for _, src, dst, _ in copies for piece in _pieces(src, dst)]
+        self._sources = [(name, watch, _version(watch)) for name, _, _, watch in copies]
         # Set by confirm() (the training thread) / check_before_commit() (the save thread):
         # whichever comes first makes the last comparison of the versions, under _cond.
         self._confirmed = False

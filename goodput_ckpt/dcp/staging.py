@@ -222,7 +222,7 @@ class ReusableStager(AsyncStager):
         buffers[path] = buf
         if src.numel() and self._defer is not None and not on_cuda and self._defer(src):
             name = ".".join(map(str, path))
-            self._later.append((name, src, buf, src if watch is None else watch))  # type: ignore[union-attr]
+            self._later.append((name, src, buf, src if watch is None else watch))  # type: ignore[union-attr] - set with _defer
         elif src.numel():
             buf.copy_(src, non_blocking=on_cuda)
             if on_cuda:

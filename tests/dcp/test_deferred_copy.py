@@ -15,7 +15,7 @@ from goodput_ckpt.dcp.staging import ReusableStager
 
 def _copies(n: int = 6, size: int = 300_000):
     srcs = [torch.randn(size) for _ in range(n)]
-    return [(f"t{i}", s, torch.empty_like(s)) for i, s in enumerate(srcs)]
+    return [(f"t{i}", s, torch.empty_like(s), s) for i, s in enumerate(srcs)]
 
 
 def test_pieces_are_shared_by_threads_and_every_byte_lands(monkeypatch):
@@ -31,7 +31,7 @@ def test_pieces_are_shared_by_threads_and_every_byte_lands(monkeypatch):
         t.join()
     assert later.done
     later.result()
-    for _, src, dst in copies:
+    for _, src, dst, _ in copies:
         assert torch.equal(src, dst)
     # The helpers may finish every piece before the caller enters (then it blocked 0 s); either
     # way the blocked time is exactly what the blocking caller spent, never the helpers' time.
@@ -42,7 +42,7 @@ def test_pieces_are_shared_by_threads_and_every_byte_lands(monkeypatch):
 def test_non_contiguous_sources_are_copied_whole():
     src = torch.randn(64, 32).t()
     dst = torch.empty(src.shape)
-    later = DeferredCopies([("v", src, dst)])
+    later = DeferredCopies([("v", src, dst, src)])
     assert len(later._pieces) == 1
     later.finish()
     later.result()
@@ -113,7 +113,7 @@ def test_a_watch_tensor_stands_for_its_source():
 
 def test_a_failed_copy_is_reported_by_result_not_by_finish():
     src = torch.randn(10)
-    later = DeferredCopies([("bad", src, torch.empty(3))])  # copy_ cannot broadcast 10 into 3
+    later = DeferredCopies([("bad", src, torch.empty(3), src)])  # copy_ cannot broadcast 10 into 3
     later.finish(blocking_caller=True)  # never raises: a training thread calls it from a hook
     with pytest.raises(CheckpointError, match="copying the state into the staging buffers failed"):
         later.result()
