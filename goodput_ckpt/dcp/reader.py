@@ -290,10 +290,8 @@ class CheckpointReader(StorageReader):
         try:
             source.read_into(task.start, bufs)
         except IncompleteCheckpointError as e:
-            raise CorruptCheckpointError(
-                f"{e} (keys: {keys_in(manifest, task.file, task.start, task.end)})",
-                path=e.path, byte_range=e.byte_range, key=keys_in(manifest, task.file, task.start, task.end),
-            ) from e
+            keys = keys_in(manifest, task.file, task.start, task.end)
+            raise CorruptCheckpointError(f"{e} (keys: {keys})", path=e.path, byte_range=e.byte_range, key=keys) from e
         return bufs
 
     def _verify(self, task: Task, bufs: list[memoryview], manifest: Manifest) -> None:
