@@ -225,7 +225,7 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     if old is None:
         return
     try:
-        old_files = list(parse_commit_record(store, MANIFEST_NAME, old, lambda d: parse_manifest(d, location=store.uri)).files)
+        old_files = list(parse_commit_record(store, MANIFEST_NAME, old, lambda d: parse_manifest(d, location=store.uri)).files.values())
     except IncompleteCheckpointError:
         # A record that is not a commit (a mounted volume can hold the truncated record of a
         # killed save): the location is saved into as if it had no record.
@@ -239,8 +239,28 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
             "replace it or save to a new location",
             path=store.uri,
         )
+    # Decide what belongs to the old checkpoint before anything is deleted: a file it lists, that
+    # is a regular file inside the location (the store refuses links and anything reached through
+    # one) and has the size it records. Anything else is left where it is, and said.
+    owned: list[str] = []
+    for entry in old_files:
+        try:
+            size = store.size(entry.path)
+        except CheckpointError as e:
+            warnings.warn(f"overwrite: not deleting {entry.path!r}, listed by the old manifest: {e}", stacklevel=3)
+            continue
+        if size is None:
+            continue
+        if size != entry.size:
+            warnings.warn(
+                f"overwrite: not deleting {store.uri}/{entry.path}: the old manifest records {entry.size} "
+                f"bytes but the file holds {size}, so it is not provably the old checkpoint's",
+                stacklevel=3,
+            )
+            continue
+        owned.append(entry.path)
     store.delete(MANIFEST_NAME)
-    for name in old_files:
+    for name in owned:
         store.delete(name)
 
 

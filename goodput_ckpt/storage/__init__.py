@@ -30,6 +30,7 @@ from .base import FileSink, FileSource, Store, check_relative_name
 from .fsspec_store import FsspecConfig, FsspecStore, fsspec_protocol
 from .local import LocalConfig, LocalStore
 from .mounts import find_volume
+from .overlap import locations_overlap as _overlap
 from .s3 import S3Config, S3Store, parse_s3_uri
 from .staged import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_UPLOAD_THREADS, StagedStore
 from .volume import VolumeConfig, VolumeStore
@@ -50,6 +51,7 @@ __all__ = [
     "check_relative_name",
     "find_volume",
     "is_supported_uri",
+    "locations_overlap",
     "open_store",
 ]
 
@@ -85,6 +87,16 @@ def is_supported_uri(uri: object) -> bool:
         return fsspec_protocol(text) is not None
     except (TypeError, ValueError, CheckpointError):
         return False
+
+
+def locations_overlap(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two locations (URIs, or stores' ``uri``) are one place or one lies inside the other.
+
+    Local paths are compared by their real paths and by the device and inode of every directory
+    on the way, so a symbolic link to a directory, a bind mount or ``..`` in a path is seen as the
+    directory itself (see :mod:`.overlap`). Used to refuse writing a checkpoint into its source.
+    """
+    return _overlap(a, b, local=(_local_path(a), _local_path(b)))
 
 
 #: Names other S3 clients (s3fs, botocore) use for our S3 options: named in the error, not accepted.

@@ -13,6 +13,12 @@ Why these choices:
   (which fails if the target exists, so two savers cannot both commit) or ``os.replace`` when
   replacing is allowed, and the directory is fsynced. A crash at any instant leaves either no
   manifest or the whole one.
+- Nothing outside the location is ever touched. The root is resolved to its real path once;
+  below it, no symbolic link is followed: a directory component that is a link is refused
+  before any read, write or delete, the last component is opened with ``O_NOFOLLOW``, and a
+  data file is created afresh (``O_EXCL``), never truncated in place, so a hard link to a file
+  elsewhere cannot be overwritten through the location. ``list`` leaves out links and anything
+  that is not a regular file, so no clean-up ever reaches them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import sys
 import threading
 from collections.abc import Sequence
@@ -136,8 +143,16 @@ class _LocalSink:
         self._path = path
         self._fsync = fsync
         self._closed = False
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                self._fd = os.open(path, flags, 0o644)
+            except FileExistsError:
+                # A file of this name from an earlier attempt: replace it with a new inode rather
+                # than truncate it (it may be a hard link to data elsewhere). unlink removes a
+                # link itself, never its target.
+                os.unlink(path)
+                self._fd = os.open(path, flags, 0o644)
         except OSError as e:
             raise os_error(e, "creating", path) from e
 
@@ -183,7 +198,7 @@ class _LocalSource:
     def __init__(self, path: str) -> None:
         self._path = path
         try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as e:
             raise IncompleteCheckpointError(
                 f"data file {path} is missing: the checkpoint is incomplete or was tampered with",
@@ -211,13 +226,58 @@ class LocalStore:
     min_part_size = 0
 
     def __init__(self, root: str, config: LocalConfig | None = None) -> None:
-        self.root = os.path.abspath(root)
-        self.uri = self.root
+        #: The location's real path: every file operation stays below it.
+        self.root = os.path.realpath(root)
+        #: The path as given (made absolute), for messages.
+        self.uri = os.path.abspath(root)
         self.config = config or LocalConfig()
 
     # -- helpers ---------------------------------------------------------------------------
     def _path(self, name: str) -> str:
-        return os.path.join(self.root, check_relative_name(name))
+        """The path of ``name`` below the root, after proving that no directory on the way is a
+        symbolic link (the last component is opened with ``O_NOFOLLOW`` or checked by the caller).
+
+        Raises:
+            CheckpointError: ``name`` is not a safe relative name, or a directory on its way is a
+                link or not a directory.
+        """
+        parts = check_relative_name(name).split("/")
+        path = self.root
+        for part in parts[:-1]:
+            path = os.path.join(path, part)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                break  # nothing below exists yet: nothing to follow
+            except OSError as e:
+                raise os_error(e, "inspecting", path) from e
+            if stat.S_ISLNK(st.st_mode):
+                raise CheckpointError(
+                    f"{path} is a symbolic link: goodput-ckpt never follows links inside a "
+                    f"checkpoint location ({self.root}), so {name!r} is refused",
+                    path=path,
+                )
+            if not stat.S_ISDIR(st.st_mode):
+                raise CheckpointError(f"{path} is not a directory, so {name!r} cannot be below it", path=path)
+        return os.path.join(self.root, *parts)
+
+    def _regular(self, name: str) -> tuple[str, os.stat_result | None]:
+        """``name``'s path and ``lstat`` (``None``: missing), refusing a link or a non-regular file."""
+        path = self._path(name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return path, None
+        except OSError as e:
+            raise os_error(e, "inspecting", path) from e
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise CheckpointError(
+                f"{path} is {what}: checkpoint files are regular files inside the location, "
+                "and goodput-ckpt never follows links",
+                path=path,
+            )
+        return path, st
 
     def _sync_dir(self, directory: str) -> None:
         if not self.config.fsync:
@@ -232,12 +292,17 @@ class LocalStore:
     def prepare(self) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointError(
-                f"checkpoint location {self.root} exists and is not a directory", path=self.root
+                f"checkpoint location {self.uri} exists and is not a directory", path=self.uri
             )
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
             raise os_error(e, "creating directory", self.root) from e
+        if os.path.realpath(self.root) != self.root:
+            # Made into a link after this store resolved it: its files would land elsewhere.
+            raise CheckpointError(
+                f"checkpoint location {self.uri} changed into a symbolic link while in use", path=self.uri
+            )
 
     def open_sink(self, name: str, *, part_size: int | None = None) -> _LocalSink:
         path = self._path(name)
@@ -250,25 +315,31 @@ class LocalStore:
         return _LocalSource(self._path(name))
 
     def size(self, name: str) -> int | None:
-        try:
-            st = os.stat(self._path(name))
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise os_error(e, "inspecting", self._path(name)) from e
-        return st.st_size
+        _path, st = self._regular(name)
+        return None if st is None else st.st_size
 
     def read_small(self, name: str) -> bytes | None:
         path = self._path(name)
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except IsADirectoryError as e:
-            raise CheckpointError(f"{path} is a directory, expected a file", path=path) from e
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointError(
+                    f"{path} is a symbolic link: goodput-ckpt never follows links inside a checkpoint location",
+                    path=path,
+                ) from e
+            raise os_error(e, "reading", path) from e
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{path} is not a regular file, expected a file", path=path)
+            with open(fd, "rb", closefd=False) as f:
+                return f.read()
         except OSError as e:
             raise os_error(e, "reading", path) from e
+        finally:
+            os.close(fd)
 
     def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
         path = self._path(name)
@@ -335,14 +406,23 @@ class LocalStore:
         out: list[str] = []
         if not os.path.isdir(self.root):
             return out
+        # os.walk does not descend into linked directories; linked and special files are left
+        # out here, so that no clean-up that works from the listing can ever reach them.
         for dirpath, _dirs, files in os.walk(self.root):
             rel = os.path.relpath(dirpath, self.root)
             for f in files:
+                try:
+                    if not stat.S_ISREG(os.lstat(os.path.join(dirpath, f)).st_mode):
+                        continue
+                except FileNotFoundError:
+                    continue
                 out.append(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
         return sorted(out)
 
     def delete(self, name: str) -> None:
-        path = self._path(name)
+        path, st = self._regular(name)  # never a link (nor anything through one)
+        if st is None:
+            return
         try:
             os.unlink(path)
         except FileNotFoundError:

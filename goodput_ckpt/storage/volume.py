@@ -136,7 +136,7 @@ class _VolumeSink:
         self._bounce: bytearray | None = None  # joins a multi-piece chunk into one write
         self._state = "open"
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise os_error(e, "creating", path) from e
 
@@ -222,7 +222,7 @@ class _VolumeSource:
         return self._direct
 
     def _open(self) -> tuple[int, bool]:
-        flags = os.O_RDONLY | os.O_CLOEXEC
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             if self._direct:
                 try:

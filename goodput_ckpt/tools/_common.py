@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
-from ..storage import LocalStore, Store, open_store
+from ..storage import LocalStore, Store, locations_overlap, open_store
 
 __all__ = [
     "NO_PROGRESS",
@@ -127,6 +127,9 @@ def require_positive(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def same_location(a: Store, b: Store) -> bool:
-    """Whether two stores address the same location (compared by URI)."""
-    return a.uri.rstrip("/") == b.uri.rstrip("/")
+def same_location(a: Store | str, b: Store | str) -> bool:
+    """Whether two locations are one place, or one lies inside the other: compared on disk for
+    local paths (real paths, devices and inodes, so links and bind mounts count as the same
+    place), by normalised prefix for remote URIs. Writing into such a destination could destroy
+    the source."""
+    return locations_overlap(a if isinstance(a, str) else a.uri, b if isinstance(b, str) else b.uri)

@@ -33,7 +33,7 @@ from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..storage import LocalStore, Store
-from ._common import NO_PROGRESS, Progress, open_location, require_positive
+from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import Source, TensorMeta
 from ._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from ._formats.goodput import GoodputSource, write_goodput
@@ -184,8 +184,11 @@ def convert_checkpoint(
     require_positive("shard_size", shard_size)
     if shard_size is not None and to != "safetensors":
         raise ValueError("shard_size applies to safetensors output only")
-    if _same_path(src, dst):
-        raise ValueError(f"the destination must differ from the source ({src})")
+    if same_location(str(src), str(dst)):
+        raise ValueError(
+            f"the destination {dst} must differ from the source {src}: it is the source, an alias of it, inside it or around it; "
+            "convert into a separate location"
+        )
     threads = thread_count or DEFAULT_WRITE_THREADS
     t0 = time.perf_counter()
     fmt = source_format or detect_format(src, **(src_options or {}))
@@ -230,16 +233,12 @@ def convert_checkpoint(
     return report
 
 
-def _same_path(a: str, b: str) -> bool:
-    la, lb = _local_file(a), _local_file(b)
-    if la is not None and lb is not None:
-        return os.path.abspath(la) == os.path.abspath(lb)
-    return str(a).rstrip("/") == str(b).rstrip("/")
-
-
 def _refuse_same(source: Source, store: Store) -> None:
     if isinstance(store, LocalStore) and os.path.isfile(store.root):
         raise ValueError(f"{store.uri} is a file; goodput and dcp outputs are directories")
-    if source.uri.rstrip("/") == store.uri.rstrip("/"):
-        raise ValueError(f"the destination must differ from the source ({store.uri})")
+    if same_location(source.uri, store):
+        raise ValueError(
+            f"the destination {store.uri} must differ from the source {source.uri}: it is the source, "
+            "an alias of it, inside it or around it; convert into a separate location"
+        )
 

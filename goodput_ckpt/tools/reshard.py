@@ -131,7 +131,10 @@ def reshard_checkpoint(
     src_store = open_location(src, src_options)
     dst_store = open_location(dst, dst_options)
     if same_location(src_store, dst_store):
-        raise ValueError(f"the destination must differ from the source ({src_store.uri}); reshard into a new location")
+        raise ValueError(
+            f"the destination {dst_store.uri} must differ from the source {src_store.uri}: it is the source, "
+            "an alias of it, inside it or around it; reshard into a separate location"
+        )
     threads = thread_count or DEFAULT_WRITE_THREADS
     with GoodputSource(src_store, verify=verify, cache_chunks=threads + 2) as source:
         m0 = source.world_size or 1
