@@ -35,7 +35,7 @@ def __getattr__(name: str):
 
         return CheckpointWriter
     if name == "CheckpointManager":
-        from .manager import CheckpointManager
+        from .manager.checkpoint_manager import CheckpointManager
 
         return CheckpointManager
     if name == "CheckpointReader":

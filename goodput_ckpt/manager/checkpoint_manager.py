@@ -1,8 +1,8 @@
 """``CheckpointManager``: steps, retention, the latest complete checkpoint, async saves, resume.
 
-One checkpoint per step under a root (``ROOT/step_{step:08d}``, named by :mod:`.layout`), each a
+One checkpoint per step under a root (``ROOT/step_{step:08d}``, named by :mod:`.step_layout`), each a
 format-v1 location written by :class:`~goodput_ckpt.CheckpointWriter` and holding the training
-state bundle of :mod:`.state`. Call order (every rank of the job makes every call)::
+state bundle of :mod:`goodput_ckpt.state`. Call order (every rank of the job makes every call)::
 
     mgr = CheckpointManager(root, keep_last=3)              # collective: creates a gloo group
     last = mgr.restore(model=..., optimizer=..., ...)        # None when nothing complete exists
@@ -11,11 +11,11 @@ state bundle of :mod:`.state`. Call order (every rank of the job makes every cal
     mgr.wait(); mgr.close()
 
 An async save stages the state into buffers that a
-:class:`~goodput_ckpt.dcp.staging.ReusableStager` keeps from save to save, then hands the staged
+:class:`~.staging.stager.ReusableStager` keeps from save to save, then hands the staged
 copy to the manager's one save thread. With ``async_staging`` (the default) only what a forward
 pass may change is copied in the caller's thread; the parameters and optimizer states are copied
 by the save thread behind the next forward and backward, and a pre-hook on each optimizer's
-``step()`` finishes those copies before the step changes them (:mod:`.step_guard`). The save
+``step()`` finishes those copies before the step changes them (:mod:`.staging.step_guard`). The save
 thread then runs ``dcp.save`` (its planning collectives go
 over the manager's own gloo group, so they never interleave with training collectives on the
 default group), releases the buffers, applies retention on the coordinator and records the
@@ -41,20 +41,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .dcp.manifest_load import load_manifest
-from .dcp.reader import CheckpointReader
-from .dcp.staging import ReusableStager
-from .dcp.writer import CheckpointWriter
-from .errors import CheckpointError, as_checkpoint_error
-from .layout import child_uri, step_dir_name
-from .manager_config import ManagerConfig
-from .dcp.confirmed_writer import ConfirmedWriter
-from .dcp.deferred_copy import DeferredCopies
+from ..dcp.manifest_load import load_manifest
+from ..dcp.reader import CheckpointReader
+from ..dcp.writer import CheckpointWriter
+from ..errors import CheckpointError, as_checkpoint_error
+from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
+from ..storage import open_store
+from ..storage.local import LocalStore
+from .config import ManagerConfig
 from .retention import clean_before_restore, delete_step, retention_victims, scan_steps
-from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
-from .storage import open_store
-from .step_guard import StepGuard, guarded_tensor_keys, tensor_key
-from .storage.local import LocalStore
+from .staging.confirmed_writer import ConfirmedWriter
+from .staging.deferred_copy import DeferredCopies
+from .staging.step_guard import StepGuard, guarded_tensor_keys, tensor_key
+from .staging.stager import ReusableStager
+from .step_layout import child_uri, step_dir_name
 from .timeline import TIMELINE_NAME, TimelineSink, finish_save_record, new_record, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
@@ -101,7 +101,7 @@ class CheckpointManager:
         thread_count, chunk_size: passed to ``CheckpointWriter`` (``thread_count`` also to the
             reader); ``verify``: check hashes on restore.
         timeout_s: the longest wait for a previous save (``save``, ``restore``, ``close``).
-        timeline: where the per-save timeline goes (:mod:`goodput_ckpt.timeline`): ``True``
+        timeline: where the per-save timeline goes (:mod:`goodput_ckpt.manager.timeline`): ``True``
             (default) appends JSON lines to ``ROOT/goodput-timeline.jsonl`` when the root is a
             local directory (elsewhere it stays in memory); a local file path; a callable that
             receives each record; ``False``: in memory only.
@@ -186,7 +186,7 @@ class CheckpointManager:
     # -- queries --------------------------------------------------------------------------------
     @property
     def timeline(self) -> list[dict[str, Any]]:
-        """This rank's newest timeline records (see :mod:`goodput_ckpt.timeline`), oldest first."""
+        """This rank's newest timeline records (see :mod:`goodput_ckpt.manager.timeline`), oldest first."""
         return list(self._timeline.records)
 
     @property
@@ -270,7 +270,7 @@ class CheckpointManager:
                 overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
             )  # fmt: skip
             # An async save commits only if every rank's deferred copies are good
-            # (dcp/confirmed_writer.py).
+            # (staging/confirmed_writer.py).
             writer_cls = ConfirmedWriter if self.config.async_save else CheckpointWriter
             writer = writer_cls(uri, **writer_options)
         except Exception as e:
@@ -441,7 +441,7 @@ class CheckpointManager:
     # -- retention ----------------------------------------------------------------------------------
     def _apply_retention(self, committed: int) -> None:
         """Coordinator, after ``committed`` was committed and with no other save in flight
-        (policy: :mod:`goodput_ckpt.retention`). Best effort: failures are logged."""
+        (policy: :mod:`.retention`). Best effort: failures are logged."""
         if not self.is_coordinator:
             return
         try:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 
-from .errors import CheckpointError, IncompleteCheckpointError
-from .format.manifest import MANIFEST_NAME, parse_manifest
-from .layout import list_step_dirs, step_dir_name
-from .storage.base import Store, parse_commit_record
+from ..errors import CheckpointError, IncompleteCheckpointError
+from ..format.manifest import MANIFEST_NAME, parse_manifest
+from .step_layout import list_step_dirs, step_dir_name
+from ..storage.base import Store, parse_commit_record
 
 __all__ = ["StepScan", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
 

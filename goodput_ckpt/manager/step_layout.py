@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from .storage.base import Store
+from ..storage.base import Store
 
 __all__ = ["STEP_DIR_PREFIX", "child_uri", "list_step_dirs", "parse_step_dir", "step_dir_name"]
 

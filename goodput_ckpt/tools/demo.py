@@ -252,7 +252,7 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
         RuntimeError: a launch failed (the message ends with its stderr).
     """
     from ..storage import open_store
-    from ..timeline import read_timeline
+    from ..manager.timeline import read_timeline
     from .verify import verify_checkpoint
 
     emit = on_event or (lambda kind, text: None)
@@ -304,14 +304,14 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
 
 
 def _complete_steps(cfg: DemoConfig) -> list[int]:
-    from ..retention import scan_steps
+    from ..manager.retention import scan_steps
     from ..storage import open_store
 
     return scan_steps(open_store(cfg.root, cfg.storage_options)).complete
 
 
 def _step_uri(cfg: DemoConfig, step: int) -> str:
-    from ..layout import child_uri, step_dir_name
+    from ..manager.step_layout import child_uri, step_dir_name
 
     return child_uri(cfg.root, step_dir_name(step))
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.manifest import DTYPE_SIZES, FORMAT_NAME, MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
-from ..layout import parse_step_dir
+from ..manager.step_layout import parse_step_dir
 from ..storage.base import parse_commit_record
 from ._common import open_location, read_manifest_bytes
 

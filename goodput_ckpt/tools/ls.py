@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.manifest import MANIFEST_NAME, parse_manifest
-from ..layout import child_uri, list_step_dirs, step_dir_name
+from ..manager.step_layout import child_uri, list_step_dirs, step_dir_name
 from ..storage.base import parse_commit_record
 from ._common import NO_PROGRESS, Progress, open_location, require_positive
 from .verify import verify_checkpoint

@@ -31,7 +31,7 @@ what improving them is worth.
 ``goodput-ckpt bench`` (medians of its measurements on a synthetic state of the size it was run
 with: bench with the size one node saves for the figures to apply). :func:`inputs_from_timeline`
 takes them from a real run: the per-save timeline that ``CheckpointManager`` writes
-(:mod:`goodput_ckpt.timeline`), medians over its saves and restores, the slowest rank per step.
+(:mod:`goodput_ckpt.manager.timeline`), medians over its saves and restores, the slowest rank per step.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def inputs_from_timeline(path: str | os.PathLike) -> BenchMeasurement:
     Raises:
         ValueError: the file cannot be read, or it records no successful save.
     """
-    from ..timeline import read_timeline, summarize_timeline
+    from ..manager.timeline import read_timeline, summarize_timeline
 
     try:
         records = read_timeline(path)

@@ -223,7 +223,7 @@ def test_readme_command_line_examples_run(tmp_path, monkeypatch):
     import re
     import shlex
 
-    from goodput_ckpt.manager import CheckpointManager
+    from goodput_ckpt import CheckpointManager
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Command line", 1)[1]

@@ -182,7 +182,7 @@ def _install(events: _Events) -> None:
     import goodput_ckpt.manager as manager
     import goodput_ckpt.storage.local as local
     import goodput_ckpt.storage.volume as volume
-    from goodput_ckpt.dcp.staging import ReusableStager
+    from goodput_ckpt.manager.staging.stager import ReusableStager
     from goodput_ckpt.storage import LocalStore, S3Store, VolumeStore
 
     def wrap(owner: Any, name: str, make) -> None:

@@ -46,7 +46,7 @@ from _reliability import fault_trials, record
 from crash_worker import TrialModel
 
 from goodput_ckpt import CheckpointError, CheckpointManager, IncompleteCheckpointError
-from goodput_ckpt.layout import child_uri, step_dir_name
+from goodput_ckpt.manager.step_layout import child_uri, step_dir_name
 from goodput_ckpt.tools import list_checkpoints, verify_checkpoint
 
 SEED = 80_2024

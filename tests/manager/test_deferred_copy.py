@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from goodput_ckpt import CheckpointError
-from goodput_ckpt.dcp import deferred_copy
-from goodput_ckpt.dcp.deferred_copy import DeferredCopies
-from goodput_ckpt.dcp.staging import ReusableStager
+from goodput_ckpt.manager.staging import deferred_copy
+from goodput_ckpt.manager.staging.deferred_copy import DeferredCopies
+from goodput_ckpt.manager.staging.stager import ReusableStager
 
 
 def _copies(n: int = 6, size: int = 300_000):

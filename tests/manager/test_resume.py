@@ -32,10 +32,10 @@ from _trees import assert_tree_equal  # noqa: E402
 from goodput_ckpt import CheckpointManager  # noqa: E402
 from goodput_ckpt.errors import TopologyChangeError  # noqa: E402
 from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
-from goodput_ckpt.layout import list_step_dirs  # noqa: E402
+from goodput_ckpt.manager.step_layout import list_step_dirs  # noqa: E402
 from goodput_ckpt.storage import open_store  # noqa: E402
 from goodput_ckpt.tools._job_launch import JobLaunch, free_port  # noqa: E402
-from goodput_ckpt.timeline import TIMELINE_NAME, read_timeline  # noqa: E402
+from goodput_ckpt.manager.timeline import TIMELINE_NAME, read_timeline  # noqa: E402
 
 # The scenario runs 6-8 two-rank job launches: 40-60 s on an idle 2-core machine.
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]

@@ -1,11 +1,11 @@
-"""Retention policy and step scanning on a real local root (goodput_ckpt/retention.py)."""
+"""Retention policy and step scanning on a real local root (goodput_ckpt/manager/retention.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from goodput_ckpt.retention import delete_step, retention_victims, scan_steps
+from goodput_ckpt.manager.retention import delete_step, retention_victims, scan_steps
 from goodput_ckpt.storage import open_store
 
 
@@ -46,7 +46,7 @@ def test_retention_imports_without_torch():
         "        if name == 'torch' or name.startswith('torch.'):\n"
         "            raise ImportError('blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import goodput_ckpt.retention, goodput_ckpt.layout\n"
+        "import goodput_ckpt.manager.retention, goodput_ckpt.manager.step_layout, goodput_ckpt.manager.timeline\n"
         "assert 'torch' not in sys.modules\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

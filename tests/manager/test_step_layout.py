@@ -1,10 +1,10 @@
-"""The manager root layout (goodput_ckpt/layout.py): step directory names, parsing and listing."""
+"""The manager root layout (goodput_ckpt/manager/step_layout.py): step directory names, parsing and listing."""
 
 from __future__ import annotations
 
 import pytest
 
-from goodput_ckpt.layout import child_uri, list_step_dirs, parse_step_dir, step_dir_name
+from goodput_ckpt.manager.step_layout import child_uri, list_step_dirs, parse_step_dir, step_dir_name
 from goodput_ckpt.storage import open_store
 
 

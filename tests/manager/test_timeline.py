@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from goodput_ckpt import CheckpointError, CheckpointManager
-from goodput_ckpt.timeline import TIMELINE_NAME, read_timeline, summarize_timeline, tensor_nbytes
+from goodput_ckpt.manager.timeline import TIMELINE_NAME, read_timeline, summarize_timeline, tensor_nbytes
 
 SAVE_FIELDS = {
     "event", "step", "rank", "world_size", "time", "async", "wait_s", "stage_s", "guard_s", "stall_s",

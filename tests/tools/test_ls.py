@@ -67,7 +67,7 @@ def test_missing_root_and_a_checkpoint_as_root(sample_ckpt, tmp_path):
 
 
 def test_lists_what_the_manager_writes(tmp_path):
-    from goodput_ckpt.manager import CheckpointManager
+    from goodput_ckpt import CheckpointManager
 
     model = torch.nn.Linear(4, 3)
     mgr = CheckpointManager(str(tmp_path / "run"), async_save=False)

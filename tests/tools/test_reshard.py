@@ -102,7 +102,7 @@ def test_per_rank_policy(sample_ckpt, tmp_path):
 
 
 def test_drop_updates_the_managers_training_state(tmp_path):
-    from goodput_ckpt.manager import CheckpointManager
+    from goodput_ckpt import CheckpointManager
 
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 7)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 __all__ = ["PIECE_BYTES", "DeferredCopies"]
 

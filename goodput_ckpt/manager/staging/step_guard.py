@@ -1,7 +1,7 @@
 """Hold each optimizer's next ``step()`` until the copies an async save deferred are done.
 
 ``CheckpointManager.save`` (with ``async_staging``) copies the parameters and the optimizer
-state after it returns, behind the next forward and backward (:mod:`goodput_ckpt.dcp.deferred_copy`).
+state after it returns, behind the next forward and backward (:mod:`.deferred_copy`).
 The optimizer step is what changes those tensors, so an optimizer step pre-hook finishes the
 copies first. The hook is registered once per optimizer and stays until the manager closes:
 removing a hook while ``step()`` iterates over the hooks would break that iteration, and a
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .dcp.deferred_copy import DeferredCopies
+from .deferred_copy import DeferredCopies
 
 __all__ = ["StepGuard", "guarded_tensor_keys", "tensor_key"]
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter
-from goodput_ckpt.dcp.staging import ReusableStager
+from goodput_ckpt.manager.staging.stager import ReusableStager
 
 
 def _state():
