@@ -13,6 +13,7 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    TopologyChangeError,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointWriter",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "TopologyChangeError",
     "__version__",
 ]
 

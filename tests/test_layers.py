@@ -1,10 +1,61 @@
-"""House rule 1: the storage layer (and the format's schema) never import torch."""
+"""House rule 1: layers import downward only (DESIGN.md's list), and the storage layer (and the
+format's schema, the manager's root layout, retention and timeline) never import torch."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import goodput_ckpt
+
+#: DESIGN.md's layers, bottom first. A module may import its own layer and those below it.
+LAYERS = ["errors", "storage", "format", "dcp", "data", "state", "manager", "tools", "cli"]
+#: Top-level modules outside the list: the version sits at the bottom; the package root
+#: (``from goodput_ckpt import ...``) re-exports the public API, so only tools/ and cli/ use it.
+_RANK = {"_version": 0, "errors": 0, **{name: i for i, name in enumerate(LAYERS)}, "": LAYERS.index("tools")}
+
+
+def _layer(module: str) -> str:
+    """``goodput_ckpt.manager.staging.stager`` -> ``manager``; the package root -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path, module: str, is_package: bool):
+    """The ``goodput_ckpt`` modules that ``module`` imports (anywhere in it, lazily too)."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "goodput_ckpt")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "goodput_ckpt":
+                yield target
+
+
+def test_layers_import_downward_only():
+    root = Path(goodput_ckpt.__file__).parent
+    assert (root / "manager" / "checkpoint_manager.py").exists()
+    upward = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        is_package = rel.name == "__init__"
+        module = ".".join(rel.parts[:-1] if is_package else rel.parts)
+        if module == "goodput_ckpt":
+            continue  # the root's lazy exports are the public API, not a layer
+        here = _layer(module)
+        assert here in _RANK, f"{module}: a layer DESIGN.md does not list"
+        for target in _imports(path, module, is_package):
+            if _RANK[_layer(target)] > _RANK[here]:
+                upward.append(f"{module} imports {target}")
+    assert not upward, "imports that point upward:\n" + "\n".join(upward)
 
 
 def test_storage_and_manifest_import_without_torch():
@@ -21,6 +72,11 @@ def test_storage_and_manifest_import_without_torch():
         import goodput_ckpt.storage
         import goodput_ckpt.format.manifest
         import goodput_ckpt.errors
+        # What the tools read a root and a timeline with (ls, inspect, plan).
+        import goodput_ckpt.manager
+        import goodput_ckpt.manager.retention
+        import goodput_ckpt.manager.step_layout
+        import goodput_ckpt.manager.timeline
         # Every store module, present and future (local, volume, staging, S3, fsspec ...).
         for m in pkgutil.iter_modules(goodput_ckpt.storage.__path__):
             importlib.import_module(f"goodput_ckpt.storage.{m.name}")
@@ -34,20 +90,20 @@ def test_storage_and_manifest_import_without_torch():
 
 
 def test_public_api_matches_design():
+    """The root exports DESIGN.md's public API, the errors and the version, and nothing else."""
     import goodput_ckpt
 
-    expected = {
-        "CheckpointWriter",
-        "CheckpointReader",
-        "CheckpointError",
-        "IncompleteCheckpointError",
-        "CorruptCheckpointError",
-        "CheckpointExistsError",
-        "CheckpointNotFoundError",
-    }
-    assert expected <= set(goodput_ckpt.__all__)
+    errors = {
+        "CheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointExistsError",
+        "CheckpointNotFoundError", "TopologyChangeError",
+    }  # fmt: skip
+    expected = {"CheckpointWriter", "CheckpointReader", "CheckpointManager", "__version__"} | errors
+    assert set(goodput_ckpt.__all__) == expected
     for name in goodput_ckpt.__all__:
         assert getattr(goodput_ckpt, name) is not None
-    for sub in ("IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointExistsError", "CheckpointNotFoundError"):
+    for sub in errors - {"CheckpointError"}:
         assert issubclass(getattr(goodput_ckpt, sub), goodput_ckpt.CheckpointError)
     assert issubclass(goodput_ckpt.CheckpointError, Exception)
+    from goodput_ckpt.manager.checkpoint_manager import CheckpointManager
+
+    assert goodput_ckpt.CheckpointManager is CheckpointManager
