@@ -10,31 +10,25 @@ state bundle of :mod:`goodput_ckpt.state`. Call order (every rank of the job mak
     ...
     mgr.wait(); mgr.close()
 
-An async save stages the state into buffers that a
-:class:`~.staging.stager.ReusableStager` keeps from save to save, then hands the staged
-copy to the manager's one save thread. With ``async_staging`` (the default) only what a forward
-pass may change is copied in the caller's thread; the parameters and optimizer states are copied
-by the save thread behind the next forward and backward, and a pre-hook on each optimizer's
-``step()`` finishes those copies before the step changes them (:mod:`.staging.step_guard`). The save
-thread then runs ``dcp.save`` (its planning collectives go
-over the manager's own gloo group, so they never interleave with training collectives on the
-default group), releases the buffers, applies retention on the coordinator and records the
-outcome. The next ``save`` (and ``restore``, ``wait``, ``close``) waits for it, so at most one
-save is in flight, a buffer is never overwritten while it is written, and retention never races
-a save. Details and the failure policy: ``docs/manager.md``.
+An async save stages the state into buffers kept from save to save (:mod:`.staging`: with
+``async_staging``, the optimizers' tensors are copied behind the next forward and backward),
+then hands the staged copy to the manager's one save thread (:mod:`.save_job`), which writes it,
+applies retention on the coordinator and records the outcome. The next ``save`` (and
+``restore``, ``wait``, ``close``) waits for it, so at most one save is in flight. Decisions all
+ranks must share go through :mod:`.agreement`. Details and the failure policy:
+``docs/manager.md``.
+
+This module is the public class: it checks the arguments, builds the state and calls those
+pieces in order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -49,31 +43,17 @@ from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_
 from ..storage import open_store
 from ..storage.local import LocalStore
 from .config import ManagerConfig
-from .retention import clean_before_restore, delete_step, retention_victims, scan_steps
+from .agreement import agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
+from .retention import delete_step, retention_victims, scan_steps
+from .save_job import ErrorCallback, SaveJob, SaveJobs
+from .staging.async_staging import AsyncStaging
 from .staging.confirmed_writer import ConfirmedWriter
-from .staging.deferred_copy import DeferredCopies
-from .staging.step_guard import StepGuard, guarded_tensor_keys, tensor_key
-from .staging.stager import ReusableStager
 from .step_layout import child_uri, step_dir_name
-from .timeline import TIMELINE_NAME, TimelineSink, finish_save_record, new_record, tensor_nbytes
+from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
-
-#: ``on_error(step, error)``: called from the save thread when a background save fails.
-ErrorCallback = Callable[[int, CheckpointError], None]
-
-
-@dataclass(eq=False)
-class _Save:
-    """One async save in flight."""
-
-    step: int
-    uri: str
-    record: dict[str, Any]  # its timeline record, completed by the save thread
-    done: Future | None = None  # the save task: done after commit, release, retention, recording
-
 
 class CheckpointManager:
     """Save and resume the whole training state, one checkpoint per step under ``root_uri``.
@@ -143,31 +123,14 @@ class CheckpointManager:
         self.root_uri = os.fspath(root_uri)
         self._storage_options = dict(storage_options)
         self._root = open_store(self.root_uri, self._storage_options)  # checks the options now
-        self._on_error = on_error
         self._timeline = TimelineSink(self._timeline_target(timeline))
-        self.last_error: CheckpointError | None = None
-        self._unraised: CheckpointError | None = None
-        self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
-        self._inflight: _Save | None = None
-        self._stager = ReusableStager(timeout_s=self.config.timeout_s)
-        self._guard = StepGuard()
-        # One long-lived thread writes async saves (created on the first): dcp.async_save would
-        # start a new thread per save, and on busy cores waiting for it to start costs ms.
-        self._worker: ThreadPoolExecutor | None = None
+        self._staging = AsyncStaging(defer=self.config.async_staging, timeout_s=self.config.timeout_s)
         self._closed = False
-        self._own_pg = False
-        if process_group is not None:
-            self._pg: dist.ProcessGroup | None = process_group
-        elif dist.is_available() and dist.is_initialized():
-            # Async saves run collectives from a background thread; on their own group they
-            # never interleave with the training loop's collectives on the default group.
-            self._pg = dist.new_group(backend="gloo")
-            self._own_pg = True
-        else:
-            self._pg = None
-            # Without a process group the manager passes no_dist=True on purpose; torch still
-            # warns on every save and load that it "assumes a single process". Silence just that.
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        self._pg, self._own_pg = open_group(process_group)
+        self._saves = SaveJobs(
+            pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
+            on_commit=self._apply_retention, on_error=on_error,
+        )  # fmt: skip
         if self._pg is not None:
             self._topology = Topology(rank=dist.get_rank(self._pg), world_size=dist.get_world_size(self._pg))
         else:
@@ -184,6 +147,11 @@ class CheckpointManager:
         raise TypeError(f"timeline must be a bool, a file path or a callable, got {type(timeline).__name__}")
 
     # -- queries --------------------------------------------------------------------------------
+    @property
+    def last_error(self) -> CheckpointError | None:
+        """The most recent failure of a background save, or ``None``."""
+        return self._saves.last_error
+
     @property
     def timeline(self) -> list[dict[str, Any]]:
         """This rank's newest timeline records (see :mod:`goodput_ckpt.manager.timeline`), oldest first."""
@@ -202,8 +170,7 @@ class CheckpointManager:
     @property
     def in_flight_step(self) -> int | None:
         """The step an async save is still writing (or applying retention after), or ``None``."""
-        job = self._inflight
-        return None if job is None or job.done is None or job.done.done() else job.step
+        return self._saves.in_flight_step
 
     def steps(self) -> list[int]:
         """The steps that hold a complete (committed) checkpoint, ascending."""
@@ -252,10 +219,10 @@ class CheckpointManager:
         self._check_open()
         uri = child_uri(self.root_uri, step_dir_name(step))
         started, t0 = time.time(), time.perf_counter()
-        self._finish_previous(report=False)
-        if self.config.fail_fast and (failed := self._take_unraised()) is not None:
+        self._saves.finish_previous(report=False)
+        if self.config.fail_fast and (failed := self._saves.take_unraised()) is not None:
             # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
-            self._fail_on_every_rank(uri, failed)
+            fail_on_every_rank(self._pg, uri, failed, self._storage_options)
             raise failed
         t_waited = time.perf_counter()
         try:
@@ -274,75 +241,26 @@ class CheckpointManager:
             writer_cls = ConfirmedWriter if self.config.async_save else CheckpointWriter
             writer = writer_cls(uri, **writer_options)
         except Exception as e:
-            self._fail_on_every_rank(uri, e)
+            fail_on_every_rank(self._pg, uri, e, self._storage_options)
             raise
-        record = self._record("save", step, started, **{"async": self.config.async_save})
-        record["wait_s"] = t_waited - t0
-        record["guard_s"] = 0.0  # async staging: what the next optimizer step waited (save thread)
-        record["bytes"] = tensor_nbytes(state)
+        record = SaveRecord(
+            step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
+            is_async=self.config.async_save, wait_s=t_waited - t0, bytes=tensor_nbytes(state),
+        )  # fmt: skip
+        job = SaveJob(step, uri, writer, record)
         if not self.config.async_save:
-            try:
-                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
-                record["write_s"] = time.perf_counter() - t_waited
-                self._wait_durable(writer, step, uri)
-            except (Exception, CheckpointException) as e:
-                err = as_checkpoint_error(e, f"saving step {step} to {uri}")
-                self._finish_record(record, t_waited, err, stall_from=t0)
-                raise err
-            self._finish_record(record, t_waited, None, stall_from=t0)
-            self._apply_retention(step)
+            self._saves.save_now(job, state, blocked_from=t0, started=t_waited)
             return
         try:  # the only part of an async save that blocks
-            staged, later = self._stager.stage_deferred(state, self._deferrable(models))
+            staged, later = self._staging.stage(state, models)
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
                 err = as_checkpoint_error(e, f"staging step {step}")
-                self._fail_on_every_rank(uri, err)
+                fail_on_every_rank(self._pg, uri, err, self._storage_options)
                 raise err from e
             raise
         del state
-        t_staged = time.perf_counter()
-        record["stage_s"] = t_staged - t_waited
-        record["stall_s"] = t_staged - t0
-        assert isinstance(writer, ConfirmedWriter)
-        writer.copies = later
-        job = _Save(step, uri, record)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
-        self._guard.arm(later)
-        try:
-            job.done = self._worker.submit(self._write, job, staged, later, writer, t_staged)
-        except BaseException:
-            later.finish()
-            self._stager.release()
-            raise
-        self._inflight = job
-
-    def _fail_on_every_rank(self, uri: str, err: BaseException) -> None:
-        """This rank cannot save to ``uri`` (``err``) while the other ranks go on into
-        ``dcp.save``: join them with a save that fails in DCP's first collective phase, so the
-        save fails on every rank (with this rank's error) instead of leaving them waiting for
-        this rank, and every rank's next save pairs with the same step. Alone: nothing to do."""
-        if self._pg is None:
-            return
-        try:
-            writer = ConfirmedWriter(uri, **self._storage_options)
-            writer.failure = err
-            dcp.save({}, storage_writer=writer, process_group=self._pg)
-        except (Exception, CheckpointException):
-            pass  # the failure it was made for; ``err`` is raised by the caller
-
-    def _deferrable(self, models: Any) -> Callable[[Any], bool] | None:
-        """Which sources ``save`` may leave to the save thread: the tensors of the optimizers
-        passed to it, which only their (hooked) ``step()`` changes. ``None``: copy all now."""
-        if not (self.config.async_save and self.config.async_staging):
-            return None
-        optimizers = [o for _, opts in models.pairs.values() for o in opts if self._guard.can_guard(o)]
-        keys = guarded_tensor_keys(optimizers)
-        if not keys:
-            return None
-        self._guard.watch(optimizers)
-        return lambda t: tensor_key(t) in keys
+        self._saves.submit(job, staged, later, blocked_from=t0, waited=t_waited)
 
     def wait_staged(self) -> None:
         """Finish the background staging copies of the save in flight, in this thread.
@@ -350,98 +268,12 @@ class CheckpointManager:
         Call it before changing parameters or optimizer states in place other than through an
         optimizer's ``step()`` (which waits by itself) while a save may still be staging.
         """
-        self._guard.finish_pending()
-
-    def _write(
-        self, job: _Save, staged: dict[str, Any], later: DeferredCopies, writer: ConfirmedWriter, handed_off: float
-    ) -> None:
-        """Save thread: finish the deferred staging copies, write the staged state and commit it
-        if the copies are good on every rank (``writer`` is a ``ConfirmedWriter``), free
-        the buffers, wait until it is durable, apply retention, record the outcome. Never
-        raises: failures are reported through ``wait``/``last_error``."""
-        err: CheckpointError | None = None
-        try:
-            try:
-                later.finish()
-                job.record["guard_s"] = later.blocked_seconds()
-                job.record["stall_s"] += job.record["guard_s"]
-                dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
-            finally:
-                del staged
-                self._stager.release()
-            job.record["write_s"] = time.perf_counter() - handed_off
-            self._wait_durable(writer, job.step, job.uri)
-        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
-        self._finish_record(job.record, handed_off, err)
-        if err is None:
-            logger.info("committed step %d at %s", job.step, job.uri)
-            self._apply_retention(job.step)
-            return
-        with self._lock:
-            self.last_error = err
-            if self._unraised is None:
-                self._unraised = err
-        logger.error("background save of step %d failed: %s", job.step, err)
-        if self._on_error is not None:
-            try:
-                self._on_error(job.step, err)
-            except Exception:  # noqa: BLE001 - a broken callback must not hide the save error
-                logger.exception("on_error callback raised")
-
-    def _wait_durable(self, writer: CheckpointWriter, step: int, uri: str) -> None:
-        """Wait until the committed checkpoint is durable at its final location (later than the
-        commit only with local staging onto a volume), so retention and ``steps()`` see it."""
-        fut = writer.durable_future()
-        if fut.done():
-            fut.result()
-            return
-        try:
-            fut.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            raise CheckpointError(
-                f"the upload of step {step} to {uri} is still running after {self.config.timeout_s:.0f}s", path=uri
-            ) from None
-
-    def _record(self, event: str, step: int, started: float, **fields: Any) -> dict[str, Any]:
-        return new_record(event, step, self._topology.rank, self._topology.world_size, started, **fields)
-
-    def _finish_record(
-        self, record: dict[str, Any], since: float, err: CheckpointError | None, *, stall_from: float | None = None
-    ) -> None:
-        self._timeline.emit(finish_save_record(record, since, None if err is None else str(err), stall_from=stall_from))
-
-    def _finish_previous(self, *, report: bool) -> None:
-        """Wait for the save in flight; raise its error when ``report`` (and forget it).
-
-        Called from the training thread, so it first confirms that save's deferred copies: no
-        in-place change of the state is running now (see ``DeferredCopies.confirm``)."""
-        self._guard.finish_pending()
-        job = self._inflight
-        if job is not None:
-            assert job.done is not None
-            try:
-                job.done.result(timeout=self.config.timeout_s)
-            except FutureTimeout:
-                raise CheckpointError(
-                    f"the save of step {job.step} to {job.uri} is still running after "
-                    f"{self.config.timeout_s:.0f}s",
-                    path=job.uri,
-                ) from None
-            self._inflight = None
-        if report and (err := self._take_unraised()) is not None:
-            raise err
-
-    def _take_unraised(self) -> CheckpointError | None:
-        """The first background failure not yet raised, now counted as raised."""
-        with self._lock:
-            err, self._unraised = self._unraised, None
-        return err
+        self._staging.finish_pending()
 
     # -- retention ----------------------------------------------------------------------------------
     def _apply_retention(self, committed: int) -> None:
         """Coordinator, after ``committed`` was committed and with no other save in flight
-        (policy: :mod:`.retention`). Best effort: failures are logged."""
+        (policy: :mod:`.retention`; the save thread calls it). Best effort: failures are logged."""
         if not self.is_coordinator:
             return
         try:
@@ -477,7 +309,7 @@ class CheckpointManager:
             CorruptCheckpointError, CheckpointError: the checkpoint cannot be loaded.
         """
         self._check_open()
-        self._finish_previous(report=False)  # a save in flight lands before anything is read
+        self._saves.finish_previous(report=False)  # a save in flight lands before anything is read
         models = normalize(model, optimizer)
         check_stateful(stateful)
         if step is None:
@@ -498,7 +330,7 @@ class CheckpointManager:
             )  # fmt: skip
         except CheckpointError as e:
             local_err = e
-        self._agree(local_err)
+        raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err)
         assert plan is not None
         try:
             dcp.load(plan.dest, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
@@ -506,7 +338,10 @@ class CheckpointManager:
             raise as_checkpoint_error(e, f"loading step {step} from {uri}")
         apply_restore(plan)
         self._timeline.emit(
-            self._record("restore", step, started, seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest), ok=True, error=None)
+            RestoreRecord(
+                step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
+                seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest),
+            )  # fmt: skip
         )
         for note in plan.notes:
             logger.warning("restore of step %d: %s", step, note)
@@ -515,35 +350,11 @@ class CheckpointManager:
         return step
 
     def _agree_on_latest(self) -> int | None:
-        """The coordinator picks the newest complete step (and applies retention: incomplete steps
-        and complete ones beyond ``keep_last`` go); every rank gets its choice, so all ranks load
-        the same step."""
-        choice: list[Any] = [None, None]
-        if self.is_coordinator:
-            try:
-                choice[0] = clean_before_restore(self._root, keep_last=self.config.keep_last)
-            except CheckpointError as e:
-                choice[1] = str(e)
-        if self._pg is not None:
-            dist.broadcast_object_list(choice, group=self._pg, group_src=0)
-        if choice[1] is not None:
-            raise CheckpointError(f"listing checkpoints under {self.root_uri} failed on the coordinator: {choice[1]}")
-        return choice[0]
-
-    def _agree(self, local_err: CheckpointError | None) -> None:
-        """Raise on every rank when any rank failed to plan, instead of letting the others hang in
-        the load's collectives."""
-        if self._pg is None:
-            if local_err is not None:
-                raise local_err
-            return
-        errors: list[Any] = [None] * self._topology.world_size
-        dist.all_gather_object(errors, None if local_err is None else str(local_err), group=self._pg)
-        if local_err is not None:
-            raise local_err
-        for rank, msg in enumerate(errors):
-            if msg is not None:
-                raise CheckpointError(f"restore failed on rank {rank}: {msg}")
+        """The step every rank restores: the coordinator's choice (:func:`.agreement.agree_on_latest`)."""
+        return agree_on_latest(
+            self._root, self._pg, is_coordinator=self.is_coordinator, keep_last=self.config.keep_last,
+            root_uri=self.root_uri,
+        )  # fmt: skip
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def wait(self) -> None:
@@ -553,7 +364,7 @@ class CheckpointManager:
             CheckpointError: a background save failed since the last report.
         """
         self._check_open()
-        self._finish_previous(report=True)
+        self._saves.finish_previous(report=True)
 
     def close(self) -> None:
         """Wait for the save in flight, release the buffers and the group. Idempotent.
@@ -564,14 +375,11 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self._finish_previous(report=True)
+            self._saves.finish_previous(report=True)
         finally:
             self._closed = True
-            if self._worker is not None:
-                # A save still in flight here timed out in _finish_previous: do not wait forever.
-                self._worker.shutdown(wait=self._inflight is None, cancel_futures=True)
-            self._guard.close()
-            self._stager.close()
+            self._saves.shutdown()
+            self._staging.close()
             if self._own_pg and self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)
             self._pg = None

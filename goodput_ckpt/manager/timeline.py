@@ -20,6 +20,10 @@ rank, so the goodput of a real run can be computed afterwards (``goodput-ckpt pl
   only with local staging onto a volume). ``gbps`` = ``bytes`` / ``write_s`` / 1e9.
 - ``bytes``: this rank's tensor payload (its shards of the model and optimizer state).
 
+In code a record is a :class:`SaveRecord` or a :class:`RestoreRecord`; the save job
+(:mod:`.save_job`) is the one place that fills a save's record in, and :meth:`SaveRecord.to_json`
+the one place that names the fields above.
+
 Where the lines go is the manager's ``timeline=`` option: by default a file
 ``ROOT/goodput-timeline.jsonl`` when the root is a local directory (each rank appends whole lines
 with ``O_APPEND``, which local filesystems keep unmixed), any local path, a callable that receives
@@ -38,14 +42,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
-
 
 __all__ = [
     "TIMELINE_NAME",
+    "RestoreRecord",
+    "SaveRecord",
     "TimelineSink",
-    "finish_save_record",
-    "new_record",
     "read_timeline",
     "summarize_timeline",
     "tensor_nbytes",
@@ -65,6 +69,87 @@ RESTORE_WINDOW_S = 60.0
 MEMORY_RECORDS = 10_000
 
 
+@dataclass(kw_only=True, eq=False)
+class SaveRecord:
+    """The timeline record of one save (fields: the module docstring; ``is_async`` is ``async``).
+
+    Filled in by the save job in this order: created when the state is built, :meth:`staged`
+    (async saves) once ``save`` returns, :meth:`guarded` and :meth:`written` on the save thread,
+    :meth:`finish` at the end, then emitted.
+    """
+
+    step: int
+    rank: int
+    world_size: int
+    time: float
+    is_async: bool
+    wait_s: float
+    bytes: int
+    stage_s: float = 0.0
+    guard_s: float = 0.0
+    stall_s: float = 0.0
+    write_s: float | None = None
+    durable_s: float | None = None
+    gbps: float | None = None
+    ok: bool = False
+    error: str | None = None
+
+    def staged(self, *, stage_s: float, stall_s: float) -> None:
+        """An async save's staging is done: ``save`` blocked for ``stall_s`` in all."""
+        self.stage_s, self.stall_s = stage_s, stall_s
+
+    def guarded(self, guard_s: float) -> None:
+        """The optimizer steps waited ``guard_s`` for the deferred copies: more stall."""
+        self.guard_s = guard_s
+        self.stall_s += guard_s
+
+    def written(self, write_s: float) -> None:
+        """The checkpoint was committed ``write_s`` after the hand-off (or the start, if sync)."""
+        self.write_s = write_s
+
+    def finish(self, since: float, error: str | None, *, stall_from: float | None = None) -> None:
+        """Complete the record now: ``since`` is when its write started and ``stall_from``, for
+        a synchronous save, when the caller started to block (``time.perf_counter()`` values)."""
+        now = time.perf_counter()
+        self.durable_s = now - since
+        if self.write_s is None:
+            self.write_s = now - since
+        if stall_from is not None:  # a synchronous save blocks for all of it
+            self.stage_s = 0.0
+            self.stall_s = now - stall_from
+        self.gbps = self.bytes / self.write_s / 1e9 if error is None and self.write_s > 0 else None
+        self.ok = error is None
+        self.error = error
+
+    def to_json(self) -> Record:
+        """The record as the JSON object of the timeline file."""
+        return {
+            "event": "save", "step": self.step, "rank": self.rank, "world_size": self.world_size,
+            "time": self.time, "async": self.is_async, "wait_s": self.wait_s, "stage_s": self.stage_s,
+            "guard_s": self.guard_s, "stall_s": self.stall_s, "write_s": self.write_s,
+            "durable_s": self.durable_s, "bytes": self.bytes, "gbps": self.gbps, "ok": self.ok, "error": self.error,
+        }  # fmt: skip
+
+
+@dataclass(kw_only=True, frozen=True)
+class RestoreRecord:
+    """The timeline record of one successful restore (a failed restore raises, unrecorded)."""
+
+    step: int
+    rank: int
+    world_size: int
+    time: float
+    seconds: float
+    bytes: int
+
+    def to_json(self) -> Record:
+        """The record as the JSON object of the timeline file."""
+        return {
+            "event": "restore", "step": self.step, "rank": self.rank, "world_size": self.world_size,
+            "time": self.time, "seconds": self.seconds, "bytes": self.bytes, "ok": True, "error": None,
+        }  # fmt: skip
+
+
 class TimelineSink:
     """Where the records of one manager go: an in-memory list, plus a file or a callback."""
 
@@ -78,8 +163,9 @@ class TimelineSink:
         """The JSON-lines file the records are appended to, if any."""
         return self._path
 
-    def emit(self, record: Record) -> None:
+    def emit(self, event: SaveRecord | RestoreRecord) -> None:
         """Record one event. Best effort: a failure to write the timeline never fails a save."""
+        record = event.to_json()
         self.records.append(record)
         if self._path is not None:
             line = (json.dumps(record, sort_keys=True) + "\n").encode()
@@ -97,27 +183,6 @@ class TimelineSink:
                 self._callback(dict(record))
             except Exception:  # noqa: BLE001 - a broken callback must not fail a save
                 logger.exception("timeline callback raised")
-
-
-def new_record(event: str, step: int, rank: int, world_size: int, started: float, **fields: Any) -> Record:
-    """The common fields of a record; ``started`` is the wall-clock start (``time.time()``)."""
-    return {"event": event, "step": step, "rank": rank, "world_size": world_size, "time": started, **fields}
-
-
-def finish_save_record(record: Record, since: float, error: str | None, *, stall_from: float | None = None) -> Record:
-    """Complete a save record now: ``since`` is when its write started and ``stall_from``, for
-    a synchronous save, when the caller started to block (``time.perf_counter()`` values)."""
-    now = time.perf_counter()
-    record["durable_s"] = now - since
-    record.setdefault("write_s", now - since)
-    if stall_from is not None:  # a synchronous save blocks for all of it
-        record["stage_s"] = 0.0
-        record["stall_s"] = now - stall_from
-    write_s = record["write_s"]
-    record["gbps"] = record["bytes"] / write_s / 1e9 if error is None and write_s > 0 else None
-    record["ok"] = error is None
-    record["error"] = error
-    return record
 
 
 def read_timeline(path: str | os.PathLike) -> list[Record]:

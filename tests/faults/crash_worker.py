@@ -179,7 +179,8 @@ class _HashedSinkProxy(_SinkProxy):
 
 def _install(events: _Events) -> None:
     import goodput_ckpt.dcp.hashed_write as hashed_write
-    import goodput_ckpt.manager as manager
+    import goodput_ckpt.manager.checkpoint_manager as manager
+    import goodput_ckpt.manager.save_job as save_job
     import goodput_ckpt.storage.local as local
     import goodput_ckpt.storage.volume as volume
     from goodput_ckpt.manager.staging.stager import ReusableStager
@@ -264,7 +265,7 @@ def _install(events: _Events) -> None:
         return f
 
     wrap(ReusableStager, "_copy_into", copy_into)
-    wrap(manager.CheckpointManager, "_write", write)
+    wrap(save_job.SaveJobs, "write", write)
     wrap(manager.CheckpointManager, "_apply_retention", retention)
     wrap(manager.CheckpointManager, "_agree_on_latest", restore_scan)
     wrap(hashed_write, "remove_stale_files", stale)

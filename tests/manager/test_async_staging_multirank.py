@@ -24,8 +24,8 @@ def _held(root: Path) -> tuple[CheckpointManager, threading.Event]:
     """A manager whose save thread first waits for ``release.set()`` (the copy stays pending)."""
     mgr = CheckpointManager(root, keep_last=None, timeline=False)
     release = threading.Event()
-    mgr._worker = ThreadPoolExecutor(1, thread_name_prefix="held-save")
-    mgr._worker.submit(release.wait, 60)
+    mgr._saves._worker = ThreadPoolExecutor(1, thread_name_prefix="held-save")
+    mgr._saves._worker.submit(release.wait, 60)
     return mgr, release
 
 
@@ -69,16 +69,16 @@ def _worker(rank: int, world_size: int, root: str) -> None:
 
     # -- staging itself fails on one rank (out of memory, say): that rank joins the others'
     # save with a failing one, so every rank fails step 3 and step 4 pairs everywhere ----------
-    stage = mgr._stager.stage_deferred
+    stage = mgr._staging.stager.stage_deferred
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError("cannot allocate the staging buffers")
 
     if rank == 1:
-        mgr._stager.stage_deferred = out_of_memory
+        mgr._staging.stager.stage_deferred = out_of_memory
         with pytest.raises(CheckpointError, match="staging step 3.*cannot allocate"):
             mgr.save(3, model=model, optimizer=opt)
-        mgr._stager.stage_deferred = stage
+        mgr._staging.stager.stage_deferred = stage
     else:
         mgr.save(3, model=model, optimizer=opt)
         with pytest.raises(CheckpointError, match="cannot allocate"):
@@ -93,7 +93,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     fmgr.save(1, model=model, optimizer=opt)
     fmgr.wait()
     if rank == 1:
-        fmgr._unraised = CheckpointError("the upload of step 1 never became durable")
+        fmgr._saves._unraised = CheckpointError("the upload of step 1 never became durable")
         with pytest.raises(CheckpointError, match="never became durable"):
             fmgr.save(2, model=model, optimizer=opt)
     else:
@@ -119,7 +119,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     assert isinstance(fmodel[0].weight, DTensor)
     fmgr, release = _held(Path(root, "fsdp"))
     fmgr.save(1, model=fmodel, optimizer=fopt)
-    assert not fmgr._guard._pending.done, "the DTensor shards' copies were deferred"
+    assert not fmgr._staging.guard._pending.done, "the DTensor shards' copies were deferred"
     with torch.no_grad():
         fmodel[0].weight.mul_(2.0)  # bumps the DTensor's version counter, not its shard's
     release.set()

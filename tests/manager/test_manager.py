@@ -120,11 +120,11 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(0, model=model, optimizer=opt)
     mgr.wait()
-    ptrs = {k: v.data_ptr() for k, v in mgr._stager._buffers.items()}
+    ptrs = {k: v.data_ptr() for k, v in mgr._staging.stager._buffers.items()}
     mgr.save(1, model=model, optimizer=opt)
     mgr.wait()
-    assert {k: v.data_ptr() for k, v in mgr._stager._buffers.items()} == ptrs
-    assert mgr._stager.nbytes >= sum(p.numel() * 4 for p in model.parameters()) * 3
+    assert {k: v.data_ptr() for k, v in mgr._staging.stager._buffers.items()} == ptrs
+    assert mgr._staging.stager.nbytes >= sum(p.numel() * 4 for p in model.parameters()) * 3
     mgr.close()
 
 
@@ -362,14 +362,14 @@ def test_save_waits_for_the_previous_save(tmp_path):
     model, opt, _ = _make()
     mgr = CheckpointManager(tmp_path, keep_last=None)
     order = []
-    real_write = mgr._write
+    real_write = mgr._saves.write
 
     def write(job, staged, writer, *rest):
         order.append(("start", job.step, threading.current_thread().name))
         real_write(job, staged, writer, *rest)
         order.append(("end", job.step, os.path.exists(tmp_path / f"step_{job.step:08d}" / MANIFEST_NAME)))
 
-    mgr._write = write
+    mgr._saves.write = write
     for step in range(3):
         mgr.save(step, model=model, optimizer=opt)
     mgr.close()

@@ -1,0 +1,96 @@
+"""Cross-rank agreement: the manager's group, and the decisions every rank must share.
+
+Every rank makes every manager call, and DCP's collectives pair one rank's save (or load) with
+the others'. So a decision one rank takes alone (which step to restore, whether it can save at
+all, whether its plan failed) must reach the others, or they wait in a collective that this
+rank never joins, or pair their next save with another step. The functions here make those
+decisions on every rank, over the manager's own group.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import CheckpointError
+from ..storage.base import Store
+from .retention import clean_before_restore
+from .staging.confirmed_writer import ConfirmedWriter
+
+__all__ = ["agree_on_latest", "fail_on_every_rank", "open_group", "raise_if_any_rank_failed"]
+
+
+def open_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
+    """The group a manager checkpoints over, and whether the manager created it (and must
+    destroy it): ``process_group`` when given, else a new gloo group over all ranks when
+    torch.distributed is initialized (creating it is collective), else none."""
+    if process_group is not None:
+        return process_group, False
+    if dist.is_available() and dist.is_initialized():
+        # Async saves run collectives from a background thread; on their own group they
+        # never interleave with the training loop's collectives on the default group.
+        return dist.new_group(backend="gloo"), True
+    # Without a process group the manager passes no_dist=True on purpose; torch still
+    # warns on every save and load that it "assumes a single process". Silence just that.
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+    return None, False
+
+
+def fail_on_every_rank(
+    pg: dist.ProcessGroup | None, uri: str, err: BaseException, storage_options: dict[str, Any]
+) -> None:
+    """This rank cannot save to ``uri`` (``err``) while the other ranks go on into
+    ``dcp.save``: join them with a save that fails in DCP's first collective phase, so the
+    save fails on every rank (with this rank's error) instead of leaving them waiting for
+    this rank, and every rank's next save pairs with the same step. Alone: nothing to do."""
+    if pg is None:
+        return
+    try:
+        writer = ConfirmedWriter(uri, **storage_options)
+        writer.failure = err
+        dcp.save({}, storage_writer=writer, process_group=pg)
+    except (Exception, CheckpointException):
+        pass  # the failure it was made for; ``err`` is raised by the caller
+
+
+def agree_on_latest(
+    root: Store, pg: dist.ProcessGroup | None, *, is_coordinator: bool, keep_last: int | None, root_uri: str
+) -> int | None:
+    """The coordinator picks the newest complete step (and applies retention: incomplete steps
+    and complete ones beyond ``keep_last`` go); every rank gets its choice, so all ranks load
+    the same step.
+
+    Raises:
+        CheckpointError: on every rank, when the coordinator could not list the root.
+    """
+    choice: list[Any] = [None, None]
+    if is_coordinator:
+        try:
+            choice[0] = clean_before_restore(root, keep_last=keep_last)
+        except CheckpointError as e:
+            choice[1] = str(e)
+    if pg is not None:
+        dist.broadcast_object_list(choice, group=pg, group_src=0)
+    if choice[1] is not None:
+        raise CheckpointError(f"listing checkpoints under {root_uri} failed on the coordinator: {choice[1]}")
+    return choice[0]
+
+
+def raise_if_any_rank_failed(pg: dist.ProcessGroup | None, world_size: int, local_err: CheckpointError | None) -> None:
+    """Raise on every rank when any rank failed to plan, instead of letting the others hang in
+    the load's collectives: this rank's own error, else the first other rank's."""
+    if pg is None:
+        if local_err is not None:
+            raise local_err
+        return
+    errors: list[Any] = [None] * world_size
+    dist.all_gather_object(errors, None if local_err is None else str(local_err), group=pg)
+    if local_err is not None:
+        raise local_err
+    for rank, msg in enumerate(errors):
+        if msg is not None:
+            raise CheckpointError(f"restore failed on rank {rank}: {msg}")

@@ -1,0 +1,234 @@
+"""The background save job: the manager's one save thread, the save in flight, its failures.
+
+An async save hands its staged copy to :meth:`SaveJobs.submit`; the save thread finishes the
+deferred staging copies, runs ``dcp.save`` (its planning collectives go over the manager's own
+gloo group, so they never interleave with training collectives on the default group), releases
+the buffers, waits until the checkpoint is durable, applies retention (the ``on_commit``
+callback) and records the outcome in the timeline. The next ``save`` (and ``restore``, ``wait``,
+``close``) waits for it (:meth:`SaveJobs.finish_previous`), so at most one save is in flight, a
+buffer is never overwritten while it is written, and retention never races a save.
+
+A failure never raises in the save thread: it becomes ``last_error``, goes to ``on_error``, and
+is raised once at the next ``wait``/``close`` (or ``save`` with ``fail_fast``). A synchronous
+save runs the same steps in the caller's thread (:meth:`SaveJobs.save_now`) and raises.
+
+This module also owns each save's timeline record (:class:`~.timeline.SaveRecord`): it is
+filled in here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..dcp.writer import CheckpointWriter
+from ..errors import CheckpointError, as_checkpoint_error
+from .staging.async_staging import AsyncStaging
+from .staging.confirmed_writer import ConfirmedWriter
+from .staging.deferred_copy import DeferredCopies
+from .timeline import SaveRecord, TimelineSink
+
+__all__ = ["ErrorCallback", "SaveJob", "SaveJobs"]
+
+logger = logging.getLogger("goodput_ckpt.manager")
+
+#: ``on_error(step, error)``: called from the save thread when a background save fails.
+ErrorCallback = Callable[[int, CheckpointError], None]
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One save: where it goes, its writer and its timeline record."""
+
+    step: int
+    uri: str
+    writer: CheckpointWriter
+    record: SaveRecord
+    done: Future | None = None  # an async save's task: done after commit, release, retention, recording
+
+
+class SaveJobs:
+    """The save thread of one manager and the save it runs.
+
+    Args:
+        pg: the manager's group (``None``: one process, ``no_dist``).
+        staging: the manager's async staging (buffers to release, copies to confirm).
+        timeline: where the records go.
+        timeout_s: the longest wait for a previous save or for durability.
+        on_commit: ``on_commit(step)`` after a save committed and is durable (retention).
+        on_error: the user's ``on_error`` (see :data:`ErrorCallback`), or ``None``.
+
+    Attributes:
+        last_error: the most recent failure of a background save, or ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        pg: dist.ProcessGroup | None,
+        staging: AsyncStaging,
+        timeline: TimelineSink,
+        timeout_s: float,
+        on_commit: Callable[[int], None],
+        on_error: ErrorCallback | None,
+    ) -> None:
+        self.pg = pg
+        self._staging = staging
+        self._timeline = timeline
+        self._timeout_s = timeout_s
+        self._on_commit = on_commit
+        self._on_error = on_error
+        self.last_error: CheckpointError | None = None
+        self._unraised: CheckpointError | None = None
+        self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
+        self._inflight: SaveJob | None = None
+        # One long-lived thread writes async saves (created on the first): dcp.async_save would
+        # start a new thread per save, and on busy cores waiting for it to start costs ms.
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step an async save is still writing (or applying retention after), or ``None``."""
+        job = self._inflight
+        return None if job is None or job.done is None or job.done.done() else job.step
+
+    # -- a synchronous save ---------------------------------------------------------------------
+    def save_now(self, job: SaveJob, state: dict[str, Any], *, blocked_from: float, started: float) -> None:
+        """Write ``state`` in this thread, wait until it is durable, apply retention, record it.
+
+        ``blocked_from``: when ``save`` was called, ``started``: when the write starts
+        (``time.perf_counter()`` values).
+
+        Raises:
+            CheckpointError: the save failed (recorded as failed; retention not applied).
+        """
+        try:
+            dcp.save(state, storage_writer=job.writer, process_group=self.pg, no_dist=self.pg is None)
+            job.record.written(time.perf_counter() - started)
+            self.wait_durable(job)
+        except (Exception, CheckpointException) as e:
+            err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
+            self._emit(job.record, started, err, stall_from=blocked_from)
+            raise err
+        self._emit(job.record, started, None, stall_from=blocked_from)
+        self._on_commit(job.step)
+
+    # -- an async save ------------------------------------------------------------------------------
+    def submit(
+        self, job: SaveJob, staged: dict[str, Any], later: DeferredCopies, *, blocked_from: float, waited: float
+    ) -> None:
+        """Hand a staged save to the save thread; ``save`` returns after this.
+
+        ``blocked_from``: when ``save`` was called, ``waited``: when it was done waiting for
+        the previous save (``time.perf_counter()`` values); staging ended now.
+        """
+        handed_off = time.perf_counter()
+        job.record.staged(stage_s=handed_off - waited, stall_s=handed_off - blocked_from)
+        assert isinstance(job.writer, ConfirmedWriter)
+        job.writer.copies = later
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
+        self._staging.arm(later)
+        try:
+            job.done = self._worker.submit(self.write, job, staged, later, handed_off)
+        except BaseException:
+            later.finish()
+            self._staging.release()
+            raise
+        self._inflight = job
+
+    def write(self, job: SaveJob, staged: dict[str, Any], later: DeferredCopies, handed_off: float) -> None:
+        """Save thread: finish the deferred staging copies, write the staged state and commit it
+        if the copies are good on every rank (the writer is a ``ConfirmedWriter``), free
+        the buffers, wait until it is durable, apply retention, record the outcome. Never
+        raises: failures are reported through ``wait``/``last_error``."""
+        err: CheckpointError | None = None
+        try:
+            try:
+                later.finish()
+                job.record.guarded(later.blocked_seconds())
+                dcp.save(staged, storage_writer=job.writer, process_group=self.pg, no_dist=self.pg is None)
+            finally:
+                del staged
+                self._staging.release()
+            job.record.written(time.perf_counter() - handed_off)
+            self.wait_durable(job)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
+        self._emit(job.record, handed_off, err)
+        if err is None:
+            logger.info("committed step %d at %s", job.step, job.uri)
+            self._on_commit(job.step)
+            return
+        with self._lock:
+            self.last_error = err
+            if self._unraised is None:
+                self._unraised = err
+        logger.error("background save of step %d failed: %s", job.step, err)
+        if self._on_error is not None:
+            try:
+                self._on_error(job.step, err)
+            except Exception:  # noqa: BLE001 - a broken callback must not hide the save error
+                logger.exception("on_error callback raised")
+
+    # -- shared -----------------------------------------------------------------------------------
+    def wait_durable(self, job: SaveJob) -> None:
+        """Wait until the committed checkpoint is durable at its final location (later than the
+        commit only with local staging onto a volume), so retention and ``steps()`` see it."""
+        fut = job.writer.durable_future()
+        if fut.done():
+            fut.result()
+            return
+        try:
+            fut.result(timeout=self._timeout_s)
+        except FutureTimeout:
+            raise CheckpointError(
+                f"the upload of step {job.step} to {job.uri} is still running after {self._timeout_s:.0f}s",
+                path=job.uri,
+            ) from None
+
+    def _emit(self, record: SaveRecord, since: float, err: CheckpointError | None, *, stall_from: float | None = None) -> None:
+        record.finish(since, None if err is None else str(err), stall_from=stall_from)
+        self._timeline.emit(record)
+
+    def finish_previous(self, *, report: bool) -> None:
+        """Wait for the save in flight; raise its error when ``report`` (and forget it).
+
+        Called from the training thread, so it first confirms that save's deferred copies: no
+        in-place change of the state is running now (see ``DeferredCopies.confirm``)."""
+        self._staging.finish_pending()
+        job = self._inflight
+        if job is not None:
+            assert job.done is not None
+            try:
+                job.done.result(timeout=self._timeout_s)
+            except FutureTimeout:
+                raise CheckpointError(
+                    f"the save of step {job.step} to {job.uri} is still running after {self._timeout_s:.0f}s",
+                    path=job.uri,
+                ) from None
+            self._inflight = None
+        if report and (err := self.take_unraised()) is not None:
+            raise err
+
+    def take_unraised(self) -> CheckpointError | None:
+        """The first background failure not yet raised, now counted as raised."""
+        with self._lock:
+            err, self._unraised = self._unraised, None
+        return err
+
+    def shutdown(self) -> None:
+        """Stop the save thread; a save still in flight here timed out in :meth:`finish_previous`,
+        so do not wait for it."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=self._inflight is None, cancel_futures=True)
