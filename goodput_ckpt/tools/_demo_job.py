@@ -5,8 +5,10 @@ Usage (the demo starts one process per rank)::
     python -m goodput_ckpt.tools._demo_job --rank R --world-size N --port P --out DIR \\
         --steps S --width W [--root URI --save-every K --timeline FILE [-o KEY=VALUE ...]]
 
-The job: an FSDP2 (``fully_shard``) MLP with dropout, per-rank seeds, a shuffling
-``StatefulDataLoader`` with 2 workers over per-rank synthetic data, AdamW and a LambdaLR schedule.
+The job: an FSDP2 (``fully_shard``) MLP with dropout, per-rank seeds (each step draws from the
+torch, Python and NumPy RNGs), a shuffling ``StatefulDataLoader`` with 2 workers over per-rank
+synthetic data, AdamW and a LambdaLR schedule. The manager's resume test runs this same job
+(``tests/manager/train_job.py``).
 With ``--root`` it runs under :class:`~goodput_ckpt.CheckpointManager` (restore, then an async
 save every K steps and at the last step); without it, it is the reference run: the same job with
 the same seeds and no checkpointing at all.
@@ -22,7 +24,7 @@ It prints, flushed, one line per event (``T`` is ``time.time()``)::
 
 At the end each rank writes ``DIR/fingerprint-rank{R}.json``: blake3 digests of what a resumed
 run must reproduce bit for bit (rank 0: the full parameters, optimizer state and scheduler state;
-every rank: its RNG states and the next batches of its dataloader). With ``--sync-probe`` the
+every rank: its RNG states and the next batches of its dataloader; :func:`state_fingerprint`). With ``--sync-probe`` the
 managed run then times a blocking ``dcp.save`` of the same state with torch's stock
 ``FileSystemWriter`` (the "synchronous checkpoint" the report compares against).
 """
@@ -40,6 +42,7 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -71,27 +74,38 @@ def device_for(rank: int, world_size: int) -> torch.device:
     return torch.device("cpu")
 
 
+def make_model(width: int) -> nn.Sequential:
+    """The job's MLP, unsharded, with fresh weights."""
+    layers: list[nn.Module] = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)]
+    return nn.Sequential(*layers, nn.Linear(width, width // 2))
+
+
+def make_optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    """The job's optimizer and learning-rate schedule for ``model``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
+
+
 def build(rank: int, world_size: int, width: int, device: torch.device) -> tuple[Any, ...]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     torch.manual_seed(1234)  # the same initial weights on every rank
-    layers: list[nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)]
-    model = nn.Sequential(*layers, nn.Linear(width, width // 2)).to(device)
+    model = make_model(width).to(device)
     mesh = init_device_mesh(device.type, (world_size,))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
+    opt, sched = make_optimizer(model)
     torch.manual_seed(1000 + rank)  # per-rank dropout and noise
     if device.type == "cuda":
         torch.cuda.manual_seed(1000 + rank)
     random.seed(2000 + rank)
+    np.random.seed(3000 + rank)
     # Its own generator: creating an iterator draws from it, never from the global RNG.
     loader = StatefulDataLoader(
         Samples(rank, width), batch_size=BATCH, shuffle=True, num_workers=2,
@@ -102,7 +116,7 @@ def build(rank: int, world_size: int, width: int, device: torch.device) -> tuple
 
 def train_step(model: nn.Module, opt: Any, sched: Any, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> None:
     x, y = x.to(device), y.to(device)
-    jitter = 1.0 + 0.01 * random.random()  # Python's RNG is part of the state too
+    jitter = 1.0 + 0.01 * random.random() + 0.01 * float(np.random.rand())  # Python's and NumPy's RNGs too
     out = model(x * jitter + 0.01 * torch.randn_like(x))
     nn.functional.mse_loss(out, y).backward()
     opt.step()
@@ -138,23 +152,30 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fingerprint(rank: int, model: nn.Module, opt: Any, sched: Any, loader: Any, device: torch.device) -> dict[str, Any]:
-    """Digests of everything an exact resume must reproduce (a collective: every rank calls it)."""
+def state_fingerprint(model: nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    """Digests of the full (unsharded) parameters, optimizer state and scheduler state, keyed
+    ``model.*``, ``optimizer.*``, ``scheduler.*`` (a collective when the model is sharded)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=full)
+    osd = get_optimizer_state_dict(model, opt, options=full)
+    return _flatten(_digest({"model": msd, "optimizer": osd, "scheduler": sched.state_dict()}), "", {})
+
+
+def fingerprint(rank: int, model: nn.Module, opt: Any, sched: Any, loader: Any, device: torch.device) -> dict[str, Any]:
+    """Digests of everything an exact resume must reproduce (a collective: every rank calls it)."""
     state: dict[str, Any] = {
         "rng.torch": torch.get_rng_state(),
         "rng.python": random.getstate(),
+        "rng.numpy": [torch.from_numpy(np.random.get_state()[1].copy()), *np.random.get_state()[2:]],
         "next_batches": [batch[0] for batch, _ in zip(loader, range(2))],
     }
     if device.type == "cuda":
         state["rng.cuda"] = torch.cuda.get_rng_state(device)
-    msd = get_model_state_dict(model, options=full)
-    osd = get_optimizer_state_dict(model, opt, options=full)
-    if rank == 0:
-        state.update(model=msd, optimizer=osd, scheduler=sched.state_dict())
-    return _flatten(_digest(state), "", {})
+    full_state = state_fingerprint(model, opt, sched)
+    prints = _flatten(_digest(state), "", {})
+    return {**prints, **full_state} if rank == 0 else prints
 
 
 def sync_probe(model: nn.Module, opt: Any, out: str) -> float:
