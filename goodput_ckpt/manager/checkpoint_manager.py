@@ -42,8 +42,8 @@ from ..errors import CheckpointError, as_checkpoint_error
 from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from ..storage import open_store
 from ..storage.local import LocalStore
-from .config import ManagerConfig
 from .agreement import agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
+from .config import ManagerConfig
 from .retention import delete_step, retention_victims, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
 from .staging.async_staging import AsyncStaging
@@ -54,6 +54,7 @@ from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, te
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
+
 
 class CheckpointManager:
     """Save and resume the whole training state, one checkpoint per step under ``root_uri``.
