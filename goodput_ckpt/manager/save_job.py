@@ -197,7 +197,9 @@ class SaveJobs:
                 path=job.uri,
             ) from None
 
-    def _emit(self, record: SaveRecord, since: float, err: CheckpointError | None, *, stall_from: float | None = None) -> None:
+    def _emit(
+        self, record: SaveRecord, since: float, err: CheckpointError | None, *, stall_from: float | None = None
+    ) -> None:
         record.finish(since, None if err is None else str(err), stall_from=stall_from)
         self._timeline.emit(record)
 

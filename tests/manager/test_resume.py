@@ -3,9 +3,9 @@ uninterrupted one does.
 
 The job (the demo's, through train_job.py) runs on 2 gloo ranks: an FSDP2 MLP with dropout and
 per-rank seeds, a shuffling StatefulDataLoader with 2 workers, AdamW and a LambdaLR schedule,
-async saves every 4 steps through CheckpointManager (keep_last=3). It is SIGKILLed (every rank and its dataloader workers, like a
-lost node) several times: at random moments, and right after ``save`` returned, while the
-background save writes. Each restart restores the newest complete checkpoint. The final
+async saves every 4 steps through CheckpointManager (keep_last=3). It is SIGKILLed (every rank
+and its dataloader workers, like a lost node) several times: at random moments, and right after
+``save`` returned, while the background save writes. Each restart restores the newest complete checkpoint. The final
 parameters, optimizer state, scheduler state, every rank's RNG states (torch, Python, NumPy) and
 its next batches must equal, bit for bit (their blake3 digests), those of the same job run once
 without any manager.

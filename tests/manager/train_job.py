@@ -18,12 +18,16 @@ from typing import Any
 
 from goodput_ckpt.tools._demo_job import BATCH, Samples, make_model, make_optimizer, state_fingerprint
 
-__all__ = ["BATCH", "WIDTH", "Samples", "command", "fingerprint_file", "make_model", "make_optimizer", "state_fingerprint"]
+__all__ = [
+    "BATCH", "WIDTH", "Samples", "command", "fingerprint_file", "make_model", "make_optimizer", "state_fingerprint",
+]  # fmt: skip
 
 WIDTH = 256  # ~1.2 MB of parameters, ~3.5 MB with AdamW state: saves take a few ms to tens of ms
 
 
-def command(rank: int, world_size: int, port: int, out: Path, *, steps: int, save_every: int, root: Path | None) -> list[str]:
+def command(
+    rank: int, world_size: int, port: int, out: Path, *, steps: int, save_every: int, root: Path | None
+) -> list[str]:
     """The command line of one rank (run it from the repository root, as pytest is)."""
     cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank), "--world-size", str(world_size),
            "--port", str(port), "--out", str(out), "--steps", str(steps), "--width", str(WIDTH),
