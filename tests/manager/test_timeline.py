@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from goodput_ckpt import CheckpointError, CheckpointManager
-from goodput_ckpt.manager.timeline import TIMELINE_NAME, read_timeline, summarize_timeline, tensor_nbytes
+from goodput_ckpt.manager.timeline import (
+    TIMELINE_NAME,
+    RestoreRecord,
+    SaveRecord,
+    read_timeline,
+    summarize_timeline,
+    tensor_nbytes,
+)
 
 SAVE_FIELDS = {
     "event", "step", "rank", "world_size", "time", "async", "wait_s", "stage_s", "guard_s", "stall_s",
@@ -110,6 +118,30 @@ def test_a_broken_callback_or_unwritable_file_never_fails_a_save(tmp_path, caplo
         mgr.save(1, model=model, optimizer=opt)  # the "file" is a directory: cannot append
         assert mgr.steps() == [1]
     assert "could not append to the timeline" in caplog.text
+
+
+def test_a_save_record_through_its_phases():
+    """The typed record's JSON names the documented fields; staging, the optimizer steps' wait
+    and the write add up as the timeline's docstring says."""
+    r = SaveRecord(step=7, rank=1, world_size=2, time=1.5, is_async=True, wait_s=0.25, bytes=4000)
+    r.staged(stage_s=0.5, stall_s=0.75)
+    r.guarded(0.125)
+    r.written(2.0)
+    r.finish(time.perf_counter(), None)
+    out = r.to_json()
+    assert set(out) == SAVE_FIELDS and out["event"] == "save" and out["async"] is True
+    assert out["stall_s"] == 0.875 and out["guard_s"] == 0.125 and out["write_s"] == 2.0
+    assert out["gbps"] == 4000 / 2.0 / 1e9 and out["ok"] and out["error"] is None
+    failed = SaveRecord(step=8, rank=0, world_size=1, time=2.0, is_async=False, wait_s=0.0, bytes=10)
+    failed.finish(time.perf_counter(), "disk full", stall_from=time.perf_counter())
+    out = failed.to_json()
+    assert not out["ok"] and out["error"] == "disk full" and out["gbps"] is None and out["stage_s"] == 0.0
+    assert out["write_s"] is not None and out["write_s"] >= 0  # set at the end when never written
+    restore = RestoreRecord(step=8, rank=0, world_size=1, time=3.0, seconds=0.5, bytes=10).to_json()
+    assert restore == {
+        "event": "restore", "step": 8, "rank": 0, "world_size": 1, "time": 3.0, "seconds": 0.5, "bytes": 10,
+        "ok": True, "error": None,
+    }  # fmt: skip
 
 
 def test_read_timeline_skips_a_torn_last_line_but_not_a_bad_middle_one(tmp_path):
