@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...errors import CorruptCheckpointError
+from ...storage import Store
 
 __all__ = [
     "Box",
@@ -40,6 +41,7 @@ __all__ = [
     "flat_pieces",
     "ordered_map",
     "read_flat",
+    "read_small_capped",
 ]
 
 T = TypeVar("T")
@@ -140,6 +142,40 @@ class Source(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_small_capped(store: Store, name: str, limit: int, what: str) -> bytes | None:
+    """The whole of a small file (a commit record, a header, an index, a sidecar), or ``None``
+    when it is missing; never more than ``limit`` bytes.
+
+    Why: a foreign checkpoint's small files are read whole and parsed in memory. Without a cap,
+    a 3 GiB sparse file or an endless one exhausts memory before any parser can refuse it.
+    The size is asked first (the stores refuse links and non-regular files there), and then
+    exactly that many bytes are read by range, so a file that grows meanwhile is not read past
+    the size that was checked. Every foreign small file goes through here, so this is the one
+    place to swap for a store's own capped read.
+
+    Raises:
+        CorruptCheckpointError: the file is larger than ``limit``.
+        CheckpointError: the store refuses the file (a link, not a regular file).
+    """
+    size = store.size(name)
+    if size is None:
+        return None
+    where = f"{store.uri.rstrip('/')}/{name}"
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{what} {where} is {size} bytes, over the {limit}-byte limit for it; refusing to read it",
+            path=where,
+        )
+    buf = bytearray(size)
+    if size:
+        src = store.open_source(name)
+        try:
+            src.read_into(0, [memoryview(buf)])
+        finally:
+            src.close()
+    return bytes(buf)
 
 
 def alloc(n: int) -> memoryview:

@@ -21,6 +21,7 @@ loads with ``dcp.load(..., storage_reader=FileSystemReader(path))``.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 import threading
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint import metadata as _md
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map
+from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map, read_small_capped
 from .goodput import decode_torch_save
 
 __all__ = ["DcpSource", "METADATA_NAME", "write_dcp"]
@@ -44,6 +45,9 @@ DATA_NAME = "__0_0.distcp"
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp\Z")
 #: Rows per block when writing: at most this many bytes per DCP chunk.
 BLOCK_BYTES = 32 << 20
+#: The largest ``.metadata`` read (the same limit as a goodput manifest): it is unpickled
+#: whole in memory, so a larger file is refused before it is read.
+MAX_METADATA_BYTES = 1 << 30
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n)
@@ -87,6 +91,10 @@ def load_metadata(data: bytes, where: str, trust_pickle: bool) -> _md.Metadata:
     return md
 
 
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
 class _RangeFile(io.RawIOBase):
     """A read-only, seekable file over bytes ``[offset, offset + length)`` of a store file,
     so that ``torch.load`` decodes an archive without a copy of it in memory."""
@@ -127,7 +135,7 @@ class DcpSource(Source):
         self.uri = store.uri
         self._store = store
         self.trust_pickle = trust_pickle
-        data = store.read_small(METADATA_NAME)
+        data = read_small_capped(store, METADATA_NAME, MAX_METADATA_BYTES, "DCP metadata")
         if data is None:
             if any(_DATA_FILE.match(n) for n in store.list()):
                 raise IncompleteCheckpointError(f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri)
@@ -137,6 +145,7 @@ class DcpSource(Source):
         self._open_lock = threading.Lock()  # guards _sources: worker threads open files lazily
         self._cache = LoadingCache(1, self._decode)  # shards that cannot be read in place
         self._places: dict[str, list[tuple[str, int] | None]] = {}
+        self._check_claims()
         ranks = set()
         for key, smd in self.md.state_dict_metadata.items():
             if isinstance(smd, _md.TensorStorageMetadata):
@@ -156,6 +165,68 @@ class DcpSource(Source):
         pd = self.md.planner_data
         if isinstance(pd, dict) and all(isinstance(v, (tuple, list)) for v in pd.values()):
             self.planner_data = {k: list(v) for k, v in pd.items()}
+
+    def _check_claims(self) -> None:
+        """Check every shape, chunk and byte range of ``.metadata`` against the files.
+
+        Why: the writers plan and allocate from these numbers. A ``.metadata`` that claims a
+        2^62-byte tensor with no chunks, or an object many GiB long, would otherwise make
+        ``convert`` allocate or loop on the claim. After this check, every tensor's bytes are
+        covered by its chunks' element counts, each chunk's archive is at least as long as its
+        elements (``torch.save`` stores them uncompressed), and every byte range lies inside
+        its file, so the work is bounded by the bytes that really exist.
+
+        Raises:
+            CorruptCheckpointError: a claim the stored files cannot back, naming the key.
+        """
+        sizes: dict[str, int] = {}
+
+        def bad(key: str, what: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{self.uri}/{METADATA_NAME}: {key!r} {what}", path=f"{self.uri}/{METADATA_NAME}", key=key)
+
+        def check_range(key: str, info: Any) -> int:
+            off, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if not (_is_count(off) and _is_count(length)):
+                raise bad(key, f"has a storage entry with offset {off!r} and length {length!r}, which are not byte counts")
+            name = info.relative_path
+            if name not in sizes:
+                size = self._store.size(name)
+                if size is None:
+                    raise IncompleteCheckpointError(f"{self.uri}/{name}, which holds {key!r}, is missing", path=name, key=key)
+                sizes[name] = size
+            if off + length > sizes[name]:
+                raise bad(key, f"claims bytes [{off}, {off + length}) of {name}, which has {sizes[name]} bytes")
+            return length
+
+        for key, smd in self.md.state_dict_metadata.items():
+            if isinstance(smd, _md.BytesStorageMetadata):
+                check_range(key, self._info(_md.MetadataIndex(key)))
+                continue
+            if not isinstance(smd, _md.TensorStorageMetadata):
+                continue  # refused by name when the items are read
+            dtype = getattr(getattr(smd, "properties", None), "dtype", None)
+            size, chunks = getattr(smd, "size", None), getattr(smd, "chunks", None)
+            shape = tuple(size) if isinstance(size, (tuple, list)) else None
+            if not isinstance(dtype, torch.dtype) or shape is None or not all(_is_count(x) for x in shape):
+                raise bad(key, f"has dtype {dtype!r} and shape {size!r}; expected a torch dtype and non-negative integer sizes")
+            if not isinstance(chunks, list) or not all(isinstance(c, _md.ChunkStorageMetadata) for c in chunks):
+                raise bad(key, "has a chunk list that is not a list of DCP chunks")
+            es = dtype.itemsize
+            total = 0
+            for c in chunks:
+                offs = tuple(c.offsets) if isinstance(getattr(c, "offsets", None), (tuple, list)) else (None,)
+                lens = tuple(c.sizes) if isinstance(getattr(c, "sizes", None), (tuple, list)) else (None,)
+                if len(offs) != len(shape) or len(lens) != len(shape) or not all(map(_is_count, offs + lens)):
+                    raise bad(key, f"has a chunk at {list(offs)} of sizes {list(lens)} that does not fit its shape {list(shape)}")
+                if any(o + n > d for o, n, d in zip(offs, lens, shape)):
+                    raise bad(key, f"has a chunk at {list(offs)} of sizes {list(lens)} outside its shape {list(shape)}")
+                n = math.prod(lens)
+                length = check_range(key, self._info(_md.MetadataIndex(key, c.offsets)))
+                if n * es > length:
+                    raise bad(key, f"has a chunk at {list(offs)} of {n * es} bytes stored in only {length} bytes")
+                total += n
+            if total != math.prod(shape):
+                raise bad(key, f"has shape {list(shape)} ({math.prod(shape)} elements) but its chunks hold {total} elements")
 
     def _info(self, index: _md.MetadataIndex) -> Any:
         info = self.md.storage_data.get(index)

@@ -1,0 +1,88 @@
+"""Hostile DCP ``.metadata``: claims the stored files cannot back are refused before any
+planning or allocation, and the file itself is read with a cap."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import metadata as md
+
+from goodput_ckpt import CorruptCheckpointError
+from goodput_ckpt.storage import open_store
+from goodput_ckpt.tools._formats import dcp_fs
+from goodput_ckpt.tools._formats.dcp_fs import DcpSource
+
+
+@pytest.fixture
+def dcp_dir(tmp_path):
+    d = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "step": 7, "blob": b"x" * 100}, storage_writer=FileSystemWriter(str(d)))
+    return d
+
+
+def _edit(d, fn) -> None:
+    meta = pickle.loads((d / ".metadata").read_bytes())
+    fn(meta)
+    (d / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _set_tensor(meta, **changes) -> None:
+    meta.state_dict_metadata["w"] = dataclasses.replace(meta.state_dict_metadata["w"], **changes)
+
+
+def _huge_no_chunks(meta) -> None:
+    _set_tensor(meta, size=torch.Size([1 << 59]), chunks=[])
+
+
+def _chunk_outside(meta) -> None:
+    (c,) = meta.state_dict_metadata["w"].chunks
+    _set_tensor(meta, chunks=[md.ChunkStorageMetadata(offsets=c.offsets, sizes=torch.Size([3, 5]))])
+
+
+def _bigger_than_stored(meta) -> None:
+    # Shape and chunk agree, but the chunk's archive cannot hold 2^40 float32 elements.
+    _set_tensor(meta, size=torch.Size([1 << 40, 4]), chunks=[md.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1 << 40, 4]))])
+
+
+def _negative_size(meta) -> None:
+    _set_tensor(meta, size=torch.Size([-3, 4]))
+
+
+def _object_length(meta) -> None:
+    for idx, info in meta.storage_data.items():
+        if idx.fqn == "blob":
+            meta.storage_data[idx] = dataclasses.replace(info, length=5 << 30)
+
+
+def _object_offset(meta) -> None:
+    for idx, info in meta.storage_data.items():
+        if idx.fqn == "step":
+            meta.storage_data[idx] = dataclasses.replace(info, offset=-8)
+
+
+@pytest.mark.parametrize(
+    "edit", [_huge_no_chunks, _chunk_outside, _bigger_than_stored, _negative_size, _object_length, _object_offset]
+)
+def test_claims_the_files_cannot_back_are_refused_on_open(dcp_dir, edit):
+    _edit(dcp_dir, edit)
+    with pytest.raises(CorruptCheckpointError) as info:
+        DcpSource(open_store(str(dcp_dir)))
+    assert info.value.key in ("w", "blob", "step")
+
+
+def test_untouched_metadata_still_opens(dcp_dir):
+    _edit(dcp_dir, lambda meta: None)
+    with DcpSource(open_store(str(dcp_dir))) as s:
+        assert set(s.items) == {"w", "step", "blob"}
+
+
+def test_metadata_over_the_cap_is_refused_before_it_is_read(dcp_dir, monkeypatch):
+    size = (dcp_dir / ".metadata").stat().st_size
+    monkeypatch.setattr(dcp_fs, "MAX_METADATA_BYTES", size - 1)
+    with pytest.raises(CorruptCheckpointError, match="limit"):
+        DcpSource(open_store(str(dcp_dir)))
