@@ -38,6 +38,8 @@ SIDECAR_FORMAT = "goodput-ckpt.objects"
 SIDECAR_VERSION = 1
 #: Tensors nested inside a value are inlined as base64; larger ones do not belong in JSON.
 MAX_INLINE_TENSOR = 1 << 20
+#: The largest sidecar read: it is parsed whole in memory (the manifest's limit).
+MAX_SIDECAR_BYTES = 1 << 30
 
 
 def encode_value(value: Any, key: str) -> Any:
