@@ -32,6 +32,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 
+from ...dcp.untrusted_load import check_inflation
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
@@ -262,6 +263,7 @@ class DcpSource(Source):
 
     def _load(self, key: str, i: int, **kw: Any) -> tuple[Any, torch.Tensor]:
         info, f = self._archive(key, i)
+        check_inflation(f, f"the shard of {key!r} in {self.uri}/{info.relative_path}", key=key)
         try:
             t = torch.load(f, weights_only=True, **kw)
         except CheckpointError:
