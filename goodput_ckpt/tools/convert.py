@@ -11,8 +11,10 @@ without ``.metadata``) are refused as incomplete.
 Every format is read and written tensor range by tensor range (see
 :mod:`._formats.base`), so memory stays at a few chunks (``dcp`` input: about one saved
 shard). Tensors keep their exact bytes, dtypes and shapes in every direction. Non-tensor values
-are copied as ``torch.save`` bytes between ``goodput`` and ``dcp`` (never unpickled), decoded
-(``weights_only=True`` unless ``trust_pickle``) when written to ``torch``, and written to a JSON
+are copied as ``torch.save`` bytes into ``goodput`` (never unpickled; its reader decodes them
+with ``weights_only=True``), decoded (``weights_only=True`` unless ``trust_pickle``) and saved
+again when written to ``dcp`` or ``torch`` (whose stock loaders unpickle without restriction,
+so a value our reader refuses never passes through), and written to a JSON
 sidecar for ``safetensors``, which holds only tensors. ``goodput`` output is one rank's file
 with whole tensors (``reshard`` splits it for M ranks); ``dcp`` output is one ``.distcp`` file.
 

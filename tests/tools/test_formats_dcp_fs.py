@@ -86,3 +86,26 @@ def test_metadata_over_the_cap_is_refused_before_it_is_read(dcp_dir, monkeypatch
     monkeypatch.setattr(dcp_fs, "MAX_METADATA_BYTES", size - 1)
     with pytest.raises(CorruptCheckpointError, match="limit"):
         DcpSource(open_store(str(dcp_dir)))
+
+
+def test_dcp_output_never_carries_a_pickle_our_reader_refuses(tmp_path):
+    from _ckpt_samples import Evil
+
+    from goodput_ckpt import CheckpointError, CheckpointWriter
+    from goodput_ckpt.tools.convert import convert_checkpoint
+
+    marker = tmp_path / "pwned"
+    src = tmp_path / "ours"
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(2), "evil": Evil(str(marker))}, storage_writer=CheckpointWriter(str(src)))
+    out = tmp_path / "dcp-out"
+    with pytest.raises(CheckpointError, match="trust-pickle"):
+        convert_checkpoint(str(src), str(out), to="dcp")
+    assert not (out / ".metadata").exists() and not marker.exists()
+    # Plain values are re-encoded and load with torch's own reader.
+    src2 = tmp_path / "plain"
+    dcp.save({"w": torch.ones(2), "lr": 0.5, "names": ["a", ("b", 1)]}, storage_writer=CheckpointWriter(str(src2)))
+    convert_checkpoint(str(src2), str(tmp_path / "dcp2"), to="dcp")
+    got = {"w": torch.zeros(2), "lr": None, "names": None}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp2")))
+    assert got["lr"] == 0.5 and got["names"] == ["a", ("b", 1)] and torch.equal(got["w"], torch.ones(2))

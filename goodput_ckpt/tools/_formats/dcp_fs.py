@@ -11,8 +11,8 @@ strided view is decoded whole (``weights_only=True``) into a one-entry cache: me
 about one shard. Each non-tensor value is ``torch.save`` bytes, copied as they are into format
 v1 and decoded only when a value is needed (``weights_only=True`` unless ``trust_pickle``).
 
-Writing. One ``__0_0.distcp`` file, written in order: every non-tensor value's ``torch.save``
-bytes, and every tensor as ``torch.save`` archives of row blocks of at most ``block_bytes``
+Writing. One ``__0_0.distcp`` file, written in order: every non-tensor value, decoded
+(``weights_only=True`` unless ``trust_pickle``) and saved again with ``torch.save``, and every tensor as ``torch.save`` archives of row blocks of at most ``block_bytes``
 (each block is a DCP chunk; ``dcp.load`` reassembles and reshards chunks itself), so memory
 stays at a few blocks. ``.metadata`` is written last, atomically, as the commit. The result
 loads with ``dcp.load(..., storage_reader=FileSystemReader(path))``.
@@ -37,7 +37,7 @@ from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFound
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map, read_small_capped
-from .goodput import decode_torch_save
+from .goodput import decode_torch_save, encode_torch_save
 
 __all__ = ["DcpSource", "METADATA_NAME", "write_dcp"]
 
@@ -352,7 +352,16 @@ def write_dcp(
     block_bytes: int = BLOCK_BYTES,
     progress: Progress = NO_PROGRESS,
 ) -> list[str]:
-    """Write ``source`` in DCP's ``FileSystemWriter`` layout (see the module docstring)."""
+    """Write ``source`` in DCP's ``FileSystemWriter`` layout (see the module docstring).
+
+    Raises:
+        CheckpointError: a non-tensor value does not load with ``weights_only=True`` and the
+            source was not opened with ``trust_pickle`` (checked before anything is written).
+    """
+    # Every value is decoded (weights_only unless the caller trusts the source) and encoded
+    # again, never copied as stored: torch's own dcp.load unpickles these bytes without
+    # restriction, so a code-executing pickle our reader refuses must not pass through.
+    objects = {m.key: encode_torch_save(source.object_value(m.key)) for m in source.objects()}
     store.prepare()
     if store.read_small(METADATA_NAME) is not None:
         if not overwrite:
@@ -387,11 +396,11 @@ def write_dcp(
     progress.start(sum(m.nbytes for m in source.tensors()), "write")
     try:
         f = _SinkFile(sink, 0)
-        for obj in source.objects():
+        for key, raw in objects.items():
             start = f.pos
-            f.write(source.object_bytes(obj.key))
-            sd_md[obj.key] = _md.BytesStorageMetadata()
-            storage[_md.MetadataIndex(obj.key)] = _fs._StorageInfo(DATA_NAME, start, f.pos - start)
+            f.write(raw)
+            sd_md[key] = _md.BytesStorageMetadata()
+            storage[_md.MetadataIndex(key)] = _fs._StorageInfo(DATA_NAME, start, f.pos - start)
         chunks: dict[str, list[Any]] = {}
         for (meta, lo, hi), t in zip(blocks, results):
             start = f.pos
