@@ -13,7 +13,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from ._output import Output, to_jsonable
+from ._output import Output, escape, to_jsonable
 from ._registry import Command, load_commands
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
         hint = " (pass --overwrite to replace it)" if kind == "CheckpointExistsError" and hasattr(args, "overwrite") else ""
         if not _typed(e, kind) and not args.debug:
             hint += " (run with --debug for the traceback)"
-        out.warn(f"goodput-ckpt {cmd.name}: error: {_message(e, kind)}{hint}")
+        out.warn(f"goodput-ckpt {cmd.name}: error: {escape(_message(e, kind))}{hint}")
         return code
 
 
