@@ -36,7 +36,7 @@ from ...dcp.untrusted_load import check_inflation
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map, read_small_capped
+from .base import Box, LoadingCache, ObjectMeta, SequentialSink, Source, TensorMeta, ordered_map, read_small_capped
 from .goodput import decode_torch_save, encode_torch_save
 
 __all__ = ["DcpSource", "METADATA_NAME", "write_dcp"]
@@ -391,7 +391,7 @@ def write_dcp(
             source.read_flat(meta.key, lo * row, lo * row + t.numel(), memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         return t
 
-    sink = store.open_sink(DATA_NAME)
+    sink = SequentialSink(store, DATA_NAME)
     results = ordered_map(read, blocks, threads=thread_count, ahead=2)
     progress.start(sum(m.nbytes for m in source.tensors()), "write")
     try:

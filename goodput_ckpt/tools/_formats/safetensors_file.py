@@ -27,7 +27,7 @@ from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFound
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, ObjectMeta, Source, TensorMeta, alloc, ordered_map, read_small_capped
+from .base import Box, ObjectMeta, SequentialSink, Source, TensorMeta, alloc, ordered_map, read_small_capped
 from .goodput import encode_torch_save
 from .objects_json import MAX_SIDECAR_BYTES, dump_sidecar, load_sidecar
 
@@ -353,7 +353,7 @@ def _write_file(source: Source, store: Store, name: str, tensors: list[TensorMet
         source.read_flat(t.key, lo, hi, buf)
         return buf
 
-    sink = store.open_sink(name)
+    sink = SequentialSink(store, name)
     results = ordered_map(read, pieces, threads=thread_count, ahead=2 * thread_count)
     try:
         sink.write_at(0, [header])
