@@ -36,7 +36,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpo
 from ..format.manifest import MANIFEST_NAME
 from ..storage import LocalStore, Store
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
-from ._formats.base import Source, TensorMeta
+from ._formats.base import Source, TensorMeta, check_planner_data
 from ._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from ._formats.goodput import GoodputSource, write_goodput
 from ._formats.safetensors_file import open_safetensors, split_file_uri, write_safetensors
@@ -195,6 +195,7 @@ def convert_checkpoint(
     t0 = time.perf_counter()
     fmt = source_format or detect_format(src, **(src_options or {}))
     with open_source(src, fmt, trust_pickle=trust_pickle, verify=verify, options=src_options) as source:
+        check_planner_data(source)
         report = ConvertReport(source.uri, str(dst), fmt, to)
         tensors = source.tensors()
         report.tensors, report.objects = len(tensors), len(source.items) - len(tensors)

@@ -109,3 +109,17 @@ def test_dcp_output_never_carries_a_pickle_our_reader_refuses(tmp_path):
     got = {"w": torch.zeros(2), "lr": None, "names": None}
     dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp2")))
     assert got["lr"] == 0.5 and got["names"] == ["a", ("b", 1)] and torch.equal(got["w"], torch.ones(2))
+
+
+def test_planner_data_with_a_huge_list_index_is_refused_before_writing(dcp_dir, tmp_path):
+    from goodput_ckpt.tools.convert import convert_checkpoint
+
+    def huge_index(meta):
+        # 2^20 fails fast without the check (a list of 2^20 slots); 2^40 would exhaust memory.
+        meta.planner_data = {"w": ("layers", 1 << 20, "w"), "step": ("step",), "blob": ("blob",)}
+
+    _edit(dcp_dir, huge_index)
+    out = tmp_path / "out.pt"
+    with pytest.raises(CorruptCheckpointError, match="planner_data") as info:
+        convert_checkpoint(str(dcp_dir), str(out), to="torch")
+    assert info.value.key == "w" and not out.exists()

@@ -39,6 +39,7 @@ __all__ = [
     "Source",
     "TensorMeta",
     "c_strides",
+    "check_planner_data",
     "flat_pieces",
     "ordered_map",
     "read_flat",
@@ -143,6 +144,35 @@ class Source(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_planner_data(source: Source) -> None:
+    """Refuse a ``planner_data`` whose paths would make rebuilding the nested state dict
+    allocate without bound.
+
+    Why: a path part that is an integer is a list index, and rebuilding (torch's
+    ``unflatten_state_dict``, in the torch writer and in a stock ``dcp.load``) grows the list
+    to that index. A list holds at most one entry per item, so an index of at least the number
+    of items is a claim no stored value backs: a small file could otherwise ask for 2^40 slots.
+
+    Raises:
+        CorruptCheckpointError: a path that is not a list of strings and non-negative integers,
+            or an index past the number of items (named by key).
+    """
+    pd = source.planner_data
+    if pd is None:
+        return
+    n = len(source.items)
+    for key, path in pd.items():
+        ok = isinstance(path, (list, tuple)) and all(
+            isinstance(p, str) or (type(p) is int and 0 <= p < max(n, 1)) for p in path
+        )
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{source.uri}: planner_data for {key!r} is {str(path)[:200]}; a path is a list of names and list "
+                f"indexes below the number of items ({n})",
+                key=key,
+            )
 
 
 def read_small_capped(store: Store, name: str, limit: int, what: str) -> bytes | None:
