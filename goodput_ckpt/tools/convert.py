@@ -36,7 +36,8 @@ from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpo
 from ..format.manifest import MANIFEST_NAME
 from ..storage import LocalStore, Store
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
-from ._formats.base import Source, TensorMeta, check_planner_data
+from ._formats.base import Source, TensorMeta
+from ._formats.input_checks import check_planner_data
 from ._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from ._formats.goodput import GoodputSource, write_goodput
 from ._formats.safetensors_file import open_safetensors, split_file_uri, write_safetensors

@@ -28,22 +28,18 @@ from typing import Any, TypeVar
 import torch
 
 from ...errors import CorruptCheckpointError
-from ...storage import Store
 
 __all__ = [
     "Box",
     "alloc",
     "LoadingCache",
     "ObjectMeta",
-    "SequentialSink",
     "Source",
     "TensorMeta",
     "c_strides",
-    "check_planner_data",
     "flat_pieces",
     "ordered_map",
     "read_flat",
-    "read_small_capped",
 ]
 
 T = TypeVar("T")
@@ -144,122 +140,6 @@ class Source(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def check_planner_data(source: Source) -> None:
-    """Refuse a ``planner_data`` whose paths would make rebuilding the nested state dict
-    allocate without bound.
-
-    Why: a path part that is an integer is a list index, and rebuilding (torch's
-    ``unflatten_state_dict``, in the torch writer and in a stock ``dcp.load``) grows the list
-    to that index. A list holds at most one entry per item, so an index of at least the number
-    of items is a claim no stored value backs: a small file could otherwise ask for 2^40 slots.
-
-    Raises:
-        CorruptCheckpointError: a path that is not a list of strings and non-negative integers,
-            or an index past the number of items (named by key).
-    """
-    pd = source.planner_data
-    if pd is None:
-        return
-    n = len(source.items)
-    for key, path in pd.items():
-        ok = isinstance(path, (list, tuple)) and all(
-            isinstance(p, str) or (type(p) is int and 0 <= p < max(n, 1)) for p in path
-        )
-        if not ok:
-            raise CorruptCheckpointError(
-                f"{source.uri}: planner_data for {key!r} is {str(path)[:200]}; a path is a list of names and list "
-                f"indexes below the number of items ({n})",
-                key=key,
-            )
-
-
-def read_small_capped(store: Store, name: str, limit: int, what: str) -> bytes | None:
-    """The whole of a small file (a commit record, a header, an index, a sidecar), or ``None``
-    when it is missing; never more than ``limit`` bytes.
-
-    Why: a foreign checkpoint's small files are read whole and parsed in memory. Without a cap,
-    a 3 GiB sparse file or an endless one exhausts memory before any parser can refuse it.
-    The size is asked first (the stores refuse links and non-regular files there), and then
-    exactly that many bytes are read by range, so a file that grows meanwhile is not read past
-    the size that was checked. Every foreign small file goes through here, so this is the one
-    place to swap for a store's own capped read.
-
-    Raises:
-        CorruptCheckpointError: the file is larger than ``limit``.
-        CheckpointError: the store refuses the file (a link, not a regular file).
-    """
-    size = store.size(name)
-    if size is None:
-        return None
-    where = f"{store.uri.rstrip('/')}/{name}"
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{what} {where} is {size} bytes, over the {limit}-byte limit for it; refusing to read it",
-            path=where,
-        )
-    buf = bytearray(size)
-    if size:
-        src = store.open_source(name)
-        try:
-            src.read_into(0, [memoryview(buf)])
-        finally:
-            src.close()
-    return bytes(buf)
-
-
-class SequentialSink:
-    """A store sink written front to back in writes of any size.
-
-    Why: the DCP and safetensors writers produce their files in order but in pieces of any
-    length (a header, a ``torch.save`` archive). Stores that upload each part as a separate
-    request (S3) take only whole, aligned parts (``Store.open_sink``'s ``part_size`` promise).
-    Here the pieces are gathered into one reused part-sized buffer, each full part is handed
-    on, and the rest goes at :meth:`close`; memory stays at one part. Stores without a part
-    minimum get every write as it comes.
-    """
-
-    #: The part size aimed at where the store has a minimum: a multiple of that minimum.
-    PART_BYTES = 8 << 20
-
-    def __init__(self, store: Store, name: str) -> None:
-        minimum = getattr(store, "min_part_size", 0) or 0  # optional in the Store protocol
-        self._unit = minimum * -(-self.PART_BYTES // minimum) if minimum else 0
-        self._sink = store.open_sink(name, part_size=self._unit or None)
-        self._where = f"{store.uri.rstrip('/')}/{name}"
-        self._buf = bytearray(self._unit)
-        self._fill = 0  # bytes of the current part in _buf
-        self._base = 0  # file offset of _buf[0]
-        self.pos = 0  # bytes written so far: the next write's offset
-
-    def write_at(self, offset: int, buffers: Sequence[Any]) -> None:
-        if offset != self.pos:
-            raise RuntimeError(f"{self._where}: write at {offset}, expected {self.pos} (writes must be in order)")
-        views = [memoryview(b).cast("B") for b in buffers]
-        self.pos += sum(v.nbytes for v in views)
-        if not self._unit:
-            self._sink.write_at(offset, views)
-            return
-        for v in views:
-            while v.nbytes:
-                n = min(v.nbytes, self._unit - self._fill)
-                self._buf[self._fill : self._fill + n] = v[:n]
-                self._fill += n
-                v = v[n:]
-                if self._fill == self._unit:
-                    self._sink.write_at(self._base, [self._buf])  # the sink copies it out
-                    self._base += self._unit
-                    self._fill = 0
-
-    def close(self) -> None:
-        if self._unit and (self._fill or self._base == 0):
-            self._sink.write_at(self._base, [memoryview(self._buf)[: self._fill]])
-            self._fill = 0
-        self._sink.close()
-
-    def abort(self) -> None:
-        self._sink.abort()
 
 
 def alloc(n: int) -> memoryview:

@@ -1,9 +1,7 @@
 """torch DCP's own ``FileSystemWriter`` layout: ``.metadata`` plus ``__<rank>_<n>.distcp`` files.
 
-Reading. ``.metadata`` is a pickle of DCP's ``Metadata``. It is loaded with a restricted
-unpickler that admits only the handful of DCP dataclasses, ``torch.Size``, dtypes, layouts and
-memory formats it is made of (the Python docs' ``find_class`` allow-list pattern), unless the
-caller passes ``trust_pickle``. In a ``.distcp`` file each tensor shard is a ``torch.save``
+Reading. ``.metadata`` is read with a cap, unpickled with a restricted unpickler and its
+claims checked against the files (:mod:`.dcp_metadata`). In a ``.distcp`` file each tensor shard is a ``torch.save``
 archive. It is first loaded onto the meta device (``weights_only=True``), which reads only its
 pickle and index and gives the storage's place in the archive; a contiguous shard is then read
 by byte ranges in place, like safetensors, so memory stays at a few ranges. A shard that is a
@@ -11,9 +9,10 @@ strided view is decoded whole (``weights_only=True``) into a one-entry cache: me
 about one shard. Each non-tensor value is ``torch.save`` bytes, copied as they are into format
 v1 and decoded only when a value is needed (``weights_only=True`` unless ``trust_pickle``).
 
-Writing. One ``__0_0.distcp`` file, written in order: every non-tensor value, decoded
-(``weights_only=True`` unless ``trust_pickle``) and saved again with ``torch.save``, and every tensor as ``torch.save`` archives of row blocks of at most ``block_bytes``
-(each block is a DCP chunk; ``dcp.load`` reassembles and reshards chunks itself), so memory
+Writing. One ``__0_0.distcp`` file, written in order (whole parts on S3: :mod:`.sequential_sink`):
+every non-tensor value, decoded (``weights_only=True`` unless ``trust_pickle``) and saved again
+with ``torch.save``, and every tensor as ``torch.save`` archives of row blocks of at most
+``block_bytes`` (each block is a DCP chunk; ``dcp.load`` reassembles and reshards chunks itself), so memory
 stays at a few blocks. ``.metadata`` is written last, atomically, as the commit. The result
 loads with ``dcp.load(..., storage_reader=FileSystemReader(path))``.
 """
@@ -21,7 +20,6 @@ loads with ``dcp.load(..., storage_reader=FileSystemReader(path))``.
 from __future__ import annotations
 
 import io
-import math
 import pickle
 import re
 import threading
@@ -36,7 +34,10 @@ from ...dcp.untrusted_load import check_inflation
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, LoadingCache, ObjectMeta, SequentialSink, Source, TensorMeta, ordered_map, read_small_capped
+from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map
+from .dcp_metadata import check_claims, load_metadata, storage_info
+from .input_checks import read_small_capped
+from .sequential_sink import SequentialSink
 from .goodput import decode_torch_save, encode_torch_save
 
 __all__ = ["DcpSource", "METADATA_NAME", "write_dcp"]
@@ -49,51 +50,6 @@ BLOCK_BYTES = 32 << 20
 #: The largest ``.metadata`` read (the same limit as a goodput manifest): it is unpickled
 #: whole in memory, so a larger file is refused before it is read.
 MAX_METADATA_BYTES = 1 << 30
-
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-}  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``Metadata`` and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-def load_metadata(data: bytes, where: str, trust_pickle: bool) -> _md.Metadata:
-    """DCP ``Metadata`` from the bytes of a ``.metadata`` file."""
-    try:
-        md = pickle.loads(data) if trust_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{where} cannot be read with the restricted unpickler ({e}). If you trust this "
-            "checkpoint, pass --trust-pickle (trust_pickle=True).",
-            path=where,
-        ) from None
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises many types
-        raise CorruptCheckpointError(f"{where} is not a valid DCP metadata file ({type(e).__name__}: {e})", path=where) from None
-    if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
-        raise CorruptCheckpointError(f"{where} does not hold DCP Metadata with storage data", path=where)
-    return md
-
-
-def _is_count(x: Any) -> bool:
-    return type(x) is int and x >= 0
 
 
 class _RangeFile(io.RawIOBase):
@@ -146,7 +102,7 @@ class DcpSource(Source):
         self._open_lock = threading.Lock()  # guards _sources: worker threads open files lazily
         self._cache = LoadingCache(1, self._decode)  # shards that cannot be read in place
         self._places: dict[str, list[tuple[str, int] | None]] = {}
-        self._check_claims()
+        check_claims(self.md, self._store, METADATA_NAME)
         ranks = set()
         for key, smd in self.md.state_dict_metadata.items():
             if isinstance(smd, _md.TensorStorageMetadata):
@@ -167,79 +123,8 @@ class DcpSource(Source):
         if isinstance(pd, dict) and all(isinstance(v, (tuple, list)) for v in pd.values()):
             self.planner_data = {k: list(v) for k, v in pd.items()}
 
-    def _check_claims(self) -> None:
-        """Check every shape, chunk and byte range of ``.metadata`` against the files.
-
-        Why: the writers plan and allocate from these numbers. A ``.metadata`` that claims a
-        2^62-byte tensor with no chunks, or an object many GiB long, would otherwise make
-        ``convert`` allocate or loop on the claim. After this check, every tensor's bytes are
-        covered by its chunks' element counts, each chunk's archive is at least as long as its
-        elements (``torch.save`` stores them uncompressed), and every byte range lies inside
-        its file, so the work is bounded by the bytes that really exist.
-
-        Raises:
-            CorruptCheckpointError: a claim the stored files cannot back, naming the key.
-        """
-        sizes: dict[str, int] = {}
-
-        def bad(key: str, what: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{self.uri}/{METADATA_NAME}: {key!r} {what}", path=f"{self.uri}/{METADATA_NAME}", key=key)
-
-        def check_range(key: str, info: Any) -> int:
-            off, length = getattr(info, "offset", None), getattr(info, "length", None)
-            if not (_is_count(off) and _is_count(length)):
-                raise bad(key, f"has a storage entry with offset {off!r} and length {length!r}, which are not byte counts")
-            name = info.relative_path
-            if name not in sizes:
-                size = self._store.size(name)
-                if size is None:
-                    raise IncompleteCheckpointError(f"{self.uri}/{name}, which holds {key!r}, is missing", path=name, key=key)
-                sizes[name] = size
-            if off + length > sizes[name]:
-                raise bad(key, f"claims bytes [{off}, {off + length}) of {name}, which has {sizes[name]} bytes")
-            return length
-
-        for key, smd in self.md.state_dict_metadata.items():
-            if isinstance(smd, _md.BytesStorageMetadata):
-                check_range(key, self._info(_md.MetadataIndex(key)))
-                continue
-            if not isinstance(smd, _md.TensorStorageMetadata):
-                continue  # refused by name when the items are read
-            dtype = getattr(getattr(smd, "properties", None), "dtype", None)
-            size, chunks = getattr(smd, "size", None), getattr(smd, "chunks", None)
-            shape = tuple(size) if isinstance(size, (tuple, list)) else None
-            if not isinstance(dtype, torch.dtype) or shape is None or not all(_is_count(x) for x in shape):
-                raise bad(key, f"has dtype {dtype!r} and shape {size!r}; expected a torch dtype and non-negative integer sizes")
-            if not isinstance(chunks, list) or not all(isinstance(c, _md.ChunkStorageMetadata) for c in chunks):
-                raise bad(key, "has a chunk list that is not a list of DCP chunks")
-            es = dtype.itemsize
-            total = 0
-            for c in chunks:
-                offs = tuple(c.offsets) if isinstance(getattr(c, "offsets", None), (tuple, list)) else (None,)
-                lens = tuple(c.sizes) if isinstance(getattr(c, "sizes", None), (tuple, list)) else (None,)
-                if len(offs) != len(shape) or len(lens) != len(shape) or not all(map(_is_count, offs + lens)):
-                    raise bad(key, f"has a chunk at {list(offs)} of sizes {list(lens)} that does not fit its shape {list(shape)}")
-                if any(o + n > d for o, n, d in zip(offs, lens, shape)):
-                    raise bad(key, f"has a chunk at {list(offs)} of sizes {list(lens)} outside its shape {list(shape)}")
-                n = math.prod(lens)
-                length = check_range(key, self._info(_md.MetadataIndex(key, c.offsets)))
-                if n * es > length:
-                    raise bad(key, f"has a chunk at {list(offs)} of {n * es} bytes stored in only {length} bytes")
-                total += n
-            if total != math.prod(shape):
-                raise bad(key, f"has shape {list(shape)} ({math.prod(shape)} elements) but its chunks hold {total} elements")
-
     def _info(self, index: _md.MetadataIndex) -> Any:
-        info = self.md.storage_data.get(index)
-        if info is None or not isinstance(getattr(info, "relative_path", None), str):
-            raise CorruptCheckpointError(f"DCP metadata has no storage entry for {index.fqn!r} at {index.offset}", key=index.fqn)
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{index.fqn!r} was written with DCP storage extensions {list(info.transform_descriptors)}, "
-                "which convert does not read",
-                key=index.fqn,
-            )
-        return info
+        return storage_info(self.md, index)
 
     def _source(self, name: str) -> FileSource:
         with self._open_lock:

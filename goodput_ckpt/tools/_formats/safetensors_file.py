@@ -27,7 +27,9 @@ from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFound
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, ObjectMeta, SequentialSink, Source, TensorMeta, alloc, ordered_map, read_small_capped
+from .base import Box, ObjectMeta, Source, TensorMeta, alloc, ordered_map
+from .input_checks import read_small_capped
+from .sequential_sink import SequentialSink
 from .goodput import encode_torch_save
 from .objects_json import MAX_SIDECAR_BYTES, dump_sidecar, load_sidecar
 
