@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -11,12 +13,13 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from ._output import Output, to_jsonable
+from ._output import Output, escape, to_jsonable
 from ._registry import Command, load_commands
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 #: Exit codes: the check passed / the check (or the work) failed / usage error or nothing there.
+#: Every error is one of them with a message; --debug adds the traceback.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _DESCRIPTION = """\
@@ -114,12 +117,23 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
         if out.json_mode:
             out.emit_json({"ok": False, "exit_code": code, "error": _error_doc(e, kind)})
         hint = " (pass --overwrite to replace it)" if kind == "CheckpointExistsError" and hasattr(args, "overwrite") else ""
-        out.warn(f"goodput-ckpt {cmd.name}: error: {e}{hint}")
+        if not _typed(e, kind) and not args.debug:
+            hint += " (run with --debug for the traceback)"
+        out.warn(f"goodput-ckpt {cmd.name}: error: {escape(_message(e, kind))}{hint}")
         return code
 
 
 def _classify(e: BaseException) -> tuple[int | None, str]:
-    """The exit code for an error, or ``None`` for a bug (shown with its traceback)."""
+    """The exit code for an error and the kind it is reported as; ``None`` only for what
+    must not be swallowed (``SystemExit``, ``GeneratorExit``).
+
+    Why: a hostile or damaged input reaches the CLI in many shapes (MemoryError, RecursionError
+    from deep nesting, OverflowError, IndexError, RuntimeError from torch); each is a failed
+    command (exit 1) with a message, never a traceback. Exit 2 means the user asked wrongly or
+    nothing is there, so a ValueError or TypeError is a usage error only when goodput-ckpt's
+    own code raised it on purpose (an argument check, an unknown option); one raised while
+    parsing data (by json, struct, torch) is a failure like any other.
+    """
     from ..errors import find_checkpoint_error
 
     inner = find_checkpoint_error(e) if not isinstance(e, CheckpointError) else e
@@ -127,15 +141,51 @@ def _classify(e: BaseException) -> tuple[int | None, str]:
         return EXIT_USAGE, type(inner).__name__
     if isinstance(inner, CheckpointError):
         return EXIT_FAILED, type(inner).__name__
-    if isinstance(e, (ValueError, TypeError)):  # bad arguments, unknown backend options
+    if isinstance(e, (ValueError, TypeError)) and _raised_on_purpose(e):
         return EXIT_USAGE, "UsageError"
-    if isinstance(e, OSError):
-        return EXIT_FAILED, "OSError"
-    return None, ""
+    if isinstance(e, (SystemExit, GeneratorExit)):
+        return None, ""
+    return EXIT_FAILED, type(e).__name__  # also DCP's CheckpointException, a BaseException
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _raised_on_purpose(e: BaseException) -> bool:
+    """Whether ``e`` comes from a ``raise`` statement in goodput-ckpt's own code."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    return filename.startswith(_PACKAGE) and linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise ")
+
+
+def _typed(e: BaseException, kind: str) -> bool:
+    """Whether ``e`` is an error of ours (a checkpoint or usage error), whose message is
+    enough on its own: no type prefix, no --debug hint."""
+    from ..errors import find_checkpoint_error
+
+    return kind == "UsageError" or isinstance(e, CheckpointError) or find_checkpoint_error(e) is not None
+
+
+def _message(e: BaseException, kind: str) -> str:
+    from ..errors import find_checkpoint_error
+
+    if _typed(e, kind):
+        inner = find_checkpoint_error(e) if not isinstance(e, CheckpointError) else e
+        return str(inner if inner is not None else e)
+    if isinstance(e, MemoryError):
+        return "MemoryError: out of memory (an input claims more than this machine holds?)"
+    if isinstance(e, RecursionError):
+        return f"RecursionError: a value is nested too deeply to process ({e})"
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _error_doc(e: BaseException, kind: str) -> dict[str, Any]:
-    doc: dict[str, Any] = {"type": kind, "message": str(e)}
+    doc: dict[str, Any] = {"type": kind, "message": _message(e, kind)}
     if isinstance(e, CheckpointError):
         doc.update(path=e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
     return doc

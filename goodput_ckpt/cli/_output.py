@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["Output", "human_bytes", "parse_size", "table", "to_jsonable"]
+__all__ = ["Output", "escape", "human_bytes", "parse_size", "table", "to_jsonable"]
+
+#: Characters a terminal acts on or hides: C0 and C1 controls (CR, backspace, ESC that starts
+#: cursor moves and erases), DEL, and the invisible format characters (zero-width ones, line
+#: and paragraph separators, bidirectional overrides and isolates, the BOM).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+_UNSAFE_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def _escaped(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def escape(text: object, *, keep_newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on written as ``\\xNN``/``\\uNNNN``.
+
+    Why: keys, file names, URIs and messages come from checkpoints, which may be hostile. Printed
+    raw, a crafted key can move the cursor, erase the line that says CORRUPT and print a fake
+    OK. Every human renderer goes through here (:func:`table` cells and :class:`Output`'s lines);
+    ``--json`` output is escaped by the JSON encoder instead. A field that is one value (a key,
+    a URI) escapes newlines too, so it cannot start a line of its own.
+    """
+    return (_UNSAFE_BUT_NEWLINE if keep_newlines else _UNSAFE).sub(_escaped, str(text))
 
 
 def human_bytes(n: int | float) -> str:
@@ -44,7 +68,7 @@ def parse_size(text: str) -> int:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
     """A plain aligned text table; columns listed in ``right`` are right-aligned."""
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    cells = [[escape(h) for h in headers]] + [["" if c is None else escape(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
@@ -126,10 +150,11 @@ class Output:
         self.stdout.flush()
 
     def print(self, text: str = "") -> None:
-        self.stdout.write(text + "\n")
+        """One or more lines of text, terminal controls escaped (:func:`escape`)."""
+        self.stdout.write(escape(text, keep_newlines=True) + "\n")
 
     def warn(self, text: str) -> None:
-        self.stderr.write(text + "\n")
+        self.stderr.write(escape(text, keep_newlines=True) + "\n")
 
 
 def _isatty(stream: TextIO) -> bool:

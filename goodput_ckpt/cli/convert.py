@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._main_helpers import add_two_store_options, two_store_options
-from ._output import Output, human_bytes, parse_size
+from ._output import Output, escape, human_bytes, parse_size
 from ._registry import Command
 
 _FORMATS = ("goodput", "dcp", "torch", "safetensors")
@@ -40,10 +40,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         out.emit_json(r)
     else:
         out.print(
-            f"converted {r.src} ({r.src_format}) -> {r.dst} ({r.dst_format}): {r.tensors} tensors, {r.objects} objects, "
+            f"converted {escape(r.src)} ({r.src_format}) -> {escape(r.dst)} ({r.dst_format}): {r.tensors} tensors, {r.objects} objects, "
             f"{human_bytes(r.tensor_bytes)} in {r.seconds:.2f} s ({r.gbps:.2f} GB/s)"
         )
-        out.print("files: " + ", ".join(r.files))
+        out.print("files: " + ", ".join(escape(f) for f in r.files))
     return 0
 
 

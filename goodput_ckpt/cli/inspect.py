@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._output import Output, human_bytes, table
+from ._output import Output, escape, human_bytes, table
 from ._registry import Command
 
 
@@ -24,14 +24,14 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     else:
         _render(report, out, items=not args.summary)
     for p in report.problems:
-        out.warn(f"warning: {p} (run `goodput-ckpt verify {report.uri}`)")
+        out.warn(f"warning: {escape(p)} (run `goodput-ckpt verify {escape(report.uri)}`)")
     return 0 if not report.problems else 1
 
 
 def _render(r, out: Output, *, items: bool) -> None:
-    out.print(r.uri)
-    out.print(f"  format      {r.format} v{r.version} (written by goodput-ckpt {r.library_version or '?'}, torch {r.torch_version or '?'})")
-    out.print(f"  created     {r.created_at or '?'}")
+    out.print(escape(r.uri))
+    out.print(f"  format      {r.format} v{r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})")
+    out.print(f"  created     {escape(r.created_at or '?')}")
     out.print(f"  step        {r.step if r.step is not None else '-'}")
     out.print(f"  world size  {r.world_size}")
     out.print(f"  files       {r.files}, {human_bytes(r.file_bytes)} (hash chunks of {human_bytes(r.chunk_size)})")
@@ -45,7 +45,7 @@ def _render(r, out: Output, *, items: bool) -> None:
                  i.shards, human_bytes(i.bytes)] for i in r.items]  # fmt: skip
         out.print(table(["KEY", "DTYPE", "SHAPE", "SHARDS", "BYTES"], rows, right=(3, 4)))
         if r.pattern is not None:
-            out.print(f"({len(r.items)} of {r.tensors + r.objects} items match {' or '.join(r.pattern)})")
+            out.print(f"({len(r.items)} of {r.tensors + r.objects} items match {escape(' or '.join(r.pattern))})")
 
 
 COMMAND = Command(

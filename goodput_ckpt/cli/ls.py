@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._output import Output, human_bytes, table
+from ._output import Output, escape, human_bytes, table
 from ._registry import Command
 
 
@@ -24,11 +24,11 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         rows = [[c.step, c.status, c.created_at or "-", human_bytes(c.bytes), c.files] for c in report.checkpoints]
         out.print(table(["STEP", "STATUS", "CREATED", "SIZE", "FILES"], rows, right=(0, 3, 4)))
         latest = report.latest_complete
-        out.print(f"{len(report.checkpoints)} checkpoint(s) under {report.root}; latest complete: {latest if latest is not None else 'none'}")
+        out.print(f"{len(report.checkpoints)} checkpoint(s) under {escape(report.root)}; latest complete: {latest if latest is not None else 'none'}")
         for c in report.checkpoints:
             if c.status == "corrupt":
                 for p in c.problems:
-                    out.warn(f"step {c.step}: {p}")
+                    out.warn(f"step {c.step}: {escape(p)}")
     corrupt = any(c.status in ("corrupt", "unsupported") for c in report.checkpoints)
     return 1 if args.verify and corrupt else 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._main_helpers import add_two_store_options, two_store_options
-from ._output import Output, human_bytes
+from ._output import Output, escape, human_bytes
 from ._registry import Command
 
 
@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         out.emit_json(r)
     else:
         out.print(
-            f"resharded {r.src} ({r.src_world_size} rank{'s' if r.src_world_size != 1 else ''}) -> {r.dst} "
+            f"resharded {escape(r.src)} ({r.src_world_size} rank{'s' if r.src_world_size != 1 else ''}) -> {escape(r.dst)} "
             f"({r.world_size} rank{'s' if r.world_size != 1 else ''}): {r.tensors} tensors, {r.objects} objects, "
             f"{human_bytes(r.tensor_bytes)} in {r.seconds:.2f} s ({r.gbps:.2f} GB/s)"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._output import Output, human_bytes
+from ._output import Output, escape, human_bytes
 from ._registry import Command
 
 
@@ -28,14 +28,14 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 def render(report, out: Output) -> None:
     what = "sizes checked" if report.quick else f"{human_bytes(report.bytes_hashed)} hashed in {report.seconds:.2f} s ({report.gbps:.2f} GB/s)"
     if report.ok:
-        out.print(f"OK  {report.uri}: format v{report.version}, world size {report.world_size}, {report.files} file(s), {what}")
+        out.print(f"OK  {escape(report.uri)}: format v{report.version}, world size {report.world_size}, {report.files} file(s), {what}")
     else:
         n = len(report.problems)
-        out.print(f"{report.status.upper()}  {report.uri}: {n} problem{'s' if n != 1 else ''}")
+        out.print(f"{report.status.upper()}  {escape(report.uri)}: {n} problem{'s' if n != 1 else ''}")
         for p in report.problems:
-            out.print(f"  [{p.kind}] {p.message}")
+            out.print(f"  [{escape(p.kind)}] {escape(p.message)}")
     for w in report.warnings:
-        out.print(f"  warning: {w.message}")
+        out.print(f"  warning: {escape(w.message)}")
 
 
 COMMAND = Command(

@@ -43,6 +43,7 @@ from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks, sequential_lanes
 from .read_runs import run_jobs
 from .tensor_bytes import byte_view, check_byte_order
+from .untrusted_load import check_inflation, weights_only_refusal
 
 __all__ = ["CheckpointReader", "DEFAULT_READ_THREADS"]
 
@@ -344,6 +345,7 @@ class CheckpointReader(StorageReader):
         The stored bytes are decoded with ``weights_only=True`` and re-serialized, so the
         planner only ever unpickles bytes produced here from an allow-listed object.
         """
+        check_inflation(raw, f"value {key!r}", key=key)
         if self.trust_pickle:
             return io.BytesIO(raw)
         try:
@@ -351,7 +353,7 @@ class CheckpointReader(StorageReader):
         except Exception as e:  # noqa: BLE001 - the unpickler raises many types
             raise CheckpointError(
                 f"value {key!r} cannot be loaded safely with weights_only=True "
-                f"({type(e).__name__}: {str(e)[:300]}). If you trust this checkpoint, pass "
+                f"({weights_only_refusal(e)}). If you trust this checkpoint, pass "
                 "CheckpointReader(..., trust_pickle=True).",
                 key=key,
             ) from None

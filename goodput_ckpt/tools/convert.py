@@ -11,8 +11,10 @@ without ``.metadata``) are refused as incomplete.
 Every format is read and written tensor range by tensor range (see
 :mod:`._formats.base`), so memory stays at a few chunks (``dcp`` input: about one saved
 shard). Tensors keep their exact bytes, dtypes and shapes in every direction. Non-tensor values
-are copied as ``torch.save`` bytes between ``goodput`` and ``dcp`` (never unpickled), decoded
-(``weights_only=True`` unless ``trust_pickle``) when written to ``torch``, and written to a JSON
+are copied as ``torch.save`` bytes into ``goodput`` (never unpickled; its reader decodes them
+with ``weights_only=True``), decoded (``weights_only=True`` unless ``trust_pickle``) and saved
+again when written to ``dcp`` or ``torch`` (whose stock loaders unpickle without restriction,
+so a value our reader refuses never passes through), and written to a JSON
 sidecar for ``safetensors``, which holds only tensors. ``goodput`` output is one rank's file
 with whole tensors (``reshard`` splits it for M ranks); ``dcp`` output is one ``.distcp`` file.
 
@@ -35,6 +37,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage import LocalStore, Store
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import Source, TensorMeta
+from ._formats.input_checks import check_planner_data
 from ._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from ._formats.goodput import GoodputSource, write_goodput
 from ._formats.safetensors_file import open_safetensors, split_file_uri, write_safetensors
@@ -193,6 +196,7 @@ def convert_checkpoint(
     t0 = time.perf_counter()
     fmt = source_format or detect_format(src, **(src_options or {}))
     with open_source(src, fmt, trust_pickle=trust_pickle, verify=verify, options=src_options) as source:
+        check_planner_data(source)
         report = ConvertReport(source.uri, str(dst), fmt, to)
         tensors = source.tensors()
         report.tensors, report.objects = len(tensors), len(source.items) - len(tensors)

@@ -1,9 +1,7 @@
 """torch DCP's own ``FileSystemWriter`` layout: ``.metadata`` plus ``__<rank>_<n>.distcp`` files.
 
-Reading. ``.metadata`` is a pickle of DCP's ``Metadata``. It is loaded with a restricted
-unpickler that admits only the handful of DCP dataclasses, ``torch.Size``, dtypes, layouts and
-memory formats it is made of (the Python docs' ``find_class`` allow-list pattern), unless the
-caller passes ``trust_pickle``. In a ``.distcp`` file each tensor shard is a ``torch.save``
+Reading. ``.metadata`` is read with a cap, unpickled with a restricted unpickler and its
+claims checked against the files (:mod:`.dcp_metadata`). In a ``.distcp`` file each tensor shard is a ``torch.save``
 archive. It is first loaded onto the meta device (``weights_only=True``), which reads only its
 pickle and index and gives the storage's place in the archive; a contiguous shard is then read
 by byte ranges in place, like safetensors, so memory stays at a few ranges. A shard that is a
@@ -11,9 +9,10 @@ strided view is decoded whole (``weights_only=True``) into a one-entry cache: me
 about one shard. Each non-tensor value is ``torch.save`` bytes, copied as they are into format
 v1 and decoded only when a value is needed (``weights_only=True`` unless ``trust_pickle``).
 
-Writing. One ``__0_0.distcp`` file, written in order: every non-tensor value's ``torch.save``
-bytes, and every tensor as ``torch.save`` archives of row blocks of at most ``block_bytes``
-(each block is a DCP chunk; ``dcp.load`` reassembles and reshards chunks itself), so memory
+Writing. One ``__0_0.distcp`` file, written in order (whole parts on S3: :mod:`.sequential_sink`):
+every non-tensor value, decoded (``weights_only=True`` unless ``trust_pickle``) and saved again
+with ``torch.save``, and every tensor as ``torch.save`` archives of row blocks of at most
+``block_bytes`` (each block is a DCP chunk; ``dcp.load`` reassembles and reshards chunks itself), so memory
 stays at a few blocks. ``.metadata`` is written last, atomically, as the commit. The result
 loads with ``dcp.load(..., storage_reader=FileSystemReader(path))``.
 """
@@ -31,11 +30,15 @@ import torch
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 
+from ...dcp.untrusted_load import check_inflation
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map
-from .goodput import decode_torch_save
+from .dcp_metadata import check_claims, load_metadata, storage_info
+from .input_checks import read_small_capped
+from .sequential_sink import SequentialSink
+from .goodput import decode_torch_save, encode_torch_save
 
 __all__ = ["DcpSource", "METADATA_NAME", "write_dcp"]
 
@@ -44,47 +47,9 @@ DATA_NAME = "__0_0.distcp"
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp\Z")
 #: Rows per block when writing: at most this many bytes per DCP chunk.
 BLOCK_BYTES = 32 << 20
-
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-}  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``Metadata`` and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-def load_metadata(data: bytes, where: str, trust_pickle: bool) -> _md.Metadata:
-    """DCP ``Metadata`` from the bytes of a ``.metadata`` file."""
-    try:
-        md = pickle.loads(data) if trust_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{where} cannot be read with the restricted unpickler ({e}). If you trust this "
-            "checkpoint, pass --trust-pickle (trust_pickle=True).",
-            path=where,
-        ) from None
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises many types
-        raise CorruptCheckpointError(f"{where} is not a valid DCP metadata file ({type(e).__name__}: {e})", path=where) from None
-    if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
-        raise CorruptCheckpointError(f"{where} does not hold DCP Metadata with storage data", path=where)
-    return md
+#: The largest ``.metadata`` read (the same limit as a goodput manifest): it is unpickled
+#: whole in memory, so a larger file is refused before it is read.
+MAX_METADATA_BYTES = 1 << 30
 
 
 class _RangeFile(io.RawIOBase):
@@ -127,7 +92,7 @@ class DcpSource(Source):
         self.uri = store.uri
         self._store = store
         self.trust_pickle = trust_pickle
-        data = store.read_small(METADATA_NAME)
+        data = read_small_capped(store, METADATA_NAME, MAX_METADATA_BYTES, "DCP metadata")
         if data is None:
             if any(_DATA_FILE.match(n) for n in store.list()):
                 raise IncompleteCheckpointError(f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri)
@@ -137,6 +102,7 @@ class DcpSource(Source):
         self._open_lock = threading.Lock()  # guards _sources: worker threads open files lazily
         self._cache = LoadingCache(1, self._decode)  # shards that cannot be read in place
         self._places: dict[str, list[tuple[str, int] | None]] = {}
+        check_claims(self.md, self._store, METADATA_NAME)
         ranks = set()
         for key, smd in self.md.state_dict_metadata.items():
             if isinstance(smd, _md.TensorStorageMetadata):
@@ -158,16 +124,7 @@ class DcpSource(Source):
             self.planner_data = {k: list(v) for k, v in pd.items()}
 
     def _info(self, index: _md.MetadataIndex) -> Any:
-        info = self.md.storage_data.get(index)
-        if info is None or not isinstance(getattr(info, "relative_path", None), str):
-            raise CorruptCheckpointError(f"DCP metadata has no storage entry for {index.fqn!r} at {index.offset}", key=index.fqn)
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{index.fqn!r} was written with DCP storage extensions {list(info.transform_descriptors)}, "
-                "which convert does not read",
-                key=index.fqn,
-            )
-        return info
+        return storage_info(self.md, index)
 
     def _source(self, name: str) -> FileSource:
         with self._open_lock:
@@ -191,6 +148,7 @@ class DcpSource(Source):
 
     def _load(self, key: str, i: int, **kw: Any) -> tuple[Any, torch.Tensor]:
         info, f = self._archive(key, i)
+        check_inflation(f, f"the shard of {key!r} in {self.uri}/{info.relative_path}", key=key)
         try:
             t = torch.load(f, weights_only=True, **kw)
         except CheckpointError:
@@ -279,7 +237,16 @@ def write_dcp(
     block_bytes: int = BLOCK_BYTES,
     progress: Progress = NO_PROGRESS,
 ) -> list[str]:
-    """Write ``source`` in DCP's ``FileSystemWriter`` layout (see the module docstring)."""
+    """Write ``source`` in DCP's ``FileSystemWriter`` layout (see the module docstring).
+
+    Raises:
+        CheckpointError: a non-tensor value does not load with ``weights_only=True`` and the
+            source was not opened with ``trust_pickle`` (checked before anything is written).
+    """
+    # Every value is decoded (weights_only unless the caller trusts the source) and encoded
+    # again, never copied as stored: torch's own dcp.load unpickles these bytes without
+    # restriction, so a code-executing pickle our reader refuses must not pass through.
+    objects = {m.key: encode_torch_save(source.object_value(m.key)) for m in source.objects()}
     store.prepare()
     if store.read_small(METADATA_NAME) is not None:
         if not overwrite:
@@ -309,16 +276,16 @@ def write_dcp(
             source.read_flat(meta.key, lo * row, lo * row + t.numel(), memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         return t
 
-    sink = store.open_sink(DATA_NAME)
+    sink = SequentialSink(store, DATA_NAME)
     results = ordered_map(read, blocks, threads=thread_count, ahead=2)
     progress.start(sum(m.nbytes for m in source.tensors()), "write")
     try:
         f = _SinkFile(sink, 0)
-        for obj in source.objects():
+        for key, raw in objects.items():
             start = f.pos
-            f.write(source.object_bytes(obj.key))
-            sd_md[obj.key] = _md.BytesStorageMetadata()
-            storage[_md.MetadataIndex(obj.key)] = _fs._StorageInfo(DATA_NAME, start, f.pos - start)
+            f.write(raw)
+            sd_md[key] = _md.BytesStorageMetadata()
+            storage[_md.MetadataIndex(key)] = _fs._StorageInfo(DATA_NAME, start, f.pos - start)
         chunks: dict[str, list[Any]] = {}
         for (meta, lo, hi), t in zip(blocks, results):
             start = f.pos

@@ -37,6 +37,7 @@ from ...dcp.hashed_write import (
 )
 from ...dcp.layout import Placement, place_items
 from ...dcp.manifest_load import load_manifest
+from ...dcp.untrusted_load import check_inflation, weights_only_refusal
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.manifest import FORMAT_VERSION, ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
@@ -171,14 +172,15 @@ class GoodputSource(Source):
 
 def decode_torch_save(raw: bytes, key: str, trust_pickle: bool) -> Any:
     """Decode a ``torch.save`` value with ``weights_only=True`` unless ``trust_pickle``."""
+    check_inflation(raw, f"value {key!r}", key=key)
     try:
         return torch.load(io.BytesIO(raw), weights_only=not trust_pickle, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - the unpickler raises many types
         if trust_pickle:
             raise CheckpointError(f"value {key!r} cannot be decoded: {type(e).__name__}: {e}", key=key) from e
         raise CheckpointError(
-            f"value {key!r} cannot be loaded safely with weights_only=True ({type(e).__name__}: "
-            f"{str(e)[:300]}). If you trust this checkpoint, pass --trust-pickle "
+            f"value {key!r} cannot be loaded safely with weights_only=True ({weights_only_refusal(e)}). "
+            "If you trust this checkpoint, pass --trust-pickle "
             "(trust_pickle=True).",
             key=key,
         ) from None

@@ -38,6 +38,8 @@ SIDECAR_FORMAT = "goodput-ckpt.objects"
 SIDECAR_VERSION = 1
 #: Tensors nested inside a value are inlined as base64; larger ones do not belong in JSON.
 MAX_INLINE_TENSOR = 1 << 20
+#: The largest sidecar read: it is parsed whole in memory (the manifest's limit).
+MAX_SIDECAR_BYTES = 1 << 30
 
 
 def encode_value(value: Any, key: str) -> Any:
@@ -111,14 +113,14 @@ def decode_value(doc: Any, key: str) -> Any:
         if tag == "$float":
             return float({"nan": "nan", "inf": "inf", "-inf": "-inf"}[body])
         if tag == "$size":
-            return torch.Size([int(x) for x in body])
+            return torch.Size(_sizes(body))
         if tag == "$bytes":
             return base64.b64decode(body, validate=True)
         if tag == "$dtype":
             return torch_dtype(body, key)
         if tag == "$tensor":
             dtype = torch_dtype(body["dtype"], key)
-            shape = [int(x) for x in body["shape"]]
+            shape = _sizes(body["shape"])
             raw = bytearray(base64.b64decode(body["data"], validate=True))
             if len(raw) != math.prod(shape) * dtype.itemsize:
                 raise ValueError("data length does not match dtype and shape")
@@ -128,6 +130,14 @@ def decode_value(doc: Any, key: str) -> Any:
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"sidecar value {key!r}: malformed {tag} ({e})", key=key) from None
     raise CorruptCheckpointError(f"sidecar value {key!r}: unknown tag {tag!r}", key=key)
+
+
+def _sizes(v: Any) -> list[int]:
+    """A shape: a list of non-negative integers (no floats, booleans or strings, which
+    ``int()`` would turn into sizes, and no ``1e400``, which it cannot)."""
+    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
+        raise ValueError(f"a shape must be a list of non-negative integers, got {str(v)[:100]}")
+    return v
 
 
 def _hashable(v: Any) -> Any:

@@ -28,8 +28,10 @@ from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, ObjectMeta, Source, TensorMeta, alloc, ordered_map
+from .input_checks import read_small_capped
+from .sequential_sink import SequentialSink
 from .goodput import encode_torch_save
-from .objects_json import dump_sidecar, load_sidecar
+from .objects_json import MAX_SIDECAR_BYTES, dump_sidecar, load_sidecar
 
 __all__ = ["SafetensorsSource", "write_safetensors"]
 
@@ -44,6 +46,8 @@ ST_DTYPES = {
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 #: The safetensors spec's limit on the header.
 MAX_HEADER = 100_000_000
+#: An index maps keys to file names: the header's limit is ample for it.
+MAX_INDEX_BYTES = MAX_HEADER
 INDEX_SUFFIX = ".safetensors.index.json"
 SIDECAR_SUFFIX = ".objects.json"
 #: Bytes read and written per step when streaming a tensor.
@@ -66,7 +70,7 @@ class SafetensorsSource(Source):
             for name in files:
                 self._read_header(name)
             if sidecar is not None:
-                data = store.read_small(sidecar)
+                data = read_small_capped(store, sidecar, MAX_SIDECAR_BYTES, "sidecar")
                 if data is not None:
                     objects, pd, md = load_sidecar(data, f"{store.uri}/{sidecar}")
                     for key in objects:
@@ -95,34 +99,31 @@ class SafetensorsSource(Source):
             raise CorruptCheckpointError(f"{where}: header length {n} is invalid for a {size}-byte file", path=where)
         raw = bytearray(n)
         src.read_into(8, [raw])
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})", path=where) from None
-        if not isinstance(header, dict):
-            raise CorruptCheckpointError(f"{where}: the header is not a JSON object", path=where)
+        header = _parse_header(bytes(raw), where)
         base = 8 + n
         entries = []
-        for key, e in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype = torch_dtype(_FROM_ST[e["dtype"]], key)
-                shape = tuple(int(x) for x in e["shape"])
-                begin, end = (int(x) for x in e["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise CorruptCheckpointError(f"{where}: entry {key!r} is malformed or has an unknown dtype ({err!r})", path=where, key=key) from None
-            meta = TensorMeta(key, dtype, shape)
-            if any(x < 0 for x in shape) or end - begin != meta.nbytes or begin < 0 or base + end > size:
+        pos = 0
+        for key, e in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+            begin, end = e["data_offsets"]
+            meta = TensorMeta(key, torch_dtype(_FROM_ST[e["dtype"]], key), tuple(e["shape"]))
+            # The reference library's rule: sorted by offsets, each tensor starts where the
+            # previous one ended and holds exactly its bytes, so none overlap and none leave a gap.
+            if begin != pos or end - begin != meta.nbytes:
                 raise CorruptCheckpointError(
-                    f"{where}: entry {key!r} ({e['dtype']} {list(shape)}) has data_offsets [{begin}, {end}) that do not "
-                    f"match its size or lie outside the file",
+                    f"{where}: entry {key!r} ({e['dtype']} {list(meta.shape)}) has data_offsets [{begin}, {end}); expected "
+                    f"[{pos}, {pos + meta.nbytes}): tensors must not overlap, leave gaps or disagree with their shape",
                     path=where,
                     key=key,
                 )
+            pos = end
             if key in self.items:
                 raise CorruptCheckpointError(f"{where}: key {key!r} appears in more than one file", path=where, key=key)
             entries.append((begin, key, meta))
+        if base + pos != size:
+            raise CorruptCheckpointError(
+                f"{where}: the tensors cover {base + pos} of its {size} bytes; a safetensors file is exactly its header and tensors",
+                path=where,
+            )
         for begin, key, meta in sorted(entries, key=lambda x: x[0]):  # file order: sequential reads
             self.items[key] = meta
             self._where[key] = (name, base + begin)
@@ -147,6 +148,60 @@ class SafetensorsSource(Source):
         self._sources.clear()
 
 
+def _parse_header(raw: bytes, where: str) -> dict[str, dict[str, Any]]:
+    """The tensor entries of a safetensors header, checked as the reference library checks them.
+
+    Why: a header the reference library refuses must not convert either. JSON that only
+    Python accepts (``NaN``, ``Infinity``, a shape of ``1e400``) is refused, as are shapes and
+    offsets that are not unsigned 64-bit integers (floats, strings, booleans), unknown dtypes
+    and ``__metadata__`` values that are not strings.
+
+    Raises:
+        CorruptCheckpointError: anything the reference library would refuse (named).
+    """
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    if not raw.startswith(b"{"):
+        raise CorruptCheckpointError(f"{where}: the header does not start with '{{'", path=where)
+    try:
+        header = json.loads(raw.decode("utf-8"), parse_constant=constant)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})", path=where) from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: the header is not a JSON object", path=where)
+    extra = header.pop("__metadata__", None)
+    if extra is not None and not (isinstance(extra, dict) and all(isinstance(v, str) for v in extra.values())):
+        raise CorruptCheckpointError(f"{where}: '__metadata__' must map names to strings", path=where)
+    for key, e in header.items():
+        ok = (
+            isinstance(e, dict)
+            and e.get("dtype") in _FROM_ST
+            and _u64_list(e.get("shape"))
+            and _u64_list(e.get("data_offsets"))
+            and len(e["data_offsets"]) == 2
+            and e["data_offsets"][0] <= e["data_offsets"][1]
+        )
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{where}: entry {key!r} is malformed: it needs a known 'dtype', a 'shape' of unsigned integers and "
+                f"'data_offsets' of two ascending unsigned integers, got {_clip(e)}",
+                path=where,
+                key=key,
+            )
+    return header
+
+
+def _u64_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int and 0 <= x < 1 << 64 for x in v)
+
+
+def _clip(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def split_file_uri(uri: str) -> tuple[str, str]:
     """``(parent, name)`` of a file URI (``/a/b.safetensors`` -> ``/a``, ``b.safetensors``)."""
     parent, name = posixpath.split(str(uri).rstrip("/"))
@@ -161,7 +216,7 @@ def open_safetensors(store: Store, single: str | None) -> SafetensorsSource:
     names = [n for n in store.list() if "/" not in n]
     index = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
     if index:
-        data = store.read_small(index[0]) or b""
+        data = read_small_capped(store, index[0], MAX_INDEX_BYTES, "safetensors index") or b""
         try:
             weight_map = json.loads(data.decode("utf-8"))["weight_map"]
             files = list(dict.fromkeys(weight_map.values()))
@@ -245,9 +300,16 @@ def write_safetensors(
     store.prepare()
     _clear(store, single, names + [sidecar_name] + ([index_name] if index_name else []), overwrite)
     progress.start(sum(t.nbytes for t in tensors), "write")
+    done: list[str] = []
     try:
         for name, shard in zip(names, shards):
             _write_file(source, store, name, shard, thread_count, progress)
+            done.append(name)
+    except BaseException:
+        # Shards already written have no index or sidecar yet: uncommitted, so removed.
+        for name in done:
+            store.delete(name)
+        raise
     finally:
         progress.close()
     written = list(names)
@@ -293,7 +355,7 @@ def _write_file(source: Source, store: Store, name: str, tensors: list[TensorMet
         source.read_flat(t.key, lo, hi, buf)
         return buf
 
-    sink = store.open_sink(name)
+    sink = SequentialSink(store, name)
     results = ordered_map(read, pieces, threads=thread_count, ahead=2 * thread_count)
     try:
         sink.write_at(0, [header])

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ...dcp.untrusted_load import check_inflation, weights_only_refusal
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc, ordered_map
@@ -74,12 +75,13 @@ class TorchSource(Source):
             raise CheckpointNotFoundError(f"no file at {path}", path=path)
         self.trust_pickle = trust_pickle
         self._mapped = zipfile.is_zipfile(path)
+        check_inflation(path, path)
         try:
             obj = torch.load(path, mmap=self._mapped, weights_only=not trust_pickle, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - the unpickler raises many types
             if not trust_pickle and "weights_only" in str(e):
                 raise CheckpointError(
-                    f"{path} cannot be loaded safely with weights_only=True ({str(e).splitlines()[0][:300]}). "
+                    f"{path} cannot be loaded safely with weights_only=True ({weights_only_refusal(e)}). "
                     "If you trust this file, pass --trust-pickle (trust_pickle=True).",
                     path=path,
                 ) from None
