@@ -31,23 +31,3 @@ def test_storage_and_manifest_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
-
-
-def test_public_api_matches_design():
-    import goodput_ckpt
-
-    expected = {
-        "CheckpointWriter",
-        "CheckpointReader",
-        "CheckpointError",
-        "IncompleteCheckpointError",
-        "CorruptCheckpointError",
-        "CheckpointExistsError",
-        "CheckpointNotFoundError",
-    }
-    assert expected <= set(goodput_ckpt.__all__)
-    for name in goodput_ckpt.__all__:
-        assert getattr(goodput_ckpt, name) is not None
-    for sub in ("IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointExistsError", "CheckpointNotFoundError"):
-        assert issubclass(getattr(goodput_ckpt, sub), goodput_ckpt.CheckpointError)
-    assert issubclass(goodput_ckpt.CheckpointError, Exception)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 from _kill import kill_when
-from _trees import assert_tree_equal
+from helpers.trees import assert_tree_equal
 from test_s3 import load, make_state, save
 
 from goodput_ckpt.storage import open_store

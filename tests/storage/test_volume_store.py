@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.trees import make_state, zeros_like
 
 from goodput_ckpt import (
     CheckpointError,
@@ -248,12 +249,11 @@ def test_store_code_never_renames():
 
 
 def _state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16), "step": seed}
+    return make_state(seed, numel=60_000)  # 240 kB
 
 
 def _load(path, **options) -> dict:
-    out = {"w": torch.zeros(300, 200), "b": torch.zeros(7, dtype=torch.bfloat16), "step": -1}
+    out = zeros_like(_state())
     dcp.load(out, storage_reader=CheckpointReader(path, **options))
     return out
 

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _s3 import ACCESS_KEY, SECRET_KEY
+from helpers.s3 import ACCESS_KEY, SECRET_KEY
 
 __all__ = ["RcloneMount", "WeedMount", "assert_strict", "fuse_unavailable"]
 
