@@ -185,7 +185,9 @@ def test_reader_racing_a_writer(where, forker, tmp_path):
         seed = 100 + trial
         [(child, out)] = start_writers(forker, where, loc, tmp_path, f"race{trial}", {seed: 0.0})
         seen: list[str] = []
+        deadline = time.monotonic() + 300
         while True:
+            assert time.monotonic() < deadline, f"trial {trial}: the writer ran for 300 s: {child.log_tail()}"
             done = child.exited()  # decided before the look: a look after the exit must see it all
             try:
                 CheckpointReader(loc, **where.options).read_metadata()

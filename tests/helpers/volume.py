@@ -126,6 +126,7 @@ class RcloneMount(_Mount):
     kind = "rclone mount"
 
     def __init__(self, url: str, bucket: str, path: Path, work_dir: Path) -> None:
+        self.bucket = bucket
         work_dir.mkdir(parents=True, exist_ok=True)
         conf = work_dir / "rclone.conf"
         conf.write_text(

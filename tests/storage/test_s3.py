@@ -223,7 +223,7 @@ def test_corruption_of_one_object_is_detected_and_named(s3):
     err = checkpoint_error(info)
     assert isinstance(err, CorruptCheckpointError)
     assert err.path == f"s3://{s3.bucket}/{data_key}" and err.byte_range == (CHUNK, 2 * CHUNK)
-    assert err.key == "w" and "'w'" in str(err)
+    assert err.key == "w" and "Affected keys: w." in str(err)
     # Truncated, missing, garbled manifest: caught by read_metadata before any data is read.
     # (dcp.load turns errors raised there into an AssertionError with our message, so the
     # typed error is checked on the reader itself.)

@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+import boto3
 import torch
 import torch.distributed.checkpoint as dcp
 from _kill import kill_when
+from helpers.s3 import ACCESS_KEY, SECRET_KEY
 from helpers.trees import assert_tree_equal, make_state, zeros_like
+from helpers.volume import RcloneMount
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import (
@@ -282,21 +285,32 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
 
 
-def test_upload_markers_are_never_empty_so_deleting_them_sticks(rclone_volume, tmp_path):
+def test_upload_markers_are_never_empty_so_deleting_them_sticks(rclone_volume, seaweed_server, tmp_path):
     """``rclone mount`` uploads a file that got no write only when the kernel releases it,
     after ``close`` returned: an empty marker deleted at once came back and stayed (seen in
-    CI). A marker holds its file's size, and a marker deleted right after its upload is gone."""
-    loc = rclone_volume.fresh("markers")
-    store = StagedStore(VolumeStore(str(loc)), str(tmp_path / "stage"))
-    store.prepare()
-    sink = store.open_sink("a.bin")
-    sink.write_at(0, [b"x" * 1000])
-    sink.close()  # the last open file: its upload is queued
-    store.durable_future().result(timeout=60)
-    assert (loc / "a.bin.uploaded").read_bytes() == b"1000"
-    store.inner.delete("a.bin.uploaded")
-    time.sleep(2)  # the window in which a late upload would bring it back
-    assert sorted(os.listdir(loc)) == ["a.bin"]
+    CI). A marker holds its file's size, and a marker deleted right after its upload is gone.
+
+    The evidence is the bucket once a private mount of it is unmounted: by then every release
+    has reached rclone and rclone has exited, so a late upload would already be there."""
+    bucket = rclone_volume.mount.bucket
+    mount = RcloneMount(seaweed_server.url, bucket, tmp_path / "mnt", tmp_path / "rclone")
+    prefix = f"markers-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        loc = mount.path / prefix
+        store = StagedStore(VolumeStore(str(loc)), str(tmp_path / "stage"))
+        store.prepare()
+        sink = store.open_sink("a.bin")
+        sink.write_at(0, [b"x" * 1000])
+        sink.close()  # the last open file: its upload is queued
+        store.durable_future().result(timeout=60)
+        assert (loc / "a.bin.uploaded").read_bytes() == b"1000"
+        store.inner.delete("a.bin.uploaded")
+    finally:
+        mount.stop()
+    client = boto3.client("s3", endpoint_url=seaweed_server.url, region_name="us-east-1",
+                          aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)  # fmt: skip
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+    assert sorted(o["Key"] for o in listed) == [f"{prefix}/a.bin"]
 
 
 
