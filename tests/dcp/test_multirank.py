@@ -36,12 +36,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers.dist import run_ranks
 from torch import nn
 
-from helpers.dist import run_ranks  # noqa: E402
-
-from goodput_ckpt import CheckpointExistsError, CheckpointReader, CheckpointWriter  # noqa: E402
-from goodput_ckpt.errors import find_checkpoint_error  # noqa: E402
+from goodput_ckpt import CheckpointExistsError, CheckpointReader, CheckpointWriter
+from goodput_ckpt.errors import find_checkpoint_error
 
 SAVE_SCENARIOS = ("fsdp", "dtensor", "async_thread", "async_process", "save_errors", "checkpoint_id")
 NOT_LOADED = "<not loaded>"

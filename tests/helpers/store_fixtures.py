@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers.s3 import FaultProxy, MotoServer, SeaweedServer, s3_env  # noqa: E402
+from helpers.s3 import FaultProxy, MotoServer, SeaweedServer, s3_env
 
 _bucket_ids = itertools.count()
 

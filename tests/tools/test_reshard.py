@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.dist import run_ranks
 from helpers.samples import flat_tensors, flip_byte, item_range, manifest, sample_state, save
 from helpers.trees import assert_tree_equal, zeros_like
 
@@ -26,8 +27,6 @@ from goodput_ckpt import (
 from goodput_ckpt.format import MANIFEST_NAME
 from goodput_ckpt.tools.reshard import per_rank_keys, reshard_checkpoint
 from goodput_ckpt.tools.verify import verify_checkpoint
-
-from helpers.dist import run_ranks  # noqa: E402
 
 
 def _load_plain(path, like):
