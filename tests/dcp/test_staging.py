@@ -13,6 +13,8 @@ from goodput_ckpt.dcp.staging import ReusableStager
 
 
 def _state():
+    """Not :func:`helpers.make_state`: what a stager must copy (nested dicts, a non-contiguous
+    view, a list of dicts of plain values), kept small."""
     return {
         "model": {"w": torch.randn(64, 32), "b": torch.randn(32), "view": torch.randn(32, 64).t()},
         "optim": {"step": torch.tensor(3.0), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
