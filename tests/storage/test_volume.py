@@ -21,6 +21,7 @@ from _kill import kill_when
 from helpers.s3 import ACCESS_KEY, SECRET_KEY
 from helpers.trees import assert_tree_equal, make_state, zeros_like
 from helpers.volume import RcloneMount
+from helpers.wait import wait_until
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import (
@@ -261,15 +262,10 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     durable.result(timeout=120)
     total = time.perf_counter() - t0
     assert blocked <= total
-    names = os.listdir(loc)
-    assert MANIFEST_NAME in names, names
+    assert MANIFEST_NAME in os.listdir(loc)
     # The markers are deleted after the commit. rclone's listing of an object deleted right
     # after it was created can lag (seen once in CI): allow it a bounded time to catch up.
-    deadline = time.monotonic() + 15
-    while [n for n in names if n.endswith(".uploaded")] and time.monotonic() < deadline:
-        time.sleep(0.5)
-        names = os.listdir(loc)
-    assert not [n for n in names if n.endswith(".uploaded")], names
+    wait_until(lambda: not [n for n in os.listdir(loc) if n.endswith(".uploaded")], 15, interval=0.5, what="markers gone")
     assert list(stage.iterdir()) == [], "uploaded files leave the stage"
     assert_tree_equal(load(sd, loc), sd)
 
