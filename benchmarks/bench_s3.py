@@ -1,7 +1,7 @@
 """S3 save and load throughput: goodput-ckpt against boto3's ceiling and the DCP peers.
 
 One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recipe of
-``tests/_s3.py``) and measures, on the same synthetic model-plus-optimizer state (fixed seed):
+``tests/helpers/s3.py``) and measures, on the same synthetic model-plus-optimizer state (fixed seed):
 
 - ``ours``: ``CheckpointWriter`` / ``CheckpointReader(verify=True)`` through ``dcp.save``/``dcp.load``
   at their defaults (8 MiB chunks = parts, 4 hashing threads, 16 parts in flight, 8 read threads);
@@ -58,7 +58,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS recipe
-from _s3 import ACCESS_KEY, SECRET_KEY, SeaweedServer, free_port, s3_env  # noqa: E402
+from helpers.s3 import ACCESS_KEY, SECRET_KEY, SeaweedServer, free_port, s3_env  # noqa: E402
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402

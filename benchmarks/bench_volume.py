@@ -1,7 +1,7 @@
 """Mounted-volume save and load throughput: goodput-ckpt against torch and a plain ``cp``.
 
 One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1) and FUSE-mounts a fresh
-bucket of it (the recipes of ``tests/_volume.py``):
+bucket of it (the recipes of ``tests/helpers/volume.py``):
 
 - ``rclone``: ``rclone mount --vfs-cache-mode off`` over the S3 gateway: strict object-store
   semantics (write once, in order; what Databricks /Volumes and most object-store mounts give);
@@ -63,8 +63,8 @@ import torch.distributed.checkpoint as dcp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the SeaweedFS and FUSE recipes
 sys.path.insert(0, str(HERE))
-from _s3 import SeaweedServer, s3_env  # noqa: E402
-from _volume import RcloneMount, WeedMount, assert_strict, fuse_unavailable  # noqa: E402
+from helpers.s3 import SeaweedServer, s3_env  # noqa: E402
+from helpers.volume import RcloneMount, WeedMount, assert_strict, fuse_unavailable  # noqa: E402
 from bench_local import drop_caches, empty_like_nested, flat_equal, flatten, make_state, parse_size, raw_bytes  # noqa: E402
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402

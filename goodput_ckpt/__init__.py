@@ -1,6 +1,7 @@
 """goodput-ckpt: fast, verifiable, resumable PyTorch checkpoints.
 
-Public API (see docs/ and ``../DESIGN.md``): :class:`CheckpointWriter` and
+Public API (listed in the README's "Public API" section, which a test compares with
+``__all__``): :class:`CheckpointWriter` and
 :class:`CheckpointReader` are ``torch.distributed.checkpoint`` storage plugins;
 :class:`CheckpointManager` saves and resumes the whole training state; the errors form one
 hierarchy under :class:`CheckpointError`.

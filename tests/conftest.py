@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _s3, _volume, _store_fixtures ...
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # for _ckpt_samples
-from _ckpt_samples import copy_ckpt, sample_state, save  # noqa: E402
+from helpers.samples import copy_ckpt, sample_state, save
 
 #: The store fixtures (moto, SeaweedFS, FUSE mounts): one definition, so one server per session.
-pytest_plugins = ["_store_fixtures"]
+pytest_plugins = ["helpers.store_fixtures"]
 
 # Single-process dcp.save/load warn that no process group exists; that is the point of those tests.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

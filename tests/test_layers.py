@@ -88,22 +88,3 @@ def test_storage_and_manifest_import_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
-
-def test_public_api_matches_design():
-    """The root exports DESIGN.md's public API, the errors and the version, and nothing else."""
-    import goodput_ckpt
-
-    errors = {
-        "CheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointExistsError",
-        "CheckpointNotFoundError", "TopologyChangeError",
-    }  # fmt: skip
-    expected = {"CheckpointWriter", "CheckpointReader", "CheckpointManager", "__version__"} | errors
-    assert set(goodput_ckpt.__all__) == expected
-    for name in goodput_ckpt.__all__:
-        assert getattr(goodput_ckpt, name) is not None
-    for sub in errors - {"CheckpointError"}:
-        assert issubclass(getattr(goodput_ckpt, sub), goodput_ckpt.CheckpointError)
-    assert issubclass(goodput_ckpt.CheckpointError, Exception)
-    from goodput_ckpt.manager.checkpoint_manager import CheckpointManager
-
-    assert goodput_ckpt.CheckpointManager is CheckpointManager

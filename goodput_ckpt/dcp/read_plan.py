@@ -119,10 +119,9 @@ def _make_task(file: str, lo: int, hi: int, reqs: list[Request]) -> Task:
     return task
 
 
-#: Most concurrent runs (streams) per file in :func:`sequential_lanes`. Measured with 256 MiB
-#: loads on two FUSE mounts over SeaweedFS (2 cores): with 4 files and 8 threads, one stream per
-#: file read 1.8x faster than two on ``weed mount`` and 0.8x as fast on ``rclone mount``; with
-#: one file, two streams beat one on rclone (1.6x) and tied on weed, and eight lost on both.
+#: Most concurrent runs (streams) per file in :func:`sequential_lanes`. On FUSE mounts one stream
+#: per file wins when there are several files and two win on a single file, while many lose
+#: everywhere (docs/benchmarks.md, "Defaults").
 MAX_RUNS_PER_FILE = 2
 
 

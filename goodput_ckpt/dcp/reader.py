@@ -47,16 +47,13 @@ from .untrusted_load import check_inflation, weights_only_refusal
 
 __all__ = ["CheckpointReader", "DEFAULT_READ_THREADS"]
 
-#: Reader threads: several reads in flight keep the disk's queue busy. Cold loads here are bound
-#: by the disk (about 1.7 GB/s with 4 parallel raw reads); benchmarks/sweep_local.py (1 GiB,
-#: 5 repeats, 2 cores) gave 4 / 8 / 16 threads medians 1.24 / 1.24 / 1.20 GB/s (best 1.46 / 1.46 /
-#: 1.44): no difference. 8 keeps a deeper queue for faster disks at no memory cost (reads land
-#: in the destination tensors).
+#: Reader threads: several reads in flight keep the disk's queue busy. 4, 8 and 16 measured the
+#: same here (docs/benchmarks.md, "Defaults"); 8 keeps a deeper queue for faster disks at no
+#: memory cost (reads land in the destination tensors).
 DEFAULT_READ_THREADS = 8
 #: Bytes per read task (whole hash chunks when verifying): large enough to amortize a syscall and
-#: a hash call, small enough to spread one large tensor over every thread. Same sweep, 8 threads:
-#: 8 / 16 / 32 / 64 MiB medians 1.16 / 1.24 / 0.90 / 0.95 GB/s (best 1.82 / 1.46 / 1.51 / 1.75),
-#: within noise; 16 MiB leaves about 8 tasks per thread per GiB for balance.
+#: a hash call, small enough to spread one large tensor over every thread; 8 to 64 MiB measured
+#: within noise (docs/benchmarks.md), and 16 MiB leaves about 8 tasks per thread per GiB for balance.
 TASK_BYTES = 16 << 20
 
 

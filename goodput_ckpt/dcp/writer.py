@@ -70,17 +70,14 @@ from .tensor_bytes import TensorByteSource, check_byte_order
 
 __all__ = ["CheckpointWriter", "DEFAULT_CHUNK_SIZE", "DEFAULT_WRITE_THREADS"]
 
-#: Hash-chunk (and write-call) size. benchmarks/sweep_local.py (1 GiB, 5 repeats, 2 cores, local
-#: virtio disk) could not tell 4, 8 and 16 MiB apart: medians 0.88 / 0.75 / 0.79 GB/s, best
-#: 0.99 / 1.82 / 0.87, while one configuration's repeats spread 4x on this shared machine. Per-chunk
-#: costs are negligible at these sizes, so 8 MiB is kept for other reasons: it is above S3's 5 MiB
+#: Hash-chunk (and write-call) size. 4, 8 and 16 MiB measured alike on local disk
+#: (docs/benchmarks.md, "Defaults"), so 8 MiB is kept for other reasons: it is above S3's 5 MiB
 #: minimum part size (a chunk can be an S3 part), it bounds in-flight memory at thread_count x
 #: 8 MiB, and it is the granule a verifying reader widens partial reads to.
 DEFAULT_CHUNK_SIZE = 8 << 20
-#: Writer threads. Hashing (~0.21 s/GiB) and the page-cache copy (~0.24 s/GiB) take about two
-#: cores; threads beyond two keep both busy while others wait in pwritev or in the store's
-#: writeback. Same sweep: 2 / 4 / 8 threads, medians 0.80 / 0.75 / 0.71 GB/s, best 1.90 / 1.82 /
-#: 1.84: no measurable difference; 8 would only double the in-flight memory.
+#: Writer threads. Hashing and the page-cache copy take about two cores; threads beyond two keep
+#: both busy while others wait in pwritev or in the store's writeback. 2, 4 and 8 measured alike
+#: (docs/benchmarks.md); 8 would only double the in-flight memory.
 DEFAULT_WRITE_THREADS = 4
 #: How long a new save waits for the thread holding this writer's claim to end before refusing:
 #: long enough for an async executor thread whose save failed to exit, short for an overlap error.

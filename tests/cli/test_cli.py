@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_samples import Opaque, copy_ckpt, flip_byte, item_range, manifest
+from helpers.samples import Opaque, copy_ckpt, flip_byte, item_range, manifest
 
 from goodput_ckpt import __version__
 from goodput_ckpt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main

@@ -7,7 +7,7 @@ import io
 import json
 
 import torch
-from _ckpt_samples import flip_byte, item_range, save
+from helpers.samples import flip_byte, item_range, save
 
 from goodput_ckpt.cli import EXIT_FAILED, main
 from goodput_ckpt.cli._output import Output, escape, table

@@ -26,7 +26,6 @@ and saves that fail between the writer's calls without locking the writer for th
 from __future__ import annotations
 
 import copy
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,13 +36,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers.dist import run_ranks
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
-from _dist import run_ranks  # noqa: E402
-
-from goodput_ckpt import CheckpointExistsError, CheckpointReader, CheckpointWriter  # noqa: E402
-from goodput_ckpt.errors import find_checkpoint_error  # noqa: E402
+from goodput_ckpt import CheckpointExistsError, CheckpointReader, CheckpointWriter
+from goodput_ckpt.errors import find_checkpoint_error
 
 SAVE_SCENARIOS = ("fsdp", "dtensor", "async_thread", "async_process", "save_errors", "checkpoint_id")
 NOT_LOADED = "<not loaded>"

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.trees import zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter, CorruptCheckpointError
@@ -22,6 +23,8 @@ TASK = 256 * KiB  # four hash chunks a task, so a file of ~1 MiB is a run of fou
 
 
 def _state() -> dict[str, torch.Tensor]:
+    """Sixteen equal tensors (not :func:`helpers.make_state`): enough items to fill four files
+    with several read tasks each."""
     g = torch.Generator().manual_seed(0)
     return {f"w{i}": torch.randn(256 * KiB // 4, generator=g) for i in range(16)}  # 4 MiB
 
@@ -38,7 +41,7 @@ def runs(tmp_path, monkeypatch):
 
 
 def _load(loc, **kw) -> dict[str, torch.Tensor]:
-    dest = {k: torch.zeros_like(v) for k, v in _state().items()}
+    dest = zeros_like(_state())
     dcp.load(dest, storage_reader=CheckpointReader(loc, volume=True, **kw))
     return dest
 

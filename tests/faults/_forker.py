@@ -30,7 +30,6 @@ from pathlib import Path
 
 __all__ = ["Child", "Forker"]
 
-_HERE = Path(__file__).resolve().parent
 #: Modules every child needs, imported once by the zygote before it forks.
 _PRELOAD = ("torch", "torch.distributed.checkpoint", "boto3", "goodput_ckpt", "goodput_ckpt.manager.checkpoint_manager",
             "goodput_ckpt.tools.ls", "goodput_ckpt.tools.verify")  # fmt: skip
@@ -173,7 +172,6 @@ def _zygote() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(_HERE))
     for name in _PRELOAD:
         importlib.import_module(name)
     out = sys.stdout.buffer

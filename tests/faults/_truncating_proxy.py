@@ -1,11 +1,11 @@
-"""The fault proxy of tests/_s3.py with one more action: ``truncate_request``.
+"""The fault proxy of tests/helpers/s3.py with one more action: ``truncate_request``.
 
 A request body cut short on its way to the server, with a ``Content-Length`` that matches what
 is left (what a broken middlebox or client stream produces): the server receives a well-formed
 request for fewer bytes than the client meant to send. Only a checksum of the body (CRC-32,
 SHA-256, MD5) lets the server notice; otherwise it stores the short part or object.
 
-Everything else is :class:`_s3.FaultProxy` unchanged; the new action reuses its ``corrupt``
+Everything else is :class:`helpers.s3.FaultProxy` unchanged; the new action reuses its ``corrupt``
 path (forward a changed body) with the cut instead of the bit flip.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-import _s3
+from helpers import s3 as _s3
 
 __all__ = ["TruncatingProxy"]
 
@@ -37,7 +37,7 @@ class _Handler(_s3._Handler):
 
 
 class TruncatingProxy(_s3.FaultProxy):
-    """:class:`_s3.FaultProxy` that also knows ``add("truncate_request", ...)``."""
+    """:class:`helpers.s3.FaultProxy` that also knows ``add("truncate_request", ...)``."""
 
     def __init__(self, upstream_url: str, *, seed: int = 0) -> None:  # noqa: D107 - as FaultProxy's
         super().__init__(upstream_url, seed=seed)

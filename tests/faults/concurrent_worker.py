@@ -47,7 +47,10 @@ def save_when_told(
     writer = CheckpointWriter(location, chunk_size=chunk_size, **options)
     with open(ready, "w"):
         pass
+    deadline = time.monotonic() + 300  # the test died if no go comes: do not linger as an orphan
     while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {go} after 300 s")
         time.sleep(0.0005)
     time.sleep(skew)
     result: dict[str, Any] = {"seed": seed}

@@ -1,14 +1,9 @@
 """Fixtures of the reliability suite: a fork server. The S3 servers, fault proxy and FUSE mounts
-are the shared store fixtures (tests/_store_fixtures.py)."""
+are the shared store fixtures (tests/helpers/store_fixtures.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of this folder
 
 
 @pytest.fixture(scope="session")

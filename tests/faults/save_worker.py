@@ -4,12 +4,12 @@ Usage::
 
     python save_worker.py LOCATION VERSION [--overwrite] [--mib N]
 
-Builds the deterministic state dict of ``VERSION`` (see :func:`make_state`), prints ``READY`` once
+Builds the deterministic state dict of ``VERSION`` (see :func:`versioned_state`), prints ``READY`` once
 it is built (the parent times its kill from there, so interpreter start-up is not counted), saves
 it with ``dcp.save`` and ``CheckpointWriter``, then prints ``SAVED <seconds>``. The parent SIGKILLs
 it at a random moment, or lets it finish (the calibration run).
 
-This file is a plain script, not a test module; test_sigkill.py imports :func:`make_state` and
+This file is a plain script, not a test module; test_sigkill.py imports :func:`layout` and
 :func:`expected_tensor` from it so both sides agree on the values.
 """
 
@@ -42,7 +42,9 @@ def expected_tensor(key: str, numel: int, version: int) -> torch.Tensor:
     return (torch.arange(numel, dtype=torch.int32).add_(base).remainder_(65_521)).to(torch.float32)
 
 
-def make_state(version: int, mib: int) -> dict[str, object]:
+def versioned_state(version: int, mib: int) -> dict[str, object]:
+    """Not ``helpers.make_state``: every value follows from its key and ``version`` alone
+    (:func:`expected_tensor`), so the parent checks what a killed save left without this state."""
     sd: dict[str, object] = {k: expected_tensor(k, n, version) for k, n in layout(mib).items()}
     sd["step"] = version  # a non-tensor value (stored as an object item)
     return sd
@@ -60,7 +62,7 @@ def main(argv: list[str]) -> int:
 
     from goodput_ckpt import CheckpointWriter
 
-    sd = make_state(args.version, args.mib)
+    sd = versioned_state(args.version, args.mib)
     print("READY", flush=True)
     t0 = time.perf_counter()
     dcp.save(sd, storage_writer=CheckpointWriter(args.location, overwrite=args.overwrite))

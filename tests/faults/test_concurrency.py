@@ -30,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _reliability import fault_trials, record
 from concurrent_worker import writer_state
+from helpers.trees import zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointNotFoundError, CheckpointReader, IncompleteCheckpointError
@@ -77,7 +78,7 @@ def start_writers(forker, where: Where, loc: str, tmp: Path, tag: str, skews: di
 
 def _load(loc: str, where: Where) -> dict[str, Any]:
     like = writer_state(0, where.mib)
-    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
+    dest = zeros_like(like)
     dcp.load(dest, storage_reader=CheckpointReader(loc, verify=True, **where.options))
     return dest
 
@@ -184,7 +185,9 @@ def test_reader_racing_a_writer(where, forker, tmp_path):
         seed = 100 + trial
         [(child, out)] = start_writers(forker, where, loc, tmp_path, f"race{trial}", {seed: 0.0})
         seen: list[str] = []
+        deadline = time.monotonic() + 300
         while True:
+            assert time.monotonic() < deadline, f"trial {trial}: the writer ran for 300 s: {child.log_tail()}"
             done = child.exited()  # decided before the look: a look after the exit must see it all
             try:
                 CheckpointReader(loc, **where.options).read_metadata()

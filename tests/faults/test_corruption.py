@@ -38,6 +38,8 @@ CHUNK = 4096  # small hash chunks, so byte ranges in errors are precise and a fi
 
 
 def _state() -> dict:
+    """Not :func:`helpers.make_state`: the damage cases below aim at places in this exact layout
+    (hash-chunk boundaries, padding after odd sizes)."""
     g = torch.Generator().manual_seed(0)
     return {
         "w": torch.randn(3000, generator=g),  # 12000 bytes: spans three hash chunks

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from _ckpt_samples import sample_state, save, zeros_like_tree
-from _trees import assert_tree_equal
+from helpers.samples import sample_state, save
+from helpers.trees import assert_tree_equal, zeros_like
 from _reliability import fault_trials, record
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -160,7 +160,7 @@ def check_verify(d: Path, damage: Damage, names: set[str]) -> str | None:
 
 def check_load(d: Path, damage: Damage, names: set[str], a: Sample) -> tuple[str | None, bool]:
     """Why a verified ``dcp.load`` missed ``damage``, and whether it returned wrong values."""
-    dest = zeros_like_tree(a.state)
+    dest = zeros_like(a.state)
     try:
         dcp.load(dest, storage_reader=CheckpointReader(str(d), verify=True))
     except CheckpointException as e:

@@ -21,21 +21,17 @@ reset/stall on reads, each failing cleanly. Added here:
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from _reliability import fault_trials, record
 from _truncating_proxy import TruncatingProxy
+from helpers.errors import checkpoint_error
+from helpers.s3_roundtrip import load, s3_state, save
+from helpers.trees import assert_tree_equal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # test_s3's helpers
-from _trees import assert_tree_equal  # noqa: E402
-from test_s3 import checkpoint_error, load, make_state, save  # noqa: E402
-
-from goodput_ckpt import CheckpointError, CheckpointNotFoundError, CheckpointReader, IncompleteCheckpointError  # noqa: E402
-from goodput_ckpt.errors import find_checkpoint_error  # noqa: E402
-from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
+from goodput_ckpt import CheckpointError, CheckpointNotFoundError, CheckpointReader, IncompleteCheckpointError
+from goodput_ckpt.errors import find_checkpoint_error
+from goodput_ckpt.format.manifest import MANIFEST_NAME
 
 #: 1 s without a byte is a stall; few attempts and a short budget, so failures come quickly.
 BUDGET = {"read_timeout": 1.0, "connect_timeout": 1.0, "max_attempts": 4, "retry_time_limit": 3.0}
@@ -90,7 +86,7 @@ def test_truncated_upload_body_is_sent_again(seaweed, tproxy_seaweed, op):
     """SeaweedFS checks the CRC-32 the client sends with every part and object (BadDigest): the
     short body is refused, sent again whole, and the checkpoint is exact."""
     rule = tproxy_seaweed.add("truncate_request", op=op, key_contains=".bin", times=1)
-    state = make_state(3) if op == "UploadPart" else {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    state = s3_state(3) if op == "UploadPart" else {"w": torch.arange(1 << 18, dtype=torch.float32)}
     save(state, _via(seaweed, tproxy_seaweed), "cut", **{**BUDGET, "read_timeout": 10.0, "retry_time_limit": 30.0})
     assert rule.fired == 1
     assert_tree_equal(load(state, seaweed, "cut"), state)
@@ -103,7 +99,7 @@ def test_truncated_upload_body_never_completes_a_short_object(moto, tproxy_moto,
     """moto checks no body checksum: the client's size check after the PUT (sent again) or the
     completion (the save fails cleanly) is what keeps a short object out of a checkpoint."""
     tproxy_moto.add("truncate_request", op=op, key_contains=".bin", times=1)
-    state = make_state(3) if op == "UploadPart" else {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    state = s3_state(3) if op == "UploadPart" else {"w": torch.arange(1 << 18, dtype=torch.float32)}
     try:
         save(state, _via(moto, tproxy_moto), "short", **BUDGET)
     except BaseException as e:  # noqa: BLE001 - a clean failure is fine too
@@ -173,7 +169,7 @@ def test_random_faults_at_a_high_rate(seaweed, tproxy_seaweed):
         tproxy_seaweed._server.rng.seed(trial)
         for action in ACTIONS:
             tproxy_seaweed.add(action, probability=0.03)
-        state = make_state(10 + trial)
+        state = s3_state(10 + trial)
         prefix = f"chaos{trial}"
         try:
             save(state, via, prefix, **BUDGET)

@@ -29,6 +29,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.wait import wait_until
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointNotFoundError, CheckpointReader, IncompleteCheckpointError
@@ -41,6 +42,8 @@ _spec.loader.exec_module(_worker_module)
 expected_tensor, layout = _worker_module.expected_tensor, _worker_module.layout
 MIB = 256
 SEED = 20240607
+#: Seconds a wait for the worker may take before the test fails (it never should).
+TIMEOUT_S = 300
 #: Kill phases of the 6 trials of each case (their order is shuffled with the seed).
 PHASES = ["early", "write", "write", "write", "commit", "late"]
 
@@ -77,18 +80,18 @@ class Worker:
     def wait_written(self, loc: str, old: set[str], target: int) -> None:
         """Poll until this save's data files (those not in ``old``) reach ``target`` bytes (the
         file size is the highest offset written so far), or the worker exits."""
-        while self.proc.poll() is None and written(loc, old) < target:
-            time.sleep(0.0005)
+        wait_until(lambda: self.proc.poll() is not None or written(loc, old) >= target, TIMEOUT_S, interval=0.0005)
 
     def wait_commit(self, loc: str) -> None:
         """Poll until the commit starts (a temporary manifest) or is done (a manifest other
         than the one there now), or the worker exits."""
         before = manifest_id(loc)
-        while self.proc.poll() is None:
+
+        def committing() -> bool:
             names = listing(loc)
-            if any(n.startswith(f".{MANIFEST_NAME}.tmp") for n in names) or manifest_id(loc) not in (None, before):
-                return
-            time.sleep(0.0002)
+            return any(n.startswith(f".{MANIFEST_NAME}.tmp") for n in names) or manifest_id(loc) not in (None, before)
+
+        wait_until(lambda: self.proc.poll() is not None or committing(), TIMEOUT_S, interval=0.0002)
 
     def stop(self) -> None:
         """Make sure the worker is gone (after a failed assertion)."""

@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _reliability import record
 from crash_worker import TrialModel
+from helpers.trees import assert_tree_equal, make_state, zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointError, CheckpointManager, CheckpointReader, CheckpointWriter, IncompleteCheckpointError
@@ -57,14 +58,11 @@ def fill(path, leave: int) -> None:
 
 
 def state(mib: float, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(int(mib * MiB) // 4, generator=g), "step": seed}
+    return make_state(seed, numel=int(mib * MiB) // 4)
 
 
 def load(path) -> dict:
-    dest = {"w": torch.empty(0), "step": None}
-    md = CheckpointReader(str(path)).read_metadata()
-    dest["w"] = torch.empty(md.state_dict_metadata["w"].size)
+    dest = zeros_like(make_state(numel=CheckpointReader(str(path)).read_metadata().state_dict_metadata["w"].size[0]))
     dcp.load(dest, storage_reader=CheckpointReader(str(path)))
     return dest
 
@@ -118,7 +116,7 @@ def test_disk_full_fails_cleanly_and_keeps_earlier_checkpoints(tmpfs):
     for name, sd in earlier.items():
         assert verify_checkpoint(str(tmpfs / name)).ok
         got = load(tmpfs / name)
-        assert torch.equal(got["w"], sd["w"]) and got["step"] == sd["step"]
+        assert_tree_equal(got, sd)
     # Space freed: the same locations take a save (the failed ones were never committed).
     os.remove(tmpfs / "filler")
     for name in ("c", "d"):

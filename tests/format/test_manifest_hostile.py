@@ -20,6 +20,7 @@ import blake3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.trees import make_state, zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 import goodput_ckpt.errors as errors
@@ -260,17 +261,12 @@ def _save(loc: str, sd: dict) -> str:
     return loc
 
 
-def _state(seed: int, n: int = 5000) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, generator=g), "b": torch.randint(0, 100, (64,), generator=g), "step": seed}
-
-
 def _data_files(loc: str) -> list[str]:
     return sorted(n for n in os.listdir(loc) if n.endswith(".bin"))
 
 
 def test_copied_manifest_names_missing_files(tmp_path):
-    a, b = _save(str(tmp_path / "a"), _state(1)), _save(str(tmp_path / "b"), _state(2))
+    a, b = _save(str(tmp_path / "a"), make_state(1)), _save(str(tmp_path / "b"), make_state(2))
     shutil.copy(os.path.join(a, MANIFEST_NAME), os.path.join(b, MANIFEST_NAME))
     (missing,) = _data_files(a)
     err = _raises_clean(lambda: CheckpointReader(b).read_metadata(), CorruptCheckpointError, "is missing")
@@ -280,29 +276,25 @@ def test_copied_manifest_names_missing_files(tmp_path):
 def test_copied_manifest_same_layout_fails_hash(tmp_path):
     """Same keys and shapes, different values, data files renamed to the names the copied manifest
     expects: sizes agree, so only the digests can tell. A verified load must refuse it."""
-    a, b = _save(str(tmp_path / "a"), _state(1)), _save(str(tmp_path / "b"), _state(2))
+    a, b = _save(str(tmp_path / "a"), make_state(1)), _save(str(tmp_path / "b"), make_state(2))
     shutil.copy(os.path.join(a, MANIFEST_NAME), os.path.join(b, MANIFEST_NAME))
     (name_a,), (name_b,) = _data_files(a), _data_files(b)
     os.rename(os.path.join(b, name_b), os.path.join(b, name_a))
     CheckpointReader(b).read_metadata()  # sizes match
     with pytest.raises(CheckpointException) as info:
-        dcp.load(_zeros(_state(0)), storage_reader=CheckpointReader(b))
+        dcp.load(zeros_like(make_state(0)), storage_reader=CheckpointReader(b))
     err = find_checkpoint_error(info.value)
     assert type(err) is CorruptCheckpointError and "checksum mismatch" in str(err), info.value
     assert err.path == os.path.join(b, name_a)
 
 
 def test_copied_manifest_other_layout_fails_size(tmp_path):
-    a, b = _save(str(tmp_path / "a"), _state(1, n=5000)), _save(str(tmp_path / "b"), _state(2, n=7000))
+    a, b = _save(str(tmp_path / "a"), make_state(1, numel=5000)), _save(str(tmp_path / "b"), make_state(2, numel=7000))
     shutil.copy(os.path.join(a, MANIFEST_NAME), os.path.join(b, MANIFEST_NAME))
     (name_a,), (name_b,) = _data_files(a), _data_files(b)
     os.rename(os.path.join(b, name_b), os.path.join(b, name_a))
     err = _raises_clean(lambda: CheckpointReader(b).read_metadata(), CorruptCheckpointError, "but the manifest records")
     assert err.path == os.path.join(b, name_a) and err.byte_range is not None
-
-
-def _zeros(sd: dict) -> dict:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
 
 
 # -- manifests with one digit changed ---------------------------------------------------------
@@ -345,7 +337,7 @@ def test_one_digit_manifest_changes_never_load_wrong_values(tmp_path):
         except CheckpointError:
             outcomes["refused"] += 1
             continue
-        dest = _zeros(sd)
+        dest = zeros_like(sd)
         try:
             dcp.load(dest, storage_reader=CheckpointReader(loc))
         except CheckpointException as e:

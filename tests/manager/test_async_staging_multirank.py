@@ -4,7 +4,6 @@ changes to FSDP2's DTensor parameters are seen like those of plain tensors."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
-from _dist import run_ranks  # noqa: E402
+from helpers.dist import run_ranks  # noqa: E402
 
 from goodput_ckpt import CheckpointError, CheckpointManager  # noqa: E402
 

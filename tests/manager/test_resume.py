@@ -24,10 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_job (the demo's job, this test's sizes)
 import train_job  # noqa: E402
-from _trees import assert_tree_equal  # noqa: E402
+from helpers.trees import assert_tree_equal  # noqa: E402
 
 from goodput_ckpt import CheckpointManager  # noqa: E402
 from goodput_ckpt.errors import TopologyChangeError  # noqa: E402

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from goodput_ckpt.manager.staging.stager import ReusableStager
 
 
 def _state():
+    """Not :func:`helpers.make_state`: what a stager must copy (nested dicts, a non-contiguous
+    view, a list of dicts of plain values), kept small."""
     return {
         "model": {"w": torch.randn(64, 32), "b": torch.randn(32), "view": torch.randn(32, 64).t()},
         "optim": {"step": torch.tensor(3.0), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
@@ -57,11 +58,24 @@ def test_changed_shapes_get_new_buffers_and_dropped_keys_free_theirs():
     assert stager.nbytes == 20 * 4, "the buffer of the removed key was dropped"
 
 
+class _WatchedCondition(threading.Condition):
+    """A Condition that tells when a thread starts waiting on it (a real event, not a guess)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):  # wait_for calls wait only when its predicate is false
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 def test_second_stage_waits_for_release():
     stager = ReusableStager(timeout_s=30)
     sd = {"w": torch.zeros(1000)}
     stager.stage(sd)
     assert stager.busy
+    stager._cond = cond = _WatchedCondition()
     done = threading.Event()
 
     def second():
@@ -70,7 +84,7 @@ def test_second_stage_waits_for_release():
 
     t = threading.Thread(target=second)
     t.start()
-    time.sleep(0.3)
+    assert cond.waiting.wait(30), "the second stage() never waited"
     assert not done.is_set(), "stage() must not overwrite buffers a save still holds"
     stager.release()
     t.join(10)

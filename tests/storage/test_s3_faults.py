@@ -1,6 +1,6 @@
 """Injected S3 faults: retries recover from transient ones; persistent ones fail cleanly and fast.
 
-A loopback proxy (``tests/_s3.py``) sits between the client and moto and, by rule, answers 503
+A loopback proxy (``tests/helpers/s3.py``) sits between the client and moto and, by rule, answers 503
 SlowDown or 500, resets connections (before forwarding, or after the server did the work so
 that only the response is lost), cuts response bodies short, or stalls. A clean failure means:
 a ``CheckpointError`` naming the object and the cause, within the retry budget; no manifest; no
@@ -15,9 +15,10 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _s3 import FaultProxy
-from _trees import assert_tree_equal
-from test_s3 import CHUNK, checkpoint_error, load, make_state, save
+from helpers.errors import checkpoint_error
+from helpers.s3 import FaultProxy
+from helpers.s3_roundtrip import CHUNK, load, s3_state, save
+from helpers.trees import assert_tree_equal, zeros_like
 
 from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter, CorruptCheckpointError, IncompleteCheckpointError
 
@@ -47,7 +48,7 @@ def test_transient_faults_are_retried(moto, proxy, via_proxy):
         proxy.add("cut_body", op="GetObject", key_contains=".bin", times=1),  # resumes mid-body
         proxy.add("stall_body", op="GetObject", key_contains=".bin", times=1),
     ]
-    state = make_state()
+    state = s3_state()
     save(state, via_proxy, "retry", **FAST, retry_time_limit=30.0)
     assert_tree_equal(load(state, via_proxy, "retry", **FAST, retry_time_limit=30.0), state)
     assert [r.fired for r in rules] == [r.times for r in rules], proxy.log.faults
@@ -58,7 +59,7 @@ def test_random_faults_everywhere(moto, proxy, via_proxy):
     """15% of all requests fail, in every way at once; the save and the load still succeed."""
     for action in ("503", "500", "reset", "reset_after", "cut_body"):
         proxy.add(action, probability=0.03)
-    state = make_state(5)
+    state = s3_state(5)
     save(state, via_proxy, "random", **FAST, retry_time_limit=60.0, max_attempts=20)
     assert_tree_equal(load(state, via_proxy, "random", **FAST, retry_time_limit=60.0, max_attempts=20), state)
     assert len(proxy.log.faults) > 0 and moto.open_uploads() == []
@@ -77,7 +78,7 @@ def test_persistent_data_faults_fail_cleanly(moto, proxy, via_proxy, action, op,
     proxy.add(action, op=op)
     start = time.monotonic()
     with pytest.raises(BaseException) as info:
-        save(make_state(), via_proxy, "fail", **SHORT)
+        save(s3_state(), via_proxy, "fail", **SHORT)
     elapsed = time.monotonic() - start
     err = checkpoint_error(info)
     assert err.path and "/fail/rank00000-00." in err.path and err.path.endswith(".bin"), err.path
@@ -92,7 +93,7 @@ def test_persistent_data_faults_fail_cleanly(moto, proxy, via_proxy, action, op,
 def test_persistent_commit_fault_leaves_no_manifest(moto, proxy, via_proxy):
     proxy.add("503", op="PutObject", key_contains="manifest.json")
     with pytest.raises(BaseException) as info:
-        save(make_state(), via_proxy, "nocommit", **SHORT)
+        save(s3_state(), via_proxy, "nocommit", **SHORT)
     err = checkpoint_error(info)
     assert err.path.endswith("nocommit/manifest.json") and "SlowDown" in str(err)
     keys = moto.keys("nocommit/")
@@ -102,7 +103,7 @@ def test_persistent_commit_fault_leaves_no_manifest(moto, proxy, via_proxy):
 
 
 def test_persistent_read_faults_fail_cleanly(moto, proxy, via_proxy):
-    state = make_state()
+    state = s3_state()
     save(state, moto, "readfail")
     for action in ("reset", "stall_body"):
         proxy.clear()
@@ -131,7 +132,7 @@ def test_failure_on_one_file_stops_the_others(moto, proxy, via_proxy):
     assert writer._store.slots()._value == writer._store.config.max_concurrency
     proxy.clear()
     dcp.save(state, storage_writer=writer)
-    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    dest = zeros_like(state)
     dcp.load(dest, storage_reader=CheckpointReader(via_proxy.uri("multi"), **via_proxy.options()))
     assert all(torch.equal(dest[k], state[k]) for k in state)
 
@@ -150,7 +151,7 @@ def test_body_damaged_in_transit(seaweed, checksums):
     try:
         rule = proxy.add("corrupt", op="UploadPart", times=1)
         via = type(target)("seaweedfs", proxy.url, target.bucket)
-        state = make_state(2)
+        state = s3_state(2)
         save(state, via, "crc", checksums=checksums)
         assert rule.fired == 1
         if checksums:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from _dist import run_ranks
-from _s3 import FaultProxy, proxy_counts
+from helpers.dist import run_ranks
+from helpers.s3 import FaultProxy, proxy_counts
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter
 

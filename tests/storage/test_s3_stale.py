@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 from _kill import kill_when
-from _trees import assert_tree_equal
-from test_s3 import load, make_state, save
+from helpers.s3_roundtrip import load, s3_state, save
+from helpers.trees import assert_tree_equal
 
 from goodput_ckpt.storage import open_store
 
@@ -45,13 +45,13 @@ def test_only_this_locations_idle_uploads_are_aborted(s3):
     for key in ("run/step_1/rank00000-00.aaaaaaaaaaaa.bin", "run/step_1/nested/x.bin", "run/step_10/y.bin", "run/step_1x.bin"):
         start_upload(s3, key)
     # Just active (a part a moment ago): the default age keeps it, like a live writer's.
-    save(make_state(), s3, "run/step_1")
+    save(s3_state(), s3, "run/step_1")
     assert sorted(s3.open_uploads()) == ["run/step_1/nested/x.bin", "run/step_1/rank00000-00.aaaaaaaaaaaa.bin",
                                          "run/step_10/y.bin", "run/step_1x.bin"]  # fmt: skip
     # Idle for 0 s is idle: aborted when a save starts, but only this location's own files.
-    save(make_state(1), s3, "run/step_1", overwrite=True, stale_upload_age=0)
+    save(s3_state(1), s3, "run/step_1", overwrite=True, stale_upload_age=0)
     assert sorted(s3.open_uploads()) == ["run/step_1/nested/x.bin", "run/step_10/y.bin", "run/step_1x.bin"]
-    assert_tree_equal(load(make_state(1), s3, "run/step_1"), make_state(1))
+    assert_tree_equal(load(s3_state(1), s3, "run/step_1"), s3_state(1))
     # Explicitly, with the nested locations (a manager root's steps).
     store = open_store(s3.uri("run/step_1"), s3.options())
     assert store.abort_stale_uploads(older_than=3600) == []  # nothing idle that long
@@ -64,8 +64,8 @@ def test_only_this_locations_idle_uploads_are_aborted(s3):
 def test_no_clean_up_at_a_bucket_root_or_when_disabled(moto, proxy):
     target = type(moto)("moto", proxy.url, moto.bucket)
     start_upload(moto, "orphan.bin")
-    save(make_state(), target, "")  # the bucket's root: its uploads may be anyone's
-    save(make_state(), target, "off", stale_upload_age=None)
+    save(s3_state(), target, "")  # the bucket's root: its uploads may be anyone's
+    save(s3_state(), target, "off", stale_upload_age=None)
     assert proxy.count("ListMultipartUploads") == 0
     assert moto.open_uploads() == ["orphan.bin"]
 
@@ -75,10 +75,10 @@ def test_a_failed_clean_up_does_not_fail_the_save(moto, proxy, caplog):
     proxy.add("403_echo", op="ListMultipartUploads")  # a policy without ListBucketMultipartUploads
     start_upload(moto, "denied/orphan.bin")
     with caplog.at_level(logging.WARNING, logger="goodput_ckpt"):
-        save(make_state(), target, "denied", stale_upload_age=0)
+        save(s3_state(), target, "denied", stale_upload_age=0)
     assert "could not clean up stale multipart uploads" in caplog.text and "SignatureDoesNotMatch" in caplog.text
     assert moto.open_uploads() == ["denied/orphan.bin"]
-    assert_tree_equal(load(make_state(), moto, "denied"), make_state())
+    assert_tree_equal(load(s3_state(), moto, "denied"), s3_state())
 
 
 def test_uploads_of_a_killed_save_are_reclaimed_by_the_next_save(moto, tmp_path):
@@ -87,12 +87,12 @@ def test_uploads_of_a_killed_save_are_reclaimed_by_the_next_save(moto, tmp_path)
     orphans = [k for k in moto.open_uploads() if k.startswith("killed/")]
     assert orphans, "a multipart upload was left open"
     # Its last part went up a moment ago: the default age (600 s) leaves it to its writer.
-    save(make_state(), moto, "killed")
+    save(s3_state(), moto, "killed")
     assert sorted(k for k in moto.open_uploads() if k.startswith("killed/")) == sorted(orphans)
     # Once idle long enough (0 s here) the next save there reclaims it.
-    save(make_state(1), moto, "killed", overwrite=True, stale_upload_age=0)
+    save(s3_state(1), moto, "killed", overwrite=True, stale_upload_age=0)
     assert [k for k in moto.open_uploads() if k.startswith("killed/")] == []
-    assert_tree_equal(load(make_state(1), moto, "killed"), make_state(1))
+    assert_tree_equal(load(s3_state(1), moto, "killed"), s3_state(1))
 
 
 def _uploads_with_parts(target, prefix: str) -> bool:

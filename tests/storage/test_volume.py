@@ -14,10 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+import boto3
 import torch
 import torch.distributed.checkpoint as dcp
 from _kill import kill_when
-from _trees import assert_tree_equal, zeros_like
+from helpers.s3 import ACCESS_KEY, SECRET_KEY
+from helpers.trees import assert_tree_equal, make_state, zeros_like
+from helpers.volume import RcloneMount
+from helpers.wait import wait_until
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import (
@@ -37,27 +41,9 @@ MiB = 1 << 20
 SAVE_WORKER = Path(__file__).resolve().parents[1] / "faults" / "save_worker.py"
 
 
-def make_state(seed: int = 0) -> dict:
-    """About 14 MiB: a tensor over several chunks, odd dtypes and sizes, many small tensors."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {
-        "model": {
-            "big": torch.randn(3_000_000, generator=g),  # 12 MB: several 8 MiB chunks
-            "bf16": torch.randn(301, 117, generator=g).to(torch.bfloat16),
-            "half": torch.randn(1001, generator=g).half(),
-            "ids": torch.randint(-(2**40), 2**40, (777,), generator=g),
-            "flag": torch.rand(33, generator=g) > 0.5,
-            "u8": torch.randint(0, 255, (513,), generator=g, dtype=torch.uint8),
-            "scalar": torch.tensor(1.5 + seed),
-            "empty": torch.empty(0, 3),
-            "view": torch.randn(64, 48, generator=g).t(),  # non-contiguous
-        },
-        "small": {f"n{i}": torch.randn(17 + i, generator=g) for i in range(40)},
-        "extra": {"step": 100 + seed, "name": "run", "betas": [0.9, 0.95]},
-    }
-    if hasattr(torch, "float8_e4m3fn"):
-        sd["model"]["fp8"] = torch.randn(257, generator=g).to(torch.float8_e4m3fn)
-    return sd
+def volume_state(seed: int = 0) -> dict:
+    """:func:`helpers.make_state` with every awkward value and ``w`` of 12 MB: several 8 MiB chunks."""
+    return make_state(seed, numel=3_000_000, awkward=True)
 
 
 def save(state, path, **kw) -> CheckpointWriter:
@@ -102,7 +88,7 @@ def test_local_mode_forced_onto_a_strict_mount_fails_cleanly(rclone_dir, weed_di
     a CheckpointError (its parallel writes at offsets get ESPIPE, with a hint to use
     volume=True, or, when rclone managed to reorder them, its commit by link or rename fails)
     and leaves no manifest; on the permissive mount the local-disk store works."""
-    sd = make_state(1)
+    sd = volume_state(1)
     with pytest.raises(CheckpointException) as info:
         save(sd, rclone_dir, volume=False)
     err = find_checkpoint_error(info.value)
@@ -119,7 +105,7 @@ def test_local_mode_forced_onto_a_strict_mount_fails_cleanly(rclone_dir, weed_di
 
 # -- round trips ------------------------------------------------------------------------------------
 def test_round_trip(volume_dir):
-    sd = make_state(2)
+    sd = volume_state(2)
     writer = save(sd, volume_dir)
     assert writer.durable_future().done()
     names = sorted(os.listdir(volume_dir))
@@ -127,9 +113,9 @@ def test_round_trip(volume_dir):
     assert names == sorted([MANIFEST_NAME, *data_files(volume_dir)]), "no temporary or marker files"
     assert_tree_equal(load(sd, volume_dir), sd)
     # A sub-range of a tensor: the reader reads just the chunks it needs.
-    part = {"model": {"big": torch.zeros(3_000_000)}}
+    part = {"w": torch.zeros(3_000_000)}
     dcp.load(part, storage_reader=CheckpointReader(volume_dir, thread_count=3))
-    assert torch.equal(part["model"]["big"], sd["model"]["big"])
+    assert torch.equal(part["w"], sd["w"])
 
 
 def test_mounts_are_read_with_o_direct(volume_dir):
@@ -152,17 +138,17 @@ def test_mounts_are_read_with_o_direct(volume_dir):
 
 
 def test_async_save_with_the_thread_executor(rclone_dir):
-    sd, expected = make_state(3), make_state(3)
+    sd, expected = volume_state(3), volume_state(3)
     writer = CheckpointWriter(rclone_dir)
     fut = dcp.async_save(sd, storage_writer=writer)
-    sd["model"]["big"].add_(1)  # training goes on: the checkpoint must not see it
+    sd["w"].add_(1)  # training goes on: the checkpoint must not see it
     fut.result(timeout=120)
     assert_tree_equal(load(expected, rclone_dir), expected)
 
 
 # -- existing checkpoints ----------------------------------------------------------------------------
 def test_overwrite_refused_unless_asked(volume_dir):
-    old, new = make_state(4), make_state(5)
+    old, new = volume_state(4), volume_state(5)
     save(old, volume_dir)
     old_files = data_files(volume_dir)
     with pytest.raises(CheckpointException) as info:
@@ -177,7 +163,7 @@ def test_overwrite_refused_unless_asked(volume_dir):
 
 # -- damage -----------------------------------------------------------------------------------------
 def test_corruption_is_detected(rclone_dir):
-    sd = make_state(6)
+    sd = volume_state(6)
     save(sd, rclone_dir)
     manifest = (rclone_dir / MANIFEST_NAME).read_bytes()
     biggest = max(data_files(rclone_dir), key=lambda n: (rclone_dir / n).stat().st_size)
@@ -204,8 +190,8 @@ def test_corruption_is_detected(rclone_dir):
     rewrite(rclone_dir / MANIFEST_NAME, manifest[: len(manifest) // 2])
     with pytest.raises(IncompleteCheckpointError, match="mounted volume"):
         CheckpointReader(rclone_dir).read_metadata()
-    save(make_state(7), rclone_dir)  # an incomplete location takes a new save without overwrite
-    assert_tree_equal(load(make_state(7), rclone_dir), make_state(7))
+    save(volume_state(7), rclone_dir)  # an incomplete location takes a new save without overwrite
+    assert_tree_equal(load(volume_state(7), rclone_dir), volume_state(7))
 
 
 def test_tools_call_a_half_written_manifest_incomplete(rclone_volume):
@@ -216,8 +202,8 @@ def test_tools_call_a_half_written_manifest_incomplete(rclone_volume):
 
     root = rclone_volume.fresh("tools")
     step, other = root / "step_00000100", root / "step_00000200"
-    save(make_state(10), step)
-    save(make_state(11), other)
+    save(volume_state(10), step)
+    save(volume_state(11), other)
     manifest = (step / MANIFEST_NAME).read_bytes()
     assert verify_checkpoint(str(step)).ok
     rewrite(step / MANIFEST_NAME, manifest[: len(manifest) // 2])
@@ -258,7 +244,7 @@ def test_save_killed_mid_write_leaves_it_incomplete(rclone_volume, tmp_path):
     assert leftovers and MANIFEST_NAME not in os.listdir(loc)
     with pytest.raises(IncompleteCheckpointError, match="never committed"):
         CheckpointReader(loc).read_metadata()
-    sd = make_state(8)
+    sd = volume_state(8)
     save(sd, loc)
     assert not set(leftovers) & set(data_files(loc))
     assert_tree_equal(load(sd, loc), sd)
@@ -266,7 +252,7 @@ def test_save_killed_mid_write_leaves_it_incomplete(rclone_volume, tmp_path):
 
 # -- local staging -------------------------------------------------------------------------------------
 def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
-    sd = make_state(9)
+    sd = volume_state(9)
     loc, stage = rclone_volume.fresh("staged"), tmp_path / "stage"
     writer = CheckpointWriter(loc, stage_dir=stage)
     t0 = time.perf_counter()
@@ -276,20 +262,15 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     durable.result(timeout=120)
     total = time.perf_counter() - t0
     assert blocked <= total
-    names = os.listdir(loc)
-    assert MANIFEST_NAME in names, names
+    assert MANIFEST_NAME in os.listdir(loc)
     # The markers are deleted after the commit. rclone's listing of an object deleted right
     # after it was created can lag (seen once in CI): allow it a bounded time to catch up.
-    deadline = time.monotonic() + 15
-    while [n for n in names if n.endswith(".uploaded")] and time.monotonic() < deadline:
-        time.sleep(0.5)
-        names = os.listdir(loc)
-    assert not [n for n in names if n.endswith(".uploaded")], names
+    wait_until(lambda: not [n for n in os.listdir(loc) if n.endswith(".uploaded")], 15, interval=0.5, what="markers gone")
     assert list(stage.iterdir()) == [], "uploaded files leave the stage"
     assert_tree_equal(load(sd, loc), sd)
 
     # async_save, then the durable copy; a second staged save refuses the committed location.
-    sd2 = make_state(10)
+    sd2 = volume_state(10)
     loc2 = rclone_volume.fresh("staged")
     writer2 = CheckpointWriter(loc2, stage_dir=stage)
     dcp.async_save(sd2, storage_writer=writer2).result(timeout=120)
@@ -300,21 +281,32 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     assert isinstance(find_checkpoint_error(info.value), CheckpointExistsError)
 
 
-def test_upload_markers_are_never_empty_so_deleting_them_sticks(rclone_volume, tmp_path):
+def test_upload_markers_are_never_empty_so_deleting_them_sticks(rclone_volume, seaweed_server, tmp_path):
     """``rclone mount`` uploads a file that got no write only when the kernel releases it,
     after ``close`` returned: an empty marker deleted at once came back and stayed (seen in
-    CI). A marker holds its file's size, and a marker deleted right after its upload is gone."""
-    loc = rclone_volume.fresh("markers")
-    store = StagedStore(VolumeStore(str(loc)), str(tmp_path / "stage"))
-    store.prepare()
-    sink = store.open_sink("a.bin")
-    sink.write_at(0, [b"x" * 1000])
-    sink.close()  # the last open file: its upload is queued
-    store.durable_future().result(timeout=60)
-    assert (loc / "a.bin.uploaded").read_bytes() == b"1000"
-    store.inner.delete("a.bin.uploaded")
-    time.sleep(2)  # the window in which a late upload would bring it back
-    assert sorted(os.listdir(loc)) == ["a.bin"]
+    CI). A marker holds its file's size, and a marker deleted right after its upload is gone.
+
+    The evidence is the bucket once a private mount of it is unmounted: by then every release
+    has reached rclone and rclone has exited, so a late upload would already be there."""
+    bucket = rclone_volume.mount.bucket
+    mount = RcloneMount(seaweed_server.url, bucket, tmp_path / "mnt", tmp_path / "rclone")
+    prefix = f"markers-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        loc = mount.path / prefix
+        store = StagedStore(VolumeStore(str(loc)), str(tmp_path / "stage"))
+        store.prepare()
+        sink = store.open_sink("a.bin")
+        sink.write_at(0, [b"x" * 1000])
+        sink.close()  # the last open file: its upload is queued
+        store.durable_future().result(timeout=60)
+        assert (loc / "a.bin.uploaded").read_bytes() == b"1000"
+        store.inner.delete("a.bin.uploaded")
+    finally:
+        mount.stop()
+    client = boto3.client("s3", endpoint_url=seaweed_server.url, region_name="us-east-1",
+                          aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)  # fmt: skip
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+    assert sorted(o["Key"] for o in listed) == [f"{prefix}/a.bin"]
 
 
 

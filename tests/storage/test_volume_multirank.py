@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
+from helpers.dist import run_ranks
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter
 from goodput_ckpt.format.manifest import MANIFEST_NAME

@@ -10,11 +10,12 @@ import os
 import pickle
 import subprocess
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.trees import make_state, zeros_like
+from helpers.wait import wait_until
 
 from goodput_ckpt import (
     CheckpointError,
@@ -248,12 +249,11 @@ def test_store_code_never_renames():
 
 
 def _state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16), "step": seed}
+    return make_state(seed, numel=60_000)  # 240 kB
 
 
 def _load(path, **options) -> dict:
-    out = {"w": torch.zeros(300, 200), "b": torch.zeros(7, dtype=torch.bfloat16), "step": -1}
+    out = zeros_like(_state())
     dcp.load(out, storage_reader=CheckpointReader(path, **options))
     return out
 
@@ -365,10 +365,8 @@ def test_failed_staged_save_leaves_nothing_on_the_volume(tmp_path):
         with pytest.raises(BaseException) as info:
             dcp.save(state, storage_writer=CheckpointWriter(loc, volume=True, stage_dir=stage))
         assert isinstance(find_checkpoint_error(info.value), CheckpointError)
-        deadline = time.monotonic() + 30
-        while os.listdir(loc) and time.monotonic() < deadline:
-            time.sleep(0.05)  # uploads already running are deleted when they finish
-        assert os.listdir(loc) == []
+        # Uploads already running are deleted when they finish.
+        wait_until(lambda: os.listdir(loc) == [], 30, interval=0.05, what=f"{loc} emptied")
     finally:
         subprocess.run(["umount", str(stage)], check=True)
 

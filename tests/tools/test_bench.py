@@ -13,14 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.s3 import MotoServer, s3_env
 
 from goodput_ckpt.cli import EXIT_USAGE, main
 from goodput_ckpt.tools._bench_plot import plot_report
 from goodput_ckpt.tools.bench import BENCH_SCHEMA, SAMPLES, BenchReport, bench
 from goodput_ckpt.tools.verify import verify_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _s3 helper
-from _s3 import MotoServer, s3_env  # noqa: E402
 
 SIZE = 8 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

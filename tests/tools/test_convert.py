@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch as st
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt_samples import (
+from helpers.samples import (
     Evil,
     Opaque,
     flat_tensors,
@@ -19,9 +19,8 @@ from _ckpt_samples import (
     manifest,
     sample_state,
     save,
-    zeros_like_tree,
 )
-from _trees import assert_tree_equal
+from helpers.trees import assert_tree_equal, zeros_like
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from goodput_ckpt import (
@@ -38,7 +37,7 @@ from goodput_ckpt.tools.verify import verify_checkpoint
 
 
 def _load_ours(path, like):
-    dest = zeros_like_tree(like)
+    dest = zeros_like(like)
     dcp.load(dest, storage_reader=CheckpointReader(str(path)))
     return dest
 
@@ -48,7 +47,7 @@ def test_round_trip_ours_dcp_ours_safetensors_is_exact(sample_ckpt, tmp_path):
     d, ours2, sft = tmp_path / "dcp", tmp_path / "ours2", tmp_path / "st"
     r = convert_checkpoint(str(src), str(d), to="dcp")
     assert (r.src_format, r.dst_format, r.tensors, r.objects) == ("goodput", "dcp", len(flat_tensors(sd)), 5)
-    via_fs = zeros_like_tree(sd)
+    via_fs = zeros_like(sd)
     dcp.load(via_fs, storage_reader=FileSystemReader(str(d)))  # torch's own reader
     assert_tree_equal(via_fs, sd)
 
@@ -78,7 +77,7 @@ def test_safetensors_back_to_ours_and_dcp_restores_objects_and_nesting(sample_ck
     convert_checkpoint(str(one), str(tmp_path / "back"), to="goodput")
     assert_tree_equal(_load_ours(tmp_path / "back", sd), sd)
     convert_checkpoint(str(one), str(tmp_path / "back.dcp"), to="dcp")
-    got = zeros_like_tree(sd)
+    got = zeros_like(sd)
     dcp.load(got, storage_reader=FileSystemReader(str(tmp_path / "back.dcp")))
     assert_tree_equal(got, sd)
 
@@ -178,7 +177,7 @@ def test_dcp_input_from_torch_writer_and_multi_chunk_tensors(sample_ckpt, tmp_pa
         write_dcp(source, open_store(str(blocks)), overwrite=False, thread_count=3, block_bytes=1000)
     with DcpSource(open_store(str(blocks))) as s:
         assert len(s.boxes("model.embed.weight")) > 100
-    got = zeros_like_tree(sd)
+    got = zeros_like(sd)
     dcp.load(got, storage_reader=FileSystemReader(str(blocks)))
     assert_tree_equal(got, sd)
     convert_checkpoint(str(blocks), str(tmp_path / "blocks-ours"), to="goodput")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ckpt_samples import sample_state, save
-from _trees import assert_tree_equal
+from helpers.samples import sample_state, save
+from helpers.trees import assert_tree_equal
 
 from goodput_ckpt.tools.convert import convert_checkpoint
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from _ckpt_samples import save
+from helpers.samples import save
 
 from goodput_ckpt.tools.convert import convert_checkpoint
 from goodput_ckpt.tools.reshard import reshard_checkpoint

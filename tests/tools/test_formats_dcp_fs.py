@@ -89,7 +89,7 @@ def test_metadata_over_the_cap_is_refused_before_it_is_read(dcp_dir, monkeypatch
 
 
 def test_dcp_output_never_carries_a_pickle_our_reader_refuses(tmp_path):
-    from _ckpt_samples import Evil
+    from helpers.samples import Evil
 
     from goodput_ckpt import CheckpointError, CheckpointWriter
     from goodput_ckpt.tools.convert import convert_checkpoint

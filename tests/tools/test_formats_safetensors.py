@@ -7,7 +7,7 @@ import json
 import struct
 
 import pytest
-from _ckpt_samples import flip_byte, item_range, manifest
+from helpers.samples import flip_byte, item_range, manifest
 from safetensors import SafetensorError, safe_open
 
 from goodput_ckpt import CorruptCheckpointError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import pytest
-from _ckpt_samples import damaged_manifests, flat_tensors, item_range, save, truncate
+from helpers.samples import damaged_manifests, flat_tensors, item_range, save, truncate
 
 from goodput_ckpt import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from goodput_ckpt.format import MANIFEST_NAME

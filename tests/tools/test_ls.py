@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ckpt_samples import copy_ckpt, damaged_manifests, flip_byte, item_range
+from helpers.samples import copy_ckpt, damaged_manifests, flip_byte, item_range
 
 from goodput_ckpt import CheckpointNotFoundError
 from goodput_ckpt.format import MANIFEST_NAME

@@ -9,14 +9,14 @@ parent then reshards to 2 and 1 ranks and checks in one process.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt_samples import flat_tensors, flip_byte, item_range, manifest, sample_state, save, zeros_like_tree
-from _trees import assert_tree_equal
+from helpers.dist import run_ranks
+from helpers.samples import flat_tensors, flip_byte, item_range, manifest, sample_state, save
+from helpers.trees import assert_tree_equal, zeros_like
 
 from goodput_ckpt import (
     CheckpointExistsError,
@@ -28,12 +28,9 @@ from goodput_ckpt.format import MANIFEST_NAME
 from goodput_ckpt.tools.reshard import per_rank_keys, reshard_checkpoint
 from goodput_ckpt.tools.verify import verify_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
-from _dist import run_ranks  # noqa: E402
-
 
 def _load_plain(path, like):
-    dest = zeros_like_tree(like)
+    dest = zeros_like(like)
     dcp.load(dest, storage_reader=CheckpointReader(str(path)))
     return dest
 

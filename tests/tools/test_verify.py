@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _ckpt_samples import CHUNK, damaged_manifests, flip_byte, item_range, manifest, rewrite_manifest, save, truncate
+from helpers.samples import CHUNK, damaged_manifests, flip_byte, item_range, manifest, rewrite_manifest, save, truncate
 
 from goodput_ckpt import CheckpointNotFoundError, CheckpointReader, CorruptCheckpointError, IncompleteCheckpointError
 from goodput_ckpt.format import MANIFEST_NAME

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from _s3 import FaultProxy, MotoServer, SeaweedServer, s3_env  # noqa: E402
+from helpers.s3 import FaultProxy, MotoServer, SeaweedServer, s3_env
 
 _bucket_ids = itertools.count()
 
@@ -120,5 +120,5 @@ def proxy(moto_server):
     p.stop()
 
 
-# Mounted-volume fixtures (FUSE mounts over the SeaweedFS server above): tests/_volume_fixtures.py.
-from _volume_fixtures import rclone_dir, rclone_volume, volume_dir, weed_dir, weed_volume  # noqa: E402, F401
+# Mounted-volume fixtures (FUSE mounts over the SeaweedFS server above): tests/helpers/volume_fixtures.py.
+from helpers.volume_fixtures import rclone_dir, rclone_volume, volume_dir, weed_dir, weed_volume  # noqa: E402, F401

@@ -57,16 +57,6 @@ def save(path: str | os.PathLike, sd: dict[str, Any] | None = None, **kw: Any) -
     return sd
 
 
-def zeros_like_tree(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, dict):
-        return {k: zeros_like_tree(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [zeros_like_tree(v) for v in tree]
-    return tree
-
-
 def flat_tensors(sd: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
     """Tensors of a nested state dict under DCP's flattened keys (dicts only)."""
     out: dict[str, torch.Tensor] = {}

@@ -134,7 +134,7 @@ class SeaweedServer:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.port = ports[0]
         self.master_port = ports[1]  # for admin calls (e.g. /vol/vacuum in benchmarks/bench_s3.py)
-        self.filer_port = ports[3]  # for `weed mount -filer=127.0.0.1:PORT` (tests/_volume.py)
+        self.filer_port = ports[3]  # for `weed mount -filer=127.0.0.1:PORT` (tests/helpers/volume.py)
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_ready(self.url, timeout=90)

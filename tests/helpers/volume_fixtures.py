@@ -1,7 +1,7 @@
-"""Pytest fixtures for the mounted-volume tests (imported by tests/_store_fixtures.py).
+"""Pytest fixtures for the mounted-volume tests (imported by tests/helpers/store_fixtures.py).
 
 One SeaweedFS server (the S3 tests' ``seaweed_server``) serves two session-wide FUSE mounts of two
-buckets: ``rclone_volume`` (strict, checked by :func:`~_volume.assert_strict`) and
+buckets: ``rclone_volume`` (strict, checked by :func:`~helpers.volume.assert_strict`) and
 ``weed_volume`` (permissive). Tests get a fresh directory on a mount: ``rclone_dir``,
 ``weed_dir``, or ``volume_dir`` (parametrized over both). Without FUSE (no ``/dev/fuse``, or the
 tools missing and no root to install them) these tests skip and say why.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _volume import RcloneMount, WeedMount, assert_strict, fuse_unavailable
+from helpers.volume import RcloneMount, WeedMount, assert_strict, fuse_unavailable
 
 __all__ = ["Volume", "rclone_dir", "rclone_volume", "volume_dir", "weed_dir", "weed_volume"]
 

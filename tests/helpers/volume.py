@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _s3 import ACCESS_KEY, SECRET_KEY
+from helpers.s3 import ACCESS_KEY, SECRET_KEY
 
 __all__ = ["RcloneMount", "WeedMount", "assert_strict", "fuse_unavailable"]
 
@@ -126,6 +126,7 @@ class RcloneMount(_Mount):
     kind = "rclone mount"
 
     def __init__(self, url: str, bucket: str, path: Path, work_dir: Path) -> None:
+        self.bucket = bucket
         work_dir.mkdir(parents=True, exist_ok=True)
         conf = work_dir / "rclone.conf"
         conf.write_text(
