@@ -187,11 +187,18 @@ def read_commit_record(
 class KeyIndex:
     """Which state-dict keys own the bytes ``[lo, hi)`` of a data file (for problem reports).
 
-    Built once per manifest; each query is a binary search, so reporting many problems in a
-    large checkpoint stays cheap.
+    Built on the first query (most reads never report a problem, and the index costs memory
+    in proportion to the chunk count); each query is a binary search, so reporting many
+    problems in a large checkpoint stays cheap.
     """
 
     def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        self._built = False
+
+    def _build(self) -> None:
+        # Idempotent: two threads that build at once build the same index.
+        manifest = self._manifest
         per_file: dict[str, list[tuple[int, int, str]]] = {}
         for key, e in manifest.items.items():
             if isinstance(e, TensorEntry):
@@ -204,9 +211,12 @@ class KeyIndex:
         # Items never overlap (the manifest is validated), so the longest item bounds how far
         # back an overlapping one can start.
         self._longest = {f: max((e - s for s, e, _ in rs), default=0) for f, rs in self._ranges.items()}
+        self._built = True
 
     def keys(self, file: str, lo: int, hi: int) -> list[str]:
         """Keys (in file order, without repeats) whose bytes overlap ``[lo, hi)`` of ``file``."""
+        if not self._built:
+            self._build()
         ranges = self._ranges.get(file, [])
         starts = self._starts.get(file, [])
         i = bisect.bisect_left(starts, lo - self._longest.get(file, 0))

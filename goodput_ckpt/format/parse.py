@@ -81,6 +81,7 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
             path=where_file,
         )
     try:
+        # (The decoded text is dropped as soon as the document is built.)
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     # ValueError also covers integers over Python's digit limit (int_max_str_digits).
     except (ValueError, RecursionError) as e:
@@ -132,13 +133,16 @@ def _int_in(doc: dict, name: str, lo: int, hi: int, where: str) -> int:
     return v
 
 
-def _int_list(value: Any, name: str, where: str) -> tuple[int, ...]:
+def _int_list(value: Any, name: str, where: str, shared: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[int, ...]:
+    """``value`` as a tuple of dimensions; equal tuples are one object (``shared``): a sharded
+    model repeats the same shapes and chunk sizes thousands of times."""
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise _Bad(f"{where}: {name!r} must be a list of at most {MAX_NDIM} integers")
     for x in value:
         if isinstance(x, bool) or not isinstance(x, int) or x < 0 or x > MAX_FILE_BYTES:
             raise _Bad(f"{where}: {name!r} holds an invalid dimension {x!r:.40}")
-    return tuple(value)
+    t = tuple(value)
+    return shared.setdefault(t, t)
 
 
 def _parse_files(doc: dict, chunk_size: int) -> dict[str, FileEntry]:
@@ -199,22 +203,32 @@ class _Ranges:
                 raise _Bad(f"items {k0!r} and {k1!r} overlap in {f0!r} at byte {o1}", key=f"{k0}, {k1}")
 
 
-def _parse_tensor(key: str, it: dict, ranges: _Ranges, budget: TilingBudget) -> TensorEntry:
+class _Shared:
+    """What one parse shares between records: equal tuples, and the tiling budget."""
+
+    def __init__(self) -> None:
+        self.tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.budget = TilingBudget()
+
+
+def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared) -> TensorEntry:
     where = f"item {key!r}"
     dtype = _get(it, "dtype", str, where)
     if dtype not in DTYPE_SIZES:
         raise _Bad(f"{where}: unknown dtype {dtype!r}", key=key)
-    shape = _int_list(it.get("shape"), "shape", where)
+    shape = _int_list(it.get("shape"), "shape", where, shared.tuples)
     requires_grad = it.get("requires_grad", False)
     if not isinstance(requires_grad, bool):
         raise _Bad(f"{where}: field 'requires_grad' must be true or false", key=key)
     chunks = []
-    for i, cd in enumerate(_get(it, "chunks", list, where)):
+    chunk_docs = _get(it, "chunks", list, where)
+    for i, cd in enumerate(chunk_docs):
+        chunk_docs[i] = None  # drop the chunk's JSON once read (peak memory: one tensor may hold many)
         cw = f"{where} chunk {i}"
         if not isinstance(cd, dict):
             raise _Bad(f"{cw} is not an object", key=key)
-        offsets = _int_list(cd.get("offsets"), "offsets", cw)
-        sizes = _int_list(cd.get("sizes"), "sizes", cw)
+        offsets = _int_list(cd.get("offsets"), "offsets", cw, shared.tuples)
+        sizes = _int_list(cd.get("sizes"), "sizes", cw, shared.tuples)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise _Bad(f"{cw}: offsets/sizes do not match the tensor's {len(shape)} dims", key=key)
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
@@ -225,7 +239,7 @@ def _parse_tensor(key: str, it: dict, ranges: _Ranges, budget: TilingBudget) -> 
             raise _Bad(f"{cw}: length {length} != {expected} bytes for sizes {list(sizes)}", key=key)
         chunks.append(ChunkEntry(offsets, sizes, file, offset, length))
     try:
-        check_tiling(shape, [(c.offsets, c.sizes) for c in chunks], budget)
+        check_tiling(shape, [(c.offsets, c.sizes) for c in chunks], shared.budget)
     except TilingError as e:
         raise _Bad(f"{where}: {e}", key=key) from None
     return TensorEntry(key, dtype, shape, tuple(chunks), requires_grad)
@@ -233,7 +247,7 @@ def _parse_tensor(key: str, it: dict, ranges: _Ranges, budget: TilingBudget) -> 
 
 def _parse_items(doc: dict, ranges: _Ranges) -> dict[str, TensorEntry | ObjectEntry]:
     items: dict[str, TensorEntry | ObjectEntry] = {}
-    budget = TilingBudget()
+    shared = _Shared()
     items_doc = _get(doc, "items", dict, "manifest")
     for key in items_doc:
         it = items_doc[key]
@@ -248,7 +262,7 @@ def _parse_items(doc: dict, ranges: _Ranges) -> dict[str, TensorEntry | ObjectEn
                 raise _Bad(f"{where}: unknown object encoding {enc!r}", key=key)
             items[key] = ObjectEntry(key, enc, *ranges.take(it, where, key))
         elif kind == "tensor":
-            items[key] = _parse_tensor(key, it, ranges, budget)
+            items[key] = _parse_tensor(key, it, ranges, shared)
         else:
             raise _Bad(f"{where}: unknown item kind {kind!r} (known: tensor, object)", key=key)
     return items

@@ -14,40 +14,16 @@ from goodput_ckpt.errors import CorruptCheckpointError
 from goodput_ckpt.format.manifest import parse_manifest, seal_manifest
 from goodput_ckpt.format.tiling import MAX_PAIR_CHECKS, TilingBudget, TilingError, check_tiling
 
-
-def _staircase(n: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """Each column of an n x n tensor split at a different row: 2n boxes that all start at row 0
-    or overlap along every dimension's sweep, the layout that made the old check quadratic."""
-    boxes = []
-    for col in range(n):
-        cut = 1 + col % (n - 1)
-        boxes.append(((0, col), (cut, 1)))
-        boxes.append(((cut, col), (n - cut, 1)))
-    return boxes
-
-
-def _staircase_manifest(n: int) -> bytes:
-    chunks, offset = [], 0
-    for offsets, sizes in _staircase(n):
-        length = sizes[0] * sizes[1]
-        chunks.append({"offsets": list(offsets), "sizes": list(sizes), "file": "f.bin", "offset": offset, "length": length})
-        offset += (length + 63) // 64 * 64
-    doc = {
-        "format": "goodput-ckpt", "version": 1, "world_size": 1, "byte_order": "little",
-        "hash": {"algorithm": "blake3", "chunk_size": 1 << 30},
-        "files": {"f.bin": {"size": offset, "chunks": ["0" * 64]}},
-        "items": {"w": {"kind": "tensor", "dtype": "uint8", "shape": [n, n], "chunks": chunks}},
-    }  # fmt: skip
-    return seal_manifest(json.dumps(doc, separators=(",", ":")).encode())
+from _manifests import staircase, staircase_manifest
 
 
 def test_staircase_of_4000_columns_parses_in_n_log_n_steps():
     n = 4000
-    raw = _staircase_manifest(n)
+    raw = staircase_manifest(n)
     assert 500_000 < len(raw) < 1_000_000  # the issue's case: a manifest of about 680 KB
     assert len(parse_manifest(raw).items["w"].chunks) == 2 * n
     budget = TilingBudget()
-    check_tiling((n, n), _staircase(n), budget)
+    check_tiling((n, n), staircase(n), budget)
     k = 2 * n
     # The old pairwise sweep compared about k^2 / 4 = 16 M pairs here; the sweep does a few
     # Fenwick steps (each at most log2 k) per box.
@@ -60,7 +36,7 @@ def test_work_grows_as_n_log_n():
     work = []
     for n in (500, 1000, 2000):
         budget = TilingBudget()
-        check_tiling((n, n), _staircase(n), budget)
+        check_tiling((n, n), staircase(n), budget)
         work.append(budget.work)
     assert all(b < 2.5 * a for a, b in zip(work, work[1:])), work
 
@@ -123,7 +99,7 @@ def test_three_split_dimensions_run_into_a_named_budget():
 
 
 def test_refusal_reaches_parse_manifest_as_corrupt():
-    raw = json.loads(_staircase_manifest(4))
+    raw = json.loads(staircase_manifest(4))
     del raw["digest"]
     raw["items"]["w"]["chunks"][1]["offsets"] = [0, 0]  # the column's lower box moved onto its upper
     raw["items"]["w"]["chunks"][1]["sizes"] = [3, 1]
