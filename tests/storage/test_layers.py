@@ -20,6 +20,7 @@ def test_storage_and_manifest_import_without_torch():
         import goodput_ckpt
         import goodput_ckpt.storage
         import goodput_ckpt.format.manifest
+        import goodput_ckpt.format.commit_record
         import goodput_ckpt.errors
         # Every store module, present and future (local, volume, staging, S3, fsspec ...).
         for m in pkgutil.iter_modules(goodput_ckpt.storage.__path__):
