@@ -71,6 +71,7 @@ def test_storage_and_manifest_import_without_torch():
         import goodput_ckpt
         import goodput_ckpt.storage
         import goodput_ckpt.format.manifest
+        import goodput_ckpt.format.commit_record
         import goodput_ckpt.errors
         # What the tools read a root and a timeline with (ls, inspect, plan).
         import goodput_ckpt.manager

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 import blake3
 
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from ..format.commit_record import COMMITTED, MISSING, TORN, file_problems, read_commit_record
 from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import Store
-from ..storage.base import parse_commit_record
 from .layout import ChunkPlan, Placement, chunk_plans
 
 __all__ = [
@@ -221,19 +221,15 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     Raises:
         CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is false.
     """
-    old = store.read_small(MANIFEST_NAME)
-    if old is None:
+    record = read_commit_record(store, count_files=False)
+    if record.status == MISSING:
         return
-    try:
-        old_files = list(parse_commit_record(store, MANIFEST_NAME, old, lambda d: parse_manifest(d, location=store.uri)).files.values())
-    except IncompleteCheckpointError:
+    if record.status == TORN:
         # A record that is not a commit (a mounted volume can hold the truncated record of a
         # killed save): the location is saved into as if it had no record.
         store.delete(MANIFEST_NAME)
         return
-    except CheckpointError:  # damaged, or a version this library does not know: still a checkpoint
-        old_files = []
-    if not overwrite:
+    if not overwrite:  # damaged, or a version this library does not know: still a checkpoint
         raise CheckpointExistsError(
             f"{store.uri} already holds a committed checkpoint; pass overwrite=True to "
             "replace it or save to a new location",
@@ -243,22 +239,17 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     # is a regular file inside the location (the store refuses links and anything reached through
     # one) and has the size it records. Anything else is left where it is, and said.
     owned: list[str] = []
-    for entry in old_files:
-        try:
-            size = store.size(entry.path)
-        except CheckpointError as e:
-            warnings.warn(f"overwrite: not deleting {entry.path!r}, listed by the old manifest: {e}", stacklevel=3)
-            continue
-        if size is None:
-            continue
-        if size != entry.size:
-            warnings.warn(
-                f"overwrite: not deleting {store.uri}/{entry.path}: the old manifest records {entry.size} "
-                f"bytes but the file holds {size}, so it is not provably the old checkpoint's",
-                stacklevel=3,
-            )
-            continue
-        owned.append(entry.path)
+    if record.status == COMMITTED:
+        old = record.manifest
+        problems = {p.file: p for p in file_problems(store, old)}
+        for p in problems.values():
+            if p.kind != "missing":
+                warnings.warn(
+                    f"overwrite: not deleting {store.uri}/{p.file}, listed by the old manifest: it is not "
+                    f"provably the old checkpoint's ({p.message})",
+                    stacklevel=3,
+                )
+        owned = [name for name in old.files if name not in problems]
     store.delete(MANIFEST_NAME)
     for name in owned:
         store.delete(name)

@@ -23,22 +23,18 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ..errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-)
+from ..errors import CheckpointError, IncompleteCheckpointError
+from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..storage import FileSource, Store, is_supported_uri, open_store
-from .manifest_load import keys_in, load_manifest
+from .manifest_load import load_manifest
 from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks, sequential_lanes
 from .read_runs import run_jobs
@@ -126,6 +122,7 @@ class CheckpointReader(StorageReader):
         self._manifest: Manifest | None = None
         self._storage_data: dict[Any, StoredRange] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
+        self._key_index: tuple[Manifest, KeyIndex] | None = None
 
     @property
     def manifest(self) -> Manifest:
@@ -142,6 +139,7 @@ class CheckpointReader(StorageReader):
         self._manifest = None
         self._storage_data = {}
         self._chunk_cache = {}
+        self._key_index = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -205,10 +203,7 @@ class CheckpointReader(StorageReader):
                     sources[name] = self._store.open_source(name)
                 except IncompleteCheckpointError as e:  # listed in a committed manifest: corrupt
                     size = manifest.files[name].size
-                    keys = keys_in(manifest, name, 0, size)
-                    raise CorruptCheckpointError(
-                        f"{e} (keys: {keys})", path=e.path, byte_range=(0, size), key=keys
-                    ) from e
+                    raise short_read_error(e, self._keys(manifest).joined(name, 0, size), (0, size)) from e
             # A job is one task, or on stores that prefer it (mounted volumes: see storage.base)
             # a run of one file's tasks read in order by one thread (see read_runs).
             if getattr(self._store, "sequential_reads", False):
@@ -288,40 +283,24 @@ class CheckpointReader(StorageReader):
         try:
             source.read_into(task.start, bufs)
         except IncompleteCheckpointError as e:
-            keys = keys_in(manifest, task.file, task.start, task.end)
-            raise CorruptCheckpointError(f"{e} (keys: {keys})", path=e.path, byte_range=e.byte_range, key=keys) from e
+            keys = self._keys(manifest).joined(task.file, task.start, task.end)
+            raise short_read_error(e, keys, e.byte_range) from e
         return bufs
 
+    def _keys(self, manifest: Manifest) -> KeyIndex:
+        """Which keys own a byte range, for error messages; built on the first error only."""
+        cached = self._key_index
+        if cached is None or cached[0] is not manifest:
+            cached = self._key_index = (manifest, KeyIndex(manifest))
+        return cached[1]
+
     def _verify(self, task: Task, bufs: list[memoryview], manifest: Manifest) -> None:
+        # A verified read covers whole chunks (read_plan widens it), from a chunk boundary.
         cs = manifest.chunk_size
-        expected = manifest.files[task.file].chunks
-        pos = task.start
-        i, off = 0, 0  # current buffer and offset inside it
-        while pos < task.end:
-            ci = pos // cs
-            cend = min(task.end, (ci + 1) * cs)
-            h = blake3.blake3()
-            need = cend - pos
-            while need:
-                take = min(need, bufs[i].nbytes - off)
-                h.update(bufs[i][off : off + take])
-                off += take
-                need -= take
-                if off == bufs[i].nbytes:
-                    i, off = i + 1, 0
-            if h.hexdigest() != expected[ci]:
-                lo, hi = ci * cs, cend
-                keys = keys_in(manifest, task.file, lo, hi)
-                where = f"{self._store.uri}/{task.file}"
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {where}, bytes [{lo}, {hi}) (chunk {ci}): the data "
-                    f"changed after it was written. Affected keys: {keys or 'padding only'}. "
-                    "Restore an earlier checkpoint or a replica.",
-                    path=where,
-                    byte_range=(lo, hi),
-                    key=keys,
-                )
-            pos = cend
+        bad = bad_chunks(manifest.files[task.file], cs, task.start, bufs)
+        if bad:
+            lo, hi = bad[0] * cs, min(task.end, (bad[0] + 1) * cs)
+            raise checksum_error(self._store.uri, task.file, lo, hi, bad[0], self._keys(manifest).keys(task.file, lo, hi))
 
     def _finish(self, req: Request, planner: LoadPlanner) -> None:
         job = req.item

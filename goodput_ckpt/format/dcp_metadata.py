@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError
 from .manifest import DTYPE_SIZES, ChunkEntry, Manifest, ObjectEntry, TensorEntry
 
 __all__ = ["StoredRange", "dtype_name", "items_from_dcp", "to_dcp_metadata", "torch_dtype"]
@@ -135,13 +135,8 @@ def to_dcp_metadata(manifest: Manifest) -> Metadata:
             size=torch.Size(e.shape),
             chunks=chunks,
         )
-    planner_data = manifest.dcp.get("planner_data")
+    planner_data = manifest.dcp.get("planner_data")  # validated by parse_manifest
     if planner_data is not None:
-        if not isinstance(planner_data, dict) or not all(
-            isinstance(v, list) and all(isinstance(p, (str, int)) for p in v)
-            for v in planner_data.values()
-        ):
-            raise CorruptCheckpointError("manifest field dcp.planner_data is malformed")
         planner_data = {k: tuple(v) for k, v in planner_data.items()}
     md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=storage)
     sm = manifest.dcp.get("storage_meta")

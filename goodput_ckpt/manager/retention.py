@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import CheckpointError, IncompleteCheckpointError
-from ..format.manifest import MANIFEST_NAME, parse_manifest
+from ..errors import CheckpointError
+from ..format.commit_record import MISSING, TORN, read_commit_record, records_are_atomic
+from ..format.manifest import MANIFEST_NAME
+from ..storage.base import Store
 from .step_layout import list_step_dirs, step_dir_name
-from ..storage.base import Store, parse_commit_record
 
 __all__ = ["StepScan", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
 
@@ -47,25 +48,20 @@ def scan_steps(root: Store) -> StepScan:
     each step's record to tell a torn one from a commit."""
     files = list_step_dirs(root)
     torn: set[int] = set()
-    if not getattr(root, "commit_record_atomic", True):
+    if not records_are_atomic(root):
         for step, names in files.items():
-            if MANIFEST_NAME in names and _record_is_torn(root, step):
+            if MANIFEST_NAME in names and _record_is_torn(root, step, names):
                 torn.add(step)
     return StepScan(files, torn)
 
 
-def _record_is_torn(root: Store, step: int) -> bool:
-    name = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+def _record_is_torn(root: Store, step: int, names: list[str]) -> bool:
+    # Missing: deleted since the listing. Corrupt, unsupported or unreadable: complete but
+    # unusable (an unknown version, say), which restore reports.
     try:
-        data = root.read_small(name)
-        if data is None:  # deleted since the listing
-            return True
-        parse_commit_record(root, name, data, lambda d: parse_manifest(d, location=f"{root.uri}/{step_dir_name(step)}"))
-    except IncompleteCheckpointError:
-        return True
+        return read_commit_record(root, step_dir_name(step), listing=names).status in (TORN, MISSING)
     except CheckpointError:
-        return False  # complete but unusable (an unknown version, say): restore reports it
-    return False
+        return False
 
 
 def retention_victims(scan: StepScan, *, committed: int, keep_last: int | None) -> list[int]:

@@ -22,7 +22,8 @@ Optional members (looked up with ``getattr``; a store without them gets the defa
 - ``commit_record_atomic`` (default ``True``): whether readers can only ever see the whole commit
   record. A mounted volume cannot promise it (a permissive mount shows a file while it is
   written; a killed writer leaves a truncated one), so there a record that fails to parse or
-  validate means *incomplete*, never *corrupt* or *committed*.
+  validate means *incomplete*, never *corrupt* or *committed*
+  (``goodput_ckpt.format.commit_record`` reads it).
 - ``prepare_commit(files)``: called by the coordinator just before ``put_commit_record`` with the
   names of every rank's data files that the record commits. A store that uploads data in the
   background (a volume with local staging) needs them to publish the record only once all of
@@ -42,14 +43,12 @@ Optional members (looked up with ``getattr``; a store without them gets the defa
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError
 
-__all__ = ["Buffer", "FileSink", "FileSource", "Store", "check_relative_name", "drop_done", "parse_commit_record"]
-
-T = TypeVar("T")
+__all__ = ["Buffer", "FileSink", "FileSource", "Store", "check_relative_name", "drop_done"]
 
 #: Anything exposing the buffer protocol: ``bytes``, ``bytearray``, ``memoryview``, numpy arrays.
 Buffer = object
@@ -184,34 +183,3 @@ def check_relative_name(name: object) -> str:
             path=name,
         )
     return name
-
-
-def parse_commit_record(store: object, name: str, data: bytes, parse: Callable[[bytes], T]) -> T:
-    """``parse(data)``, the commit record ``name`` read from ``store``, judged by how it commits.
-
-    The one place that decides what a record that fails to parse or validate means, for the
-    reader and the tools alike. Where readers only ever see the whole record
-    (``commit_record_atomic``, the default: local disk commits by link or replace, S3 by one
-    PUT), a record that does not validate, its own digest included, was damaged after its
-    commit: ``parse``'s :class:`CorruptCheckpointError` goes through. Where the record is
-    written in place under its final name (a mounted volume), it may still be being written or
-    be the truncated record of a killed save: :class:`IncompleteCheckpointError`, never a
-    commit and never corruption.
-
-    Raises:
-        CorruptCheckpointError: the record is invalid, on a store with atomic records.
-        IncompleteCheckpointError: the record is invalid, on a store without them.
-        CheckpointError: whatever else ``parse`` raises (an unknown version, say).
-    """
-    try:
-        return parse(data)
-    except CorruptCheckpointError as e:
-        if getattr(store, "commit_record_atomic", True):
-            raise
-        where = e.path or f"{getattr(store, 'uri', '')}/{name}"
-        raise IncompleteCheckpointError(
-            f"{where} is on a mounted volume and does not validate ({e}): the save that wrote it "
-            "was interrupted or is still running. Load an earlier checkpoint.",
-            path=e.path,
-            byte_range=e.byte_range,
-        ) from e

@@ -1,23 +1,20 @@
-"""Pieces shared by the tools: progress reporting, opening locations, which keys live where."""
+"""Pieces shared by the tools: progress reporting, opening locations, argument checks. (Which
+keys live where, and the checksum error, are in :mod:`goodput_ckpt.format.commit_record`.)"""
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
+from ..errors import CheckpointNotFoundError
 from ..storage import LocalStore, Store, locations_overlap, open_store
 
 __all__ = [
     "NO_PROGRESS",
-    "KeyIndex",
     "Progress",
-    "checksum_error",
     "open_location",
-    "read_manifest_bytes",
+    "refuse_plain_file",
     "require_positive",
     "same_location",
 ]
@@ -57,11 +54,11 @@ def open_location(uri: str | os.PathLike, options: Mapping[str, Any] | None = No
     return open_store(uri, options)
 
 
-def read_manifest_bytes(store: Store) -> bytes | None:
-    """The raw manifest of ``store``, or ``None`` when it has none.
+def refuse_plain_file(store: Store) -> None:
+    """Say so when the location is a plain file: a checkpoint is a directory.
 
     Raises:
-        CheckpointNotFoundError: the location is a plain file (a checkpoint is a directory).
+        CheckpointNotFoundError: the location is a local file.
     """
     if isinstance(store, LocalStore) and os.path.isfile(store.root):
         raise CheckpointNotFoundError(
@@ -69,56 +66,6 @@ def read_manifest_bytes(store: Store) -> bytes | None:
             "safetensors file, convert it: goodput-ckpt convert SRC DST --to goodput)",
             path=store.uri,
         )
-    return store.read_small(MANIFEST_NAME)
-
-
-class KeyIndex:
-    """Which state-dict keys own the bytes ``[lo, hi)`` of a data file (for problem reports).
-
-    Built once per manifest; each query is a binary search, so reporting many problems in a
-    large checkpoint stays cheap.
-    """
-
-    def __init__(self, manifest: Manifest) -> None:
-        per_file: dict[str, list[tuple[int, int, str]]] = {}
-        for key, e in manifest.items.items():
-            if isinstance(e, TensorEntry):
-                for c in e.chunks:
-                    per_file.setdefault(c.file, []).append((c.offset, c.offset + max(c.length, 1), key))
-            elif isinstance(e, ObjectEntry):
-                per_file.setdefault(e.file, []).append((e.offset, e.offset + max(e.length, 1), key))
-        self._ranges = {f: sorted(r) for f, r in per_file.items()}
-        self._starts = {f: [r[0] for r in rs] for f, rs in self._ranges.items()}
-        # Items never overlap (the manifest is validated), so the longest item bounds how far
-        # back an overlapping one can start.
-        self._longest = {f: max((e - s for s, e, _ in rs), default=0) for f, rs in self._ranges.items()}
-
-    def keys(self, file: str, lo: int, hi: int) -> list[str]:
-        """Keys (in file order, without repeats) whose bytes overlap ``[lo, hi)`` of ``file``."""
-        ranges = self._ranges.get(file, [])
-        starts = self._starts.get(file, [])
-        i = bisect.bisect_left(starts, lo - self._longest.get(file, 0))
-        out: list[str] = []
-        while i < len(ranges) and ranges[i][0] < hi:
-            s, e, key = ranges[i]
-            if s < hi and lo < e and key not in out:
-                out.append(key)
-            i += 1
-        return out
-
-
-def checksum_error(uri: str, file: str, lo: int, hi: int, chunk: int, keys: list[str]) -> CorruptCheckpointError:
-    """The error for a hash chunk whose blake3 does not match the manifest."""
-    where = f"{uri}/{file}"
-    joined = ", ".join(keys)
-    return CorruptCheckpointError(
-        f"checksum mismatch in {where}, bytes [{lo}, {hi}) (chunk {chunk}): the data changed "
-        f"after it was written. Affected keys: {joined or 'padding only'}. Restore an earlier "
-        "checkpoint or a replica.",
-        path=where,
-        byte_range=(lo, hi),
-        key=joined,
-    )
 
 
 def require_positive(name: str, value: int | None) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from ..format.commit_record import no_record_message
 from ..format.manifest import MANIFEST_NAME
 from ..storage import LocalStore, Store
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
@@ -114,7 +115,7 @@ def detect_format(uri: str, **options: Any) -> str:
     if any(n.endswith(".safetensors") for n in top):
         return "safetensors"
     if any(n.endswith(".bin") and n.startswith("rank") for n in top):
-        raise IncompleteCheckpointError(f"{store.uri} holds goodput-ckpt data files but no {MANIFEST_NAME}: the save never committed", path=store.uri)
+        raise IncompleteCheckpointError(no_record_message(store.uri, len(names)), path=store.uri)
     if any(n.endswith(".distcp") for n in top):
         raise IncompleteCheckpointError(f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri)
     raise CheckpointError(f"cannot tell the format of {store.uri}; pass the input format explicitly", path=store.uri)

@@ -22,11 +22,10 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from ..format.manifest import DTYPE_SIZES, FORMAT_NAME, MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from ..format.commit_record import file_problems, read_commit_record
+from ..format.manifest import DTYPE_SIZES, FORMAT_NAME, Manifest, TensorEntry
 from ..manager.step_layout import parse_step_dir
-from ..storage.base import parse_commit_record
-from ._common import open_location, read_manifest_bytes
+from ._common import open_location, refuse_plain_file
 
 __all__ = ["InspectReport", "ItemRow", "SECTIONS", "SectionRow", "inspect_checkpoint", "section_of"]
 
@@ -118,30 +117,12 @@ def inspect_checkpoint(
         CheckpointError: a manifest version this library does not read.
     """
     store = open_location(uri, options)
-    data = read_manifest_bytes(store)
-    if data is None:
-        names = store.list()
-        if names:
-            raise IncompleteCheckpointError(
-                f"{store.uri} holds {len(names)} file(s) but no {MANIFEST_NAME}: the save never "
-                "committed; there is nothing to inspect",
-                path=store.uri,
-            )
-        raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
-    manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=store.uri))
+    refuse_plain_file(store)
+    manifest = read_commit_record(store).manifest_or_raise()
     patterns = [pattern] if isinstance(pattern, str) else (list(pattern) if pattern else None)
     report = _describe(store.uri, manifest, patterns)
     if check_files:
-        for f in manifest.files.values():
-            try:
-                size = store.size(f.path)
-            except CheckpointError as e:
-                report.problems.append(str(e))
-                continue
-            if size is None:
-                report.problems.append(f"data file {f.path} is missing")
-            elif size != f.size:
-                report.problems.append(f"data file {f.path} is {size} bytes, the manifest records {f.size}")
+        report.problems.extend(p.message for p in file_problems(store, manifest))
     return report
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from ..format.manifest import MANIFEST_NAME, parse_manifest
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..format.commit_record import COMMITTED, CORRUPT, MISSING, UNSUPPORTED, read_commit_record
+from ..format.manifest import MANIFEST_NAME
 from ..manager.step_layout import child_uri, list_step_dirs, step_dir_name
-from ..storage.base import parse_commit_record
 from ._common import NO_PROGRESS, Progress, open_location, require_positive
 from .verify import verify_checkpoint
 
@@ -91,32 +91,19 @@ def list_checkpoints(
         name = step_dir_name(step)
         row = CheckpointRow(step=step, name=name, uri=child_uri(store.uri, name), status="incomplete")
         report.checkpoints.append(row)
-        if MANIFEST_NAME not in files:
+        record = read_commit_record(store, name, location=row.uri, listing=files)
+        if record.status == MISSING:  # (or removed since the listing: retention, overwrite)
             row.files = len(files)
             row.bytes = _sizes(store, name, files)
-            row.problems.append(f"no {MANIFEST_NAME}: the save never committed (running, failed or interrupted)")
+        if record.status != COMMITTED:
+            row.status = {CORRUPT: "corrupt", UNSUPPORTED: "unsupported"}.get(record.status, "incomplete")
+            row.problems.append(record.message)
             continue
-        data = store.read_small(f"{name}/{MANIFEST_NAME}")
-        if data is None:  # removed between the listing and now (retention, overwrite)
-            row.problems.append(f"{MANIFEST_NAME} disappeared while listing")
-            continue
-        try:
-            manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=row.uri))
-        except IncompleteCheckpointError as e:  # on a mounted volume: written now, or cut short
-            row.problems.append(str(e))
-            continue
-        except CorruptCheckpointError as e:
-            row.status = "corrupt"
-            row.problems.append(str(e))
-            continue
-        except CheckpointError as e:
-            row.status = "unsupported"
-            row.problems.append(str(e))
-            continue
+        manifest = record.manifest
         row.status = "complete"
         row.created_at = manifest.created_at
         row.files = len(manifest.files)
-        row.bytes = manifest.total_bytes() + len(data)
+        row.bytes = manifest.total_bytes() + record.record_bytes
         if verify:
             result = verify_checkpoint(row.uri, quick=quick, thread_count=thread_count, progress=progress, **options)
             if not result.ok:

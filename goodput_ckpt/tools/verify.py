@@ -7,7 +7,8 @@ What is checked, in order:
    ranges, paths, byte ranges inside files, chunk tiling and item overlaps). A manifest that
    fails this is *corrupt* where commits are atomic (local disk, S3), but *incomplete* on a
    mounted volume, where it may be a record still being written or cut short by a killed save
-   (the reader decides the same way: :func:`~goodput_ckpt.storage.base.parse_commit_record`);
+   (the reader decides the same way: both read it with
+   :func:`~goodput_ckpt.format.commit_record.read_commit_record`);
 2. every listed file exists with exactly its recorded size;
 3. unless ``quick``: every hash chunk of every file matches its blake3 digest.
 
@@ -16,8 +17,11 @@ whose bytes lie there. Files at the location that the manifest does not list are
 warnings (leftovers of a failed save; they do not make a checkpoint corrupt).
 
 Hashing runs on a pool of threads, each reading a few chunks at a time into its own reusable
-buffer with the store's ranged reads and hashing them (blake3 releases the GIL), so memory is
-``thread_count * TASK_BYTES`` whatever the checkpoint size, and throughput follows the disk.
+buffer with the store's ranged reads and hashing them (blake3 releases the GIL). A buffer holds
+at most :data:`TASK_BYTES`, and no more than the task it reads: a chunk larger than that (the
+format allows 1 GiB) is read and hashed piece by piece, so memory is at most
+``thread_count * min(TASK_BYTES, largest file)`` whatever the checkpoint and chunk sizes, and
+throughput follows the disk.
 """
 
 from __future__ import annotations
@@ -29,21 +33,31 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
-
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..errors import CheckpointError
+from ..format.commit_record import (
+    COMMITTED,
+    CORRUPT,
+    MISSING,
+    TORN,
+    UNSUPPORTED,
+    KeyIndex,
+    bad_chunks,
+    checksum_error,
+    file_problems,
+    read_commit_record,
+)
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..storage import FileSource, Store
-from ..storage.base import parse_commit_record
-from ._common import NO_PROGRESS, KeyIndex, Progress, open_location, read_manifest_bytes, require_positive
+from ._common import NO_PROGRESS, Progress, open_location, refuse_plain_file, require_positive
 
 __all__ = ["DEFAULT_VERIFY_THREADS", "Problem", "TASK_BYTES", "VerifyReport", "verify_checkpoint"]
 
 #: Parallel reads: enough requests in flight to keep an SSD's (or S3's) queue busy while other
 #: threads hash. Measured with benchmarks/bench_tools.py.
 DEFAULT_VERIFY_THREADS = 8
-#: Bytes one task reads and hashes (rounded to whole chunks, at least one). Large enough to
-#: amortize a syscall, small enough to bound memory at threads x this.
+#: Bytes one task reads and hashes (rounded to whole chunks, at least one), and the most one
+#: read brings in (a larger chunk is read in pieces). Large enough to amortize a syscall, small
+#: enough to bound memory at threads x this.
 TASK_BYTES = 16 << 20
 
 
@@ -140,34 +154,29 @@ def verify_checkpoint(
 
 
 def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
-    data = read_manifest_bytes(store)
-    if data is None:
-        names = store.list()
-        if not names:
-            raise CheckpointNotFoundError(f"no checkpoint at {store.uri}", path=store.uri)
+    refuse_plain_file(store)
+    record = read_commit_record(store)
+    if record.status == MISSING:
+        if not record.file_count:
+            record.manifest_or_raise()  # nothing at all: CheckpointNotFoundError
         report.status = "incomplete"
-        report.problems.append(
-            Problem(
-                "incomplete",
-                f"{store.uri} holds {len(names)} file(s) but no {MANIFEST_NAME}: the save that "
-                "wrote them never committed (interrupted, failed or still running)",
-            )
-        )
+        report.problems.append(Problem("incomplete", record.message))
         return None
-    try:
-        manifest = parse_commit_record(store, MANIFEST_NAME, data, lambda d: parse_manifest(d, location=store.uri))
-    except IncompleteCheckpointError as e:  # a record still being written, or cut short (volumes)
+    if record.status == TORN:  # a record still being written, or cut short (volumes)
         report.status = "incomplete"
-        report.problems.append(Problem("incomplete", str(e), file=MANIFEST_NAME))
+        report.problems.append(Problem("incomplete", record.message, file=MANIFEST_NAME))
         return None
-    except CorruptCheckpointError as e:
-        report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME, keys=_split(e.key)))
+    if record.status == CORRUPT:
+        report.problems.append(Problem("manifest", record.message, file=MANIFEST_NAME, keys=_split(record.error.key)))
         return None
-    except CheckpointError as e:  # a version this library does not know
+    if record.status == UNSUPPORTED:
         report.status = "unsupported"
-        report.version = e.version if isinstance(e.version, int) else None
-        report.problems.append(Problem("version", str(e), file=MANIFEST_NAME))
+        version = record.error.version
+        report.version = version if isinstance(version, int) and not isinstance(version, bool) else None
+        report.problems.append(Problem("version", record.message, file=MANIFEST_NAME))
         return None
+    assert record.status == COMMITTED
+    manifest = record.manifest
     report.version = manifest.version
     report.world_size = manifest.world_size
     report.files = len(manifest.files)
@@ -177,41 +186,16 @@ def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
 
 def _check_files(store: Store, manifest: Manifest, keys: KeyIndex, report: VerifyReport) -> dict[str, int]:
     """Sizes; returns the present files with the bytes that can be hashed in each."""
+    problems = {p.file: p for p in file_problems(store, manifest, keys)}
+    for p in problems.values():
+        report.problems.append(Problem(p.kind, p.message, file=p.file, byte_range=p.byte_range, keys=list(p.keys)))
     present: dict[str, int] = {}
     for f in manifest.files.values():
-        try:
-            actual = store.size(f.path)
-        except CheckpointError as e:
-            report.problems.append(Problem("unreadable", str(e), file=f.path, byte_range=(0, f.size)))
-            continue
-        if actual is None:
-            affected = keys.keys(f.path, 0, f.size)
-            report.problems.append(
-                Problem(
-                    "missing",
-                    f"data file {f.path} ({f.size} bytes) is missing; keys stored in it: "
-                    f"{_join(affected)}",
-                    file=f.path,
-                    byte_range=(0, f.size),
-                    keys=affected,
-                )
-            )
-            continue
-        present[f.path] = min(actual, f.size)
-        if actual != f.size:
-            lo, hi = sorted((actual, f.size))
-            affected = keys.keys(f.path, lo, hi)
-            how = "truncated" if actual < f.size else "extended"
-            report.problems.append(
-                Problem(
-                    "size",
-                    f"data file {f.path} is {actual} bytes but the manifest records {f.size}: it "
-                    f"was {how}; bytes [{lo}, {hi}) are affected (keys: {_join(affected) or 'padding only'})",
-                    file=f.path,
-                    byte_range=(lo, hi),
-                    keys=affected,
-                )
-            )
+        p = problems.get(f.path)
+        if p is None:
+            present[f.path] = f.size
+        elif p.kind == "size":  # the bytes both sizes share can still be hashed
+            present[f.path] = p.byte_range[0]
     listed = set(manifest.files) | {MANIFEST_NAME}
     try:
         extra = [n for n in store.list() if n not in listed]
@@ -252,29 +236,30 @@ def _check_hashes(
     sources: dict[str, FileSource] = {}
     bad: dict[str, list[int]] = {}
     unreadable: list[Problem] = []
-    local = threading.local()  # one reusable buffer per worker: memory is threads x task size
+    local = threading.local()  # one reusable buffer per worker: memory is threads x buffer size
     lock = threading.Lock()  # guards bad / unreadable / report counters
 
     def run(task: _Task) -> None:
         entry = manifest.files[task.file]
         lo = task.first * cs
         hi = min(entry.size, (task.first + task.count) * cs)
+        need = min(hi - lo, TASK_BYTES)  # bounded by the task (hence the file) and TASK_BYTES
         buf = getattr(local, "buf", None)
-        if buf is None or len(buf) < hi - lo:
-            buf = local.buf = bytearray(per_task * cs)
-        view = memoryview(buf)[: hi - lo]
+        if buf is None or len(buf) < need:
+            buf = local.buf = bytearray(need)
+
+        def pieces():  # the task's bytes, one buffer-full at a time (bad_chunks hashes each before the next)
+            for pos in range(lo, hi, len(buf)):
+                view = memoryview(buf)[: min(len(buf), hi - pos)]
+                sources[task.file].read_into(pos, [view])
+                yield view
+
         try:
-            sources[task.file].read_into(lo, [view])
+            mismatched = bad_chunks(entry, cs, lo, pieces())
         except CheckpointError as e:  # shrank while we read, or an I/O error
             with lock:
                 unreadable.append(Problem("unreadable", str(e), file=task.file, byte_range=(lo, hi), keys=keys.keys(task.file, lo, hi)))
             return
-        mismatched = []
-        for i in range(task.count):
-            a = i * cs
-            b = min(hi - lo, a + cs)
-            if blake3.blake3(view[a:b]).hexdigest() != entry.chunks[task.first + i]:
-                mismatched.append(task.first + i)
         with lock:
             report.chunks_checked += task.count
             report.bytes_hashed += hi - lo
@@ -296,7 +281,7 @@ def _check_hashes(
         progress.close()
     report.problems.extend(unreadable)
     for name in sorted(bad):
-        report.problems.extend(_checksum_problems(name, sorted(bad[name]), manifest.files[name], cs, keys))
+        report.problems.extend(_checksum_problems(store.uri, name, sorted(bad[name]), manifest.files[name], cs, keys))
 
 
 def _run_all(fn: Callable[[_Task], None], tasks: list[_Task], thread_count: int) -> None:
@@ -318,7 +303,9 @@ def _hashable_chunks(entry: FileEntry, available: int, cs: int) -> int:
     return available // cs
 
 
-def _checksum_problems(name: str, chunks: list[int], entry: FileEntry, cs: int, keys: KeyIndex) -> list[Problem]:
+def _checksum_problems(
+    uri: str, name: str, chunks: list[int], entry: FileEntry, cs: int, keys: KeyIndex
+) -> list[Problem]:
     """One problem per run of consecutive bad chunks."""
     out = []
     i = 0
@@ -328,25 +315,10 @@ def _checksum_problems(name: str, chunks: list[int], entry: FileEntry, cs: int, 
             j += 1
         lo, hi = chunks[i] * cs, min(entry.size, (chunks[j] + 1) * cs)
         affected = keys.keys(name, lo, hi)
-        which = f"chunk {chunks[i]}" if i == j else f"chunks {chunks[i]}-{chunks[j]}"
-        out.append(
-            Problem(
-                "checksum",
-                f"checksum mismatch in {name}, bytes [{lo}, {hi}) ({which}): the data changed after "
-                f"it was written. Affected keys: {_join(affected) or 'padding only'}",
-                file=name,
-                byte_range=(lo, hi),
-                keys=affected,
-            )
-        )
+        err = checksum_error(uri, name, lo, hi, chunks[i], affected, last_chunk=chunks[j])
+        out.append(Problem("checksum", str(err), file=name, byte_range=(lo, hi), keys=affected))
         i = j + 1
     return out
-
-
-def _join(keys: list[str], limit: int = 8) -> str:
-    if len(keys) <= limit:
-        return ", ".join(keys)
-    return ", ".join(keys[:limit]) + f" and {len(keys) - limit} more"
 
 
 def _split(key: str | None) -> list[str]:

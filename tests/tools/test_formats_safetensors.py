@@ -82,13 +82,14 @@ def test_index_and_sidecar_over_their_caps_are_refused(sample_ckpt, tmp_path, mo
 
 
 def test_failed_conversion_leaves_no_shard_behind(ckpt, tmp_path):
-    # A tensor written after others, in a hash chunk of its own (objects are decoded first).
+    # A tensor written after others (objects are decoded first), so shards exist when it fails.
     key = "optimizer.state.embed.weight.exp_avg"
     tensors = [k for k, v in manifest(ckpt)["items"].items() if v["kind"] == "tensor"]
     assert tensors.index(key) > 0
     f, off, _ = item_range(ckpt, key)
     flip_byte(ckpt, f, off + 1)
     out = tmp_path / "hf"
-    with pytest.raises(CorruptCheckpointError, match=key):
+    with pytest.raises(CorruptCheckpointError) as info:
         convert_checkpoint(str(ckpt), str(out), to="safetensors", shard_size=1)
+    assert key in info.value.key.split(", ")  # the message may shorten a long key list
     assert sorted(p.name for p in out.iterdir()) == [] if out.exists() else True

@@ -185,3 +185,55 @@ def test_verify_needs_no_torch(sample_ckpt):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def _one_chunk_checkpoint(root: Path, data: bytes) -> str:
+    """A checkpoint of one object item over ``data``, hashed with the largest legal chunk (1 GiB)."""
+    import blake3
+
+    from goodput_ckpt.format.manifest import MAX_CHUNK_SIZE, FileEntry, Manifest, ObjectEntry
+
+    root.mkdir()
+    (root / "f.bin").write_bytes(data)
+    m = Manifest(
+        version=1, library_version="t", torch_version="t", created_at="t", world_size=1, chunk_size=MAX_CHUNK_SIZE,
+        files={"f.bin": FileEntry("f.bin", len(data), (blake3.blake3(data).hexdigest(),))},
+        items={"obj": ObjectEntry("obj", "torch.save", "f.bin", 0, len(data))},
+    )  # fmt: skip
+    (root / MANIFEST_NAME).write_bytes(m.to_json())
+    return str(root)
+
+
+def _verify_peak(path: str, threads: int = 8):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        report = verify_checkpoint(path, thread_count=threads)
+        return report, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_buffers_are_bounded_by_the_file_not_the_chunk_size(tmp_path):
+    """A 1 KiB checkpoint hashed in 1 GiB chunks: verify allocated a chunk-sized buffer per
+    worker (issue 16 item 5); a buffer now holds no more than the bytes its task reads."""
+    report, peak = _verify_peak(_one_chunk_checkpoint(tmp_path / "small", bytes(range(256)) * 4))
+    assert report.ok and report.chunks_checked == 1
+    assert peak < 4 << 20, f"verify allocated {peak} bytes for a 1 KiB checkpoint"
+
+
+def test_a_chunk_larger_than_a_task_is_read_and_hashed_in_pieces(tmp_path):
+    """A file larger than TASK_BYTES in one 1 GiB chunk: read in TASK_BYTES pieces (memory stays
+    at one task's buffer), and a flipped byte in the last piece is still found."""
+    from goodput_ckpt.tools.verify import TASK_BYTES
+
+    data = bytearray(TASK_BYTES + (1 << 20) + 17)
+    path = _one_chunk_checkpoint(tmp_path / "big", bytes(data))
+    report, peak = _verify_peak(path)
+    assert report.ok and report.bytes_hashed == len(data)
+    assert peak < TASK_BYTES + (4 << 20), f"verify allocated {peak} bytes"
+    flip_byte(path, "f.bin", len(data) - 5)
+    report, _ = _verify_peak(path)
+    assert report.status == "corrupt" and [p.kind for p in report.problems] == ["checksum"]
+    assert report.problems[0].byte_range == (0, len(data)) and report.problems[0].keys == ["obj"]

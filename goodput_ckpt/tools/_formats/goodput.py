@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import blake3
 import torch
 
 from ..._version import __version__
@@ -39,10 +38,11 @@ from ...dcp.layout import Placement, place_items
 from ...dcp.manifest_load import load_manifest
 from ...dcp.untrusted_load import check_inflation, weights_only_refusal
 from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ...format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.manifest import FORMAT_VERSION, ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
 from ...storage import FileSource, Store
-from .._common import NO_PROGRESS, KeyIndex, Progress, checksum_error
+from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc
 
 __all__ = ["GoodputSource", "WriteSummary", "dim0_regions", "write_goodput"]
@@ -75,12 +75,11 @@ class _VerifiedRanges:
             self._source(name).read_into(offset, [out])
         except IncompleteCheckpointError as e:  # the file shrank or vanished after the size check
             lo, hi = offset, offset + out.nbytes
-            keys = ", ".join(self._keys.keys(name, lo, hi))
-            raise CorruptCheckpointError(f"{e} (keys: {keys})", path=e.path, byte_range=(lo, hi), key=keys) from e
+            raise short_read_error(e, self._keys.joined(name, lo, hi), (lo, hi)) from e
 
     def _check(self, name: str, index: int, data: memoryview) -> None:
-        if blake3.blake3(data).hexdigest() != self._manifest.files[name].chunks[index]:
-            cs = self._manifest.chunk_size
+        cs = self._manifest.chunk_size
+        if bad_chunks(self._manifest.files[name], cs, index * cs, [data]):
             lo, hi = index * cs, index * cs + data.nbytes
             raise checksum_error(self._store.uri, name, lo, hi, index, self._keys.keys(name, lo, hi))
 

@@ -239,8 +239,19 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("world_size_missing", delete(["world_size"]), msg="'world_size' is missing")
     add("dcp_not_object", set_(["dcp"], []), msg="must be objects")
     add("metadata_not_object", set_(["metadata"], "x"), msg="must be objects")
-    add("planner_data_not_object", set_(["dcp", "planner_data"], [1, 2]), parse=None, read=CORRUPT, msg="planner_data")
-    add("planner_data_bad_path", set_(["dcp", "planner_data", "w"], [["w"]]), parse=None, read=CORRUPT, msg="planner_data")
+    # dcp.planner_data is checked by parse_manifest itself, so verify and inspect refuse what
+    # dcp.load refuses (issue 22 section 1, issue 16 items 4 and 13).
+    add("planner_data_not_object", set_(["dcp", "planner_data"], [1, 2]), msg="planner_data")
+    add("planner_data_bad_path", set_(["dcp", "planner_data", "w"], [["w"]]), msg="planner_data")
+    add("planner_data_huge_index", set_(["dcp", "planner_data", "w"], ["w", 1 << 40]), msg="list index below 3")
+    add("planner_data_bool_index", set_(["dcp", "planner_data", "w"], ["w", True]), msg="planner_data")
+    add("planner_data_empty_path", set_(["dcp", "planner_data", "w"], []), msg="planner_data")
+    add("dcp_version_not_string", set_(["dcp", "version"], 1), msg="'version' must be a string")
+    add("storage_meta_not_object", set_(["dcp", "storage_meta"], [1]), msg="storage_meta")
+    add("requires_grad_not_bool", set_(["items", "w", "requires_grad"], "yes"), msg="requires_grad")
+    # NaN and Infinity are not JSON: json.dumps writes them bare, and a lenient parser accepts them.
+    add("metadata_nan", set_(["metadata", "loss"], float("nan")), msg="NaN is not a JSON value")
+    add("metadata_infinity", set_(["metadata", "loss"], float("-inf")), msg="-Infinity is not a JSON value")
     return out
 
 

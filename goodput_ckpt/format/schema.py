@@ -1,0 +1,165 @@
+"""The manifest's schema (format v1): constants, limits and the dataclasses a parsed manifest is.
+
+No torch and no validation here: :mod:`.parse` turns bytes into these records after checking
+every field, :mod:`.seal` appends and checks the manifest's own digest, and
+:meth:`Manifest.to_json` writes them back. The spec is ``docs/format.md``.
+
+The records use ``__slots__``: a large checkpoint's manifest holds hundreds of thousands of them,
+and slots make each a few times smaller than a dict-backed instance (see docs/format.md,
+"Limits that bound work", for the memory a parse needs per manifest byte).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .seal import seal_manifest
+
+__all__ = [
+    "ALIGNMENT",
+    "DTYPE_SIZES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HASH_ALGORITHM",
+    "MANIFEST_NAME",
+    "ChunkEntry",
+    "FileEntry",
+    "Manifest",
+    "ObjectEntry",
+    "TensorEntry",
+]
+
+FORMAT_NAME = "goodput-ckpt"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST_NAME = "manifest.json"
+HASH_ALGORITHM = "blake3"
+#: Byte alignment of every item inside a data file (so readers can mmap typed views).
+ALIGNMENT = 64
+
+#: Element size in bytes of every dtype the format can carry, by its canonical name (torch's).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}  # fmt: skip
+
+OBJECT_ENCODINGS = ("torch.save",)
+
+# Limits that keep a hostile manifest from making a reader allocate or loop without bound
+# (docs/format.md, "Limits that bound work").
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_NDIM = 64
+MAX_FILE_BYTES = 1 << 50
+MIN_CHUNK_SIZE = 1 << 12
+MAX_CHUNK_SIZE = 1 << 30
+MAX_WORLD_SIZE = 1 << 24
+#: Deepest state-dict path in ``dcp.planner_data`` (torch rebuilds nested containers from it).
+MAX_PLANNER_PATH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """A data file: its size and the blake3 digest (hex) of each chunk, in order."""
+
+    path: str
+    size: int
+    chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEntry:
+    """One saved piece of a tensor: a box of the global tensor and where its bytes lie."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkEntry, ...]
+    requires_grad: bool = False
+    kind: str = field(default="tensor", init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """A non-tensor value, stored as bytes in ``encoding`` (``torch.save``: loaded weights_only)."""
+
+    key: str
+    encoding: str
+    file: str
+    offset: int
+    length: int
+    kind: str = field(default="object", init=False)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest."""
+
+    version: int
+    library_version: str
+    torch_version: str
+    created_at: str
+    world_size: int
+    chunk_size: int
+    files: dict[str, FileEntry]
+    items: dict[str, TensorEntry | ObjectEntry]
+    dcp: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        """Serialize (deterministic key order, UTF-8)."""
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "library_version": self.library_version,
+            "torch_version": self.torch_version,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "byte_order": "little",
+            "hash": {"algorithm": HASH_ALGORITHM, "chunk_size": self.chunk_size},
+            "files": {
+                f.path: {"size": f.size, "chunks": list(f.chunks)} for f in self.files.values()
+            },
+            "items": {k: _item_to_json(v) for k, v in self.items.items()},
+            "dcp": self.dcp,
+            "metadata": self.metadata,
+        }
+        return seal_manifest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+
+    def tensor_bytes(self) -> int:
+        return sum(c.length for e in self.items.values() if isinstance(e, TensorEntry) for c in e.chunks)
+
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+
+def _item_to_json(e: TensorEntry | ObjectEntry) -> dict[str, Any]:
+    if isinstance(e, TensorEntry):
+        return {
+            "kind": "tensor",
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "requires_grad": e.requires_grad,
+            "chunks": [
+                {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
+                 "offset": c.offset, "length": c.length}
+                for c in e.chunks
+            ],
+        }  # fmt: skip
+    return {"kind": "object", "encoding": e.encoding, "file": e.file, "offset": e.offset,
+            "length": e.length}  # fmt: skip
