@@ -54,7 +54,6 @@ from .retention import clean_before_restore, delete_step, retention_victims, sca
 from .state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from .storage import open_store
 from .step_guard import StepGuard, guarded_tensor_keys, tensor_key
-from .storage.local import LocalStore
 from .timeline import TIMELINE_NAME, TimelineSink, finish_save_record, new_record, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
@@ -175,8 +174,9 @@ class CheckpointManager:
 
     def _timeline_target(self, timeline: Any) -> Any:
         if timeline is True:
-            # Only a local disk can append (a volume store is a LocalStore that cannot).
-            return os.path.join(self._root.root, TIMELINE_NAME) if type(self._root) is LocalStore else None
+            # Only a local disk can append (a volume writes each file once).
+            traits = self._root.traits
+            return os.path.join(traits.local_path, TIMELINE_NAME) if traits.can_append and traits.local_path else None
         if timeline is False or timeline is None:
             return None
         if callable(timeline) or isinstance(timeline, (str, os.PathLike)):

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
-from ..storage import LocalStore, Store, locations_overlap, open_store
+from ..storage import Store, locations_overlap, open_store
 
 __all__ = [
     "NO_PROGRESS",
@@ -63,7 +63,7 @@ def read_manifest_bytes(store: Store) -> bytes | None:
     Raises:
         CheckpointNotFoundError: the location is a plain file (a checkpoint is a directory).
     """
-    if isinstance(store, LocalStore) and os.path.isfile(store.root):
+    if store.traits.local_path is not None and os.path.isfile(store.traits.local_path):
         raise CheckpointNotFoundError(
             f"{store.uri} is a file, not a checkpoint directory (to read a torch.save or "
             "safetensors file, convert it: goodput-ckpt convert SRC DST --to goodput)",

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 
 from goodput_ckpt import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from goodput_ckpt.storage.base import parse_commit_record
+from goodput_ckpt.storage.base import StoreTraits, parse_commit_record
 
 
 class _Store:
     uri = "somewhere/ckpt"
+    traits = StoreTraits(kind="local", random_writes=True)
 
 
 class _InPlace(_Store):
-    commit_record_atomic = False
+    traits = StoreTraits(kind="volume", random_writes=False, atomic_commit_record=False)
 
 
 def _bad(data: bytes):
