@@ -11,6 +11,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ..storage.base import redact
 from ._output import Output, to_jsonable
 from ._registry import Command, load_commands
 
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
         if out.json_mode:
             out.emit_json({"ok": False, "exit_code": code, "error": _error_doc(e, kind)})
         hint = " (pass --overwrite to replace it)" if kind == "CheckpointExistsError" and hasattr(args, "overwrite") else ""
-        out.warn(f"goodput-ckpt {cmd.name}: error: {e}{hint}")
+        out.warn(f"goodput-ckpt {cmd.name}: error: {redact(str(e))}{hint}")  # no URL credentials
         return code
 
 
@@ -135,7 +136,7 @@ def _classify(e: BaseException) -> tuple[int | None, str]:
 
 
 def _error_doc(e: BaseException, kind: str) -> dict[str, Any]:
-    doc: dict[str, Any] = {"type": kind, "message": str(e)}
+    doc: dict[str, Any] = {"type": kind, "message": redact(str(e))}
     if isinstance(e, CheckpointError):
-        doc.update(path=e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
+        doc.update(path=redact(e.path) if e.path else e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
     return doc

@@ -243,7 +243,9 @@ class StaleUploads(Protocol):
         """Abort the uploads under the location idle for ``older_than`` seconds; their keys."""
 
 
-_USERINFO = re.compile(r"://[^/@\s]*@")
+#: The user-info part of a URL: everything from ``://`` to the last ``@`` before the path
+#: (a password may itself hold an ``@``).
+_USERINFO = re.compile(r"://[^/\s]*@")
 
 
 def redact(text: str) -> str:

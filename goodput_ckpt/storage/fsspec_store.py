@@ -216,12 +216,18 @@ class FsspecStore:
                     import fsspec
 
                     cls = fsspec.get_filesystem_class(self.protocol)
-                    fs = self._fs or fsspec.filesystem(self.protocol, **self.config.storage_options)
+                    if self._fs is None:
+                        # What the URL itself says (host, port, user, password), then the options.
+                        kwargs = {**cls._get_kwargs_from_urls(self._url), **self.config.storage_options}
+                        self._fs = fsspec.filesystem(self.protocol, **kwargs)
+                    fs = self._fs
                 except ImportError as e:
                     raise CheckpointError(
                         f"fsspec needs an extra package for {self.protocol}:// ({e}); install it to use {self.uri}",
                         path=self.uri,
                     ) from e
+                except Exception as e:  # noqa: BLE001 - a filesystem that cannot be made (a connection, an argument)
+                    raise _fs_error(e, "opening the filesystem of", self.uri) from e
                 self._fs = fs
                 self._root = cls._strip_protocol(self._url).rstrip("/")
             return self._fs, self._root

@@ -80,7 +80,11 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
             "(aws_access_key_id, aws_secret_access_key) or through the standard AWS credential chain"
         )
     if not bucket or any(c in bucket for c in "?#:") or bucket.strip() != bucket:
-        raise ValueError(f"invalid S3 URI {redact(uri)!r}: expected s3://bucket/prefix")
+        # Not quoted: a secret key may hold a "/", so "s3://KEY:SE/CRET@bucket" lands here.
+        raise ValueError(
+            "invalid S3 URI: expected s3://bucket/prefix, with a bucket name of letters, digits, "
+            "'.' and '-' (credentials go in options or the AWS credential chain, never the URI)"
+        )
     prefix = prefix.strip("/")
     if prefix:
         try:
