@@ -131,3 +131,11 @@ def test_small_reads_are_capped(store):
     assert "manifest.json" in info.value.path
     store.put_commit_record("empty.json", b"", replace=True)
     assert store.read_small("empty.json", max_bytes=0) == b""
+
+
+def test_a_staged_volume_commits_in_the_background(tmp_path):
+    """The one store with the background-commit ability; its traits are its volume's."""
+    store = open_store(tmp_path / "vol" / "ckpt", {"volume": True, "stage_dir": tmp_path / "stage"})
+    assert isinstance(store, BackgroundCommit) and not isinstance(store, StaleUploads)
+    assert store.traits == open_store(tmp_path / "vol" / "ckpt", {"volume": True}).traits
+    assert store.traits.kind == "volume" and not store.traits.atomic_commit_record
