@@ -449,7 +449,7 @@ class CheckpointManager:
             for s in retention_victims(scan, committed=committed, keep_last=self.config.keep_last):
                 delete_step(self._root, s, scan.files[s])
         except CheckpointError as e:
-            logger.warning("retention under %s failed (will retry after the next save): %s", self.root_uri, e)
+            logger.warning("retention under %s failed (will retry after the next save): %s", self._root.uri, e)
 
     # -- restore ------------------------------------------------------------------------------------
     def restore(
@@ -527,7 +527,7 @@ class CheckpointManager:
         if self._pg is not None:
             dist.broadcast_object_list(choice, group=self._pg, group_src=0)
         if choice[1] is not None:
-            raise CheckpointError(f"listing checkpoints under {self.root_uri} failed on the coordinator: {choice[1]}")
+            raise CheckpointError(f"listing checkpoints under {self._root.uri} failed on the coordinator: {choice[1]}")
         return choice[0]
 
     def _agree(self, local_err: CheckpointError | None) -> None:

@@ -10,7 +10,7 @@ Call order for a save (one rank's view)::
 
     store.prepare()                     # create the location if needed (every rank)
     sink = store.open_sink(name, part_size=chunk)   # one per data file
-    sink.write_at(offset, buffers)      # many times; concurrently when store.random_writes
+    sink.write_at(offset, buffers)      # many times; concurrently when store.traits.random_writes
     sink.close()                        # the file is durable once this returns
     # ... coordinator, after every rank closed its sinks:
     store.put_commit_record(MANIFEST, data, replace=...)   # atomic publish: the commit

@@ -3,7 +3,7 @@
 
 Why these choices:
 - Most fsspec backends write a file as one sequential stream (``open(path, "wb")``), so this
-  store has ``random_writes = False``: the writer gives each file one thread and writes it in
+  store has ``traits.random_writes`` False: the writer gives each file one thread and writes it in
   order, and spreads a rank's bytes over several files to keep its threads busy.
 - A ranged read is ``cat_file(path, start, end)``, which remote backends turn into one ranged
   request; the bytes are then copied into the destination buffers (fsspec has no read-into).
@@ -91,7 +91,7 @@ def _fs_error(exc: Exception, what: str, where: str) -> CheckpointError:
 
 
 class _FsspecSink:
-    """One file written as a sequential stream (``random_writes = False``)."""
+    """One file written as a sequential stream (``traits.random_writes`` False)."""
 
     def __init__(self, fs: Any, path: str, where: str) -> None:
         self._path = path

@@ -6,7 +6,7 @@ once, in order, to its final name; seek, append and rewrite fail; rename is a co
 fsync may be an upload or a no-op; small files are expensive. This store asks for nothing else:
 
 - Every file is created once (``O_TRUNC`` on a fresh name) and written strictly sequentially by
-  one thread (``random_writes = False``); the DCP writer then spreads a rank's bytes over
+  one thread (``traits.random_writes`` False); the DCP writer then spreads a rank's bytes over
   several files (``thread_count`` of them), which are written in parallel. Each write call is
   one writer chunk (8 MiB by default), one ``writev`` of its pieces; a chunk made of many small
   pieces (small tensors, padding) is first joined into a reused buffer, so the mount sees large
