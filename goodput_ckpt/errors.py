@@ -17,6 +17,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "FileTooLargeError",
     "TopologyChangeError",
     "as_checkpoint_error",
     "find_checkpoint_error",
@@ -76,6 +77,11 @@ class CheckpointExistsError(CheckpointError):
 
 class CheckpointNotFoundError(CheckpointError):
     """Nothing resembling a checkpoint exists at the location."""
+
+
+class FileTooLargeError(CorruptCheckpointError):
+    """A small file of a checkpoint (its manifest, DCP metadata, an index) is over the size cap
+    it is read under; it was refused before being read, so memory stays bounded."""
 
 
 class TopologyChangeError(CheckpointError):

@@ -13,6 +13,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ..storage.base import redact
 from ._output import Output, escape, to_jsonable
 from ._registry import Command, load_commands
 
@@ -119,7 +120,7 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
         hint = " (pass --overwrite to replace it)" if kind == "CheckpointExistsError" and hasattr(args, "overwrite") else ""
         if not _typed(e, kind) and not args.debug:
             hint += " (run with --debug for the traceback)"
-        out.warn(f"goodput-ckpt {cmd.name}: error: {escape(_message(e, kind))}{hint}")
+        out.warn(f"goodput-ckpt {cmd.name}: error: {escape(redact(_message(e, kind)))}{hint}")
         return code
 
 
@@ -185,7 +186,7 @@ def _message(e: BaseException, kind: str) -> str:
 
 
 def _error_doc(e: BaseException, kind: str) -> dict[str, Any]:
-    doc: dict[str, Any] = {"type": kind, "message": _message(e, kind)}
+    doc: dict[str, Any] = {"type": kind, "message": redact(_message(e, kind))}
     if isinstance(e, CheckpointError):
-        doc.update(path=e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
+        doc.update(path=redact(e.path) if e.path else e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
     return doc

@@ -35,6 +35,7 @@ from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointEr
 from ..format.commit_record import COMMITTED, MISSING, TORN, file_problems, read_commit_record
 from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import Store
+from ..storage.base import BackgroundCommit
 from .layout import ChunkPlan, Placement, chunk_plans
 
 __all__ = [
@@ -82,9 +83,9 @@ def check_chunk_size(store: Store, chunk_size: int) -> None:
     """Refuse a chunk size below the store's smallest part (S3: 5 MiB; each chunk is a part).
 
     Raises:
-        ValueError: ``chunk_size`` is smaller than ``store.min_part_size``.
+        ValueError: ``chunk_size`` is smaller than ``store.traits.min_part_size``.
     """
-    minimum = getattr(store, "min_part_size", 0)  # optional in the Store protocol
+    minimum = store.traits.min_part_size
     if chunk_size < minimum:
         raise ValueError(
             f"chunk_size={chunk_size} is too small for {store.uri}: each chunk is uploaded as one "
@@ -178,7 +179,7 @@ def write_hashed_files(
             sinks.append(store.open_sink(name, part_size=chunk_size))
         pool = ThreadPoolExecutor(thread_count, thread_name_prefix="goodput-write")
         try:
-            if store.random_writes:
+            if store.traits.random_writes:
                 all_chunks = [ch for chunks in plans for ch in chunks]
                 if order is not None:
                     all_chunks.sort(key=order)
@@ -269,9 +270,8 @@ def publish_manifest(store: Store, manifest: Manifest, *, replace: bool) -> None
         parse_manifest(data, location=store.uri)
     except CheckpointError as e:
         raise CorruptCheckpointError(f"refusing to commit an invalid manifest: {e}") from e
-    prepare_commit = getattr(store, "prepare_commit", None)  # optional (see storage.base)
-    if prepare_commit is not None:
-        prepare_commit(list(manifest.files))
+    if isinstance(store, BackgroundCommit):  # an optional ability (see storage.base)
+        store.prepare_commit(list(manifest.files))
     try:
         store.put_commit_record(MANIFEST_NAME, data, replace=replace)
     except CheckpointExistsError:
@@ -293,19 +293,17 @@ def remove_stale_files(store: Store, keep: set[str]) -> None:
 def remove_stale_files_after_commit(store: Store, keep: set[str]) -> None:
     """:func:`remove_stale_files`, in the background on stores that commit in the background
     (``after_commit``, see storage.base), so the caller does not wait for a listing."""
-    after_commit = getattr(store, "after_commit", None)
-    if after_commit is None:
-        remove_stale_files(store, keep)
+    if isinstance(store, BackgroundCommit):
+        store.after_commit(lambda: remove_stale_files(store, keep))
     else:
-        after_commit(lambda: remove_stale_files(store, keep))
+        remove_stale_files(store, keep)
 
 
 def durable_future(store: Store) -> Future:
     """The store's future for what it still writes in the background (``durable_future``, see
     storage.base), or a completed one when its writes are durable once they return."""
-    get = getattr(store, "durable_future", None)
-    if get is not None:
-        return get()
+    if isinstance(store, BackgroundCommit):
+        return store.durable_future()
     fut: Future = Future()
     fut.set_result(None)
     return fut

@@ -148,7 +148,7 @@ class CheckpointReader(StorageReader):
     def _shares_manifest(self) -> bool:
         if self.share_manifest is not None:
             return bool(self.share_manifest)
-        return bool(getattr(self._store, "costly_requests", False))
+        return self._store.traits.costly_requests
 
     def read_metadata(self) -> Metadata:
         # Collective when a process group exists: one rank reads, the others receive it.
@@ -206,7 +206,7 @@ class CheckpointReader(StorageReader):
                     raise short_read_error(e, self._keys(manifest).joined(name, 0, size), (0, size)) from e
             # A job is one task, or on stores that prefer it (mounted volumes: see storage.base)
             # a run of one file's tasks read in order by one thread (see read_runs).
-            if getattr(self._store, "sequential_reads", False):
+            if self._store.traits.sequential_reads:
                 jobs = sequential_lanes(tasks, self.thread_count)
             else:
                 jobs = [[t] for t in tasks]

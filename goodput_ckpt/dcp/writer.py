@@ -313,7 +313,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         sources = [self._resolve(item, planner) for item in items]
         sizes = [s.nbytes for s in sources]
         store = self._store
-        file_count = self.files_per_rank or (1 if store.random_writes else self.thread_count)
+        file_count = self.files_per_rank or (1 if store.traits.random_writes else self.thread_count)
         placements, file_sizes = place_items(sizes, file_count)
         names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
         entries = write_hashed_files(

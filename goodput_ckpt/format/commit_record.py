@@ -56,10 +56,10 @@ MISSING, TORN, CORRUPT, UNSUPPORTED, COMMITTED = "missing", "torn", "corrupt", "
 T = TypeVar("T")
 
 
-def records_are_atomic(store: object) -> bool:
-    """Whether readers of ``store`` only ever see a whole commit record (``commit_record_atomic``,
-    default true; see storage.base). The only place that asks a store this."""
-    return bool(getattr(store, "commit_record_atomic", True))
+def records_are_atomic(store: Store) -> bool:
+    """Whether readers of ``store`` only ever see a whole commit record
+    (``store.traits.atomic_commit_record``; see storage.base). The only place that asks a store this."""
+    return store.traits.atomic_commit_record
 
 
 def parse_commit_record(store: object, name: str, data: bytes, parse: Callable[[bytes], T]) -> T:
@@ -81,7 +81,7 @@ def parse_commit_record(store: object, name: str, data: bytes, parse: Callable[[
     except CorruptCheckpointError as e:
         if records_are_atomic(store):
             raise
-        where = e.path or f"{getattr(store, 'uri', '')}/{name}"
+        where = e.path or f"{store.uri}/{name}"
         raise IncompleteCheckpointError(
             f"{where} is on a mounted volume and does not validate ({e}): the save that wrote it "
             "was interrupted or is still running. Load an earlier checkpoint.",

@@ -41,7 +41,6 @@ from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error
 from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from ..storage import open_store
-from ..storage.local import LocalStore
 from .agreement import agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
 from .config import ManagerConfig
 from .retention import delete_step, retention_victims, scan_steps
@@ -139,8 +138,9 @@ class CheckpointManager:
 
     def _timeline_target(self, timeline: Any) -> Any:
         if timeline is True:
-            # Only a local disk can append (a volume store is a LocalStore that cannot).
-            return os.path.join(self._root.root, TIMELINE_NAME) if type(self._root) is LocalStore else None
+            # Only a local disk can append (a volume writes each file once).
+            traits = self._root.traits
+            return os.path.join(traits.local_path, TIMELINE_NAME) if traits.can_append and traits.local_path else None
         if timeline is False or timeline is None:
             return None
         if callable(timeline) or isinstance(timeline, (str, os.PathLike)):
@@ -282,7 +282,7 @@ class CheckpointManager:
             for s in retention_victims(scan, committed=committed, keep_last=self.config.keep_last):
                 delete_step(self._root, s, scan.files[s])
         except CheckpointError as e:
-            logger.warning("retention under %s failed (will retry after the next save): %s", self.root_uri, e)
+            logger.warning("retention under %s failed (will retry after the next save): %s", self._root.uri, e)
 
     # -- restore ------------------------------------------------------------------------------------
     def restore(
@@ -354,7 +354,7 @@ class CheckpointManager:
         """The step every rank restores: the coordinator's choice (:func:`.agreement.agree_on_latest`)."""
         return agree_on_latest(
             self._root, self._pg, is_coordinator=self.is_coordinator, keep_last=self.config.keep_last,
-            root_uri=self.root_uri,
+            root_uri=self._root.uri,
         )  # fmt: skip
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class CheckpointManager:
         try:  # an exception is already on its way: do not mask it with a save failure
             self.close()
         except CheckpointError as e:
-            logger.error("closing %s after an error: %s", self.root_uri, e)
+            logger.error("closing %s after an error: %s", self._root.uri, e)
 
     def _check_open(self) -> None:
         if self._closed:

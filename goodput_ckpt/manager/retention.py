@@ -3,7 +3,7 @@
 No torch here: a root is a :class:`~goodput_ckpt.storage.Store` whose files are grouped into step
 directories by :mod:`.layout`. A step is *complete* when its commit record (``manifest.json``)
 exists, *incomplete* otherwise (a save that is running, failed or was interrupted). On a store
-whose commit record is written in place (a mounted volume: ``commit_record_atomic`` false), the
+whose commit record is written in place (a mounted volume: ``traits.atomic_commit_record`` false), the
 record must also validate: a torn record is a save that did not finish, so the scan reads it.
 
 Retention policy (:func:`retention_victims`), applied after the commit of step ``committed``
@@ -22,7 +22,7 @@ import logging
 from ..errors import CheckpointError
 from ..format.commit_record import MISSING, TORN, read_commit_record, records_are_atomic
 from ..format.manifest import MANIFEST_NAME
-from ..storage.base import Store
+from ..storage.base import StaleUploads, Store
 from .step_layout import list_step_dirs, step_dir_name
 
 __all__ = ["StepScan", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
@@ -111,11 +111,10 @@ def _abort_orphaned_uploads(root: Store) -> None:
     """On object stores, abort every multipart upload open under the root (they cost storage and
     are invisible to listings). One job writes a root at a time and nothing of it is in flight,
     so every open upload is an orphan."""
-    abort = getattr(root, "abort_stale_uploads", None)
-    if abort is None:
+    if not isinstance(root, StaleUploads):
         return
     try:
-        aborted = abort(older_than=0, recursive=True)
+        aborted = root.abort_stale_uploads(older_than=0, recursive=True)
     except CheckpointError as e:
         logger.warning("could not clean up unfinished uploads under %s: %s", root.uri, e)
         return

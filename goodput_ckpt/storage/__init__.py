@@ -26,7 +26,16 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ..errors import CheckpointError
-from .base import FileSink, FileSource, Store, check_relative_name
+from .base import (
+    BackgroundCommit,
+    FileSink,
+    FileSource,
+    StaleUploads,
+    Store,
+    StoreTraits,
+    check_relative_name,
+    redact,
+)
 from .fsspec_store import FsspecConfig, FsspecStore, fsspec_protocol
 from .local import LocalConfig, LocalStore
 from .mounts import find_volume
@@ -36,6 +45,7 @@ from .staged import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_UPLOAD_THREADS, StagedStor
 from .volume import VolumeConfig, VolumeStore
 
 __all__ = [
+    "BackgroundCommit",
     "FileSink",
     "FileSource",
     "FsspecConfig",
@@ -45,7 +55,9 @@ __all__ = [
     "S3Config",
     "S3Store",
     "StagedStore",
+    "StaleUploads",
     "Store",
+    "StoreTraits",
     "VolumeConfig",
     "VolumeStore",
     "check_relative_name",
@@ -53,6 +65,7 @@ __all__ = [
     "is_supported_uri",
     "locations_overlap",
     "open_store",
+    "redact",
 ]
 
 
@@ -152,6 +165,8 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
             ``storage_options`` mapping; an unknown key is a ``TypeError``. For local paths, ``volume`` (``None``, the default: detect; ``True``/``False``: force)
             chooses between :class:`VolumeStore` and :class:`LocalStore`.
 
+    Credentials in a URL never reach the store's ``uri`` or a message (:func:`redact`).
+
     Raises:
         ValueError: the URI scheme is not supported, or the URI is malformed.
         TypeError: an option is unknown to the chosen backend, or given twice.
@@ -166,7 +181,7 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
         if isinstance(text, str) and fsspec_protocol(text) is not None:
             return FsspecStore(text, _build_config(FsspecConfig, options, f"fsspec {fsspec_protocol(text)}://"))
         raise ValueError(
-            f"unsupported checkpoint URI {text!r}: expected a local path, file:// URL, "
+            f"unsupported checkpoint URI {redact(str(text))!r}: expected a local path, file:// URL, "
             "s3://bucket/prefix, or a URL whose protocol fsspec knows"
         )
     if not path:

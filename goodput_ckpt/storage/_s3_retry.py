@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +27,19 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..errors import CheckpointError
+from .base import redact
 
-__all__ = ["RetryPolicy", "call_with_retries", "client_error_code", "describe", "is_transient"]
+__all__ = [
+    "RetryPolicy",
+    "call_with_retries",
+    "client_error_code",
+    "describe",
+    "is_no_such_upload",
+    "is_not_found",
+    "is_transient",
+]
 
 log = logging.getLogger("goodput_ckpt.storage.s3")
-
-_USERINFO = re.compile(r"://[^/@\s]*@")
 
 T = TypeVar("T")
 
@@ -77,6 +83,23 @@ def client_error_code(exc: BaseException) -> tuple[str, int]:
     return str(err.get("Code") or ""), int(meta.get("HTTPStatusCode") or 0)
 
 
+def is_not_found(exc: BaseException) -> bool:
+    """Whether ``exc`` says the object does not exist (not the bucket: that is a setup error).
+
+    S3 says ``NoSuchKey`` to GETs; HEAD responses have no body, so botocore makes the code
+    ``"404"`` or ``"NotFound"``; some servers send only the status.
+    """
+    code, status = client_error_code(exc)
+    if code == "NoSuchBucket":
+        return False
+    return code in ("NoSuchKey", "NotFound", "404") or status == 404
+
+
+def is_no_such_upload(exc: BaseException) -> bool:
+    """Whether ``exc`` says the multipart upload is gone (completed or aborted meanwhile)."""
+    return client_error_code(exc)[0] == "NoSuchUpload"
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the request that raised ``exc`` may succeed."""
     from botocore.exceptions import (
@@ -109,7 +132,7 @@ def describe(exc: BaseException) -> str:
         text = f"{code or 'error'} (HTTP {status})" + (f": {message[:300]}" if message else "")
     else:
         text = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return _USERINFO.sub("://***@", text)
+    return redact(text)
 
 
 def call_with_retries(

@@ -19,8 +19,8 @@ from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
-from ._s3_io import ignore_no_such_upload
-from ._s3_retry import client_error_code
+from ._s3_retry import is_no_such_upload
+from ._s3_upload import ignore_no_such_upload
 
 if TYPE_CHECKING:
     from .s3 import S3Store
@@ -91,7 +91,7 @@ def _idle(store: S3Store, upload: dict[str, Any], cutoff: datetime) -> bool:
         try:
             return client.list_parts(**kwargs)
         except Exception as e:
-            if client_error_code(e)[0] == "NoSuchUpload":  # completed or aborted meanwhile
+            if is_no_such_upload(e):  # completed or aborted meanwhile
                 return None
             raise
 

@@ -10,48 +10,117 @@ Call order for a save (one rank's view)::
 
     store.prepare()                     # create the location if needed (every rank)
     sink = store.open_sink(name, part_size=chunk)   # one per data file
-    sink.write_at(offset, buffers)      # many times; concurrently when store.random_writes
+    sink.write_at(offset, buffers)      # many times; concurrently when store.traits.random_writes
     sink.close()                        # the file is durable once this returns
     # ... coordinator, after every rank closed its sinks:
     store.put_commit_record(MANIFEST, data, replace=...)   # atomic publish: the commit
 
 ``sink.abort()`` replaces ``close()`` on any failure and removes what was written.
 
-Optional members (looked up with ``getattr``; a store without them gets the default):
+What differs between backends is declared, never probed: every store has one frozen
+:class:`StoreTraits` record as ``store.traits`` (how it writes, commits and prefers to be read),
+and the optional abilities are small protocols a caller tests with ``isinstance``:
 
-- ``commit_record_atomic`` (default ``True``): whether readers can only ever see the whole commit
-  record. A mounted volume cannot promise it (a permissive mount shows a file while it is
-  written; a killed writer leaves a truncated one), so there a record that fails to parse or
-  validate means *incomplete*, never *corrupt* or *committed*
-  (``goodput_ckpt.format.commit_record`` reads it).
-- ``prepare_commit(files)``: called by the coordinator just before ``put_commit_record`` with the
-  names of every rank's data files that the record commits. A store that uploads data in the
-  background (a volume with local staging) needs them to publish the record only once all of
-  them are durable, including files that other ranks' stores wrote.
-- ``sequential_reads`` (default ``False``): the store streams a file better than it serves
-  scattered ranges (a FUSE mount reads ahead within a descriptor; an object-store mount turns a
-  seek into a new request). The reader then hands each thread a run of one file's ranges, in
-  order, instead of single ranges.
-- ``after_commit(fn)``: run ``fn`` (the clean-up of failed saves' files) once the commit
-  record is durable, in the background, instead of at once. For stores that commit in the
-  background, so the caller does not wait for a listing of the destination.
-- ``durable_future()``: a ``concurrent.futures.Future`` that completes when everything this
-  store was asked to write for the current save is durable at its destination. Stores whose
-  writes are durable when the calls return do not have it.
+- :class:`BackgroundCommit` (a volume with local staging): the store uploads data and publishes
+  the commit record in the background. ``prepare_commit(files)`` is called by the coordinator
+  just before ``put_commit_record`` with the names of every rank's data files that the record
+  commits (it publishes the record only once all of them are durable, including files that
+  other ranks' stores wrote); ``after_commit(fn)`` runs ``fn`` (the clean-up of failed saves'
+  files) once the record is durable, in the background, so the caller does not wait for a
+  listing; ``durable_future()`` completes when everything asked of the store for the current
+  save is durable at its destination.
+- :class:`StaleUploads` (S3): ``abort_stale_uploads`` reclaims the multipart uploads that killed
+  saves left open.
+
+Only this package knows a backend's concrete class; code above it asks the traits.
+
+Messages that every backend gives for the same event are built here once
+(:func:`missing_file_error`, :func:`truncated_error`, :func:`committed_elsewhere_error`,
+:func:`out_of_order_error`, :func:`too_large_error`), and the same event raises the same error
+type everywhere (tests/storage/test_contract.py).
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..errors import CheckpointError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    FileTooLargeError,
+    IncompleteCheckpointError,
+)
 
-__all__ = ["Buffer", "FileSink", "FileSource", "Store", "check_relative_name", "drop_done"]
+__all__ = [
+    "SMALL_FILE_LIMIT",
+    "BackgroundCommit",
+    "Buffer",
+    "FileSink",
+    "FileSource",
+    "StaleUploads",
+    "Store",
+    "StoreTraits",
+    "byte_views",
+    "check_relative_name",
+    "committed_elsewhere_error",
+    "drop_done",
+    "missing_file_error",
+    "out_of_order_error",
+    "redact",
+    "too_large_error",
+    "truncated_error",
+]
 
 #: Anything exposing the buffer protocol: ``bytes``, ``bytearray``, ``memoryview``, numpy arrays.
 Buffer = object
+
+#: The default cap of :meth:`Store.read_small`: the largest manifest the format allows (1 GiB).
+#: Every small file (manifest, DCP ``.metadata``, safetensors index and sidecar) is read under a
+#: cap, checked before the content is read, so an endless or huge file cannot exhaust memory.
+SMALL_FILE_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreTraits:
+    """What a store is like, declared once by each backend (``store.traits``).
+
+    Attributes:
+        kind: the backend, for reports: ``"local"``, ``"volume"``, ``"s3"`` or ``"fsspec"``.
+        random_writes: a data file may be written in parts, out of order and concurrently.
+            Otherwise each file is written by one thread, in order, and the writer spreads a
+            rank's bytes over several files.
+        min_part_size: the smallest ``part_size`` :meth:`Store.open_sink` accepts (0: none).
+            Object stores that upload each part as a separate request have one (S3: 5 MiB); the
+            writer refuses a chunk size below it.
+        atomic_commit_record: readers only ever see the whole commit record. A mounted volume
+            cannot promise it (a permissive mount shows a file while it is written; a killed
+            writer leaves a truncated one), so there a record that fails to parse or validate
+            means *incomplete*, never *corrupt* or *committed* (:func:`parse_commit_record`).
+        can_append: files at ``local_path`` may be opened for appending (a local disk; not a
+            volume, which writes each file once): the manager's timeline file needs it.
+        costly_requests: each request costs enough (an object store, billed and throttled per
+            request) that ranks should share one manifest read instead of each making their own.
+        sequential_reads: the store streams a file better than it serves scattered ranges (a
+            FUSE mount reads ahead within a descriptor; an object-store mount turns a seek into
+            a new request). The reader then hands each thread a run of one file's ranges, in
+            order, instead of single ranges.
+        local_path: the location as a path of this machine's filesystem (local disk and
+            volumes), for tools that open files there directly; ``None`` for remote stores.
+    """
+
+    kind: str
+    random_writes: bool
+    min_part_size: int = 0
+    atomic_commit_record: bool = True
+    can_append: bool = False
+    costly_requests: bool = False
+    sequential_reads: bool = False
+    local_path: str | None = None
 
 
 @runtime_checkable
@@ -91,18 +160,10 @@ class FileSource(Protocol):
 class Store(Protocol):
     """A checkpoint location: a flat namespace of files addressed by relative names."""
 
-    #: Human-readable location for messages. Never contains credentials.
+    #: Human-readable location for messages. Never contains credentials (see :func:`redact`).
     uri: str
-    #: Whether a data file may be written in parts, out of order and concurrently.
-    random_writes: bool
-    #: The smallest ``part_size`` :meth:`open_sink` accepts (0: no minimum). Object stores that
-    #: upload each part as a separate request have one (S3: 5 MiB); the writer refuses a chunk
-    #: size below it. Optional: a store without the attribute has no minimum.
-    min_part_size: int
-    #: Optional (read with ``getattr``, default False): whether each request costs enough (an
-    #: object store, billed and throttled per request) that ranks should share one manifest
-    #: read instead of each making their own. Local disks and mounts leave it False.
-    #: costly_requests: bool
+    #: What the store is like (see :class:`StoreTraits`).
+    traits: StoreTraits
 
     def prepare(self) -> None:
         """Create the location if needed. Called by every rank before writing."""
@@ -128,8 +189,16 @@ class Store(Protocol):
     def size(self, name: str) -> int | None:
         """The size of ``name`` in bytes, or ``None`` when it does not exist."""
 
-    def read_small(self, name: str) -> bytes | None:
-        """The whole content of a small file (the manifest), or ``None`` when it does not exist."""
+    def read_small(self, name: str, *, max_bytes: int = SMALL_FILE_LIMIT) -> bytes | None:
+        """The whole content of a small file (the manifest), or ``None`` when it does not exist.
+
+        The size is checked before the content is read, and the read itself is bounded, so a
+        huge or endless file costs no memory.
+
+        Raises:
+            FileTooLargeError: the file holds more than ``max_bytes`` bytes.
+            CheckpointError: it is not a regular file (local stores; links are refused too).
+        """
 
     def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
         """Publish ``data`` under ``name`` atomically, after making earlier writes durable.
@@ -145,6 +214,91 @@ class Store(Protocol):
 
     def delete(self, name: str) -> None:
         """Remove ``name`` durably. Missing files are not an error."""
+
+
+@runtime_checkable
+class BackgroundCommit(Protocol):
+    """A store that writes in the background and commits once that is durable (see the module
+    docstring for the call order)."""
+
+    def prepare_commit(self, files: Sequence[str]) -> None:
+        """Learn every rank's data files that the next commit record commits."""
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the background once the queued commit succeeded."""
+
+    def durable_future(self) -> Future:
+        """A future that completes when this save's writes and commit are durable."""
+
+
+@runtime_checkable
+class StaleUploads(Protocol):
+    """A store whose killed saves leave hidden, billed uploads behind (S3 multipart uploads)."""
+
+    def abort_stale_uploads(self, *, older_than: float, recursive: bool = False) -> list[str]:
+        """Abort the uploads under the location idle for ``older_than`` seconds; their keys."""
+
+
+#: The user-info part of a URL: everything from ``://`` to the last ``@`` before the path
+#: (a password may itself hold an ``@``).
+_USERINFO = re.compile(r"://[^/\s]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``scheme://user:password@``) masked.
+
+    Applied to every location a store keeps for messages (``uri``) and to the messages of errors
+    that quote a URL, so a secret given in a URL never reaches an error, a log or ``--json``.
+    """
+    return _USERINFO.sub("://***@", text)
+
+
+def missing_file_error(where: str) -> IncompleteCheckpointError:
+    """A data file that a read needs is not there."""
+    return IncompleteCheckpointError(
+        f"data file {where} is missing: the checkpoint is incomplete or was tampered with", path=where
+    )
+
+
+def truncated_error(where: str, start: int, end: int, at: int | None = None) -> IncompleteCheckpointError:
+    """A data file ends (at byte ``at``, when known) before the range ``[start, end)`` a read needs."""
+    ends = f"ends at byte {at}" if at is not None else "ends"
+    return IncompleteCheckpointError(
+        f"data file {where} {ends}, before the range [{start}, {end}) the manifest records: the file is truncated",
+        path=where,
+        byte_range=(start, end),
+    )
+
+
+def committed_elsewhere_error(where: str) -> CheckpointExistsError:
+    """A commit without ``replace`` found a record that another writer committed meanwhile."""
+    return CheckpointExistsError(
+        f"{where} was committed by another writer while this save ran; nothing was overwritten", path=where
+    )
+
+
+def out_of_order_error(where: str, expected: int, got: int) -> CheckpointError:
+    """A write to a store without ``random_writes`` that does not continue where the last ended."""
+    return CheckpointError(
+        f"{where} is written strictly in order on this store: expected offset {expected}, got {got} (a writer bug)",
+        path=where,
+        byte_range=(min(expected, got), max(expected, got)),
+    )
+
+
+def too_large_error(where: str, size: int | None, limit: int) -> FileTooLargeError:
+    """A small file (manifest, metadata) is larger than its reader's cap."""
+    holds = f"holds {size} bytes" if size is not None else "is larger than that"
+    return FileTooLargeError(
+        f"{where} {holds}, over the {limit}-byte limit for this file; it is not read "
+        "(a damaged or hostile checkpoint, or a link to an endless file)",
+        path=where,
+    )
+
+
+def byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """``buffers`` as flat byte views (what vectored I/O and copies take)."""
+    return [memoryview(b).cast("B") for b in buffers]
 
 
 def drop_done(views: list[memoryview], done: int) -> None:

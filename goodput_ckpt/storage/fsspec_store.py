@@ -3,7 +3,7 @@
 
 Why these choices:
 - Most fsspec backends write a file as one sequential stream (``open(path, "wb")``), so this
-  store has ``random_writes = False``: the writer gives each file one thread and writes it in
+  store has ``traits.random_writes`` False: the writer gives each file one thread and writes it in
   order, and spreads a rank's bytes over several files to keep its threads busy.
 - A ranged read is ``cat_file(path, start, end)``, which remote backends turn into one ranged
   request; the bytes are then copied into the destination buffers (fsspec has no read-into).
@@ -11,9 +11,11 @@ Why these choices:
   Without ``replace`` it is check-then-put: fsspec has no portable conditional write, so two
   savers that pass the check at the same moment both write and the later one wins. On
   filesystem-like backends (sftp, ftp, hdfs ...) ``pipe_file`` writes the record in place under
-  its final name, not atomically: there ``commit_record_atomic`` is False, so readers and tools
+  its final name, not atomically: there ``traits.atomic_commit_record`` is False, so readers and tools
   call a record that does not validate incomplete, as on a mounted volume (storage.base). Only
   the object stores of :data:`ATOMIC_PUT_PROTOCOLS` (and ``memory://``) count as atomic.
+- Credentials in the URL (``http://user:password@host/...``) reach fsspec, never ``uri``, a repr
+  or a message (:func:`~.base.redact`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
-from .base import check_relative_name
+from ..errors import CheckpointError
+from .base import (
+    SMALL_FILE_LIMIT,
+    StoreTraits,
+    byte_views,
+    check_relative_name,
+    committed_elsewhere_error,
+    missing_file_error,
+    out_of_order_error,
+    redact,
+    too_large_error,
+    truncated_error,
+)
 
 __all__ = ["ATOMIC_PUT_PROTOCOLS", "FsspecConfig", "FsspecStore", "fsspec_protocol"]
 
@@ -73,11 +86,12 @@ def fsspec_protocol(uri: str) -> str | None:
 
 
 def _fs_error(exc: Exception, what: str, where: str) -> CheckpointError:
-    return CheckpointError(f"{what} {where} failed: {type(exc).__name__}: {str(exc)[:300]}", path=where)
+    # fsspec's messages may quote the full URL, credentials included.
+    return CheckpointError(f"{what} {where} failed: {type(exc).__name__}: {redact(str(exc)[:300])}", path=where)
 
 
 class _FsspecSink:
-    """One file written as a sequential stream (``random_writes = False``)."""
+    """One file written as a sequential stream (``traits.random_writes`` False)."""
 
     def __init__(self, fs: Any, path: str, where: str) -> None:
         self._path = path
@@ -91,8 +105,10 @@ class _FsspecSink:
         self._fs = fs
 
     def write_at(self, offset: int, buffers: Sequence[Any]) -> None:
+        if self._state != "open":
+            raise CheckpointError(f"{self._where} is {self._state}: no more writes", path=self._where)
         if offset != self._pos:
-            raise ValueError(f"{self._where} is written in order: expected offset {self._pos}, got {offset}")
+            raise out_of_order_error(self._where, self._pos, offset)
         try:
             for b in buffers:
                 self._pos += self._file.write(memoryview(b).cast("B")) or 0
@@ -100,6 +116,8 @@ class _FsspecSink:
             raise _fs_error(e, f"writing at offset {offset} of", self._where) from e
 
     def close(self) -> None:
+        if self._state == "aborted":
+            raise CheckpointError(f"{self._where} was aborted and cannot be completed", path=self._where)
         if self._state == "closed":
             return
         try:
@@ -131,26 +149,18 @@ class _FsspecSource:
         self._where = where
 
     def read_into(self, offset: int, buffers: Sequence[Any]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = byte_views(buffers)
         total = sum(v.nbytes for v in views)
         if not total:
             return
         try:
             data = self._fs.cat_file(self._path, start=offset, end=offset + total)
         except FileNotFoundError as e:
-            raise IncompleteCheckpointError(
-                f"data file {self._where} is missing: the checkpoint is incomplete or was tampered with",
-                path=self._where,
-            ) from e
+            raise missing_file_error(self._where) from e
         except Exception as e:
             raise _fs_error(e, f"reading bytes [{offset}, {offset + total}) of", self._where) from e
         if len(data) < total:
-            raise IncompleteCheckpointError(
-                f"data file {self._where} ends at byte {offset + len(data)}, before the range "
-                f"[{offset}, {offset + total}) the manifest records: the file is truncated",
-                path=self._where,
-                byte_range=(offset, offset + total),
-            )
+            raise truncated_error(self._where, offset, offset + total, offset + len(data))
         pos = 0
         for v in views:
             v[:] = data[pos : pos + v.nbytes]
@@ -163,26 +173,26 @@ class _FsspecSource:
 class FsspecStore:
     """A checkpoint location on any fsspec filesystem."""
 
-    random_writes = False
-    costly_requests = True  # share one manifest read across ranks (dcp/manifest_share.py)
-    min_part_size = 0
-
     def __init__(self, uri: str, config: FsspecConfig | None = None) -> None:
         protocol = fsspec_protocol(uri)
         if protocol is None:
-            raise ValueError(f"fsspec does not know the protocol of {uri!r}")
+            raise ValueError(f"fsspec does not know the protocol of {redact(uri)!r}")
         self.protocol = protocol
-        self.uri = uri.rstrip("/")
+        self._url = uri.rstrip("/")  # what fsspec gets: it may hold credentials
+        self.uri = redact(self._url)
         self.config = config or FsspecConfig()
+        # One sequential stream per file; each request costs (ranks share one manifest read,
+        # dcp/manifest_share.py); the record is atomic only where pipe_file is one PUT.
+        self.traits = StoreTraits(
+            kind="fsspec",
+            random_writes=False,
+            atomic_commit_record=protocol in ATOMIC_PUT_PROTOCOLS,
+            costly_requests=True,
+        )
         self._init_runtime()
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.uri!r})"
-
-    @property
-    def commit_record_atomic(self) -> bool:
-        """Whether readers only ever see the whole commit record (see the module docstring)."""
-        return self.protocol in ATOMIC_PUT_PROTOCOLS
 
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()  # guards creating the filesystem
@@ -206,14 +216,20 @@ class FsspecStore:
                     import fsspec
 
                     cls = fsspec.get_filesystem_class(self.protocol)
-                    fs = self._fs or fsspec.filesystem(self.protocol, **self.config.storage_options)
+                    if self._fs is None:
+                        # What the URL itself says (host, port, user, password), then the options.
+                        kwargs = {**cls._get_kwargs_from_urls(self._url), **self.config.storage_options}
+                        self._fs = fsspec.filesystem(self.protocol, **kwargs)
+                    fs = self._fs
                 except ImportError as e:
                     raise CheckpointError(
                         f"fsspec needs an extra package for {self.protocol}:// ({e}); install it to use {self.uri}",
                         path=self.uri,
                     ) from e
+                except Exception as e:  # noqa: BLE001 - a filesystem that cannot be made (a connection, an argument)
+                    raise _fs_error(e, "opening the filesystem of", self.uri) from e
                 self._fs = fs
-                self._root = cls._strip_protocol(self.uri).rstrip("/")
+                self._root = cls._strip_protocol(self._url).rstrip("/")
             return self._fs, self._root
 
     def _path(self, name: str) -> tuple[Any, str, str]:
@@ -250,21 +266,25 @@ class FsspecStore:
             raise _fs_error(e, "inspecting", where) from e
         return None if info.get("type") == "directory" else int(info["size"])
 
-    def read_small(self, name: str) -> bytes | None:
+    def read_small(self, name: str, *, max_bytes: int = SMALL_FILE_LIMIT) -> bytes | None:
+        size = self.size(name)  # first: a huge file is refused without a read
+        if size is not None and size > max_bytes:
+            raise too_large_error(f"{self.uri}/{name}", size, max_bytes)
         fs, path, where = self._path(name)
         try:
-            return bytes(fs.cat_file(path))
+            data = bytes(fs.cat_file(path, start=0, end=max_bytes + 1))  # bounded all the same
         except FileNotFoundError:
             return None
         except Exception as e:
             raise _fs_error(e, "reading", where) from e
+        if len(data) > max_bytes:
+            raise too_large_error(where, None, max_bytes)
+        return data
 
     def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
         fs, path, where = self._path(name)
         if not replace and self.size(name) is not None:
-            raise CheckpointExistsError(
-                f"{where} was committed by another writer while this save ran; nothing was overwritten", path=where
-            )
+            raise committed_elsewhere_error(where)
         try:
             fs.pipe_file(path, bytes(data))
         except Exception as e:

@@ -32,8 +32,18 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
-from .base import Buffer, check_relative_name, drop_done
+from ..errors import CheckpointError
+from .base import (
+    SMALL_FILE_LIMIT,
+    Buffer,
+    StoreTraits,
+    check_relative_name,
+    committed_elsewhere_error,
+    drop_done,
+    missing_file_error,
+    too_large_error,
+    truncated_error,
+)
 
 __all__ = ["LocalConfig", "LocalStore"]
 
@@ -59,11 +69,9 @@ def _load_sync_file_range():
     return fn
 
 
-#: Starts writeback of a just-written range (a hint: failures surface in the final fsync).
-#: Measured on a 2-core machine's virtio disk: a 2 GiB save, best of 4, fell from 1.54 s to
-#: 0.85 s; benchmarks/sweep_local.py --writeback-ab (1 GiB, 5 repeats) gave 0.75 vs 0.59 GB/s
-#: median and 1.82 vs 1.03 GB/s best, because the device write overlaps the copy and hashing
-#: instead of following them.
+#: Starts writeback of a just-written range (a hint: failures surface in the final fsync), so
+#: the device write overlaps the copy and hashing instead of following them (measured with
+#: benchmarks/sweep_local.py --writeback-ab: see docs/benchmarks.md).
 _SYNC_FILE_RANGE = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -123,13 +131,7 @@ def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> Non
             while views:
                 got = os.preadv(fd, views, offset)
                 if got == 0:
-                    want = start + _nbytes(buffers)
-                    raise IncompleteCheckpointError(
-                        f"data file {path} ends at byte {offset}, before the range "
-                        f"[{start}, {want}) the manifest records: the file is truncated",
-                        path=path,
-                        byte_range=(start, want),
-                    )
+                    raise truncated_error(path, start, start + _nbytes(buffers), offset)
                 offset += got
                 drop_done(views, got)
     except OSError as e:
@@ -143,6 +145,7 @@ class _LocalSink:
         self._path = path
         self._fsync = fsync
         self._closed = False
+        self._aborted = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             try:
@@ -157,6 +160,8 @@ class _LocalSink:
             raise os_error(e, "creating", path) from e
 
     def write_at(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        if self._closed:  # its descriptor is closed, and its number may already be another file's
+            raise CheckpointError(f"{self._path} is closed or aborted: no more writes", path=self._path)
         start = offset
         try:
             for batch in _iov_batches(buffers):
@@ -171,6 +176,8 @@ class _LocalSink:
             _SYNC_FILE_RANGE(self._fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
 
     def close(self) -> None:
+        if self._aborted:
+            raise CheckpointError(f"{self._path} was aborted and cannot be completed", path=self._path)
         if self._closed:
             return
         try:
@@ -183,6 +190,9 @@ class _LocalSink:
             os.close(self._fd)
 
     def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
         if not self._closed:
             self._closed = True
             os.close(self._fd)
@@ -200,10 +210,7 @@ class _LocalSource:
         try:
             self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as e:
-            raise IncompleteCheckpointError(
-                f"data file {path} is missing: the checkpoint is incomplete or was tampered with",
-                path=path,
-            ) from e
+            raise missing_file_error(path) from e
         except OSError as e:
             raise os_error(e, "opening", path) from e
         self._lock = threading.Lock()
@@ -222,15 +229,16 @@ class _LocalSource:
 class LocalStore:
     """A checkpoint directory on a local (POSIX) filesystem."""
 
-    random_writes = True
-    min_part_size = 0
-
     def __init__(self, root: str, config: LocalConfig | None = None) -> None:
         #: The location's real path: every file operation stays below it.
         self.root = os.path.realpath(root)
         #: The path as given (made absolute), for messages.
         self.uri = os.path.abspath(root)
         self.config = config or LocalConfig()
+        self.traits = self._traits()
+
+    def _traits(self) -> StoreTraits:
+        return StoreTraits(kind="local", random_writes=True, can_append=True, local_path=self.root)
 
     # -- helpers ---------------------------------------------------------------------------
     def _path(self, name: str) -> str:
@@ -318,10 +326,11 @@ class LocalStore:
         _path, st = self._regular(name)
         return None if st is None else st.st_size
 
-    def read_small(self, name: str) -> bytes | None:
+    def read_small(self, name: str, *, max_bytes: int = SMALL_FILE_LIMIT) -> bytes | None:
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO would otherwise wait for a writer (it is refused below).
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -332,10 +341,28 @@ class LocalStore:
                 ) from e
             raise os_error(e, "reading", path) from e
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{path} is not a regular file, expected a file", path=path)
+            if st.st_size > max_bytes:
+                raise too_large_error(path, st.st_size, max_bytes)
             with open(fd, "rb", closefd=False) as f:
-                return f.read()
+                # read(n) reserves n bytes up front: ask for the size fstat gave (plus one, to see
+                # growth), then, only if the file grew since, the rest in bounded steps.
+                want = st.st_size + 1
+                data = f.read(want)
+                if len(data) == want:
+                    parts, total = [data], len(data)
+                    while total <= max_bytes:
+                        more = f.read(min(1 << 20, max_bytes + 1 - total))
+                        if not more:
+                            break
+                        parts.append(more)
+                        total += len(more)
+                    data = b"".join(parts)
+            if len(data) > max_bytes:
+                raise too_large_error(path, None, max_bytes)
+            return data
         except OSError as e:
             raise os_error(e, "reading", path) from e
         finally:
@@ -377,29 +404,19 @@ class LocalStore:
         try:
             os.link(tmp, path)
         except FileExistsError as e:
-            raise CheckpointExistsError(
-                f"{path} was committed by another writer while this save ran; "
-                "nothing was overwritten",
-                path=path,
-            ) from e
+            raise committed_elsewhere_error(path) from e
         except FileNotFoundError as e:
             # A writer that committed first removes every other temporary record (its cleanup
             # of stale files), ours included: the location is taken.
             if os.path.exists(path):
-                raise CheckpointExistsError(
-                    f"{path} was committed by another writer while this save ran; "
-                    "nothing was overwritten",
-                    path=path,
-                ) from e
+                raise committed_elsewhere_error(path) from e
             raise
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                 raise
             # Filesystems without hard links: check, then rename (a narrow race remains).
             if os.path.exists(path):
-                raise CheckpointExistsError(
-                    f"{path} was committed by another writer while this save ran", path=path
-                ) from e
+                raise committed_elsewhere_error(path) from e
             os.rename(tmp, path)
 
     def list(self) -> list[str]:

@@ -2,7 +2,8 @@
 
 Why these choices:
 - A data file is a multipart upload whose parts go up in parallel, one per writer chunk; a
-  single short file is one ``PutObject``. Any failure aborts the upload (``_s3_io``).
+  single short file is one ``PutObject``. Any failure aborts the upload (``_s3_upload``); reads
+  are ranged GETs that resume a cut transfer (``_s3_download``).
 - The commit record is one ``PutObject``, last: S3 makes a PUT visible whole or not at all, and
   reads after it are strongly consistent, so no rename or copy is needed. Without ``replace`` the
   PUT is conditional (``If-None-Match: *``), so two savers cannot both commit. On servers that
@@ -39,13 +40,21 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError
 from ._s3_client import make_client
 from ._s3_config import DEFAULT_PART_SIZE, MIN_PART_SIZE, S3Config
-from ._s3_io import S3Sink, S3Source, crc32_b64
-from ._s3_retry import call_with_retries, client_error_code
+from ._s3_download import S3Source
+from ._s3_retry import call_with_retries, client_error_code, is_not_found
 from ._s3_stale import abort_stale_uploads
-from .base import check_relative_name
+from ._s3_upload import S3Sink, crc32_b64
+from .base import (
+    SMALL_FILE_LIMIT,
+    StoreTraits,
+    check_relative_name,
+    committed_elsewhere_error,
+    redact,
+    too_large_error,
+)
 
 __all__ = ["MIN_PART_SIZE", "S3Config", "S3Store", "parse_s3_uri"]
 
@@ -55,33 +64,49 @@ log = logging.getLogger("goodput_ckpt.storage.s3")
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://bucket/prefix`` (the prefix without slashes at its ends).
 
+    Credentials in the URI (``s3://KEY:SECRET@bucket``) are refused, and no message quotes them.
+
     Raises:
-        ValueError: not an ``s3://`` URI, no bucket, or a prefix with empty, ``.`` or ``..`` parts.
+        ValueError: not an ``s3://`` URI, no bucket, credentials in it, or a prefix with empty,
+            ``.`` or ``..`` parts.
     """
     if not uri.startswith("s3://"):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
+        raise ValueError(f"not an s3:// URI: {redact(uri)!r}")
     rest = uri[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
-    if not bucket or any(c in bucket for c in "?#@:") or bucket.strip() != bucket:
-        raise ValueError(f"invalid S3 URI {uri!r}: expected s3://bucket/prefix")
+    if "@" in bucket:
+        raise ValueError(
+            f"S3 URI {redact(uri)!r} contains credentials (user:secret@): pass them as options "
+            "(aws_access_key_id, aws_secret_access_key) or through the standard AWS credential chain"
+        )
+    if not bucket or any(c in bucket for c in "?#:") or bucket.strip() != bucket:
+        # Not quoted: a secret key may hold a "/", so "s3://KEY:SE/CRET@bucket" lands here.
+        raise ValueError(
+            "invalid S3 URI: expected s3://bucket/prefix, with a bucket name of letters, digits, "
+            "'.' and '-' (credentials go in options or the AWS credential chain, never the URI)"
+        )
     prefix = prefix.strip("/")
     if prefix:
-        check_relative_name(prefix)
+        try:
+            check_relative_name(prefix)
+        except CheckpointError as e:
+            raise ValueError(f"invalid S3 URI {redact(uri)!r}: {e}") from None
     return bucket, prefix
 
 
 class S3Store:
     """A checkpoint location under ``s3://bucket/prefix``."""
 
-    random_writes = True
-    costly_requests = True  # share one manifest read across ranks (dcp/manifest_share.py)
-
     def __init__(self, uri: str, config: S3Config | None = None) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.config = config or S3Config()
-        #: The DCP writer refuses chunks (parts) smaller than this.
-        self.min_part_size = self.config.part_size or MIN_PART_SIZE
+        # Parts go up in parallel, in any order; the DCP writer refuses chunks (parts) smaller
+        # than S3's minimum; requests are billed, so ranks share one manifest read
+        # (dcp/manifest_share.py).
+        self.traits = StoreTraits(
+            kind="s3", random_writes=True, min_part_size=self.config.part_size or MIN_PART_SIZE, costly_requests=True
+        )
         self._policy = self.config.retry_policy
         self._init_runtime()
 
@@ -209,24 +234,46 @@ class S3Store:
             try:
                 return int(client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
             except Exception as e:
-                if _not_found(e):
+                if is_not_found(e):
                     return None
                 raise
 
         return self.call("inspecting", key, head)
 
-    def read_small(self, name: str) -> bytes | None:
+    def read_small(self, name: str, *, max_bytes: int = SMALL_FILE_LIMIT) -> bytes | None:
         key = self.key(name)
         client = self.client()
 
         def get() -> bytes | None:
             try:
-                resp = client.get_object(Bucket=self.bucket, Key=key)
+                # The Range caps what the server sends, whatever the object holds; its size
+                # comes back in ContentRange ("bytes 0-N/SIZE").
+                resp = client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{max_bytes}")
             except Exception as e:
-                if _not_found(e):
+                if is_not_found(e):
                     return None
+                code, status = client_error_code(e)
+                if code == "InvalidRange" or status == 416:  # an empty object has no byte 0
+                    return b""
                 raise
-            return resp["Body"].read()
+            body = resp["Body"]
+            size = _total_size(resp)
+            if (size is not None and size > max_bytes) or int(resp.get("ContentLength") or 0) > max_bytes:
+                body.close()
+                raise too_large_error(self.where(key), size, max_bytes)
+            # read(n) reserves n bytes up front (http.client): read what was announced, in steps.
+            parts, total = [], 0
+            while total <= max_bytes:
+                more = body.read(min(8 << 20, max_bytes + 1 - total))
+                if not more:
+                    break
+                parts.append(more)
+                total += len(more)
+            body.close()
+            data = b"".join(parts)
+            if len(data) > max_bytes:  # a server that ignored the Range
+                raise too_large_error(self.where(key), size, max_bytes)
+            return data
 
         return self.call("reading", key, get)
 
@@ -244,10 +291,7 @@ class S3Store:
         if replace:
             self.call("committing", key, lambda: client.put_object(Bucket=self.bucket, Key=key, Body=body, **crc))
             return
-        exists = CheckpointExistsError(
-            f"{self.where(key)} was committed by another writer while this save ran; nothing was overwritten",
-            path=self.where(key),
-        )
+        exists = committed_elsewhere_error(self.where(key))
         if self.size_of_key(key) is not None:
             raise exists
         attempts = [0]
@@ -297,8 +341,7 @@ class S3Store:
         self.call("deleting", key, lambda: client.delete_object(Bucket=self.bucket, Key=key))
 
 
-def _not_found(exc: BaseException) -> bool:
-    code, status = client_error_code(exc)
-    if code == "NoSuchBucket":
-        return False
-    return code in ("NoSuchKey", "NotFound", "404") or status == 404
+def _total_size(resp: dict[str, Any]) -> int | None:
+    """The object's size from a ranged GET's ``ContentRange`` (``bytes 0-9/1234``), if given."""
+    total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+    return int(total) if total.isdigit() else None

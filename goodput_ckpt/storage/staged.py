@@ -21,14 +21,10 @@ Call order on one rank (the store's view of one save)::
     durable_future()                       # the DCP writer keeps it for the caller
 
 How the coordinator knows other ranks' uploads are done: after uploading a file, a rank writes
-a marker ``<file>.uploaded`` next to it on the volume (the file's size in ASCII: never empty,
-because ``rclone mount`` without a cache uploads a file that got no write only when the kernel
-releases it, after ``close`` has returned, so a deletion right after could precede the upload
-and leave the marker behind for good; seen in CI). The coordinator's commit job waits
-for its own uploads' futures, then for the markers of the other files (polling, up to
-``commit_timeout_s``), then writes the manifest and deletes the markers. A marker is written
-only after its file was closed (and fsynced) on the volume, so the manifest never precedes
-data: a crash at any instant leaves the volume copy committed or visibly incomplete.
+a marker next to it on the volume; the coordinator's commit job waits for its own uploads'
+futures, then for the markers of the other files (up to ``commit_timeout_s``), then writes the
+manifest and deletes the markers (:mod:`._upload_markers`). A crash at any instant leaves the
+volume copy committed or visibly incomplete.
 
 Why these choices:
 - The staged files are not fsynced: the durable copy is the volume's. A crash before the upload
@@ -54,10 +50,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ..errors import CheckpointError
+from ._upload_markers import MARKER_SUFFIX, delete_markers, wait_for_markers, write_marker
+from .base import SMALL_FILE_LIMIT
 from .local import LocalConfig, LocalStore
 from .volume import VolumeStore
 
-__all__ = ["DEFAULT_COMMIT_TIMEOUT_S", "DEFAULT_UPLOAD_THREADS", "MARKER_SUFFIX", "StagedStore", "all_of"]
+__all__ = ["DEFAULT_COMMIT_TIMEOUT_S", "DEFAULT_UPLOAD_THREADS", "StagedStore", "all_of"]
 
 #: Files uploaded at once: several sequential streams keep a FUSE object-store mount busy
 #: (each file is one upload), few enough to leave the cores to training.
@@ -66,12 +64,6 @@ DEFAULT_UPLOAD_THREADS = 4
 DEFAULT_COMMIT_TIMEOUT_S = 3600.0
 #: Bytes per read and write call of an upload: the writer's default chunk, a large write.
 UPLOAD_BLOCK = 8 << 20
-#: Suffix of the marker a rank writes on the volume once one of its files is there.
-MARKER_SUFFIX = ".uploaded"
-#: Marker polling: first and largest pause between two checks.
-_POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
-#: How long the commit keeps deleting markers that are still listed after their deletion.
-_MARKER_DELETE_S = 10.0
 
 _log = logging.getLogger(__name__)
 
@@ -142,11 +134,6 @@ class StagedStore:
         commit_timeout_s: see :data:`DEFAULT_COMMIT_TIMEOUT_S`.
     """
 
-    random_writes = False  # each staged file is written in order: several files per rank
-    min_part_size = 0
-    commit_record_atomic = False  # what readers meet is the volume's record
-    sequential_reads = True  # reads go to the volume
-
     def __init__(
         self,
         inner: VolumeStore,
@@ -157,6 +144,9 @@ class StagedStore:
     ) -> None:
         self.inner = inner
         self.uri = inner.uri
+        # Each staged file is written in order (several files per rank); reads and the commit
+        # record readers meet are the volume's.
+        self.traits = inner.traits
         self.stage_dir = stage_dir
         self.stage_root = os.path.join(stage_dir, inner.root.lstrip(os.sep))
         self.upload_threads = upload_threads
@@ -269,13 +259,7 @@ class StagedStore:
             except BaseException:
                 sink.abort()
                 raise
-            marker = self.inner.open_sink(name + MARKER_SUFFIX)
-            try:
-                marker.write_at(0, [str(pos).encode()])
-                marker.close()
-            except BaseException:
-                marker.abort()
-                raise
+            write_marker(self.inner, name, pos)
         except OSError as e:
             raise CheckpointError(f"uploading the staged file {src} to {self.uri}/{name} failed: {e}", path=src) from e
         finally:
@@ -296,58 +280,16 @@ class StagedStore:
                     "the checkpoint was not committed on the volume",
                     path=self.uri,
                 ) from e
-        waiting = [f for f in files if f not in own]
-        pause = _POLL_FIRST_S
-        while waiting:
-            # A marker is never empty (it holds its file's size): an empty one is still being
-            # written (a strict mount lists a file while its upload runs).
-            waiting = [f for f in waiting if not self.inner.size(f + MARKER_SUFFIX)]
-            if not waiting:
-                break
-            if time.monotonic() >= deadline:
-                raise CheckpointError(
-                    f"{self.uri}: {len(waiting)} data file(s) of other ranks were not uploaded within "
-                    f"{self.commit_timeout_s:.0f}s (first: {', '.join(waiting[:3])}); the checkpoint was "
-                    "not committed on the volume. Check those ranks' durable_future() errors.",
-                    path=self.uri,
-                )
-            time.sleep(pause)
-            pause = min(_POLL_MAX_S, pause * 2)
+        wait_for_markers(self.inner, [f for f in files if f not in own], deadline=deadline, timeout_s=self.commit_timeout_s)
         self.inner.put_commit_record(name, data, replace=replace)
         try:  # committed: what is left is clean-up, which must not turn the save into a failure
-            self._delete_markers(files)
+            delete_markers(self.inner, files)
         except (OSError, CheckpointError) as e:
             _log.warning(
                 "%s: the checkpoint is committed, but deleting its upload markers failed (%s); "
                 "they can be deleted by hand", self.uri, e,
             )  # fmt: skip
         self._prune_stage()
-
-    def _delete_markers(self, files: list[str]) -> None:
-        """Delete the markers of ``files`` and check that they are gone.
-
-        The checkpoint is committed by now, so a marker that outlives its deletion (a mount's
-        listing lagging behind, or an upload finishing after the unlink) is only clutter: it
-        is deleted again for a few seconds, then left with a warning.
-        """
-        markers = [f + MARKER_SUFFIX for f in files]
-        deadline = time.monotonic() + _MARKER_DELETE_S
-        pause = _POLL_FIRST_S
-        while True:
-            for m in markers:
-                self.inner.delete(m)
-            markers = [m for m in markers if self.inner.size(m) is not None]
-            if not markers:
-                return
-            if time.monotonic() >= deadline:
-                _log.warning(
-                    "%s: %d upload marker(s) are still listed after their deletion (first: %s); "
-                    "the checkpoint is committed, the markers can be deleted by hand",
-                    self.uri, len(markers), markers[0],
-                )
-                return
-            time.sleep(pause)
-            pause = min(_POLL_MAX_S, pause * 2)
 
     def _prune_stage(self) -> None:
         """Remove the emptied staging directories of this location (best effort)."""
@@ -430,8 +372,8 @@ class StagedStore:
     def size(self, name: str) -> int | None:
         return self.inner.size(name)
 
-    def read_small(self, name: str) -> bytes | None:
-        return self.inner.read_small(name)
+    def read_small(self, name: str, *, max_bytes: int = SMALL_FILE_LIMIT) -> bytes | None:
+        return self.inner.read_small(name, max_bytes=max_bytes)
 
     def list(self) -> list[str]:
         return self.inner.list()

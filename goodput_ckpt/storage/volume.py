@@ -6,7 +6,7 @@ once, in order, to its final name; seek, append and rewrite fail; rename is a co
 fsync may be an upload or a no-op; small files are expensive. This store asks for nothing else:
 
 - Every file is created once (``O_TRUNC`` on a fresh name) and written strictly sequentially by
-  one thread (``random_writes = False``); the DCP writer then spreads a rank's bytes over
+  one thread (``traits.random_writes`` False); the DCP writer then spreads a rank's bytes over
   several files (``thread_count`` of them), which are written in parallel. Each write call is
   one writer chunk (8 MiB by default), one ``writev`` of its pieces; a chunk made of many small
   pieces (small tensors, padding) is first joined into a reused buffer, so the mount sees large
@@ -15,7 +15,7 @@ fsync may be an upload or a no-op; small files are expensive. This store asks fo
   straight to its final name (``O_EXCL`` unless replacing). A strict mount publishes it on
   close; a permissive one may show it half written, and a writer killed mid-write can leave a
   truncated one behind (a FUSE mount finishes the upload when the kernel releases the file).
-  Hence ``commit_record_atomic = False``: readers treat a manifest that does not parse and
+  Hence ``traits.atomic_commit_record`` is False: readers treat a manifest that does not parse and
   validate as an incomplete checkpoint, never as a commit.
 - Reads are ``preadv`` calls of a whole read task (16 MiB) into the destination, through
   descriptors opened with ``O_DIRECT`` where the filesystem takes it (``direct_reads``). A
@@ -25,7 +25,7 @@ fsync may be an upload or a no-op; small files are expensive. This store asks fo
   cores shared with the FUSE daemon and the server, that CPU is the load's bottleneck
   (docs/volumes.md). A filesystem that refuses ``O_DIRECT`` or an unaligned direct read (a local
   directory with ``volume=True``: ext4, older tmpfs) is read buffered instead. With
-  ``sequential_reads`` the reader gives each of its threads a run of one file's tasks, in order;
+  ``traits.sequential_reads`` the reader gives each of its threads a run of one file's tasks, in order;
   each concurrent reader of a file gets its own descriptor, preferably the one whose last read
   ended where this one starts, so every descriptor streams its file (the kernel reads ahead, and
   a FUSE object-store mount keeps one ranged request open instead of starting one per seek).
@@ -44,8 +44,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, CheckpointExistsError, IncompleteCheckpointError
-from .base import Buffer, drop_done
+from ..errors import CheckpointError
+from .base import Buffer, StoreTraits, committed_elsewhere_error, drop_done, missing_file_error, out_of_order_error
 from .local import LocalStore, os_error, read_full
 
 __all__ = ["VolumeConfig", "VolumeStore"]
@@ -144,11 +144,7 @@ class _VolumeSink:
         if self._state != "open":
             raise CheckpointError(f"{self._path} is {self._state}: no more writes", path=self._path)
         if offset != self._pos:
-            raise CheckpointError(
-                f"{self._path} is on a mounted volume and is written strictly in order: expected "
-                f"offset {self._pos}, got {offset} (a writer bug)",
-                path=self._path,
-            )
+            raise out_of_order_error(self._path, self._pos, offset)
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         total = sum(v.nbytes for v in views)
         if len(views) > 1 and total < _JOIN_BELOW * len(views):
@@ -169,6 +165,8 @@ class _VolumeSink:
         self._pos += total
 
     def close(self) -> None:
+        if self._state == "aborted":
+            raise CheckpointError(f"{self._path} was aborted and cannot be completed", path=self._path)
         if self._state != "open":
             return
         self._state = "closed"
@@ -185,6 +183,8 @@ class _VolumeSink:
         _close(self._fd, self._path)
 
     def abort(self) -> None:
+        if self._state == "aborted":
+            return
         was_open = self._state == "open"
         self._state = "aborted"
         self._bounce = None
@@ -233,10 +233,7 @@ class _VolumeSource:
                     self._direct = False  # no direct I/O on this filesystem
             return os.open(self._path, flags), False
         except FileNotFoundError as e:
-            raise IncompleteCheckpointError(
-                f"data file {self._path} is missing: the checkpoint is incomplete or was tampered with",
-                path=self._path,
-            ) from e
+            raise missing_file_error(self._path) from e
         except OSError as e:
             raise os_error(e, "opening", self._path) from e
 
@@ -311,13 +308,13 @@ class VolumeStore(LocalStore):
             volume mode was asked for explicitly.
     """
 
-    random_writes = False
-    min_part_size = 0
-    #: A reader can meet a partial manifest here (see the module docstring): one that fails to
-    #: parse means "incomplete", not "corrupt" (used by ``load_manifest``).
-    commit_record_atomic = False
-    #: The reader gives each thread a run of one file's ranges, read in order (see above).
-    sequential_reads = True
+    def _traits(self) -> StoreTraits:
+        # A reader can meet a partial manifest here (see the module docstring): one that fails
+        # to parse means "incomplete", not "corrupt". The reader gives each thread a run of one
+        # file's ranges, read in order. Files are written once: no appending.
+        return StoreTraits(
+            kind="volume", random_writes=False, atomic_commit_record=False, sequential_reads=True, local_path=self.root
+        )
 
     def __init__(self, root: str, config: VolumeConfig | None = None, *, detected: str | None = None) -> None:
         super().__init__(root)
@@ -361,10 +358,7 @@ class VolumeStore(LocalStore):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except FileExistsError as e:
-            raise CheckpointExistsError(
-                f"{path} was committed by another writer while this save ran; nothing was overwritten",
-                path=path,
-            ) from e
+            raise committed_elsewhere_error(path) from e
         except OSError as e:
             raise os_error(e, "committing", path) from e
         try:

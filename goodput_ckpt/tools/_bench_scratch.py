@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from ..storage import FsspecStore, LocalStore, S3Store, StagedStore, Store, VolumeStore, open_store
+from ..storage import open_store
 
 __all__ = ["Scratch", "evict_page_cache"]
 
@@ -41,18 +41,6 @@ def evict_page_cache(path: str) -> bool:
             finally:
                 os.close(fd)
     return True
-
-
-def _backend(store: Store) -> str:
-    if isinstance(store, (VolumeStore, StagedStore)):  # VolumeStore is a LocalStore: test it first
-        return "volume"
-    if isinstance(store, LocalStore):
-        return "local"
-    if isinstance(store, S3Store):
-        return "s3"
-    if isinstance(store, FsspecStore):
-        return "fsspec"
-    return type(store).__name__
 
 
 class Scratch:
@@ -87,7 +75,7 @@ class Scratch:
             self.path = tempfile.mkdtemp(prefix="goodput-bench-", dir=base)
             self.root = self.path
         try:
-            self.backend = _backend(open_store(self.root, self.options))
+            self.backend = open_store(self.root, self.options).traits.kind
         except BaseException:
             self.cleanup()
             raise

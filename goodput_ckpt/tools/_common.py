@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..errors import CheckpointNotFoundError
-from ..storage import LocalStore, Store, locations_overlap, open_store
+from ..storage import Store, locations_overlap, open_store
 
 __all__ = [
     "NO_PROGRESS",
@@ -60,7 +60,7 @@ def refuse_plain_file(store: Store) -> None:
     Raises:
         CheckpointNotFoundError: the location is a local file.
     """
-    if isinstance(store, LocalStore) and os.path.isfile(store.root):
+    if store.traits.local_path is not None and os.path.isfile(store.traits.local_path):
         raise CheckpointNotFoundError(
             f"{store.uri} is a file, not a checkpoint directory (to read a torch.save or "
             "safetensors file, convert it: goodput-ckpt convert SRC DST --to goodput)",

@@ -35,7 +35,7 @@ from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.commit_record import no_record_message
 from ..format.manifest import MANIFEST_NAME
-from ..storage import LocalStore, Store
+from ..storage import Store
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import Source, TensorMeta
 from ._formats.input_checks import check_planner_data
@@ -239,7 +239,7 @@ def convert_checkpoint(
 
 
 def _refuse_same(source: Source, store: Store) -> None:
-    if isinstance(store, LocalStore) and os.path.isfile(store.root):
+    if store.traits.local_path is not None and os.path.isfile(store.traits.local_path):
         raise ValueError(f"{store.uri} is a file; goodput and dcp outputs are directories")
     if same_location(source.uri, store):
         raise ValueError(

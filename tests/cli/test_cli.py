@@ -250,3 +250,25 @@ def test_every_command_is_also_a_library_function():
     for name in tools.__all__:
         assert callable(getattr(tools, name)), name
         assert callable(getattr(tools, name)), f"{name}: a second lookup found a module"
+
+
+def test_credentials_in_a_uri_appear_in_no_output(sample_ckpt):
+    """``verify``/``ls --json`` on URIs with ``user:secret@``: the secret is in no report, error or
+    message (before: echoed in the error and in ``uri``/``root`` of the JSON)."""
+    from goodput_ckpt.storage import open_store
+
+    secret = "Sup3rSecretValue"
+    root = f"memory://user:{secret}@cli-redact/run"
+    store = open_store(f"{root}/step_00000100")
+    for path in sorted(Path(sample_ckpt[0]).rglob("*")):
+        if path.is_file():
+            store.put_commit_record(path.relative_to(sample_ckpt[0]).as_posix(), path.read_bytes(), replace=True)
+    code, out, err = run("verify", f"{root}/step_00000100", "--json")
+    assert code == EXIT_OK and json.loads(out)["status"] == "ok", out + err
+    assert secret not in out + err and "***@cli-redact" in out
+    code, out, err = run("ls", root, "--json")
+    assert code == EXIT_OK and [c["status"] for c in json.loads(out)["checkpoints"]] == ["complete"], out + err
+    assert secret not in out + err
+    for argv in (("verify", f"s3://AKID:{secret}@bucket/x", "--json"), ("ls", f"s3://AKID:{secret}@bucket/x")):
+        code, out, err = run(*argv)
+        assert code == EXIT_USAGE and secret not in out + err and "credentials" in out + err

@@ -17,7 +17,6 @@ import subprocess
 import warnings
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from _reliability import record
 from crash_worker import TrialModel

@@ -24,13 +24,15 @@ from goodput_ckpt.format.commit_record import (
 )
 from goodput_ckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, parse_manifest
 from goodput_ckpt.storage import open_store
+from goodput_ckpt.storage.base import StoreTraits
 
 class _Store:
     uri = "somewhere/ckpt"
+    traits = StoreTraits(kind="local", random_writes=True)
 
 
 class _InPlace(_Store):
-    commit_record_atomic = False
+    traits = StoreTraits(kind="volume", random_writes=False, atomic_commit_record=False)
 
 
 def _bad(data: bytes):

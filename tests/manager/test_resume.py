@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 from pathlib import Path
 

@@ -88,3 +88,57 @@ def test_open_store_options():
         LocalConfig(fsync="yes")
     with pytest.raises(ValueError):
         open_store("nosuchscheme://host/x")
+
+
+def test_small_reads_refuse_huge_and_endless_files_before_reading_them(tmp_path):
+    """A manifest that is a 3 GiB sparse file, a FIFO, a device or a link to one is refused with
+    no read of its content (before: read whole, then checked, or a wait for a FIFO's writer)."""
+    from goodput_ckpt.dcp.manifest_load import load_manifest
+    from goodput_ckpt.errors import CorruptCheckpointError, FileTooLargeError
+    from goodput_ckpt.storage.base import SMALL_FILE_LIMIT
+
+    store = LocalStore(str(tmp_path / "loc"))
+    store.prepare()
+    sparse = tmp_path / "loc" / "manifest.json"
+    with open(sparse, "wb") as f:
+        f.truncate(3 << 30)  # 3 GiB that occupy no disk: reading it whole would need 3 GiB of memory
+    with pytest.raises(FileTooLargeError, match=rf"manifest.json holds {3 << 30} bytes, over the {SMALL_FILE_LIMIT}-byte limit"):
+        store.read_small("manifest.json")
+    with pytest.raises(CorruptCheckpointError, match="over the"):  # what a load reports
+        load_manifest(store)
+    with pytest.raises(FileTooLargeError):
+        store.read_small("manifest.json", max_bytes=10)
+    sparse.unlink()
+    os.mkfifo(tmp_path / "loc" / "fifo.json")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        store.read_small("fifo.json")  # opening a FIFO would wait for a writer forever
+    os.symlink("/dev/zero", tmp_path / "loc" / "zero.json")
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        store.read_small("zero.json")
+    if os.geteuid() == 0:  # a device node itself inside the location
+        import stat
+
+        os.mknod(tmp_path / "loc" / "dev.json", stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero
+        with pytest.raises(CheckpointError, match="not a regular file"):
+            store.read_small("dev.json")
+
+
+def test_a_closed_sink_takes_no_writes_and_an_aborted_one_cannot_close(tmp_path):
+    """Before: a write after close went to whatever file had reused the descriptor's number, and
+    close after abort returned as if the file were complete."""
+    store = LocalStore(str(tmp_path / "loc"))
+    store.prepare()
+    sink = store.open_sink("a.bin")
+    sink.write_at(0, [b"abc"])
+    sink.close()
+    reused = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT)  # likely the freed number
+    try:
+        with pytest.raises(CheckpointError, match="closed"):
+            sink.write_at(3, [b"d"])
+    finally:
+        os.close(reused)
+    assert (tmp_path / "other").read_bytes() == b""
+    aborted = store.open_sink("b.bin")
+    aborted.abort()
+    with pytest.raises(CheckpointError, match="aborted"):
+        aborted.close()

@@ -28,7 +28,6 @@ from goodput_ckpt import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from goodput_ckpt.errors import find_checkpoint_error
 from goodput_ckpt.storage import S3Config, S3Store, is_supported_uri, open_store
 from goodput_ckpt.storage.s3 import parse_s3_uri
 
@@ -138,7 +137,7 @@ def test_sink_parts_in_any_order_from_threads(moto, proxy):
     store.delete("empty.bin")
     store.delete("never-existed.bin")
     assert store.list() == ["data.bin"] and store.size("small.bin") is None and store.read_small("x") is None
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(CheckpointError, match="multiple"):
         store.open_sink("bad.bin", part_size=CHUNK).write_at(100, [b"x"])
 
 
@@ -451,4 +450,4 @@ def test_client_settings():
     config = plain.client().meta.config
     assert config.retries["total_max_attempts"] == 1 and config.max_pool_connections >= 80
     assert config.request_checksum_calculation == "when_required"
-    assert plain.min_part_size == 5 * MiB and open_store("s3://b/x", {"part_size": 16 * MiB}).min_part_size == 16 * MiB
+    assert plain.traits.min_part_size == 5 * MiB and open_store("s3://b/x", {"part_size": 16 * MiB}).traits.min_part_size == 16 * MiB

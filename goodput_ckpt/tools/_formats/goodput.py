@@ -37,7 +37,7 @@ from ...dcp.hashed_write import (
 from ...dcp.layout import Placement, place_items
 from ...dcp.manifest_load import load_manifest
 from ...dcp.untrusted_load import check_inflation, weights_only_refusal
-from ...errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ...errors import CheckpointError, IncompleteCheckpointError
 from ...format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.manifest import FORMAT_VERSION, ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry

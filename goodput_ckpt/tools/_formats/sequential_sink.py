@@ -25,7 +25,7 @@ class SequentialSink:
     PART_BYTES = 8 << 20
 
     def __init__(self, store: Store, name: str) -> None:
-        minimum = getattr(store, "min_part_size", 0) or 0  # optional in the Store protocol
+        minimum = store.traits.min_part_size
         self._unit = minimum * -(-self.PART_BYTES // minimum) if minimum else 0
         self._sink = store.open_sink(name, part_size=self._unit or None)
         self._where = f"{store.uri.rstrip('/')}/{name}"

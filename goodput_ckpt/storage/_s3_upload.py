@@ -1,9 +1,9 @@
-"""The data path of the S3 store: a data file as a parallel multipart upload, ranged reads.
+"""Writing a data file to S3: a parallel multipart upload, or one ``PutObject`` when it is short.
 
-Writes. The DCP writer hands a sink one chunk per ``write_at`` call, at an offset that is a
-multiple of its chunk size (``part_size`` here), from several threads and in any order. Each call
-becomes one multipart part (or several, when ``S3Config.part_size`` is smaller than the chunk),
-numbered ``offset // split + 1``, so parts need no coordination and may finish in any order.
+The DCP writer hands a sink one chunk per ``write_at`` call, at an offset that is a multiple of its
+chunk size (``part_size`` here), from several threads and in any order. Each call becomes one
+multipart part (or several, when ``S3Config.part_size`` is smaller than the chunk), numbered
+``offset // split + 1``, so parts need no coordination and may finish in any order.
 ``write_at`` copies the chunk into one contiguous body (botocore sends a ``bytearray`` with one
 ``sendall``; a file-like body would cost a ``100-continue`` round trip and a read per 128 KiB)
 and hands it to the sink's upload pool, then returns: hashing the next chunks overlaps with the
@@ -18,10 +18,6 @@ A file that is a single chunk shorter than a part is one ``PutObject``: no multi
 ``close()`` waits for every part, checks that the parts tile ``[0, size)`` without a gap, then
 completes the upload. Any failure (a part that exhausted its retries, a gap, a failed
 completion) aborts the upload instead, so a file is never completed with missing parts.
-
-Reads. ``read_into`` is one ranged ``GetObject`` whose body is streamed straight into the
-destination buffers; a transfer cut short by a reset or a stall resumes from the first byte not
-yet received, within the same retry budget.
 """
 
 from __future__ import annotations
@@ -34,26 +30,25 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, IncompleteCheckpointError
-from ._s3_retry import client_error_code
+from ..errors import CheckpointError
+from ._s3_retry import is_no_such_upload
+from .base import byte_views
 
 if TYPE_CHECKING:
     from .s3 import S3Store
 
-__all__ = ["MAX_PARTS", "S3Sink", "S3Source", "crc32_b64", "ignore_no_such_upload"]
+__all__ = ["MAX_PARTS", "S3Sink", "crc32_b64", "ignore_no_such_upload"]
 
 log = logging.getLogger("goodput_ckpt.storage.s3")
 
 #: S3 numbers parts 1 to 10,000.
 MAX_PARTS = 10_000
-#: Bytes per read from a response body. urllib3 reads into a temporary of the requested size
-#: and copies it out, so one read per 16 MiB task would hold 32 MiB of transient buffers per
-#: reader thread; 1 MiB pieces keep that small and reuse the allocator's memory.
-READ_PIECE = 1 << 20
 #: Bytes per step when a part body is filled: the piece is copied, then hashed and CRC-summed from
-#: the copy while it is in the CPU cache (an 8 MiB chunk is not). Measured on 512 MiB: 0.23 s of
-#: CPU against 0.30 s for whole-chunk passes; 128-256 KiB are equal, 1 MiB is slower.
+#: the copy while it is in the CPU cache (an 8 MiB chunk is not). Chosen by measurement
+#: (docs/benchmarks.md, "Constants in storage/").
 FILL_PIECE = 256 << 10
+#: PUTs of one small file whose stored size differs from the body sent, before the save fails.
+SHORT_OBJECT_ATTEMPTS = 3
 
 
 def crc32_b64(data: Any) -> str:
@@ -63,10 +58,6 @@ def crc32_b64(data: Any) -> str:
 
 def _b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
-
-
-def _views(buffers: Sequence[Any]) -> list[memoryview]:
-    return [memoryview(b).cast("B") for b in buffers]
 
 
 def _fill(views: list[memoryview], start: int, end: int, into: bytearray, hasher: Any, crc: bool) -> int:
@@ -115,7 +106,7 @@ class S3Sink:
         self._put_size: int | None = None  # set when the file went up as one PutObject
         self._futures: list[Future] = []
         # Bodies of finished full parts, reused: a fresh 8 MiB buffer per part costs page faults
-        # (measured: copying into a reused buffer takes ~40% less CPU). At most max_concurrency.
+        # (docs/benchmarks.md, "Constants in storage/"). At most max_concurrency.
         self._spare: list[bytearray] = []
         self._pool: ThreadPoolExecutor | None = None
         self._failed = threading.Event()  # first failure: queued parts skip, retries stop
@@ -133,10 +124,13 @@ class S3Sink:
         source, and covers exactly the bytes sent (``hashed_write`` uses it when a sink has it).
         """
         self._check_usable()
-        views = _views(buffers)
+        views = byte_views(buffers)
         n = sum(v.nbytes for v in views)
         if offset % self._unit:
-            raise ValueError(f"write at offset {offset} of {self._where}: not a multiple of the part size {self._unit}")
+            raise CheckpointError(
+                f"write at offset {offset} of {self._where}: not a multiple of the part size {self._unit} (a writer bug)",
+                path=self._where,
+            )
         checksums = self._store.config.checksums
         if offset == 0 and n < self._unit:
             # The whole file is this one short chunk (every other chunk is a full unit).
@@ -147,7 +141,9 @@ class S3Sink:
                 self._put_size = n
             return
         if n > self._unit:
-            raise ValueError(f"write of {n} bytes to {self._where} exceeds the part size {self._unit}")
+            raise CheckpointError(
+                f"write of {n} bytes to {self._where} exceeds the part size {self._unit} (a writer bug)", path=self._where
+            )
         upload_id = self._ensure_upload()
         for start in range(0, n, self._split):
             end = min(n, start + self._split)
@@ -370,7 +366,7 @@ class S3Sink:
             except Exception as e:
                 # A retried completion whose first attempt succeeded (its response was lost)
                 # finds no upload: the object must then exist with exactly our size.
-                if client_error_code(e)[0] != "NoSuchUpload":
+                if not is_no_such_upload(e):
                     raise
                 if self._store.size_of_key(self._key) != size:
                     raise
@@ -385,97 +381,10 @@ class S3Sink:
             raise self._short_object(stored, size)
 
 
-#: PUTs of one small file whose stored size differs from the body sent, before the save fails.
-SHORT_OBJECT_ATTEMPTS = 3
-
-
 def ignore_no_such_upload(fn) -> None:
     """Run ``fn`` (an abort); an upload that is already gone (aborted, completed) is no error."""
     try:
         fn()
     except Exception as e:
-        if client_error_code(e)[0] != "NoSuchUpload":
+        if not is_no_such_upload(e):
             raise
-
-
-class S3Source:
-    """Ranged reads of one object; safe to share between threads (botocore clients are)."""
-
-    def __init__(self, store: S3Store, key: str) -> None:
-        self._store = store
-        self._key = key
-        self._where = store.where(key)
-
-    def read_into(self, offset: int, buffers: Sequence[Any]) -> None:
-        views = _views(buffers)
-        total = sum(v.nbytes for v in views)
-        if total == 0:
-            return
-        end = offset + total
-        got = [0]  # bytes received so far: a retry resumes after them
-        client, bucket = self._store.client(), self._store.bucket
-
-        def attempt() -> None:
-            start = offset + got[0]
-            resp = client.get_object(Bucket=bucket, Key=self._key, Range=f"bytes={start}-{end - 1}")
-            body = resp["Body"]
-            sent = resp.get("ContentLength")
-            try:
-                if "ContentRange" not in resp and start > 0:
-                    raise CheckpointError(
-                        f"reading {self._where}: the server ignored the Range header (bytes {start}-{end - 1})",
-                        path=self._where,
-                    )
-                i, skip = _locate(views, got[0])
-                while i < len(views):
-                    n = body.readinto(views[i][skip : skip + READ_PIECE])
-                    if not n:
-                        break
-                    got[0] += n
-                    skip += n
-                    if skip == views[i].nbytes:
-                        i, skip = i + 1, 0
-            finally:
-                if got[0] < total:
-                    body.close()  # drop a half-read connection rather than return it to the pool
-            if got[0] < total:
-                if sent is not None and start + sent < end:
-                    raise self._short_error(offset, end, start + sent)  # the object is shorter
-                from botocore.exceptions import IncompleteReadError
-
-                # The body stopped early without an error: transient, resume from here.
-                raise IncompleteReadError(actual_bytes=offset + got[0] - start, expected_bytes=end - start)
-
-        def translate(e: BaseException) -> BaseException | None:
-            code, status = client_error_code(e)
-            if code in ("NoSuchKey", "NotFound") or (status == 404 and code != "NoSuchBucket"):
-                return IncompleteCheckpointError(
-                    f"data file {self._where} is missing: the checkpoint is incomplete or was tampered with",
-                    path=self._where,
-                )
-            if code == "InvalidRange" or status == 416:
-                return self._short_error(offset, end, None)
-            return None
-
-        self._store.call(f"reading bytes [{offset}, {end}) of", self._key, attempt, translate=translate)
-
-    def _short_error(self, start: int, end: int, at: int | None) -> IncompleteCheckpointError:
-        where = f"ends at byte {at}" if at is not None else "ends"
-        return IncompleteCheckpointError(
-            f"data file {self._where} {where}, before the range [{start}, {end}) the manifest records: "
-            "the file is truncated",
-            path=self._where,
-            byte_range=(start, end),
-        )
-
-    def close(self) -> None:
-        """Nothing to release: connections belong to the store's client pool."""
-
-
-def _locate(views: list[memoryview], done: int) -> tuple[int, int]:
-    """Index of the buffer holding byte ``done`` of the concatenation, and the offset in it."""
-    for i, v in enumerate(views):
-        if done < v.nbytes:
-            return i, done
-        done -= v.nbytes
-    return len(views), 0
