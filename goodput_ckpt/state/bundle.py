@@ -263,14 +263,20 @@ def plan_restore(
     want_dl = dataloader is not None
     per_rank = [n for n, w in ((RNG, want_rng), (DATALOADER, want_dl)) if w]
     elastic = want_dl and bool(meta["dataloader"].get("elastic")) and elastic_sampler_of(dataloader) is not None
-    if saved_ws != topology.world_size and elastic:
-        if want_rng:
+    # How many ranks' loader states there are: the saving world size, unless ``reshard`` carried
+    # elastic positions over to another world size (it records the old one as "ranks").
+    dl_ranks = meta["dataloader"].get("ranks", saved_ws) if want_dl else saved_ws
+    if isinstance(dl_ranks, bool) or not isinstance(dl_ranks, int) or dl_ranks < 1:
+        raise CorruptCheckpointError(f"{where}: dataloader ranks must be a positive integer", path=where)
+    moved = saved_ws != topology.world_size or dl_ranks != topology.world_size
+    if elastic and moved:
+        if want_rng and saved_ws != topology.world_size:
             base = meta["rng"].get("base_seed")
             base = base if isinstance(base, int) and not isinstance(base, bool) else 0
             plan.rederive_rng = (base, meta.get("step", 0), topology.rank)
             want_rng = False
-        plan.elastic_from = saved_ws
-    elif saved_ws != topology.world_size and per_rank:
+        plan.elastic_from = dl_ranks
+    elif moved and per_rank:
         msg = (
             f"{where} was saved by {saved_ws} rank(s) and this job has {topology.world_size}: its "
             f"per-rank {' and '.join(per_rank)} state cannot be mapped onto the new ranks"
@@ -292,8 +298,8 @@ def plan_restore(
             for k in ("num_workers", "batch_size")
             if saved_dl.get(k) is not None and now_dl[k] is not None and saved_dl.get(k) != now_dl[k]
         ]
-        if elastic and (diffs or meta["dataloader"].get("elastic") == "positions"):
-            plan.elastic_from = saved_ws
+        if elastic and diffs:
+            plan.elastic_from = dl_ranks
         elif diffs:
             msg = f"the dataloader differs from the one saved in {where} ({', '.join(diffs)}): its position cannot be restored"
             if not allow_topology_change:
@@ -316,7 +322,7 @@ def plan_restore(
         plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
         plan.restore_rng = True
     if plan.elastic_from:
-        keys = [rank_key(r) for r in range(saved_ws)]
+        keys = [rank_key(r) for r in range(plan.elastic_from)]
         plan.dest[DATALOADER] = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
         plan.dataloader, plan.where = dataloader, where
         plan.elastic_batch_size = meta["dataloader"].get("batch_size")

@@ -17,6 +17,7 @@ from goodput_ckpt import CheckpointManager
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.errors import TopologyChangeError
 from goodput_ckpt.state.rng import derived_seed
+from goodput_ckpt.tools.reshard import reshard_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the _dist helper
 from _dist import run_ranks  # noqa: E402
@@ -109,7 +110,13 @@ def _save_two(rank: int, ws: int, root: str) -> None:
     torch.save(seen, Path(root, f"seen{rank}.pt"))
 
 
-def _restore_three(rank: int, ws: int, root: str) -> None:
+def _restore_three(rank: int, ws: int, root: str, resharded: str) -> None:
+    loader, s = _loader(0, 2, ws, rank)
+    mgr = CheckpointManager(resharded, async_save=False)  # reshard --world-size 3 --rank-state drop
+    assert mgr.restore(model=nn.Linear(2, 2), dataloader=loader) == 4
+    mgr.close()
+    torch.save(_ids(loader), Path(root, f"resharded{rank}.pt"))
+
     loader, s = _loader(2, 2, ws, rank)
     mgr = CheckpointManager(root, async_save=False)
     assert mgr.restore(model=nn.Linear(2, 2), dataloader=loader) == 4
@@ -127,8 +134,12 @@ def _restore_three(rank: int, ws: int, root: str) -> None:
 @pytest.mark.timeout(400)
 def test_two_ranks_to_three(tmp_path):
     run_ranks(_save_two, 2, str(tmp_path), report_dir=tmp_path / "r1", timeout=180)
-    run_ranks(_restore_three, 3, str(tmp_path), report_dir=tmp_path / "r2", timeout=180)
+    src = tmp_path / "step_00000004"
+    reshard_checkpoint(str(src), str(tmp_path / "resharded" / src.name), world_size=3, rank_state="drop")
+    run_ranks(_restore_three, 3, str(tmp_path), str(tmp_path / "resharded"), report_dir=tmp_path / "r2", timeout=180)
     seen = [i for r in range(2) for i in torch.load(tmp_path / f"seen{r}.pt")]
     rest = [i for r in range(3) for i in torch.load(tmp_path / f"rest{r}.pt")]
     assert len(seen) == 12 and len(seen + rest) == len(set(seen + rest)), "no sample twice"
     assert N - len(seen + rest) < 3, "only the tail that does not split over 3 ranks"
+    for r in range(3):
+        assert torch.load(tmp_path / f"resharded{r}.pt") == torch.load(tmp_path / f"rest{r}.pt"), "reshard kept it"
