@@ -78,6 +78,7 @@ class ElasticSampler(Sampler[int]):
         self.rank = int(rank)
         self.epoch = 0
         self._pending: EpochPosition | None = None  # a restored position, for the next iter()
+        self._order: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)  # (n, epoch) -> permutation
 
     # -- the DistributedSampler interface ---------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -103,7 +104,10 @@ class ElasticSampler(Sampler[int]):
 
     def _positions(self, position: EpochPosition) -> torch.Tensor:
         """The dataset indices this rank reads from ``position``, in order."""
-        order = epoch_order(len(self.dataset), seed=self.seed, epoch=position.epoch, shuffle=self.shuffle)
+        key = (len(self.dataset), position.epoch)
+        if self._order[0] != key:  # the loader calls iter() up to three times per epoch
+            self._order = (key, epoch_order(key[0], seed=self.seed, epoch=key[1], shuffle=self.shuffle))
+        order = self._order[1]
         try:
             pending = position.pending(order)
         except ValueError as e:
@@ -208,12 +212,11 @@ class ElasticSampler(Sampler[int]):
                     path=where,
                     key="dataloader",
                 )
-            share = rank_share(
-                pos.pending(torch.arange(len(self.dataset))).numel(), old_ws, r, drop_last=self.drop_last
-            ).numel()
-            counts.append(min(int(st["consumed"]) + since * (batch_size or 0), share))
+            counts.append(int(st["consumed"]) + since * (batch_size or 0))
         assert base is not None
         n = len(self.dataset)
+        length = base.pending(torch.arange(n)).numel()  # once: O(n), whatever the old world size
+        counts = [min(c, rank_share(length, old_ws, r, drop_last=self.drop_last).numel()) for r, c in enumerate(counts)]
         new = base.advanced(old_ws, counts, n)
         self._pending, self.epoch = new, new.epoch
         left = new.pending(torch.arange(n)).numel()
