@@ -5,6 +5,8 @@
   another world size, worker count or batch size without repeating or skipping a sample.
 - :func:`sample_generator`: per-sample randomness from ``(seed, epoch, index)``, the same on
   every rank and worker and after any resume.
+- :class:`TokenStream`: fixed-length ``uint16``/``uint32`` token sequences over shard files read
+  through ``storage/``, with per-shard state that reshards over (rank, worker) pairs.
 
 This package sits beside ``state/``: neither imports the other. The manager's restore finds an
 ``ElasticSampler`` on a loader by its methods (``find_state``, ``elastic_resume``).
@@ -13,5 +15,6 @@ This package sits beside ``state/``: neither imports the other. The manager's re
 from .position import EpochPosition, epoch_order
 from .randomness import sample_generator, sample_seed
 from .sampler import ElasticSampler
+from .tokens import TokenStream
 
-__all__ = ["ElasticSampler", "EpochPosition", "epoch_order", "sample_generator", "sample_seed"]
+__all__ = ["ElasticSampler", "EpochPosition", "TokenStream", "epoch_order", "sample_generator", "sample_seed"]

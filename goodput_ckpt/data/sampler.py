@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ..errors import CheckpointError, TopologyChangeError
+from ._marked import find_marked
 from .position import EpochPosition, epoch_order, rank_share
 
 __all__ = ["ElasticSampler"]
@@ -135,20 +136,7 @@ class ElasticSampler(Sampler[int]):
         Raises:
             CheckpointError: more than one sampler state in one loader state.
         """
-        found: list[dict] = []
-
-        def walk(x: Any) -> None:
-            if isinstance(x, dict):
-                if x.get(MARK) is not None:
-                    found.append(x)
-                    return
-                for v in x.values():
-                    walk(v)
-            elif isinstance(x, (list, tuple)):
-                for v in x:
-                    walk(v)
-
-        walk(loader_state)
+        found = find_marked(loader_state, MARK)
         if not found:
             return None
         if len(found) > 1:

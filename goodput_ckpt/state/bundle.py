@@ -352,9 +352,9 @@ def apply_restore(plan: RestorePlan) -> None:
         ((rk, blob),) = plan.dest[DATALOADER].items()
         state = decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}")
         plan.dataloader.load_state_dict(state)
-        sampler = elastic_sampler_of(plan.dataloader)
-        if sampler is not None:
-            sampler.adopt_saved_epoch(state)
+        adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
+        if adopt is not None:
+            adopt(state)
     if plan.restore_rng:
         ((_, rng),) = plan.dest[RNG].items()
         plan.notes.extend(restore_rng(rng))

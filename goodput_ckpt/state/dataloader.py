@@ -35,12 +35,15 @@ __all__ = [
 
 
 def elastic_sampler_of(loader: Any) -> Any:
-    """The loader's elastic sampler (one with ``find_state`` and ``elastic_resume``), or ``None``.
-
-    Looked for as ``loader.sampler`` and ``loader.batch_sampler.sampler`` (a ``DataLoader`` given
-    ``sampler=`` wraps it in a batch sampler)."""
-    for s in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        if callable(getattr(s, "elastic_resume", None)) and callable(getattr(s, "find_state", None)):
+    """The loader's elastic position holder, or ``None``: its sampler (``ElasticSampler``, as
+    ``loader.sampler`` or ``loader.batch_sampler.sampler``) or its dataset (``TokenStream``), the
+    first with an ``elastic_resume`` method."""
+    for s in (
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        getattr(loader, "dataset", None),
+    ):
+        if callable(getattr(s, "elastic_resume", None)):
             return s
     return None
 
