@@ -25,6 +25,8 @@ snapshots lag, and an elastic restore would read a few sequences again.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,12 +42,16 @@ __all__ = ["TokenStream"]
 
 MARK = "goodput_token_stream"
 VERSION = 1
-_DTYPES = {"uint16": (np.uint16, torch.int32), "uint32": (np.uint32, torch.int64)}
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 class TokenStream(IterableDataset):
-    """Sequences of ``seq_len`` tokens from ``shards`` (names under ``root``), as int tensors
-    (``int32`` for ``uint16`` shards, ``int64`` for ``uint32``).
+    """Sequences of ``seq_len`` tokens from ``shards`` (names under ``root``), as ``torch.uint16``
+    or ``torch.uint32`` tensors: views of the block read, no copy (convert on the device, e.g.
+    ``batch.to(device).long()``; a conversion here would cost more than the read).
+
+    The next ``read_ahead`` blocks of a shard are read by helper threads while this one is
+    consumed, so the reads overlap each other and the training loop's use of the data.
 
     Args:
         root: the location of the shards (a path, ``s3://bucket/prefix``, a volume path).
@@ -53,6 +59,8 @@ class TokenStream(IterableDataset):
         seq_len: tokens per sequence.
         dtype: ``"uint16"`` or ``"uint32"`` (little-endian).
         block: sequences per read request (bigger: fewer requests, more memory per worker).
+        read_ahead: blocks read ahead by helper threads (requests in flight, per reader): an object
+            store needs several to match one streaming read; memory is ``read_ahead + 1`` blocks.
         storage_options: options of ``open_store``.
         num_replicas, rank: default to the default process group's (or 1 and 0 without one).
     """
@@ -65,22 +73,24 @@ class TokenStream(IterableDataset):
         seq_len: int,
         dtype: str = "uint16",
         block: int = 64,
+        read_ahead: int = 4,
         storage_options: Mapping[str, Any] | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if seq_len < 1 or block < 1 or not shards:
-            raise ValueError("seq_len and block must be positive and shards non-empty")
+        if seq_len < 1 or block < 1 or read_ahead < 1 or not shards:
+            raise ValueError("seq_len, block and read_ahead must be positive and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.root, self.shards, self.seq_len, self.dtype, self.block = str(root), list(shards), seq_len, dtype, block
+        self.read_ahead = read_ahead
         self.storage_options = dict(storage_options or {})
         self.num_replicas, self.rank = int(num_replicas), int(rank)
-        self._seq_bytes = seq_len * np.dtype(_DTYPES[dtype][0]).itemsize
+        self._seq_bytes = seq_len * np.dtype(_DTYPES[dtype]).itemsize
         self._lengths: list[int] | None = None  # sequences per shard, read once (sizes)
         self._base = [0] * len(self.shards)  # per-shard sequences consumed when this stretch began
         self._progress: dict[int, int] = {}  # this reader's own shards: sequences consumed
@@ -107,25 +117,37 @@ class TokenStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self._slot = (self.rank, worker, self.num_replicas, workers)
-        np_dtype, torch_dtype = _DTYPES[self.dtype]
         store = open_store(self.root, self.storage_options)
         lengths = self.lengths()
-        for i in self._mine(self.rank, worker, self.num_replicas, workers):
-            start = self._progress.setdefault(i, self._base[i])
-            src = store.open_source(self.shards[i])
-            try:
-                pos = start
-                while pos < lengths[i]:
-                    k = min(self.block, lengths[i] - pos)
-                    buf = np.empty(k * self.seq_len, dtype=np_dtype)
-                    src.read_into(pos * self._seq_bytes, [memoryview(buf).cast("B")])
-                    seqs = torch.from_numpy(buf.astype(np.int64 if torch_dtype == torch.int64 else np.int32))
-                    for j in range(k):
-                        self._progress[i] = pos + j + 1  # before the yield: the state counts it
-                        yield seqs[j * self.seq_len : (j + 1) * self.seq_len]
-                    pos += k
-            finally:
-                src.close()
+        # One helper thread per iterator (never on self: the dataset is pickled into workers).
+        with ThreadPoolExecutor(self.read_ahead, thread_name_prefix="token-read") as pool:
+            for i in self._mine(self.rank, worker, self.num_replicas, workers):
+                self._progress.setdefault(i, self._base[i])
+                src = store.open_source(self.shards[i])
+                ahead: deque = deque()
+                try:
+                    blocks = deque((p, min(self.block, lengths[i] - p)) for p in range(self._progress[i], lengths[i], self.block))
+                    while blocks or ahead:
+                        while blocks and len(ahead) < self.read_ahead:
+                            pos, k = blocks.popleft()
+                            ahead.append((pos, pool.submit(self._read, src, pos, k)))
+                        pos, fut = ahead.popleft()
+                        seqs = fut.result()
+                        progress = self._progress
+                        for j, seq in enumerate(seqs.unbind(0), pos + 1):  # views; unbind is cheaper than indexing
+                            progress[i] = j  # before the yield: the state counts it
+                            yield seq
+                finally:
+                    for _, fut in ahead:
+                        if not fut.cancel():
+                            fut.exception()  # let a running read finish before closing its source
+                    src.close()
+
+    def _read(self, src: Any, pos: int, k: int) -> torch.Tensor:
+        """Sequences ``pos .. pos + k`` of a shard, as a (k, seq_len) tensor."""
+        buf = np.empty((k, self.seq_len), dtype=_DTYPES[self.dtype])
+        src.read_into(pos * self._seq_bytes, [memoryview(buf).cast("B")])
+        return torch.from_numpy(buf)
 
     # -- state -------------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
