@@ -8,13 +8,14 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt import CheckpointManager
-from goodput_ckpt.data import ElasticSampler
+from goodput_ckpt.data import ElasticSampler, TokenStream
 from goodput_ckpt.errors import TopologyChangeError
 from goodput_ckpt.state.rng import derived_seed
 from goodput_ckpt.tools.reshard import reshard_checkpoint
@@ -108,6 +109,19 @@ def _save_two(rank: int, ws: int, root: str) -> None:
     mgr.save(4, model=nn.Linear(2, 2), dataloader=loader)
     mgr.close()
     torch.save(seen, Path(root, f"seen{rank}.pt"))
+    # The token stream, with 2 workers per rank, saved under its own root.
+    tokens = StatefulDataLoader(_tokens(root, ws, rank), batch_size=2, num_workers=2)
+    it = iter(tokens)
+    seen = [int(x[0]) for _ in range(3) for x in next(it)]
+    mgr = CheckpointManager(Path(root, "tok"), async_save=False)
+    mgr.save(2, model=nn.Linear(2, 2), dataloader=tokens)
+    mgr.close()
+    torch.save(seen, Path(root, f"tok-seen{rank}.pt"))
+
+
+def _tokens(root: str, ws: int, rank: int) -> TokenStream:
+    names = sorted(p.name for p in Path(root, "shards").iterdir())
+    return TokenStream(str(Path(root, "shards")), names, seq_len=4, dtype="uint32", block=3, num_replicas=ws, rank=rank)
 
 
 def _restore_three(rank: int, ws: int, root: str, resharded: str) -> None:
@@ -128,11 +142,26 @@ def _restore_three(rank: int, ws: int, root: str, resharded: str) -> None:
     assert torch.equal(rng[0], torch.get_rng_state()) and rng[1] == random.random(), "RNG re-derived"
     torch.save(_ids(loader), Path(root, f"rest{rank}.pt"))
 
+    tokens = StatefulDataLoader(_tokens(root, ws, rank), batch_size=3, num_workers=0)
+    mgr = CheckpointManager(Path(root, "tok"), async_save=False)
+    assert mgr.restore(model=nn.Linear(2, 2), dataloader=tokens) == 2
+    mgr.close()
+    torch.save([int(x[0]) for b in tokens for x in b], Path(root, f"tok-rest{rank}.pt"))
+
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_to_three(tmp_path):
+    """ElasticSampler and TokenStream loaders saved by 2 ranks, restored by 3; the sampler's
+    checkpoint also after ``reshard --world-size 3 --rank-state drop``."""
+    (tmp_path / "shards").mkdir()
+    gid = 0
+    for k, n in enumerate([7, 3, 12, 5, 9, 1, 6]):  # sequences of 4 uint32 tokens, the first its id
+        a = np.zeros((n, 4), dtype=np.uint32)
+        a[:, 0] = np.arange(gid, gid + n)
+        gid += n
+        (tmp_path / "shards" / f"s{k}.bin").write_bytes(a.tobytes())
     run_ranks(_save_two, 2, str(tmp_path), report_dir=tmp_path / "r1", timeout=180)
     src = tmp_path / "step_00000004"
     reshard_checkpoint(str(src), str(tmp_path / "resharded" / src.name), world_size=3, rank_state="drop")
@@ -143,3 +172,6 @@ def test_two_ranks_to_three(tmp_path):
     assert N - len(seen + rest) < 3, "only the tail that does not split over 3 ranks"
     for r in range(3):
         assert torch.load(tmp_path / f"resharded{r}.pt") == torch.load(tmp_path / f"rest{r}.pt"), "reshard kept it"
+    tok = [i for r in range(2) for i in torch.load(tmp_path / f"tok-seen{r}.pt")]
+    tok += [i for r in range(3) for i in torch.load(tmp_path / f"tok-rest{r}.pt")]
+    assert sorted(tok) == list(range(gid)), "token stream: no sequence twice, none skipped"
