@@ -15,6 +15,9 @@ file, before the step's save, so a committed step is always logged)::
 
     T step epoch rank world_size id:hex(sum of the sample's input) ...
 
+With ``--tokens DIR`` the loader is a ``TokenStream`` over the shard files in ``DIR`` instead
+(sequences of ``1 + DIM`` uint32 tokens: the sequence's id, then its input), and epoch is 0.
+
 Rank 0 prints ``RESTORED s|none``, ``STEP s``, ``SAVED s`` and ``DONE`` (flushed) for the parent.
 """
 
@@ -25,6 +28,7 @@ import datetime
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,6 +65,7 @@ def main(argv: list[str]) -> int:
         ap.add_argument(name, type=int, required=True)
     for name in ("--root", "--log", "--tag"):
         ap.add_argument(name, required=True)
+    ap.add_argument("--tokens", help="read a TokenStream over the shards in this directory instead")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
@@ -69,7 +74,7 @@ def main(argv: list[str]) -> int:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from goodput_ckpt import CheckpointManager
-    from goodput_ckpt.data import ElasticSampler
+    from goodput_ckpt.data import ElasticSampler, TokenStream
 
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(DIM, 1))
@@ -77,6 +82,11 @@ def main(argv: list[str]) -> int:
     ds = Samples()
     sampler = ElasticSampler(ds, shuffle=True, seed=0, drop_last=True)
     loader = StatefulDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=a.workers)
+    if a.tokens:
+        # Sequences of 1 + DIM uint32 tokens: the sequence's id, then its input. One pass, no epochs.
+        names = sorted(p.name for p in Path(a.tokens).iterdir())
+        stream = TokenStream(a.tokens, names, seq_len=1 + DIM, dtype="uint32", block=3)
+        loader = StatefulDataLoader(stream, batch_size=BATCH, num_workers=a.workers)
     mgr = CheckpointManager(a.root, keep_last=2, async_save=False)
     last = mgr.restore(model=model, optimizer=opt, dataloader=loader)
     if a.rank == 0:
@@ -86,7 +96,11 @@ def main(argv: list[str]) -> int:
     log = os.open(a.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     while step < a.steps:
         ds.epoch = epoch
-        for ids, x in loader:
+        for batch in loader:
+            if a.tokens:
+                ids, x = batch[:, 0].long(), batch[:, 1:].double().float() / 1000
+            else:
+                ids, x = batch
             loss = nn.functional.mse_loss(model(x).squeeze(1), x.sum(dim=1))
             loss.backward()
             opt.step()
@@ -103,6 +117,8 @@ def main(argv: list[str]) -> int:
             if step >= a.steps:
                 break
         else:
+            if a.tokens:
+                raise RuntimeError(f"rank {a.rank}: the token stream ran out at step {step}")
             epoch += 1
             sampler.set_epoch(epoch)
     mgr.close()

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,12 +38,12 @@ LAUNCHES = [(4, 2), (3, 0), (2, 2), (4, 0)]
 JOB_TIMEOUT_S = 240.0
 
 
-def _launch(root: Path, log: Path, logs: Path, tag: str, ws: int, workers: int) -> JobLaunch:
+def _launch(root: Path, log: Path, logs: Path, tag: str, ws: int, workers: int, tokens: Path | None) -> JobLaunch:
     port = free_port()
     cmds = [
         [sys.executable, str(JOB), "--rank", str(r), "--world-size", str(ws), "--port", str(port),
          "--workers", str(workers), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-         "--root", str(root), "--log", str(log), "--tag", tag]
+         "--root", str(root), "--log", str(log), "--tag", tag, *(["--tokens", str(tokens)] if tokens else [])]
         for r in range(ws)
     ]  # fmt: skip
     # The job imports goodput_ckpt from this checkout, whatever the installed one is.
@@ -76,8 +77,9 @@ def _records(log: Path) -> list[tuple[int, int, int, int, int, list[tuple[int, s
     return out
 
 
-@pytest.mark.timeout(900)
-def test_elastic_restarts_lose_and_repeat_no_sample(tmp_path):
+def _run_launches(tmp_path: Path, tokens: Path | None = None):
+    """The 4 launches (3 killed at random, the last to the end). Returns (records of the steps
+    that count, per step; a function giving the context for messages)."""
     root, log, logs = tmp_path / "root", tmp_path / "ids.log", tmp_path / "logs"
     logs.mkdir()
     seed = int.from_bytes(os.urandom(4), "little")
@@ -85,7 +87,7 @@ def test_elastic_restarts_lose_and_repeat_no_sample(tmp_path):
     history: list[str] = []
     ctx = lambda: f"(kill-schedule seed {seed}; launches {history}; logs in {logs})"  # noqa: E731
     for n, (ws, workers) in enumerate(LAUNCHES):
-        job = _launch(root, log, logs, str(n), ws, workers)
+        job = _launch(root, log, logs, str(n), ws, workers, tokens)
         seen: list[str] = []
         deadline = time.monotonic() + JOB_TIMEOUT_S
         try:
@@ -106,27 +108,34 @@ def test_elastic_restarts_lose_and_repeat_no_sample(tmp_path):
             raise
         assert n == 0 or restored != "RESTORED none", ctx()
 
+    print("launches:\n  " + "\n  ".join(history))
     # The record of a step: that of the last launch that trained it, from every one of its ranks.
     records = _records(log)
     last_launch: dict[int, int] = {}
     for launch, step, *_ in records:
         last_launch[step] = max(launch, last_launch.get(step, -1))
     assert sorted(last_launch) == list(range(STEPS)), ctx()
+    kept = [r for r in records if r[0] == last_launch[r[1]]]
+    ranks: dict[int, set[int]] = defaultdict(set)
+    for _, step, _, rank, _, _ in kept:
+        ranks[step].add(rank)
+    for step, rs in ranks.items():
+        ws = LAUNCHES[last_launch[step]][0]
+        assert rs == set(range(ws)), f"step {step}: ranks {sorted(rs)} of {ws} logged it {ctx()}"
+    return kept, ctx
+
+
+@pytest.mark.timeout(900)
+def test_elastic_restarts_lose_and_repeat_no_sample(tmp_path):
+    kept, ctx = _run_launches(tmp_path)
     by_epoch: dict[int, list[int]] = defaultdict(list)
     global_batch: dict[int, int] = defaultdict(int)
-    ranks: dict[int, set[int]] = defaultdict(set)
-    for launch, step, epoch, rank, ws, items in records:
-        if launch != last_launch[step]:
-            continue
-        ranks[step].add(rank)
+    for _, _, epoch, _, ws, items in kept:
         for i, h in items:
             want = elastic_job.augmentation(epoch, i).sum()
             assert float.fromhex(h) == float(want), f"sample {i} of epoch {epoch}: another augmentation {ctx()}"
             by_epoch[epoch].append(i)
         global_batch[epoch] = max(global_batch[epoch], elastic_job.BATCH * ws)
-    for step, rs in ranks.items():
-        ws = LAUNCHES[last_launch[step]][0]
-        assert rs == set(range(ws)), f"step {step}: ranks {sorted(rs)} of {ws} logged it {ctx()}"
     assert len(by_epoch) >= 2, f"the run crossed no epoch boundary {ctx()}"
     *finished, _ = sorted(by_epoch)  # the last epoch was cut by the end of the run
     for epoch in finished:
@@ -137,4 +146,27 @@ def test_elastic_restarts_lose_and_repeat_no_sample(tmp_path):
         assert len(missing) < global_batch[epoch], f"epoch {epoch}: samples {missing} never trained {ctx()}"
     ids = by_epoch[max(by_epoch)]
     assert len(ids) == len(set(ids)), f"last epoch: a sample twice {ctx()}"
-    print("launches:\n  " + "\n  ".join(history))
+
+
+#: Token shards: many, so that no (rank, worker) runs out within STEPS after any re-deal.
+TOKEN_SHARDS, TOKEN_SEQS = 48, 20
+
+
+@pytest.mark.timeout(900)
+def test_token_stream_restarts_read_no_sequence_twice_and_skip_none(tmp_path):
+    """The same launches with a TokenStream loader: what was trained of each shard is a prefix of
+    it (nothing skipped), and no sequence was trained twice."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(TOKEN_SHARDS):
+        a = np.zeros((TOKEN_SEQS, 1 + elastic_job.DIM), dtype=np.uint32)
+        a[:, 0] = np.arange(k * TOKEN_SEQS, (k + 1) * TOKEN_SEQS)
+        a[:, 1:] = (a[:, :1] * 7 + np.arange(1, 1 + elastic_job.DIM)) % 1000
+        (shards / f"shard{k:03d}.bin").write_bytes(a.tobytes())
+    kept, ctx = _run_launches(tmp_path, shards)
+    ids = [i for *_, items in kept for i, _ in items]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    assert not dup, f"sequences {dup} trained twice {ctx()}"
+    for k in range(TOKEN_SHARDS):
+        got = sorted(i - k * TOKEN_SEQS for i in ids if i // TOKEN_SEQS == k)
+        assert got == list(range(len(got))), f"shard {k}: sequences {got} are not a prefix (one skipped) {ctx()}"
