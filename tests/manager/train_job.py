@@ -4,7 +4,7 @@ Usage (one process per rank; the parent sets nothing else)::
 
     python train_job.py --rank R --world-size N --port P --out DIR --steps S \
         [--root ROOT --save-every K]            # with CheckpointManager (restores, then saves)
-        [--allow-topology-change]
+        [--allow-topology-change] [--elastic]
 
 Without ``--root`` it is the reference run: the same job with the same seeds and no manager at
 all. The job: an FSDP2 (``fully_shard``) MLP with dropout, per-rank RNG seeds (torch, Python,
@@ -52,7 +52,7 @@ class Samples(torch.utils.data.Dataset):
         return x, x.sin().sum(dim=0, keepdim=True)
 
 
-def build(rank: int, world_size: int):
+def build(rank: int, world_size: int, elastic: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -76,6 +76,15 @@ def build(rank: int, world_size: int):
     np.random.seed(3000 + rank)
     # The loader gets its own generator: creating an iterator draws a seed from it, and it must
     # not draw from the global RNG (which a resumed run restores to the saved step).
+    if elastic:  # issue 17: the same job with goodput_ckpt.data.ElasticSampler is bit-exact too
+        from goodput_ckpt.data import ElasticSampler
+
+        sampler = ElasticSampler(Samples(rank), seed=4000, num_replicas=world_size, rank=rank)
+        loader = StatefulDataLoader(
+            Samples(rank), batch_size=BATCH, sampler=sampler, num_workers=2,
+            generator=torch.Generator().manual_seed(4000 + rank),
+        )  # fmt: skip
+        return model, opt, sched, loader
     loader = StatefulDataLoader(
         Samples(rank), batch_size=BATCH, shuffle=True, num_workers=2,
         generator=torch.Generator().manual_seed(4000 + rank),
@@ -102,6 +111,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--root")
     ap.add_argument("--save-every", type=int, default=4)
+    ap.add_argument("--elastic", action="store_true", help="an ElasticSampler instead of shuffle=True")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
@@ -111,7 +121,7 @@ def main(argv: list[str]) -> int:
     )
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    model, opt, sched, loader = build(args.rank, args.world_size)
+    model, opt, sched, loader = build(args.rank, args.world_size, args.elastic)
     step = 0
     mgr = None
     if args.root:
