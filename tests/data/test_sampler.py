@@ -154,3 +154,22 @@ def test_another_sampler_is_refused():
             s.elastic_resume(states, batch_size=None)
     with pytest.raises(CheckpointError, match="differs"):
         ElasticSampler(Ids(31), num_replicas=3, rank=0).elastic_resume(states, batch_size=None)
+
+
+def test_snapshots_every_few_steps_still_count_what_was_yielded():
+    """With snapshot_every_n_steps > 1 the loader returns an older snapshot plus the steps since;
+    the position adds those steps' batches."""
+    ds = Ids(40)
+    loader = StatefulDataLoader(
+        ds, batch_size=3, sampler=ElasticSampler(ds, num_replicas=1, rank=0), num_workers=2, snapshot_every_n_steps=3
+    )
+    it = iter(loader)
+    seen = [i for _ in range(4) for i in next(it).tolist()]
+    states = [loader.state_dict()]
+    found, since = ElasticSampler.find_state(states[0])
+    assert since > 0 and found["consumed"] + since * 3 == 12
+    s = ElasticSampler(ds, num_replicas=2, rank=0)
+    s.elastic_resume(states, batch_size=3)
+    t = ElasticSampler(ds, num_replicas=2, rank=1)
+    t.elastic_resume(states, batch_size=3)
+    assert sorted(seen + list(s) + list(t)) == list(range(40))
