@@ -7,14 +7,14 @@ per repeat:
   ``GetObject`` per file read in 8 MiB pieces (S3, boto3): what a loader that does nothing but
   read would cost;
 - ``stream``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
-  Python, ``--seq-len`` tokens each, read in blocks of 2 MiB through ``open_store``, 4 blocks read ahead.
+  Python, ``--seq-len`` tokens each, read in blocks of 8 MiB through ``open_store``, ``--read-ahead`` blocks in flight (the defaults).
 
 The ratio is plain seconds / stream seconds (1.0: the stream costs nothing over the read). Local
 files are read from the page cache after a first untimed pass (the machine cannot drop caches), so
 the local figure is the stream's CPU overhead at its most visible. S3 runs against a SeaweedFS
 server on 127.0.0.1 (the recipe of ``tests/_s3.py``), which shares the 2 cores.
 
-Run: ``.venv/bin/python benchmarks/bench_tokens.py --size 256MiB --repeats 3 [--s3]``
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/bench_tokens.py --size 512MiB --shards 4 --repeats 3 [--s3]``
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def _stream_seconds(root: str, names: list[str], seq_len: int, options: dict) -> tuple[float, int]:
-    block = max(1, (2 << 20) // (seq_len * 2))  # 2 MiB requests, 4 in flight
-    ds = TokenStream(root, names, seq_len=seq_len, dtype="uint16", block=block, storage_options=options)
+def _stream_seconds(root: str, names: list[str], seq_len: int, ahead: int, options: dict) -> tuple[float, int]:
+    ds = TokenStream(root, names, seq_len=seq_len, dtype="uint16", read_ahead=ahead, storage_options=options)
     t0, n = time.perf_counter(), 0
     for _ in ds:
         n += 1
@@ -78,6 +77,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--read-ahead", type=int, default=8, help="TokenStream read_ahead (blocks in flight)")
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
     a = ap.parse_args(argv)
     per = _size(a.size) // a.shards // (a.seq_len * 2) * (a.seq_len * 2)
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
         for name in names:
             (root / name).write_bytes(rng.integers(0, 50257, per // 2, dtype=np.uint16).tobytes())
         mib = per * a.shards / (1 << 20)
-        targets = [("local", lambda: _plain_local(root, names), lambda: _stream_seconds(str(root), names, a.seq_len, {}))]
+        targets = [("local", lambda: _plain_local(root, names), lambda: _stream_seconds(str(root), names, a.seq_len, a.read_ahead, {}))]
         server = None
         if a.s3:
             import boto3
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
             targets.append((
                 "s3",
                 lambda: _plain_s3(client, "tokens", "shards", names),
-                lambda: _stream_seconds("s3://tokens/shards", names, a.seq_len, opts),
+                lambda: _stream_seconds("s3://tokens/shards", names, a.seq_len, a.read_ahead, opts),
             ))  # fmt: skip
         try:
             for label, plain, stream in targets:

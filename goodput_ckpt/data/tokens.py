@@ -58,9 +58,11 @@ class TokenStream(IterableDataset):
         shards: shard file names under ``root``, in a fixed order every rank agrees on.
         seq_len: tokens per sequence.
         dtype: ``"uint16"`` or ``"uint32"`` (little-endian).
-        block: sequences per read request (bigger: fewer requests, more memory per worker).
+        block: sequences per read request (default: 8 MiB worth; measured on S3, 2 MiB requests
+            reach half the throughput of one streaming read and 8 MiB about all of it).
         read_ahead: blocks read ahead by helper threads (requests in flight, per reader): an object
-            store needs several to match one streaming read; memory is ``read_ahead + 1`` blocks.
+            store needs several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it
+            and 4 0.81x); memory is ``read_ahead + 1`` blocks per reader (72 MiB at the defaults).
         storage_options: options of ``open_store``.
         num_replicas, rank: default to the default process group's (or 1 and 0 without one).
     """
@@ -72,16 +74,20 @@ class TokenStream(IterableDataset):
         *,
         seq_len: int,
         dtype: str = "uint16",
-        block: int = 64,
-        read_ahead: int = 4,
+        block: int | None = None,
+        read_ahead: int = 8,
         storage_options: Mapping[str, Any] | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if seq_len < 1 or block < 1 or read_ahead < 1 or not shards:
-            raise ValueError("seq_len, block and read_ahead must be positive and shards non-empty")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if block is None:
+            block = max(1, (8 << 20) // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
+        if block < 1 or read_ahead < 1 or not shards:
+            raise ValueError("block and read_ahead must be positive and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
