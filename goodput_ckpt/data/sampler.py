@@ -154,18 +154,21 @@ class ElasticSampler(Sampler[int]):
             self.epoch = EpochPosition.from_state(got[0]["position"]).epoch
 
     def elastic_resume(self, loader_states: list[Any], *, batch_size: int | None, where: str = "checkpoint") -> str:
-        """Take up the global position saved by all old ranks (``loader_states[r]`` is old rank
-        ``r``'s decoded loader state); the next ``iter()`` splits the pending samples among the
-        current ranks. Returns a note saying what was resumed.
+        """Take up the global position saved by all old ranks (``loader_states[r]`` is old
+        checkpoint rank ``r``'s decoded loader state); the next ``iter()`` splits the pending
+        samples among the current ranks. Returns a note saying what was resumed.
+
+        The old sampler ranks are those the states name: with tensor or pipeline parallelism
+        several checkpoint ranks share one data-parallel sampler rank (and must agree on it).
 
         Raises:
-            TopologyChangeError: the old ranks do not agree on the epoch or history, or one of
-                them holds no ElasticSampler state.
+            TopologyChangeError: the old ranks do not agree on the epoch or history, a sampler
+                rank is missing, or one state holds no ElasticSampler position.
             CheckpointError: the sampler differs (seed, dataset size, shuffle, drop_last).
         """
-        old_ws = len(loader_states)
         base: EpochPosition | None = None
-        counts: list[int] = []
+        by_rank: dict[int, int] = {}  # sampler rank -> samples consumed
+        old_ws = None
         for r, ls in enumerate(loader_states):
             got = self.find_state(ls)
             if got is None:
@@ -180,37 +183,43 @@ class ElasticSampler(Sampler[int]):
                     version=st.get(MARK),
                 )
             self._check_identity(st, where)
-            if st.get("world_size") != old_ws or st.get("rank") != r:
-                raise TopologyChangeError(
-                    f"{where}: rank {r}'s ElasticSampler state says rank {st.get('rank')} of "
-                    f"{st.get('world_size')}, but the checkpoint was saved by {old_ws} rank(s)",
-                    path=where,
-                    key="dataloader",
-                )
             try:
                 pos = EpochPosition.from_state(st["position"])
-            except (KeyError, ValueError) as e:
+                ws, rank, consumed = int(st["world_size"]), int(st["rank"]), int(st["consumed"]) + since * (batch_size or 0)
+            except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{where}: rank {r}'s ElasticSampler state: {e}", key="dataloader") from None
+            old_ws = ws if old_ws is None else old_ws
             if base is None:
                 base = pos
-            elif (pos.epoch, pos.segments) != (base.epoch, base.segments) or not _same(pos.done, base.done):
+            if (
+                ws != old_ws
+                or (pos.epoch, pos.segments) != (base.epoch, base.segments)
+                or not _same(pos.done, base.done)
+                or by_rank.get(rank, consumed) != consumed
+            ):
                 raise TopologyChangeError(
-                    f"{where}: old ranks 0 and {r} saved different data positions (epoch {base.epoch} "
-                    f"and {pos.epoch}); the ranks were not in step",
+                    f"{where}: old rank {r} saved another data position (sampler rank {rank} of {ws}, epoch "
+                    f"{pos.epoch}) than the ranks before it (epoch {base.epoch}); the ranks were not in step",
                     path=where,
                     key="dataloader",
                 )
-            counts.append(int(st["consumed"]) + since * (batch_size or 0))
-        assert base is not None
+            by_rank[rank] = consumed
+        assert base is not None and old_ws is not None
+        if sorted(by_rank) != list(range(old_ws)):
+            raise TopologyChangeError(
+                f"{where}: the checkpoint holds the positions of sampler ranks {sorted(by_rank)}, not all of 0..{old_ws - 1}",
+                path=where,
+                key="dataloader",
+            )
         n = len(self.dataset)
         length = base.pending(torch.arange(n)).numel()  # once: O(n), whatever the old world size
-        counts = [min(c, rank_share(length, old_ws, r, drop_last=self.drop_last).numel()) for r, c in enumerate(counts)]
+        counts = [min(by_rank[r], rank_share(length, old_ws, r, drop_last=self.drop_last).numel()) for r in range(old_ws)]
         new = base.advanced(old_ws, counts, n)
         self._pending, self.epoch = new, new.epoch
         left = new.pending(torch.arange(n)).numel()
         return (
             f"data position taken up elastically: epoch {new.epoch}, {sum(counts)} sample(s) consumed "
-            f"by {old_ws} old rank(s) in the last stretch, {left} of {n} pending, split among "
+            f"by {old_ws} old sampler rank(s) in the last stretch, {left} of {n} pending, split among "
             f"{self.num_replicas} rank(s)"
         )
 

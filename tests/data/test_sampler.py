@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.data.position import MAX_SEGMENTS
-from goodput_ckpt.errors import CheckpointError
+from goodput_ckpt.errors import CheckpointError, TopologyChangeError
 
 
 class Ids(torch.utils.data.Dataset):
@@ -173,3 +173,19 @@ def test_snapshots_every_few_steps_still_count_what_was_yielded():
     t = ElasticSampler(ds, num_replicas=2, rank=1)
     t.elastic_resume(states, batch_size=3)
     assert sorted(seen + list(s) + list(t)) == list(range(40))
+
+
+def test_checkpoint_ranks_sharing_a_sampler_rank():
+    """Tensor parallelism: checkpoint ranks 0-1 are sampler rank 0, 2-3 sampler rank 1. Their
+    states agree and count once; a missing sampler rank or a disagreeing replica is refused."""
+    loaders = [_loader(30, 2, r, batch=2, workers=0) for r in range(2)]
+    _, states = _run(loaders, 2)
+    tp = [states[0], states[0], states[1], states[1]]
+    s = ElasticSampler(Ids(30), num_replicas=1, rank=0)
+    s.elastic_resume(tp, batch_size=None)
+    assert len(list(s)) == 30 - 8
+    with pytest.raises(TopologyChangeError, match="not all of"):
+        s.elastic_resume([states[0], states[0]], batch_size=None)
+    _, later = _run(loaders, 1)
+    with pytest.raises(TopologyChangeError, match="not in step"):
+        s.elastic_resume([states[0], later[0], states[1]], batch_size=None)
