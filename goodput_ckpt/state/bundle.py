@@ -15,6 +15,11 @@ The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``;
 records the step, the world size, the sections, and what the per-rank state depends on, so that a
 restore under another topology is refused by name instead of silently misapplied
 (:func:`plan_restore`). ``extra`` is the user's JSON.
+
+Elastic loaders (``goodput_ckpt.data.ElasticSampler`` as sampler, ``TokenStream`` as dataset)
+are the exception: their per-rank blobs together hold a global data position, so a restore under
+another topology loads *every* old rank's blob and hands them to the loader's position holder,
+and re-derives the RNG (``state.rng``) instead of refusing.
 """
 
 from __future__ import annotations
