@@ -15,6 +15,11 @@ The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``;
 records the step, the world size, the sections, and what the per-rank state depends on, so that a
 restore under another topology is refused by name instead of silently misapplied
 (:func:`plan_restore`). ``extra`` is the user's JSON.
+
+Elastic loaders (``goodput_ckpt.data.ElasticSampler`` as sampler, ``TokenStream`` as dataset)
+are the exception: their per-rank blobs together hold a global data position, so a restore under
+another topology loads *every* old rank's blob and hands them to the loader's position holder,
+and re-derives the RNG (``state.rng``) instead of refusing.
 """
 
 from __future__ import annotations
@@ -29,9 +34,15 @@ import torch
 from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
 from ..format.dcp_metadata import torch_dtype
 from ..format.manifest import Manifest, TensorEntry
-from .dataloader import check_dataloader, decode_dataloader_state, describe_dataloader, encode_dataloader_state
+from .dataloader import (
+    check_dataloader,
+    decode_dataloader_state,
+    describe_dataloader,
+    elastic_sampler_of,
+    encode_dataloader_state,
+)
 from .modules import ModelSet
-from .rng import capture_rng, describe_rng, restore_rng
+from .rng import capture_rng, derive_rng, describe_rng, restore_rng
 
 __all__ = [
     "EXTRA_KEY",
@@ -135,6 +146,13 @@ class RestorePlan:
     stateful: dict[str, Any] = field(default_factory=dict)
     restore_rng: bool = False
     notes: list[str] = field(default_factory=list)
+    #: Elastic data position: old ranks whose loader states go to the ElasticSampler (their
+    #: count), the batch size they used, and where (for messages). 0 = not elastic.
+    elastic_from: int = 0
+    elastic_batch_size: int | None = None
+    where: str = ""
+    #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
+    rederive_rng: tuple[int, int, int] | None = None
 
 
 def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
@@ -198,6 +216,12 @@ def plan_restore(
     ``allow_topology_change`` skip it (every rank keeps its current RNG and dataloader position)
     and report what was skipped in ``notes``. Model, optimizer and other objects reshard.
 
+    Elastic loaders (an ``ElasticSampler`` saved and restored into, see ``state.dataloader``) need
+    no flag: every rank reads all old ranks' loader states and the sampler splits the epoch's
+    pending samples among the new ranks; under another world size every rank's RNG is re-derived
+    from the saved base seed, the step and its new rank (``state.rng``). A checkpoint without
+    dataloader state (``reshard --rank-state drop``) restores with the loader left at its start.
+
     Raises:
         TopologyChangeError: see above.
         CheckpointError: the caller asks for a section the checkpoint does not hold.
@@ -231,7 +255,11 @@ def plan_restore(
     if dataloader is not None:
         check_dataloader(dataloader)
         if meta.get("dataloader") is None:
-            raise CheckpointError(f"{where} holds no dataloader state; call restore without dataloader=", path=where)
+            plan.notes.append(
+                f"{where} holds no dataloader state (saved without one, or resharded with --rank-state "
+                "drop); the dataloader starts from its beginning"
+            )
+            dataloader = None
     elif meta.get("dataloader") is not None:
         plan.notes.append("the checkpoint holds dataloader state but restore got no dataloader=; it was not restored")
 
@@ -239,7 +267,21 @@ def plan_restore(
     want_rng = meta.get("rng") is not None
     want_dl = dataloader is not None
     per_rank = [n for n, w in ((RNG, want_rng), (DATALOADER, want_dl)) if w]
-    if saved_ws != topology.world_size and per_rank:
+    elastic = want_dl and bool(meta["dataloader"].get("elastic")) and elastic_sampler_of(dataloader) is not None
+    # How many ranks' loader states there are: the saving world size, unless ``reshard`` carried
+    # elastic positions over to another world size (it records the old one as "ranks").
+    dl_ranks = meta["dataloader"].get("ranks", saved_ws) if want_dl else saved_ws
+    if isinstance(dl_ranks, bool) or not isinstance(dl_ranks, int) or dl_ranks < 1:
+        raise CorruptCheckpointError(f"{where}: dataloader ranks must be a positive integer", path=where)
+    moved = saved_ws != topology.world_size or dl_ranks != topology.world_size
+    if elastic and moved:
+        if want_rng and saved_ws != topology.world_size:
+            base = meta["rng"].get("base_seed")
+            base = base if isinstance(base, int) and not isinstance(base, bool) else 0
+            plan.rederive_rng = (base, meta.get("step", 0), topology.rank)
+            want_rng = False
+        plan.elastic_from = dl_ranks
+    elif moved and per_rank:
         msg = (
             f"{where} was saved by {saved_ws} rank(s) and this job has {topology.world_size}: its "
             f"per-rank {' and '.join(per_rank)} state cannot be mapped onto the new ranks"
@@ -261,7 +303,9 @@ def plan_restore(
             for k in ("num_workers", "batch_size")
             if saved_dl.get(k) is not None and now_dl[k] is not None and saved_dl.get(k) != now_dl[k]
         ]
-        if diffs:
+        if elastic and diffs:
+            plan.elastic_from = dl_ranks
+        elif diffs:
             msg = f"the dataloader differs from the one saved in {where} ({', '.join(diffs)}): its position cannot be restored"
             if not allow_topology_change:
                 raise TopologyChangeError(
@@ -282,7 +326,12 @@ def plan_restore(
     if want_rng:
         plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
         plan.restore_rng = True
-    if want_dl:
+    if plan.elastic_from:
+        keys = [rank_key(r) for r in range(plan.elastic_from)]
+        plan.dest[DATALOADER] = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
+        plan.dataloader, plan.where = dataloader, where
+        plan.elastic_batch_size = meta["dataloader"].get("batch_size")
+    elif want_dl:
         key = f"{DATALOADER}.{rk}"
         plan.dest[DATALOADER] = {rk: _template(manifest, key, where)}
         plan.dataloader = dataloader
@@ -298,12 +347,30 @@ def apply_restore(plan: RestorePlan) -> None:
     plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
     for name, obj in plan.stateful.items():
         obj.load_state_dict(plan.dest[name])
-    if plan.dataloader is not None:
+    if plan.elastic_from:
+        states = [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in plan.dest[DATALOADER].items()]
+        sampler = elastic_sampler_of(plan.dataloader)
+        note = sampler.elastic_resume(states, batch_size=plan.elastic_batch_size, where=plan.where)
+        plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
+        logger.info("%s: %s", plan.where, note)
+    elif plan.dataloader is not None:
         ((rk, blob),) = plan.dest[DATALOADER].items()
-        plan.dataloader.load_state_dict(decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}"))
+        state = decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}")
+        plan.dataloader.load_state_dict(state)
+        adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
+        if adopt is not None:
+            adopt(state)
     if plan.restore_rng:
         ((_, rng),) = plan.dest[RNG].items()
         plan.notes.extend(restore_rng(rng))
+    elif plan.rederive_rng is not None:
+        base, step, rank = plan.rederive_rng
+        seed = derive_rng(base, step, rank)
+        logger.warning(
+            "%s: saved by another number of ranks, so this rank's RNG streams (Python, NumPy, torch, CUDA) "
+            "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
+            plan.where, seed, base, step, rank,
+        )  # fmt: skip
 
 
 def _template(manifest: Manifest, key: str, where: str) -> torch.Tensor:

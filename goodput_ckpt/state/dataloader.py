@@ -9,7 +9,11 @@ not be loaded safely fails its first save instead of its restore.
 
 The manifest also records what the state depends on (:func:`describe_dataloader`): the worker
 count and the batch size. A dataloader resumed with a different worker count would silently
-replay or skip samples, so the restore refuses it (see ``state.bundle``).
+replay or skip samples, so the restore refuses it (see ``state.bundle``) -- unless the loader's
+sampler is elastic (``goodput_ckpt.data.ElasticSampler``): its position is global, so a restore
+under another world size, worker count or batch size reads every old rank's blob and hands them
+to the sampler (:func:`elastic_sampler_of`). The sampler is found by its methods, because
+``data/`` sits beside ``state/`` and neither imports the other.
 """
 
 from __future__ import annotations
@@ -21,7 +25,27 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["check_dataloader", "decode_dataloader_state", "describe_dataloader", "encode_dataloader_state"]
+__all__ = [
+    "check_dataloader",
+    "decode_dataloader_state",
+    "describe_dataloader",
+    "elastic_sampler_of",
+    "encode_dataloader_state",
+]
+
+
+def elastic_sampler_of(loader: Any) -> Any:
+    """The loader's elastic position holder, or ``None``: its sampler (``ElasticSampler``, as
+    ``loader.sampler`` or ``loader.batch_sampler.sampler``) or its dataset (``TokenStream``), the
+    first with an ``elastic_resume`` method."""
+    for s in (
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        getattr(loader, "dataset", None),
+    ):
+        if callable(getattr(s, "elastic_resume", None)):
+            return s
+    return None
 
 
 def check_dataloader(loader: Any) -> None:
@@ -39,6 +63,7 @@ def describe_dataloader(loader: Any) -> dict[str, Any]:
     for name in ("num_workers", "batch_size"):
         value = getattr(loader, name, None)
         out[name] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    out["elastic"] = elastic_sampler_of(loader) is not None
     return out
 
 

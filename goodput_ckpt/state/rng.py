@@ -15,18 +15,26 @@ Names (the keys under ``rng.rank{r}`` in the checkpoint)::
     torch           uint8[N]     torch.get_rng_state()
     cuda{i}         uint8[M]     torch.cuda.get_rng_state(i), one per device
 
+**Across a topology change** a rank's streams cannot carry over (there is no old rank to take
+them from). The policy then (:func:`derive_rng`): every new rank seeds all its generators from
+``blake2b(base seed, step, new rank)``, where the base seed is ``torch.initial_seed()`` of the
+saving job's rank 0, recorded in the manifest. The same restart on the same ranks thus gets the
+same streams, and the manager logs what it re-derived.
+
 Why CUDA only once initialized: a process that never initialized CUDA never drew from a CUDA
 generator, and reading the state would create a context on every device.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "describe_rng", "restore_rng"]
+__all__ = ["capture_rng", "derive_rng", "derived_seed", "describe_rng", "restore_rng"]
 
 _PY_VERSION = 3  # random.getstate() format version of CPython's Mersenne Twister
 
@@ -64,6 +72,7 @@ def capture_rng() -> dict[str, torch.Tensor]:
 def describe_rng(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What a captured state holds, for the manifest (JSON)."""
     return {
+        "base_seed": torch.initial_seed(),
         "python": "python" in state,
         "numpy": "numpy" in state,
         "torch": "torch" in state,
@@ -106,3 +115,21 @@ def restore_rng(state: dict[str, torch.Tensor]) -> list[str]:
                 f"process has {have}; devices beyond the smaller count keep their current state"
             )
     return notes
+
+
+def derived_seed(base_seed: int, step: int, rank: int) -> int:
+    """The seed of ``rank``'s generators after a topology change at ``step`` (module docstring)."""
+    raw = struct.pack("<QqQ", int(base_seed) & (2**64 - 1), int(step), int(rank))
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"goodput-rng").digest(), "little") >> 1
+
+
+def derive_rng(base_seed: int, step: int, rank: int) -> int:
+    """Seed Python's ``random``, NumPy's global generator, torch's CPU generator and every CUDA
+    device from :func:`derived_seed`. Returns the seed, for the log."""
+    seed = derived_seed(base_seed, step, rank)
+    random.seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also every CUDA device (lazily, without creating a context)
+    return seed

@@ -88,7 +88,10 @@ def make_optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
 
 
-def build(rank: int, world_size: int, width: int, device: torch.device) -> tuple[Any, ...]:
+def build(rank: int, world_size: int, width: int, device: torch.device, *, elastic: bool = False) -> tuple[Any, ...]:
+    """The job's model, optimizer, scheduler and loader. ``elastic``: the loader draws its order
+    from ``goodput_ckpt.data.ElasticSampler`` (a position that survives a topology change)
+    instead of ``shuffle=True``; the same topology resumes bit for bit either way."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -107,9 +110,14 @@ def build(rank: int, world_size: int, width: int, device: torch.device) -> tuple
     random.seed(2000 + rank)
     np.random.seed(3000 + rank)
     # Its own generator: creating an iterator draws from it, never from the global RNG.
+    order: dict[str, Any] = {"shuffle": True}
+    if elastic:
+        from ..data import ElasticSampler
+
+        order = {"sampler": ElasticSampler(Samples(rank, width), seed=4000, num_replicas=world_size, rank=rank)}
     loader = StatefulDataLoader(
-        Samples(rank, width), batch_size=BATCH, shuffle=True, num_workers=2,
-        generator=torch.Generator().manual_seed(4000 + rank),
+        Samples(rank, width), batch_size=BATCH, num_workers=2,
+        generator=torch.Generator().manual_seed(4000 + rank), **order,
     )  # fmt: skip
     return model, opt, sched, loader
 
@@ -215,6 +223,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--save-every", type=int, default=25)
     ap.add_argument("--timeline")
     ap.add_argument("--sync-probe", action="store_true")
+    ap.add_argument("--elastic", action="store_true", help="order the data with ElasticSampler")
     ap.add_argument("-o", dest="options", action="append", default=[], help="KEY=JSON store option")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -227,7 +236,7 @@ def main(argv: list[str]) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dist.init_process_group(backend, rank=args.rank, world_size=args.world_size, timeout=datetime.timedelta(seconds=300))
-    model, opt, sched, loader = build(args.rank, args.world_size, args.width, device)
+    model, opt, sched, loader = build(args.rank, args.world_size, args.width, device, elastic=args.elastic)
     _emit("READY", time.time())
     step, mgr = 0, None
     if args.root:

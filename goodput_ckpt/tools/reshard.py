@@ -24,12 +24,17 @@ inside the ``rng``/``dataloader`` sections. They cannot be split or merged meani
   0's when ``r >= M``). The default when ``M`` equals the source's world size.
 - ``drop``: leave them out; a job resumed at ``M`` ranks re-seeds its RNGs and restarts its
   dataloaders' epoch position.
-- ``auto`` (default): ``keep`` when the world size is unchanged; when it changes and per-rank
-  entries exist, refuse with a ``ValueError`` that asks for ``keep`` or ``drop``, so that no
+- ``auto`` (default): ``keep`` when the world size is unchanged, or when the dataloader entries
+  hold ``ElasticSampler`` positions (a restore at ``M`` ranks splits the data position among them
+  and re-derives the RNG, see docs/manager.md); when it changes and other per-rank entries exist,
+  refuse with a ``ValueError`` that asks for ``keep`` or ``drop``, so that no
   mismatch is silent.
 
 The policy applied and the source world size are recorded in the output manifest's metadata
-under ``goodput_reshard``. For checkpoints written by ``CheckpointManager``, ``drop`` also
+under ``goodput_reshard``. Elastic data positions (a ``CheckpointManager`` checkpoint whose
+dataloader record says ``elastic``) are global, not per rank: ``drop`` carries them over (it
+drops the RNG only) and records the old rank count as the dataloader's ``ranks``.
+For checkpoints written by ``CheckpointManager``, ``drop`` also
 updates its training-state record (no RNG/dataloader state, the new world size), and ``keep``
 leaves the old world size there, so that a restore at a different size refuses the per-rank
 state by name (``TopologyChangeError``) rather than apply another rank's RNG.
@@ -139,9 +144,10 @@ def reshard_checkpoint(
     with GoodputSource(src_store, verify=verify, cache_chunks=threads + 2) as source:
         m0 = source.world_size or 1
         per_rank = per_rank_keys(source.items)
+        elastic = _elastic_data(source.metadata)
         policy = rank_state
         if policy == "auto":
-            if per_rank and world_size != m0:
+            if per_rank and world_size != m0 and not elastic:
                 ranks = sorted(set(per_rank.values()))
                 raise ValueError(
                     f"{src_store.uri} holds per-rank RNG/dataloader state for {len(ranks)} rank(s) "
@@ -155,7 +161,7 @@ def reshard_checkpoint(
         report = ReshardReport(src_store.uri, dst_store.uri, m0, world_size, policy)
         for key, meta in source.items.items():
             if key in per_rank:
-                if policy == "drop":
+                if policy == "drop" and not (elastic and section_of(key) == "dataloader"):
                     report.per_rank_dropped.append(key)
                     continue
                 report.per_rank_kept.append(key)
@@ -164,7 +170,7 @@ def reshard_checkpoint(
                 assign[key] = None  # split along dim 0
             else:
                 assign[key] = 0
-        metadata = _updated_training_state(dict(source.metadata), policy, world_size)
+        metadata = _updated_training_state(dict(source.metadata), policy, world_size, elastic=elastic)
         metadata["goodput_reshard"] = {
             "from_world_size": m0,
             "world_size": world_size,
@@ -191,7 +197,16 @@ def reshard_checkpoint(
     return report
 
 
-def _updated_training_state(metadata: dict[str, Any], policy: str, world_size: int) -> dict[str, Any]:
+def _elastic_data(metadata: dict[str, Any]) -> bool:
+    """Whether a ``CheckpointManager`` checkpoint's dataloader entries are ElasticSampler positions."""
+    ts = metadata.get(TRAINING_STATE_KEY)
+    dl = ts.get("dataloader") if isinstance(ts, dict) else None
+    return isinstance(dl, dict) and dl.get("elastic") is True
+
+
+def _updated_training_state(
+    metadata: dict[str, Any], policy: str, world_size: int, *, elastic: bool = False
+) -> dict[str, Any]:
     """Keep ``CheckpointManager``'s training-state record true to what was written.
 
     With ``drop`` the per-rank sections are gone, so the record says so and takes the new world
@@ -204,10 +219,13 @@ def _updated_training_state(metadata: dict[str, Any], policy: str, world_size: i
     if policy != "drop" or not isinstance(ts, dict):
         return metadata
     ts = dict(ts)
+    dropped = ("rng",) if elastic else _WHOLE_SECTIONS
+    if elastic:  # the positions stay: say how many old ranks' entries there are
+        ts["dataloader"] = {**ts["dataloader"], "ranks": ts["dataloader"].get("ranks", ts.get("world_size"))}
     ts["world_size"] = world_size
-    for section in _WHOLE_SECTIONS:
+    for section in dropped:
         ts[section] = None
     if isinstance(ts.get("sections"), list):
-        ts["sections"] = [s for s in ts["sections"] if s not in _WHOLE_SECTIONS]
+        ts["sections"] = [s for s in ts["sections"] if s not in dropped]
     metadata[TRAINING_STATE_KEY] = ts
     return metadata

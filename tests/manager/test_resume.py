@@ -48,14 +48,16 @@ class Job(JobLaunch):
     """One launch of the 2-rank job (the demo's launcher: each rank in its own session, so a
     SIGKILL of the session takes its dataloader workers too)."""
 
-    def __init__(self, out: Path, logs: Path, root: Path | None, tag: str) -> None:
+    def __init__(self, out: Path, logs: Path, root: Path | None, tag: str, elastic: bool = False) -> None:
         port = free_port()
         out.mkdir(parents=True, exist_ok=True)
         commands = [
-            train_job.command(rank, WORLD, port, out, steps=STEPS, save_every=SAVE_EVERY, root=root)
+            train_job.command(rank, WORLD, port, out, steps=STEPS, save_every=SAVE_EVERY, root=root, elastic=elastic)
             for rank in range(WORLD)
         ]
-        super().__init__(commands, str(logs), tag)
+        # The ranks import goodput_ckpt from this checkout, not from wherever it is installed.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+        super().__init__(commands, str(logs), tag, env=env)
         self.log: list[str] = []
 
     def next_line(self, deadline: float) -> str | None:
@@ -89,9 +91,13 @@ def _complete_and_incomplete(root: Path) -> tuple[list[int], list[int]]:
     return ([s for s, f in steps.items() if MANIFEST_NAME in f], [s for s, f in steps.items() if MANIFEST_NAME not in f])
 
 
-@pytest.fixture(scope="module")
-def resumed_job(tmp_path_factory):
-    """Run the reference job, then the killed-and-restarted one. Returns their directories."""
+@pytest.fixture(scope="module", params=["shuffle", "elastic"])
+def resumed_job(request, tmp_path_factory):
+    """Run the reference job, then the killed-and-restarted one. Returns their directories.
+
+    ``elastic``: the loaders use ``goodput_ckpt.data.ElasticSampler`` (issue 17: same topology
+    stays bit-exact with it)."""
+    elastic = request.param == "elastic"
     base = tmp_path_factory.mktemp("resume")
     logs = base / "logs"
     logs.mkdir()
@@ -99,7 +105,7 @@ def resumed_job(tmp_path_factory):
     rng = random.Random(seed)
     ctx = f"(kill-schedule seed {seed}; logs in {logs})"
 
-    ref = Job(base / "ref", logs, None, "reference")
+    ref = Job(base / "ref", logs, None, "reference", elastic)
     try:
         ref.finish(time.monotonic() + JOB_TIMEOUT_S)
     except BaseException:
@@ -119,7 +125,7 @@ def resumed_job(tmp_path_factory):
         while plan:
             kind = plan.pop(0)
             launch += 1
-            job = Job(base / "managed", logs, root, f"launch{launch}-{kind}")
+            job = Job(base / "managed", logs, root, f"launch{launch}-{kind}", elastic)
             deadline = time.monotonic() + JOB_TIMEOUT_S
             try:
                 restored = job.wait_for("RESTORED", deadline)
@@ -148,7 +154,7 @@ def resumed_job(tmp_path_factory):
             assert len(complete) <= 4, f"retention keeps 3 (4 while a deletion was cut short): {complete} {ctx}"
         assert mid_save_hits >= 1, f"no kill landed during a background save: {kills} {ctx}"
 
-        final = Job(base / "managed", logs, root, "final")
+        final = Job(base / "managed", logs, root, "final", elastic)
         try:
             first = final.wait_for("RESTORED", time.monotonic() + JOB_TIMEOUT_S)
             final.finish(time.monotonic() + JOB_TIMEOUT_S)
@@ -158,7 +164,7 @@ def resumed_job(tmp_path_factory):
         kills.append(f"{first} -> ran to the end")
     except AssertionError as e:
         raise AssertionError(f"{e}\nlaunches so far: {kills} {ctx}") from None
-    return {"ref": base / "ref", "managed": base / "managed", "root": root, "kills": kills, "ctx": ctx}
+    return {"ref": base / "ref", "managed": base / "managed", "root": root, "kills": kills, "ctx": ctx, "elastic": elastic}
 
 
 @pytest.mark.timeout(900)
@@ -196,6 +202,8 @@ def test_killed_and_restarted_job_matches_uninterrupted_run(resumed_job):
 def test_restart_at_one_rank_from_two_rank_checkpoint(resumed_job):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    if resumed_job["elastic"]:
+        pytest.skip("an ElasticSampler checkpoint restores at any world size: tests/state/test_bundle_elastic.py")
     root = resumed_job["root"]
     want = train_job.fingerprint_file(resumed_job["ref"], 0)
     model = train_job.make_model(train_job.WIDTH)  # the same MLP, not sharded: one rank

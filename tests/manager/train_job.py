@@ -26,15 +26,17 @@ WIDTH = 256  # ~1.2 MB of parameters, ~3.5 MB with AdamW state: saves take a few
 
 
 def command(
-    rank: int, world_size: int, port: int, out: Path, *, steps: int, save_every: int, root: Path | None
+    rank: int, world_size: int, port: int, out: Path, *, steps: int, save_every: int, root: Path | None,
+    elastic: bool = False,
 ) -> list[str]:
-    """The command line of one rank (run it from the repository root, as pytest is)."""
+    """The command line of one rank (run it from the repository root, as pytest is). ``elastic``:
+    the loaders use ``goodput_ckpt.data.ElasticSampler`` instead of ``shuffle=True``."""
     cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank), "--world-size", str(world_size),
            "--port", str(port), "--out", str(out), "--steps", str(steps), "--width", str(WIDTH),
            "--save-every", str(save_every)]  # fmt: skip
     if root is not None:
         cmd += ["--root", str(root)]
-    return cmd
+    return cmd + ["--elastic"] * elastic
 
 
 def fingerprint_file(out: Path, rank: int) -> dict[str, Any]:

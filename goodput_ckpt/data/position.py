@@ -1,0 +1,139 @@
+"""The global position of an epoch: which samples of its permutation all ranks together consumed.
+
+Why a history instead of one counter: ranks consume their own strided share of the epoch, so
+"n samples consumed" only names a set of samples together with the world size that split them.
+A position is therefore the epoch plus a short list of *segments*, one per stretch of training
+at one world size: ``(world_size, [consumed by rank 0, consumed by rank 1, ...])``. Segment ``k``
+split the samples still pending after segments ``0..k-1``, in permutation order, the way
+``DistributedSampler`` does (rank ``r`` takes positions ``r, r + W, r + 2W, ...``), and its counts
+say how far each rank got. Unequal counts and any number of restarts within one epoch stay
+exact, and nothing depends on the worker count or the batch size.
+
+Each restart within an epoch adds a segment of ``world_size`` integers. To bound the size, a
+position with more than :data:`MAX_SEGMENTS` segments folds them into ``done``: one bit per
+position of the epoch's permutation (``ceil(n / 8)`` bytes), set once consumed.
+
+This module is pure arithmetic on index tensors; :mod:`.sampler` puts it behind a sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MAX_SEGMENTS", "EpochPosition", "epoch_order", "rank_share"]
+
+#: Segments kept before they are folded into the ``done`` bitmap (restarts within one epoch).
+MAX_SEGMENTS = 16
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The epoch's permutation of ``range(n)``: the one ``DistributedSampler`` uses, so every
+    rank of every topology agrees on it (``torch.randperm`` seeded with ``seed + epoch``)."""
+    if not shuffle:
+        return torch.arange(n, dtype=torch.int64)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def rank_share(length: int, world_size: int, rank: int, *, drop_last: bool) -> torch.Tensor:
+    """Positions (into a list of ``length`` pending samples) that ``rank`` of ``world_size`` reads.
+
+    As ``DistributedSampler``: with ``drop_last`` every rank gets ``length // world_size`` and the
+    tail waits (it stays pending); without, the list is padded by repeating it from its start so
+    that every rank gets ``ceil(length / world_size)`` and no rank runs a step fewer than another.
+    """
+    if length == 0:
+        return torch.empty(0, dtype=torch.int64)
+    per = length // world_size if drop_last else -(-length // world_size)
+    return torch.arange(rank, per * world_size, world_size, dtype=torch.int64) % length
+
+
+def _pack(mask: torch.Tensor) -> torch.Tensor:
+    pad = (-mask.numel()) % 8
+    bits = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8)]).view(-1, 8)
+    return (bits * _BITS).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return ((packed.view(-1, 1) & _BITS) != 0).view(-1)[:n]
+
+
+@dataclass(frozen=True)
+class EpochPosition:
+    """Where the job stands in ``epoch`` (module docstring).
+
+    ``segments`` are ``(world_size, counts)`` pairs; ``done`` is ``None`` or the packed bitmap of
+    folded segments. A fresh epoch is ``EpochPosition(epoch)``.
+    """
+
+    epoch: int
+    segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    done: torch.Tensor | None = None
+
+    def pending(self, order: torch.Tensor) -> torch.Tensor:
+        """The samples of ``order`` (the epoch's permutation) not consumed yet, in order.
+
+        Raises:
+            ValueError: a segment names more samples than its ranks could have read.
+        """
+        alive = torch.arange(order.numel(), dtype=torch.int64)
+        if self.done is not None:
+            alive = alive[~_unpack(self.done, order.numel())]
+        for ws, counts in self.segments:
+            alive = alive[~_consumed(alive.numel(), ws, counts)]
+        return order[alive]
+
+    def advanced(self, world_size: int, counts: list[int] | tuple[int, ...], n: int) -> EpochPosition:
+        """This position after a segment of ``world_size`` ranks that consumed ``counts`` (folded
+        into ``done`` once there are more than :data:`MAX_SEGMENTS` segments)."""
+        if len(counts) != world_size:
+            raise ValueError(f"a segment of {world_size} rank(s) needs {world_size} counts, got {len(counts)}")
+        segs = (*self.segments, (int(world_size), tuple(int(c) for c in counts)))
+        out = EpochPosition(self.epoch, segs, self.done)
+        if len(segs) <= MAX_SEGMENTS:
+            return out
+        alive = torch.zeros(n, dtype=torch.bool)
+        alive[out.pending(torch.arange(n, dtype=torch.int64))] = True
+        return EpochPosition(self.epoch, (), _pack(~alive))
+
+    def to_state(self) -> dict:
+        """JSON-like form (lists of ints, a uint8 tensor) that ``torch.load(weights_only=True)`` reads."""
+        return {
+            "epoch": self.epoch,
+            "segments": [[ws, list(c)] for ws, c in self.segments],
+            "done": self.done,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> EpochPosition:
+        """Inverse of :meth:`to_state`. Raises ``ValueError`` for a malformed state."""
+        try:
+            epoch = int(state["epoch"])
+            segs = tuple((int(ws), tuple(int(c) for c in counts)) for ws, counts in state["segments"])
+            done = state.get("done")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed elastic sampler position: {type(e).__name__}: {e}") from None
+        if done is not None and not (isinstance(done, torch.Tensor) and done.dtype == torch.uint8):
+            raise ValueError("malformed elastic sampler position: 'done' must be a uint8 tensor")
+        if any(ws < 1 or len(c) != ws or min(c) < 0 for ws, c in segs):
+            raise ValueError(f"malformed elastic sampler position: bad segments {segs!r:.200}")
+        return cls(epoch, segs, done)
+
+
+def _consumed(length: int, world_size: int, counts: tuple[int, ...]) -> torch.Tensor:
+    """Mask over ``length`` pending samples of those a segment consumed (padding wraps around,
+    so a padded repeat marks its original, which was consumed already)."""
+    mask = torch.zeros(length, dtype=torch.bool)
+    if length == 0:
+        return mask
+    per_max = -(-length // world_size)
+    for rank, c in enumerate(counts):
+        if c > per_max:
+            raise ValueError(f"rank {rank} of {world_size} consumed {c} samples of a share of at most {per_max}")
+        mask[rank_share(length, world_size, rank, drop_last=False)[:c]] = True
+    return mask
