@@ -71,6 +71,7 @@ __all__ = [
     "drop_done",
     "missing_file_error",
     "out_of_order_error",
+    "read_capped",
     "redact",
     "too_large_error",
     "truncated_error",
@@ -294,6 +295,33 @@ def too_large_error(where: str, size: int | None, limit: int) -> FileTooLargeErr
         "(a damaged or hostile checkpoint, or a link to an endless file)",
         path=where,
     )
+
+
+def read_capped(read: Callable[[int], bytes], where: str, max_bytes: int, expected: int = 0) -> bytes:
+    """Read a stream to its end, refusing more than ``max_bytes``, with memory bounded by what
+    the stream really holds.
+
+    ``read(n)`` of a file or an HTTP body reserves ``n`` bytes before reading, so asking for
+    ``max_bytes + 1`` at once would allocate the cap (1 GiB) for every small file. ``expected``
+    (the size the store announced) is read in one call; anything past it in steps of 1 MiB.
+
+    Raises:
+        FileTooLargeError: the stream holds more than ``max_bytes``.
+    """
+    parts: list[bytes] = []
+    total = 0
+    step = min(expected, max_bytes) + 1
+    while total <= max_bytes:
+        ask = min(step, max_bytes + 1 - total)
+        more = read(ask)
+        parts.append(more)
+        total += len(more)
+        if len(more) < ask:  # a file or HTTP body comes up short only at its end
+            break
+        step = 1 << 20  # it grew past what was announced: go on in small steps
+    if total > max_bytes:
+        raise too_large_error(where, None, max_bytes)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:

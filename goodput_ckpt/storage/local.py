@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointError
 from .base import (
     SMALL_FILE_LIMIT,
+    read_capped,
     Buffer,
     StoreTraits,
     check_relative_name,
@@ -347,21 +348,7 @@ class LocalStore:
             if st.st_size > max_bytes:
                 raise too_large_error(path, st.st_size, max_bytes)
             with open(fd, "rb", closefd=False) as f:
-                # read(n) reserves n bytes up front: ask for the size fstat gave (plus one, to see
-                # growth), then, only if the file grew since, the rest in bounded steps.
-                want = st.st_size + 1
-                data = f.read(want)
-                if len(data) == want:
-                    parts, total = [data], len(data)
-                    while total <= max_bytes:
-                        more = f.read(min(1 << 20, max_bytes + 1 - total))
-                        if not more:
-                            break
-                        parts.append(more)
-                        total += len(more)
-                    data = b"".join(parts)
-            if len(data) > max_bytes:
-                raise too_large_error(path, None, max_bytes)
+                data = read_capped(f.read, path, max_bytes, expected=st.st_size)  # it may have grown
             return data
         except OSError as e:
             raise os_error(e, "reading", path) from e

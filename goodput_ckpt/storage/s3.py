@@ -49,6 +49,7 @@ from ._s3_stale import abort_stale_uploads
 from ._s3_upload import S3Sink, crc32_b64
 from .base import (
     SMALL_FILE_LIMIT,
+    read_capped,
     StoreTraits,
     check_relative_name,
     committed_elsewhere_error,
@@ -261,18 +262,10 @@ class S3Store:
             if (size is not None and size > max_bytes) or int(resp.get("ContentLength") or 0) > max_bytes:
                 body.close()
                 raise too_large_error(self.where(key), size, max_bytes)
-            # read(n) reserves n bytes up front (http.client): read what was announced, in steps.
-            parts, total = [], 0
-            while total <= max_bytes:
-                more = body.read(min(8 << 20, max_bytes + 1 - total))
-                if not more:
-                    break
-                parts.append(more)
-                total += len(more)
-            body.close()
-            data = b"".join(parts)
-            if len(data) > max_bytes:  # a server that ignored the Range
-                raise too_large_error(self.where(key), size, max_bytes)
+            try:  # the Range bounds it too; a server that ignored it is refused here
+                data = read_capped(body.read, self.where(key), max_bytes, expected=int(resp.get("ContentLength") or 0))
+            finally:
+                body.close()
             return data
 
         return self.call("reading", key, get)

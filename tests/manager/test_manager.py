@@ -9,12 +9,12 @@ import logging
 import os
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from helpers.wait import wait_until
 
 from goodput_ckpt import (
     CheckpointError,
@@ -172,8 +172,7 @@ def test_background_failure_is_logged_exposed_and_raised_at_wait(tmp_path, caplo
     with caplog.at_level(logging.ERROR, logger="goodput_ckpt.manager"):
         mgr.save(2, model=model, optimizer=opt)  # returns: the failure happens in the background
         mgr.save(3, model=model, optimizer=opt)  # training goes on; this one succeeds
-        while mgr.in_flight_step is not None:
-            time.sleep(0.01)
+        wait_until(lambda: mgr.in_flight_step is None, what="the background saves to finish")
     assert mgr.steps() == [1, 3]
     assert isinstance(mgr.last_error, CheckpointError) and "not a directory" in str(mgr.last_error)
     assert seen and seen[0][0] == 2 and seen[0][1] is mgr.last_error

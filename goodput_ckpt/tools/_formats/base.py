@@ -84,6 +84,29 @@ class Box:
     read: Callable[[int, int, memoryview], None]
 
 
+class OpenFiles:
+    """A store's data files, each opened once on first use and shared by every reader thread
+    (a ``FileSource`` is thread-safe); :meth:`close` closes them all."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()  # worker threads open files lazily
+
+    def get(self, name: str) -> Any:
+        with self._lock:
+            src = self._open.get(name)
+            if src is None:
+                src = self._open[name] = self._store.open_source(name)
+            return src
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = list(self._open.values()), {}
+        for src in opened:
+            src.close()
+
+
 class Source(ABC):
     """An open input checkpoint of any format (see the module docstring).
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import threading
 from functools import partial
 from typing import Any
 
@@ -34,7 +33,7 @@ from ...dcp.untrusted_load import check_inflation
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map
+from .base import Box, LoadingCache, ObjectMeta, OpenFiles, Source, TensorMeta, ordered_map
 from .dcp_metadata import check_claims, load_metadata, storage_info
 from .input_checks import read_small_capped
 from .sequential_sink import SequentialSink
@@ -98,8 +97,7 @@ class DcpSource(Source):
                 raise IncompleteCheckpointError(f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri)
             raise CheckpointNotFoundError(f"no DCP checkpoint at {store.uri}", path=store.uri)
         self.md = load_metadata(data, f"{store.uri}/{METADATA_NAME}", trust_pickle)
-        self._sources: dict[str, FileSource] = {}
-        self._open_lock = threading.Lock()  # guards _sources: worker threads open files lazily
+        self._files = OpenFiles(store)
         self._cache = LoadingCache(1, self._decode)  # shards that cannot be read in place
         self._places: dict[str, list[tuple[str, int] | None]] = {}
         check_claims(self.md, self._store, METADATA_NAME)
@@ -126,13 +124,6 @@ class DcpSource(Source):
     def _info(self, index: _md.MetadataIndex) -> Any:
         return storage_info(self.md, index)
 
-    def _source(self, name: str) -> FileSource:
-        with self._open_lock:
-            src = self._sources.get(name)
-            if src is None:
-                src = self._sources[name] = self._store.open_source(name)
-            return src
-
     def boxes(self, key: str) -> list[Box]:
         smd = self.md.state_dict_metadata[key]
         places = self._places.get(key)
@@ -144,7 +135,7 @@ class DcpSource(Source):
     def _archive(self, key: str, i: int) -> tuple[Any, io.BufferedReader]:
         chunk = self.md.state_dict_metadata[key].chunks[i]
         info = self._info(_md.MetadataIndex(key, chunk.offsets))
-        return info, io.BufferedReader(_RangeFile(self._source(info.relative_path), info.offset, info.length))
+        return info, io.BufferedReader(_RangeFile(self._files.get(info.relative_path), info.offset, info.length))
 
     def _load(self, key: str, i: int, **kw: Any) -> tuple[Any, torch.Tensor]:
         info, f = self._archive(key, i)
@@ -190,23 +181,21 @@ class DcpSource(Source):
     def _read(self, key: str, i: int, es: int, where: tuple[str, int] | None, lo: int, hi: int, out: memoryview) -> None:
         if where is not None:
             name, base = where
-            self._source(name).read_into(base + lo * es, [out])
+            self._files.get(name).read_into(base + lo * es, [out])
         else:
             out[:] = self._cache.get((key, i))[lo * es : hi * es]
 
     def object_bytes(self, key: str) -> bytes:
         info = self._info(_md.MetadataIndex(key))
         buf = bytearray(info.length)
-        self._source(info.relative_path).read_into(info.offset, [buf])
+        self._files.get(info.relative_path).read_into(info.offset, [buf])
         return bytes(buf)
 
     def object_value(self, key: str) -> Any:
         return decode_torch_save(self.object_bytes(key), key, self.trust_pickle)
 
     def close(self) -> None:
-        for src in self._sources.values():
-            src.close()
-        self._sources.clear()
+        self._files.close()
         self._cache.clear()
         self._places.clear()
 

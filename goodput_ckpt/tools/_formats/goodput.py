@@ -41,9 +41,9 @@ from ...errors import CheckpointError, IncompleteCheckpointError
 from ...format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.manifest import FORMAT_VERSION, ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
-from ...storage import FileSource, Store
+from ...storage import Store
 from .._common import NO_PROGRESS, Progress
-from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc
+from .base import Box, LoadingCache, ObjectMeta, OpenFiles, Source, TensorMeta, alloc
 
 __all__ = ["GoodputSource", "WriteSummary", "dim0_regions", "write_goodput"]
 
@@ -59,20 +59,12 @@ class _VerifiedRanges:
         self._manifest = manifest
         self._verify = verify
         self._keys = KeyIndex(manifest)
-        self._sources: dict[str, FileSource] = {}
+        self._files = OpenFiles(store)
         self._cache = LoadingCache(cache_chunks, self._load_chunk)
-        self._open_lock = threading.Lock()  # guards _sources
-
-    def _source(self, name: str) -> FileSource:
-        with self._open_lock:
-            src = self._sources.get(name)
-            if src is None:
-                src = self._sources[name] = self._store.open_source(name)
-            return src
 
     def _fill(self, name: str, offset: int, out: memoryview) -> None:
         try:
-            self._source(name).read_into(offset, [out])
+            self._files.get(name).read_into(offset, [out])
         except IncompleteCheckpointError as e:  # the file shrank or vanished after the size check
             lo, hi = offset, offset + out.nbytes
             raise short_read_error(e, self._keys.joined(name, lo, hi), (lo, hi)) from e
@@ -120,9 +112,7 @@ class _VerifiedRanges:
             pos = stop
 
     def close(self) -> None:
-        for src in self._sources.values():
-            src.close()
-        self._sources.clear()
+        self._files.close()
         self._cache.clear()
 
 
