@@ -4,7 +4,8 @@ The suite is ``tests/faults`` (SIGKILL at random instants on local disk, S3 and 
 volume; full disks and file-size limits; S3 faults through a loopback proxy; random corruption
 at rest; two writers and a racing reader), plus the hostile-manifest corpus
 (``tests/format/test_manifest_hostile.py``) and the S3 fault tests of the store
-(``tests/storage/test_s3_faults.py``). It runs here, in this process, through pytest; slow
+(``tests/storage/test_s3_faults.py``), and the hostile-input and destructive-path tests
+(``HOSTILE`` below; ``--hostile`` runs only them). It runs here, in this process, through pytest; slow
 tests included unless ``--quick``.
 
 Where the rows come from: each scenario of ``tests/faults`` appends its own line to a JSON-lines
@@ -48,6 +49,25 @@ FROM_OUTCOMES = {
     "tests/storage/test_s3_faults.py": (
         "S3 faults: 503, 500, resets, stalls, cut bodies; count and probability [tests]", "s3 (moto)"),
 }
+#: Hostile inputs and destructive paths (issue 16): one row per module, from its test outcomes;
+#: ``--hostile`` runs only these.
+HOSTILE = {
+    "tests/storage/test_no_escape.py": ("hostile: links inside a location; overwrite deletes only what it owns [tests]", "local"),
+    "tests/tools/test_destination_alias.py": ("hostile: destination an alias of the source (link, bind mount, .., nested) [tests]", "local"),
+    "tests/tools/test_hostile_verdicts.py": ("hostile: corpus through verify, inspect and dcp.load, one verdict [tests]", "local"),
+    "tests/format/test_tiling.py": ("hostile: adversarial chunk tilings (staircase), bounded work [tests]", "format"),
+    "tests/format/test_parse_memory.py": ("hostile: parse memory per manifest byte bounded [tests]", "format"),
+    "tests/tools/test_verify.py": ("hostile: verify buffers bounded by file sizes; verify verdicts [tests]", "local"),
+    "tests/tools/test_formats_dcp_fs.py": ("hostile: DCP .metadata claims, pickles passed through [tests]", "local"),
+    "tests/tools/test_formats_safetensors.py": ("hostile: safetensors headers as the reference library judges [tests]", "local"),
+    "tests/dcp/test_untrusted_load.py": ("hostile: deflate bombs, refused pickles named [tests]", "local"),
+    "tests/cli/test_cli_errors.py": ("hostile: no tracebacks, data errors exit 1 [tests]", "cli"),
+    "tests/cli/test_cli_escaping.py": ("hostile: control characters escaped in human output [tests]", "cli"),
+    "tests/storage/test_redact.py": ("hostile: credentials in URLs never echoed [tests]", "all"),
+    "tests/storage/test_contract.py": ("hostile: capped small reads, one error type per event [tests]", "all"),
+}
+FROM_OUTCOMES.update(HOSTILE)
+SUITE += list(HOSTILE)
 COLUMNS = ("scenario", "backend", "trials", "faults_injected", "detected_or_recovered", "data_lost")
 HEADERS = ("scenario", "backend", "trials", "faults injected", "detected or recovered", "data lost")
 
@@ -130,6 +150,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true", help="leave out the tests marked slow")
     ap.add_argument("--json", type=Path, help="also write the rows and the outcomes to this file")
     ap.add_argument("-k", dest="keyword", help="only the tests pytest -k selects")
+    ap.add_argument("--hostile", action="store_true", help="only the hostile-input and destructive-path tests")
     args = ap.parse_args(argv)
     trials = args.trials or (100 if args.long else 30)
     if trials < 1:
@@ -140,7 +161,7 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     log = Path(tempfile.mkdtemp(prefix="goodput-reliability-")) / "results.jsonl"
     os.environ[LOG_ENV], os.environ[TRIALS_ENV] = str(log), str(trials)
-    pytest_args = [*SUITE, "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    pytest_args = [*(HOSTILE if args.hostile else SUITE), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     if args.quick:
         pytest_args += ["-m", "not slow"]
     if args.keyword:
