@@ -9,10 +9,14 @@ per repeat:
 - ``stream``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
   Python, ``--seq-len`` tokens each, read in blocks of 8 MiB through ``open_store``, ``--read-ahead`` blocks in flight (the defaults).
 
-The ratio is plain seconds / stream seconds (1.0: the stream costs nothing over the read). Local
-files are read from the page cache after a first untimed pass (the machine cannot drop caches), so
-the local figure is the stream's CPU overhead at its most visible. S3 runs against a SeaweedFS
-server on 127.0.0.1 (the recipe of ``tests/_s3.py``), which shares the 2 cores.
+The ratio is plain seconds / stream seconds (1.0: the stream costs nothing over the read), per
+repeat; the report gives min/median/max over repeats, the order the methods ran in (alternating)
+and the load average. Local files are read cold by default (``--cache cold``: each file's pages
+are evicted with ``posix_fadvise(DONTNEED)`` before every timed pass, as a training job reads
+shards it has not read yet); ``--cache warm`` reads them from the page cache, where the plain
+read is a memory copy and the figure is the stream's Python overhead at its most visible. S3 runs
+against a SeaweedFS server on 127.0.0.1 (the recipe of ``tests/helpers/s3.py``), which shares
+the 2 cores.
 
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/bench_tokens.py --size 512MiB --shards 4 --repeats 3 [--s3]``
 """
@@ -32,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS recipe
 
 from goodput_ckpt.data import TokenStream  # noqa: E402
+from goodput_ckpt.tools._bench_scratch import evict_page_cache  # noqa: E402
 
 PIECE = 8 << 20
 
@@ -71,6 +76,21 @@ def _plain_s3(client, bucket: str, prefix: str, names: list[str]) -> tuple[float
     return time.perf_counter() - t0, total
 
 
+def _iteration_floor(n: int, seq_len: int) -> float:
+    """Seconds to iterate ``n`` sequence views of an in-memory tensor (median of 3): what any
+    iterable yielding one tensor per sequence costs in Python before it reads a byte."""
+    import torch
+
+    rows = torch.zeros((n, seq_len), dtype=torch.uint16)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _row in rows.unbind(0):
+            pass
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="256MiB")
@@ -79,6 +99,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--read-ahead", type=int, default=8, help="TokenStream read_ahead (blocks in flight)")
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
+    ap.add_argument("--cache", choices=("cold", "warm"), default="cold", help="local files: evicted before each pass, or cached")
     a = ap.parse_args(argv)
     per = _size(a.size) // a.shards // (a.seq_len * 2) * (a.seq_len * 2)
     rng = np.random.default_rng(0)
@@ -89,7 +110,20 @@ def main(argv: list[str]) -> int:
         for name in names:
             (root / name).write_bytes(rng.integers(0, 50257, per // 2, dtype=np.uint16).tobytes())
         mib = per * a.shards / (1 << 20)
-        targets = [("local", lambda: _plain_local(root, names), lambda: _stream_seconds(str(root), names, a.seq_len, a.read_ahead, {}))]
+        def cold(fn):
+            def run():
+                if a.cache == "cold":
+                    for name in names:
+                        evict_page_cache(str(root / name))
+                return fn()
+
+            return run
+
+        targets = [(
+            f"local ({a.cache})",
+            cold(lambda: _plain_local(root, names)),
+            cold(lambda: _stream_seconds(str(root), names, a.seq_len, a.read_ahead, {})),
+        )]  # fmt: skip
         server = None
         if a.s3:
             import boto3
@@ -109,17 +143,25 @@ def main(argv: list[str]) -> int:
             ))  # fmt: skip
         try:
             for label, plain, stream in targets:
-                plain(), stream()  # warm: page cache, connections
-                ps, ss = [], []
+                plain(), stream()  # warm-up: imports, connections
+                ps, ss, order = [], [], []
                 for r in range(a.repeats):
                     for kind in (("plain", "stream") if r % 2 == 0 else ("stream", "plain")):
                         secs, nbytes = (plain if kind == "plain" else stream)()
                         assert nbytes == per * a.shards, (kind, nbytes)
                         (ps if kind == "plain" else ss).append(secs)
-                p, s = statistics.median(ps), statistics.median(ss)
+                        order.append(kind[0])
+                ratios = sorted(p / s for p, s in zip(ps, ss))
+                floor = _iteration_floor(per * a.shards // (a.seq_len * 2), a.seq_len)
+                p, s_ = statistics.median(ps), statistics.median(ss)
                 print(
                     f"{label}: {mib:.0f} MiB in {a.shards} shards, seq_len {a.seq_len}: plain {mib / p:.0f} MiB/s, "
-                    f"stream {mib / s:.0f} MiB/s, ratio {p / s:.2f}x (median of {a.repeats})",
+                    f"stream {mib / s_:.0f} MiB/s (medians); ratio per repeat min {ratios[0]:.2f}x / median "
+                    f"{statistics.median(ratios):.2f}x / max {ratios[-1]:.2f}x over {a.repeats} repeats; "
+                    f"order {''.join(order)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+                    f"the floor of any per-sequence iterator (views of an in-memory tensor, no I/O): "
+                    f"{floor * 1e6 / (per * a.shards // (a.seq_len * 2)):.2f} us/sequence, so at most "
+                    f"{p / (p + floor):.2f}x of this plain read",
                     flush=True,
                 )
         finally:
