@@ -86,6 +86,11 @@ class CheckpointExistsError(CheckpointError):
     """A save targets a location that already holds a committed checkpoint."""
 
 
+#: How a Python caller replaces an existing checkpoint; the one wording of it in messages, so
+#: that the CLI can show its own option in its place (``--overwrite``) instead of both.
+OVERWRITE_HINT = "pass overwrite=True to replace it"
+
+
 class CheckpointNotFoundError(CheckpointError):
     """Nothing resembling a checkpoint exists at the location."""
 

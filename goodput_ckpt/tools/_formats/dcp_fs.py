@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 
 from ...dcp.untrusted_load import check_inflation
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, OVERWRITE_HINT
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, ordered_map
@@ -250,7 +250,7 @@ def write_dcp(
     store.prepare()
     if store.read_small(METADATA_NAME) is not None:
         if not overwrite:
-            raise CheckpointExistsError(f"{store.uri} already holds a DCP checkpoint; pass --overwrite (overwrite=True) to replace it", path=store.uri)
+            raise CheckpointExistsError(f"{store.uri} already holds a DCP checkpoint; {OVERWRITE_HINT}", path=store.uri)
         store.delete(METADATA_NAME)  # first: from here on the old checkpoint is visibly incomplete
     for name in store.list():
         if _DATA_FILE.match(name):

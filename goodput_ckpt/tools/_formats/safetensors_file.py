@@ -23,7 +23,7 @@ import struct
 from functools import partial
 from typing import Any
 
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, OVERWRITE_HINT
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
@@ -330,7 +330,7 @@ def _clear(store: Store, single: str | None, names: list[str], overwrite: bool) 
         existing = [n for n in names if store.size(n) is not None]
     if existing and not overwrite:
         raise CheckpointExistsError(
-            f"{store.uri} already holds {', '.join(existing[:4])}; pass --overwrite (overwrite=True) to replace",
+            f"{store.uri} already holds {', '.join(existing[:4])}; {OVERWRITE_HINT}",
             path=store.uri,
         )
     # The index goes first, so a crash leaves no index that points at half-written shards.
