@@ -52,3 +52,10 @@ def test_shard_size_with_a_single_safetensors_file_is_refused(sample_ckpt, tmp_p
     code, _, err = run("convert", sample_ckpt[0], tmp_path / "m.safetensors", "--to", "safetensors", "--shard-size", "1MB")
     assert code == EXIT_USAGE and "single .safetensors file" in err
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_memory_destination_is_refused_from_the_cli(sample_ckpt):
+    code, _, err = run("convert", sample_ckpt[0], "memory://out/x", "--to", "goodput")
+    assert code == EXIT_USAGE and "vanish" in err
+    code, _, err = run("reshard", sample_ckpt[0], "memory://out/y", "--world-size", "1")
+    assert code == EXIT_USAGE and "vanish" in err
