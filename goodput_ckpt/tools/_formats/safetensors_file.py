@@ -18,6 +18,7 @@ Layouts:
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import struct
 from functools import partial
@@ -64,11 +65,15 @@ class SafetensorsSource(Source):
         self.uri = store.uri if len(files) != 1 else f"{store.uri.rstrip('/')}/{files[0]}"
         self._store = store
         self._sources: dict[str, FileSource] = {}
-        self._where: dict[str, tuple[str, int]] = {}  # key -> (file, absolute byte offset)
+        # key -> its stored parts: (file, absolute byte offset, offsets in the tensor, sizes). One
+        # whole part, except for torch's distributed HF output (see _sharding_info).
+        self._where: dict[str, list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]] = {}
         self._objects: dict[str, Any] = {}
+        self._partial: set[str] = set()  # keys stored as parts (torch's distributed HF output)
         try:
             for name in files:
                 self._read_header(name)
+            self.check_parts()
             if sidecar is not None:
                 data = read_small_capped(store, sidecar, MAX_SIDECAR_BYTES, "sidecar")
                 if data is not None:
@@ -100,6 +105,7 @@ class SafetensorsSource(Source):
         raw = bytearray(n)
         src.read_into(8, [raw])
         header = _parse_header(bytes(raw), where)
+        sharding = _sharding_info(header.pop("__metadata__", None), where)
         base = 8 + n
         entries = []
         pos = 0
@@ -116,22 +122,50 @@ class SafetensorsSource(Source):
                     key=key,
                 )
             pos = end
-            if key in self.items:
+            part_of = sharding.get(key)
+            if key in self.items and (part_of is None or key not in self._partial):
                 raise CorruptCheckpointError(f"{where}: key {key!r} appears in more than one file", path=where, key=key)
-            entries.append((begin, key, meta))
+            if part_of is not None and len(part_of) != len(meta.shape):
+                raise CorruptCheckpointError(f"{where}: saved_offsets of {key!r} do not match its shape", path=where, key=key)
+            entries.append((begin, key, meta, part_of))
         if base + pos != size:
             raise CorruptCheckpointError(
                 f"{where}: the tensors cover {base + pos} of its {size} bytes; a safetensors file is exactly its header and tensors",
                 path=where,
             )
-        for begin, key, meta in sorted(entries, key=lambda x: x[0]):  # file order: sequential reads
-            self.items[key] = meta
-            self._where[key] = (name, base + begin)
+        for begin, key, meta, part_of in sorted(entries, key=lambda x: x[0]):  # file order: sequential reads
+            offsets = part_of or (0,) * len(meta.shape)
+            self._where.setdefault(key, []).append((name, base + begin, offsets, meta.shape))
+            if part_of is None:
+                self.items[key] = meta
+                continue
+            self._partial.add(key)
+            old = self.items.get(key)
+            if old is not None and old.dtype != meta.dtype:
+                raise CorruptCheckpointError(f"{where}: the parts of {key!r} disagree on its dtype", path=where, key=key)
+            shape = tuple(o + s for o, s in zip(offsets, meta.shape))
+            if old is not None:
+                shape = tuple(max(a, b) for a, b in zip(old.shape, shape))
+            self.items[key] = TensorMeta(key, meta.dtype, shape)
+
+    def check_parts(self) -> None:
+        """Raise unless the parts of every partial tensor add up to it exactly once.
+
+        Raises:
+            CorruptCheckpointError: a part is missing (a rank's file absent) or repeated.
+        """
+        for key in self._partial:
+            total = sum(math.prod(sizes) for _, _, _, sizes in self._where[key])
+            if total != self.items[key].numel:
+                raise CorruptCheckpointError(
+                    f"{self.uri}: the partial shards of {key!r} hold {total} of its {self.items[key].numel} elements: "
+                    "a rank's file of the distributed save is missing, or one is there twice",
+                    key=key,
+                )
 
     def boxes(self, key: str) -> list[Box]:
-        meta = self.items[key]
-        name, offset = self._where[key]
-        return [Box((0,) * len(meta.shape), tuple(meta.shape), partial(self._read, name, offset, meta.itemsize))]
+        es = self.items[key].itemsize
+        return [Box(offsets, sizes, partial(self._read, name, offset, es)) for name, offset, offsets, sizes in self._where[key]]
 
     def _read(self, name: str, offset: int, es: int, lo: int, hi: int, out: memoryview) -> None:
         self._sources[name].read_into(offset + lo * es, [out])
@@ -171,10 +205,12 @@ def _parse_header(raw: bytes, where: str) -> dict[str, dict[str, Any]]:
         raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})", path=where) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: the header is not a JSON object", path=where)
-    extra = header.pop("__metadata__", None)
+    extra = header.get("__metadata__")
     if extra is not None and not (isinstance(extra, dict) and all(isinstance(v, str) for v in extra.values())):
         raise CorruptCheckpointError(f"{where}: '__metadata__' must map names to strings", path=where)
     for key, e in header.items():
+        if key == "__metadata__":
+            continue
         ok = (
             isinstance(e, dict)
             and e.get("dtype") in _FROM_ST
@@ -191,6 +227,34 @@ def _parse_header(raw: bytes, where: str) -> dict[str, dict[str, Any]]:
                 key=key,
             )
     return header
+
+
+#: Where torch's ``HuggingFaceStorageWriter(save_distributed=True)`` records each part's place.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def _sharding_info(extra: dict[str, str] | None, where: str) -> dict[str, tuple[int, ...]]:
+    """key -> offsets in the full tensor of the parts a distributed HF save stored in this file.
+
+    Why: with ``save_distributed=True`` every rank writes its own shard of a tensor under the
+    tensor's name, in its own file, and records where the shard starts in ``__metadata__``
+    (``{"DCP_SHARDING_INFO": '{"key": {"saved_offsets": [...]}}'}``); torch's reader merges
+    them, and so does convert. Empty for ordinary files.
+
+    Raises:
+        CorruptCheckpointError: the sharding record is malformed.
+    """
+    text = (extra or {}).get(DCP_SHARDING_KEY)
+    if text is None:
+        return {}
+    try:
+        doc = json.loads(text)
+        out = {k: tuple(v["saved_offsets"]) for k, v in doc.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: '{DCP_SHARDING_KEY}' is malformed ({e!r})", path=where) from None
+    if not all(_u64_list(list(o)) for o in out.values()):
+        raise CorruptCheckpointError(f"{where}: '{DCP_SHARDING_KEY}' offsets must be unsigned integers", path=where)
+    return out
 
 
 def _u64_list(v: Any) -> bool:
