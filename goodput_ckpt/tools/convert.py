@@ -43,7 +43,8 @@ from ._formats.select import SelectedSource
 from ._formats.input_checks import check_planner_data
 from ._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from ._formats.goodput import GoodputSource, write_goodput
-from ._formats.safetensors_file import open_safetensors, split_file_uri, write_safetensors
+from ._formats.safetensors_file import open_safetensors, split_file_uri
+from ._formats.safetensors_write import write_safetensors
 from ._formats.torch_file import TorchSource, write_torch
 
 __all__ = ["FORMATS", "ConvertReport", "convert_checkpoint", "detect_format", "open_source"]
