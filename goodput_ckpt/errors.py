@@ -11,6 +11,9 @@ message are kept in its ``failures`` mapping. :func:`find_checkpoint_error` digs
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 __all__ = [
     "CheckpointError",
     "IncompleteCheckpointError",
@@ -21,7 +24,15 @@ __all__ = [
     "TopologyChangeError",
     "as_checkpoint_error",
     "find_checkpoint_error",
+    "remember_swallowed",
 ]
+
+#: Errors whose type torch drops (see :func:`remember_swallowed`): message -> a copy without
+#: its traceback (frames would keep tensors alive), the newest last. Bounded: only the errors
+#: of the last few failed loads can still be asked about.
+_SWALLOWED: OrderedDict[str, CheckpointError] = OrderedDict()
+_SWALLOWED_MAX = 32
+_SWALLOWED_LOCK = threading.Lock()  # loads on several threads remember errors concurrently
 
 
 class CheckpointError(Exception):
@@ -75,6 +86,11 @@ class CheckpointExistsError(CheckpointError):
     """A save targets a location that already holds a committed checkpoint."""
 
 
+#: How a Python caller replaces an existing checkpoint; the one wording of it in messages, so
+#: that the CLI can show its own option in its place (``--overwrite``) instead of both.
+OVERWRITE_HINT = "pass overwrite=True to replace it"
+
+
 class CheckpointNotFoundError(CheckpointError):
     """Nothing resembling a checkpoint exists at the location."""
 
@@ -98,8 +114,22 @@ def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
     """Return the first :class:`CheckpointError` inside ``exc``, or ``None``.
 
     Looks through ``__cause__``/``__context__`` chains and through the per-rank ``failures`` of
-    torch's ``CheckpointException`` (whose entries wrap the original exception).
+    torch's ``CheckpointException`` (whose entries wrap the original exception). When none is
+    there, an error whose type torch dropped (a bare ``AssertionError`` from ``dcp.load`` that
+    carries our message, see :func:`remember_swallowed`) is returned as the typed error.
     """
+    chain = list(_chain(exc))
+    for e in chain:
+        if isinstance(e, CheckpointError):
+            return e
+    texts = [str(e) for e in chain]
+    with _SWALLOWED_LOCK:
+        found = [err for msg, err in _SWALLOWED.items() if any(msg in t for t in texts)]
+    return max(found, key=lambda err: len(str(err)), default=None)
+
+
+def _chain(exc: BaseException):
+    """Every exception reachable from ``exc``, each once, ``exc`` first."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
     while stack:
@@ -107,8 +137,7 @@ def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, CheckpointError):
-            return e
+        yield e
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             for wrapped in failures.values():
@@ -118,7 +147,26 @@ def find_checkpoint_error(exc: BaseException) -> CheckpointError | None:
         for nxt in (e.__cause__, e.__context__):
             if nxt is not None:
                 stack.append(nxt)
-    return None
+
+
+def remember_swallowed(err: CheckpointError) -> None:
+    """Remember ``err`` because torch is about to drop its type.
+
+    Why: torch 2.13's ``dcp.load`` catches what ``StorageReader.read_metadata`` raises and
+    raises ``AssertionError("metadata is None; global metadata read failed: <message>")``
+    instead, with no cause or context: the message survives, the type and fields do not.
+    :func:`find_checkpoint_error` recognises a remembered message inside such an error and
+    returns the typed error (a copy, with ``path``, ``key``, ... kept).
+    """
+    message = str(err)
+    if not message:
+        return
+    copy = _rebuild_error(type(err), message, err.path, err.byte_range, err.key, err.version)
+    with _SWALLOWED_LOCK:
+        _SWALLOWED.pop(message, None)
+        _SWALLOWED[message] = copy
+        while len(_SWALLOWED) > _SWALLOWED_MAX:
+            _SWALLOWED.popitem(last=False)
 
 
 def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:

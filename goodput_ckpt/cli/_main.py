@@ -12,16 +12,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._version import __version__
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from ..storage.base import redact
-from ._output import Output, escape, to_jsonable
+from ._output import Output, StdoutClosed, escape, to_jsonable
 from ._registry import Command, load_commands
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_PIPE", "EXIT_USAGE", "build_parser", "main"]
 
 #: Exit codes: the check passed / the check (or the work) failed / usage error or nothing there.
 #: Every error is one of them with a message; --debug adds the traceback.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: stdout's reader went away (``| head``): quiet, with the status of a process killed by SIGPIPE.
+EXIT_PIPE = 128 + 13
+CLI_OVERWRITE_HINT = "pass --overwrite to replace it"
 
 _DESCRIPTION = """\
 Checkpoints that survive failures cheaply: see a training job killed and resumed bit for bit
@@ -105,7 +108,16 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
         args.options = dict(args.options)
     out = Output(json_mode=args.json, progress=not args.no_progress, stdout=out_stream, stderr=err_stream)
     try:
-        return cmd.run(args, out)
+        code = cmd.run(args, out)
+        out.flush()
+        return code
+    except StdoutClosed:
+        if out_stream is sys.stdout:
+            # Python flushes stdout again at exit and would print "Exception ignored ... Broken pipe".
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return EXIT_PIPE
     except KeyboardInterrupt:
         out.warn("interrupted")
         return 130
@@ -117,10 +129,16 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
             traceback.print_exc(file=err_stream)
         if out.json_mode:
             out.emit_json({"ok": False, "exit_code": code, "error": _error_doc(e, kind)})
-        hint = " (pass --overwrite to replace it)" if kind == "CheckpointExistsError" and hasattr(args, "overwrite") else ""
+        message, hint = _message(e, kind), ""
+        if kind == "CheckpointExistsError" and hasattr(args, "overwrite"):
+            # The library's message speaks to Python callers; a CLI user gets the option instead.
+            if OVERWRITE_HINT in message:
+                message = message.replace(OVERWRITE_HINT, CLI_OVERWRITE_HINT)
+            else:
+                hint = f" ({CLI_OVERWRITE_HINT})"
         if not _typed(e, kind) and not args.debug:
             hint += " (run with --debug for the traceback)"
-        out.warn(f"goodput-ckpt {cmd.name}: error: {escape(redact(_message(e, kind)))}{hint}")
+        out.warn(f"goodput-ckpt {cmd.name}: error: {escape(redact(message))}{hint}")
         return code
 
 

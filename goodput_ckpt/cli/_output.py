@@ -124,6 +124,11 @@ class _Bar:
                 self._bar = None
 
 
+class StdoutClosed(Exception):
+    """Whoever read stdout closed it (``goodput-ckpt inspect CKPT | head -1``): the command
+    stops quietly, as Unix tools do (exit 141, the status of a process killed by SIGPIPE)."""
+
+
 class Output:
     """Where a command's results go: text or ``--json`` on stdout, messages on stderr.
 
@@ -146,12 +151,24 @@ class Output:
         return NO_PROGRESS
 
     def emit_json(self, obj: Any) -> None:
-        self.stdout.write(json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
-        self.stdout.flush()
+        self._write(json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n", flush=True)
 
     def print(self, text: str = "") -> None:
         """One or more lines of text, terminal controls escaped (:func:`escape`)."""
-        self.stdout.write(escape(text, keep_newlines=True) + "\n")
+        self._write(escape(text, keep_newlines=True) + "\n")
+
+    def flush(self) -> None:
+        self._write("", flush=True)
+
+    def _write(self, text: str, *, flush: bool = False) -> None:
+        # Only stdout's own broken pipe means "the reader left"; one from a socket (S3) is an error.
+        try:
+            if text:
+                self.stdout.write(text)
+            if flush:
+                self.stdout.flush()
+        except BrokenPipeError as e:
+            raise StdoutClosed("the reader of stdout went away") from e
 
     def warn(self, text: str) -> None:
         self.stderr.write(escape(text, keep_newlines=True) + "\n")

@@ -40,7 +40,8 @@ COMMAND = Command(
         "List the step_XXXXXXXX checkpoints under a CheckpointManager root with their step,\n"
         "creation time, size and status: complete, incomplete (no manifest: a save running, failed\n"
         "or interrupted) or corrupt (bad manifest). With --verify every complete checkpoint is\n"
-        "verified too, and damaged ones show as corrupt (exit status 1)."
+        "verified too, and damaged ones show as corrupt (exit status 1). Hand-written step_N\n"
+        "directories are listed too. A root that is missing or holds no step directory: exit 2."
     ),
     examples=("goodput-ckpt ls /ckpt", "goodput-ckpt ls /ckpt --verify", "goodput-ckpt ls s3://bucket/run7 --json"),
     configure=_configure,

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import blake3
 
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, OVERWRITE_HINT
 from ..format.commit_record import COMMITTED, MISSING, TORN, file_problems, read_commit_record
 from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import Store
@@ -232,8 +232,7 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
         return
     if not overwrite:  # damaged, or a version this library does not know: still a checkpoint
         raise CheckpointExistsError(
-            f"{store.uri} already holds a committed checkpoint; pass overwrite=True to "
-            "replace it or save to a new location",
+            f"{store.uri} already holds a committed checkpoint; {OVERWRITE_HINT} or save to a new location",
             path=store.uri,
         )
     # Decide what belongs to the old checkpoint before anything is deleted: a file it lists, that

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ..errors import CheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, IncompleteCheckpointError, remember_swallowed
 from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
@@ -152,7 +152,13 @@ class CheckpointReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         # Collective when a process group exists: one rank reads, the others receive it.
-        self._manifest = load_shared(lambda: load_manifest(self._store), group=self.process_group, enabled=self._shares_manifest())
+        try:
+            self._manifest = load_shared(lambda: load_manifest(self._store), group=self.process_group, enabled=self._shares_manifest())
+        except CheckpointError as e:
+            # torch 2.13's dcp.load re-raises this as a bare AssertionError that keeps only the
+            # message; remembered so that find_checkpoint_error can give the typed error back.
+            remember_swallowed(e)
+            raise
         self._chunk_cache = {}
         return to_dcp_metadata(self._manifest)
 

@@ -44,6 +44,7 @@ __all__ = [
     "bad_chunks",
     "checksum_error",
     "file_problems",
+    "foreign_layout_message",
     "no_record_message",
     "parse_commit_record",
     "read_commit_record",
@@ -98,6 +99,40 @@ def no_record_message(uri: str, file_count: int) -> str:
     )
 
 
+#: torch DCP's commit record (``FileSystemWriter``), here only to recognise its layout.
+_DCP_METADATA = ".metadata"
+
+
+def foreign_layout_message(uri: str, names: Collection[str]) -> str | None:
+    """What a location without our commit record is, when its files are a layout we know
+    (the one home of this recognition); ``None`` when they look like an interrupted save.
+
+    Why: a complete stock DCP checkpoint, a Hugging Face safetensors directory or a manager
+    root has files and no ``manifest.json`` at its top, just like a save of ours that never
+    committed. Calling them "never committed" would make a script conclude a good
+    checkpoint is broken; the message says what they are and what reads them.
+    """
+    top = [n for n in names if "/" not in n]
+    if _DCP_METADATA in top:
+        return (
+            f"{uri} is a torch DCP checkpoint (FileSystemWriter layout: {_DCP_METADATA} and .distcp files), not a "
+            "goodput-ckpt one: load it with dcp.load(..., storage_reader=FileSystemReader(path)), or convert it: "
+            "goodput-ckpt convert SRC DST --to goodput"
+        )
+    if any(n.endswith(".safetensors") for n in top):
+        return (
+            f"{uri} is a safetensors directory (Hugging Face layout), not a goodput-ckpt checkpoint: load it with "
+            "safetensors or from_pretrained, or convert it: goodput-ckpt convert SRC DST --to goodput"
+        )
+    subdirs = sorted({n.split("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + MANIFEST_NAME)})
+    if subdirs:
+        return (
+            f"{uri} holds checkpoints in sub-directories ({', '.join(subdirs[:3])}{', ...' if len(subdirs) > 3 else ''}), "
+            "it is not one itself (a CheckpointManager root?): list them with goodput-ckpt ls and pass one of them"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class CommitRecord:
     """What :func:`read_commit_record` found (see the module docstring for ``status``).
@@ -108,6 +143,8 @@ class CommitRecord:
         error: why the record is not a commit (``torn``, ``corrupt``, ``unsupported``).
         file_count: files at the location (``missing`` only).
         record_bytes: the record's size (0 when missing).
+        foreign: what the location is instead, when it is a layout of another tool or a
+            manager root (``missing`` only; :func:`foreign_layout_message`).
     """
 
     status: str
@@ -116,9 +153,12 @@ class CommitRecord:
     error: CheckpointError | None = None
     file_count: int = 0
     record_bytes: int = 0
+    foreign: str | None = None
 
     @property
     def message(self) -> str:
+        if self.foreign is not None:
+            return self.foreign
         if self.status == MISSING:
             return no_record_message(self.uri, self.file_count) if self.file_count else f"no checkpoint at {self.uri}"
         return str(self.error) if self.error is not None else "committed"
@@ -127,7 +167,8 @@ class CommitRecord:
         """The manifest of a committed record; otherwise the error that says why there is none.
 
         Raises:
-            CheckpointNotFoundError: nothing is stored at the location.
+            CheckpointNotFoundError: nothing is stored at the location, or another tool's
+                checkpoint or a manager root is (``foreign``).
             IncompleteCheckpointError: files but no record, or a torn record.
             CorruptCheckpointError: a damaged record.
             CheckpointError: an unsupported version (``version`` says which).
@@ -136,6 +177,8 @@ class CommitRecord:
             return self.manifest
         if self.error is not None:
             raise self.error
+        if self.foreign is not None:
+            raise CheckpointNotFoundError(self.foreign, path=self.uri)
         if self.file_count:
             raise IncompleteCheckpointError(f"{self.message}. Load an earlier checkpoint.", path=self.uri)
         raise CheckpointNotFoundError(self.message, path=self.uri)
@@ -168,8 +211,9 @@ def read_commit_record(
     if data is None:
         if listing is None and count_files:
             names = store.list()
-            listing = [n for n in names if n.startswith(f"{directory}/")] if directory else names
-        return CommitRecord(MISSING, uri, file_count=len(listing or ()))
+            listing = [n[len(directory) + 1 :] for n in names if n.startswith(f"{directory}/")] if directory else names
+        foreign = foreign_layout_message(uri, listing) if listing else None
+        return CommitRecord(MISSING, uri, file_count=len(listing or ()), foreign=foreign)
     try:
         manifest = parse_commit_record(store, name, data, lambda d: parse_manifest(d, location=uri))
     except IncompleteCheckpointError as e:

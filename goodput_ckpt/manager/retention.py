@@ -18,12 +18,13 @@ while no other save of the same job runs:
 from __future__ import annotations
 
 import logging
+import os
 
 from ..errors import CheckpointError
 from ..format.commit_record import MISSING, TORN, read_commit_record, records_are_atomic
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
-from .step_layout import list_step_dirs, step_dir_name
+from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
 
 __all__ = ["StepScan", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
 
@@ -104,7 +105,34 @@ def clean_before_restore(root: Store, *, keep_last: int | None) -> int | None:
         except CheckpointError as e:
             logger.warning("could not remove the checkpoint of step %d: %s", s, e)
     _abort_orphaned_uploads(root)
+    _remove_empty_step_dirs(root)
     return scan.latest
+
+
+def _remove_empty_step_dirs(root: Store) -> None:
+    """Remove step directories left empty on local disk and volumes.
+
+    Why: deleting a step removes its files, and the local store then removes the directory
+    they emptied. A process killed between the two (retention cut short by SIGKILL) leaves
+    an empty ``step_N`` directory; listings show only files, so no scan ever sees it, and
+    nothing else would remove it. Stores without directories (S3) have nothing to remove.
+    ``os.rmdir`` removes only empty directories, and links are never followed.
+    """
+    base = root.traits.local_path
+    if base is None or not os.path.isdir(base):
+        return
+    try:
+        entries = [e for e in os.scandir(base) if parse_step_dir(e.name) is not None and e.is_dir(follow_symlinks=False)]
+    except OSError as e:
+        logger.warning("could not look for empty step directories under %s: %s", root.uri, e)
+        return
+    for entry in entries:
+        for dirpath, _, _ in os.walk(entry.path, topdown=False):  # innermost first; links not followed
+            try:
+                os.rmdir(dirpath)
+                logger.info("removed the empty directory %s (a deletion cut short)", dirpath)
+            except OSError:
+                pass  # not empty: a step with files, which the scan handles
 
 
 def _abort_orphaned_uploads(root: Store) -> None:

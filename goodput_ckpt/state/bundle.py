@@ -41,7 +41,7 @@ from .dataloader import (
     elastic_sampler_of,
     encode_dataloader_state,
 )
-from .modules import ModelSet
+from .modules import ModelSet, tied_keys
 from .rng import capture_rng, derive_rng, describe_rng, restore_rng
 
 __all__ = [
@@ -121,6 +121,8 @@ def build_save_state(
         "stateful": sorted(stateful),
         "rng": None,
         "dataloader": None,
+        # Tied weights, {alias key: kept key}: the export to Hugging Face writes them once.
+        "tied": tied_keys(msd, MODEL),
     }
     if save_rng:
         rng = capture_rng()

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["ModelSet", "normalize"]
+__all__ = ["ModelSet", "normalize", "tied_keys"]
 
 
 class ModelSet:
@@ -123,3 +124,41 @@ def _optimizer_list(value: Any, what: str) -> list[torch.optim.Optimizer]:
     if isinstance(items, (list, tuple)) and items and all(isinstance(o, torch.optim.Optimizer) for o in items):
         return list(items)
     raise TypeError(f"{what} must be an Optimizer, a list or a dict of them, got {type(value).__name__}")
+
+
+def tied_keys(model_state: Any, prefix: str) -> dict[str, str]:
+    """``{alias: kept}`` for tensors of ``model_state`` that are the same data (tied weights).
+
+    Why: a tied ``lm_head.weight`` and embedding are one parameter in the model but two keys
+    in its state dict, so DCP saves the bytes twice and nothing in the checkpoint says they
+    were one. Exporting to Hugging Face safetensors must write them once, as
+    ``save_pretrained`` and ``safetensors.torch.save_model`` do, and only the live tensors
+    can tell: equal bytes are no proof (two zero-initialised biases are equal and not tied).
+    Recorded at save time in the manifest metadata; the first key in state-dict order (the
+    embedding, for the usual module order) is kept. Keys are DCP's flattened keys
+    (``prefix.a.b``).
+    """
+    seen: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+            return
+        if not isinstance(value, torch.Tensor):
+            return
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0 or local.device.type == "meta":
+            return
+        ident = (
+            local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()),
+            local.dtype, tuple(value.shape),
+        )  # fmt: skip
+        if ident in seen:
+            out[key] = seen[ident]
+        else:
+            seen[ident] = key
+
+    walk(model_state, prefix)
+    return out

@@ -36,7 +36,7 @@ from .base import (
     check_relative_name,
     redact,
 )
-from .fsspec_store import FsspecConfig, FsspecStore, fsspec_protocol
+from .fsspec_store import FsspecConfig, FsspecStore, fsspec_protocol, require_driver
 from .local import LocalConfig, LocalStore
 from .mounts import find_volume
 from .overlap import locations_overlap as _overlap
@@ -74,7 +74,7 @@ def _local_path(uri: str | os.PathLike) -> str | None:
     text = os.fspath(uri)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
-    if text.startswith("file://"):
+    if text.startswith(("file://", "local://")):  # fsspec's local:// is the local disk too
         parsed = urlparse(text)
         if parsed.netloc not in ("", "localhost"):
             return None
@@ -168,7 +168,9 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
     Credentials in a URL never reach the store's ``uri`` or a message (:func:`redact`).
 
     Raises:
-        ValueError: the URI scheme is not supported, or the URI is malformed.
+        ValueError: the URI scheme is not supported, or the URI is malformed, or fsspec
+            knows the protocol but its package is not installed (``gs://`` without ``gcsfs``):
+            an environment problem, named with the package to install.
         TypeError: an option is unknown to the chosen backend, or given twice.
     """
     options = dict(options or {})
@@ -179,6 +181,7 @@ def open_store(uri: str | os.PathLike, options: Mapping[str, Any] | None = None)
             parse_s3_uri(text)  # a malformed URI is a ValueError before any option error
             return S3Store(text, _build_config(S3Config, _flatten(options), "S3", _S3_SPELLINGS))
         if isinstance(text, str) and fsspec_protocol(text) is not None:
+            require_driver(fsspec_protocol(text), redact(text))
             return FsspecStore(text, _build_config(FsspecConfig, options, f"fsspec {fsspec_protocol(text)}://"))
         raise ValueError(
             f"unsupported checkpoint URI {redact(str(text))!r}: expected a local path, file:// URL, "

@@ -39,7 +39,7 @@ from .base import (
     truncated_error,
 )
 
-__all__ = ["ATOMIC_PUT_PROTOCOLS", "FsspecConfig", "FsspecStore", "fsspec_protocol"]
+__all__ = ["ATOMIC_PUT_PROTOCOLS", "FsspecConfig", "FsspecStore", "fsspec_protocol", "require_driver"]
 
 #: Protocols whose ``pipe_file`` is one whole-object PUT (or, for ``memory``, one assignment):
 #: readers see the commit record whole or not at all.
@@ -83,6 +83,27 @@ def fsspec_protocol(uri: str) -> str | None:
     except ImportError:  # pragma: no cover - fsspec is a dependency
         return None
     return proto if proto in fsspec.available_protocols() else None
+
+
+def require_driver(protocol: str, where: str) -> None:
+    """Refuse a protocol whose fsspec implementation cannot be imported, before any work.
+
+    Why: fsspec lists protocols whose packages are not installed (``gs`` needs ``gcsfs``).
+    Found only at the first read, the missing package looked like a failed check (exit 1); it
+    is the environment, said up front as a usage-level error (exit 2) naming the package.
+
+    Raises:
+        ValueError: the implementation's package is missing.
+    """
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as e:
+        from fsspec.registry import known_implementations
+
+        hint = known_implementations.get(protocol, {}).get("err") or str(e)
+        raise ValueError(f"{where}: fsspec needs a package that is not installed for {protocol}:// ({hint})") from None
 
 
 def _fs_error(exc: Exception, what: str, where: str) -> CheckpointError:

@@ -28,6 +28,7 @@ import os
 import struct
 import time
 import zipfile
+from fnmatch import fnmatchcase
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,15 +39,21 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage import Store
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import Source, TensorMeta
+from ._formats.select import SelectedSource
 from ._formats.input_checks import check_planner_data
 from ._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from ._formats.goodput import GoodputSource, write_goodput
-from ._formats.safetensors_file import open_safetensors, split_file_uri, write_safetensors
+from ._formats.safetensors_file import open_safetensors, split_file_uri
+from ._formats.safetensors_write import write_safetensors
 from ._formats.torch_file import TorchSource, write_torch
 
 __all__ = ["FORMATS", "ConvertReport", "convert_checkpoint", "detect_format", "open_source"]
 
 FORMATS = ("goodput", "dcp", "torch", "safetensors")
+#: ``select`` values of :func:`convert_checkpoint`.
+SELECTIONS = ("auto", "model", "all")
+#: The section a ``CheckpointManager`` checkpoint keeps its model under (state.bundle).
+MODEL_PREFIX = "model."
 
 
 @dataclass
@@ -60,6 +67,10 @@ class ConvertReport:
     tensor_bytes: int = 0
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
+    #: What was exported: ``all``, ``model`` (a manager checkpoint's model, prefix stripped)
+    #: or ``keys``; and the aliases of tied weights left out (written once).
+    selection: str = "all"
+    tied_dropped: list[str] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -158,6 +169,9 @@ def convert_checkpoint(
     progress: Progress = NO_PROGRESS,
     src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None,
+    select: str = "auto",
+    keys: list[str] | None = None,
+    strip_prefix: str | None = None,
 ) -> ConvertReport:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst`` (module docstring).
 
@@ -170,6 +184,12 @@ def convert_checkpoint(
         chunk_size: goodput output: hash chunk size (default 8 MiB).
         thread_count: parallel range reads and writes (default 4).
         verify: goodput input: check every chunk's blake3 while reading.
+        select: ``auto`` (the default): a ``CheckpointManager`` checkpoint converted to
+            safetensors exports its model alone, ``model.`` stripped, tied weights once (a
+            Hugging Face model directory); anything else exports everything. ``model``
+            forces the model export, ``all`` exports every key as stored.
+        keys: export only keys matching one of these ``fnmatch`` patterns (with
+            ``strip_prefix``, removed from their names); tied weights are written once.
 
     Raises:
         ValueError: bad arguments or ``dst`` equal to ``src``.
@@ -188,6 +208,14 @@ def convert_checkpoint(
     require_positive("shard_size", shard_size)
     if shard_size is not None and to != "safetensors":
         raise ValueError("shard_size applies to safetensors output only")
+    if shard_size is not None and str(dst).endswith(".safetensors"):
+        raise ValueError(f"shard_size needs a directory destination; {dst} names a single .safetensors file")
+    if select not in SELECTIONS:
+        raise ValueError(f"unknown select {select!r}; known: {', '.join(SELECTIONS)}")
+    if (keys or strip_prefix) and select != "auto":
+        raise ValueError(f"keys/strip_prefix choose the keys themselves; they cannot be combined with select={select!r}")
+    if strip_prefix and not keys:
+        keys = [strip_prefix + "*"]
     if same_location(str(src), str(dst)):
         raise ValueError(
             f"the destination {dst} must differ from the source {src}: it is the source, an alias of it, inside it or around it; "
@@ -196,9 +224,10 @@ def convert_checkpoint(
     threads = thread_count or DEFAULT_WRITE_THREADS
     t0 = time.perf_counter()
     fmt = source_format or detect_format(src, **(src_options or {}))
-    with open_source(src, fmt, trust_pickle=trust_pickle, verify=verify, options=src_options) as source:
-        check_planner_data(source)
-        report = ConvertReport(source.uri, str(dst), fmt, to)
+    with open_source(src, fmt, trust_pickle=trust_pickle, verify=verify, options=src_options) as opened:
+        check_planner_data(opened)
+        source, selection, dropped = _select(opened, to, select, keys, strip_prefix)
+        report = ConvertReport(source.uri, str(dst), fmt, to, selection=selection, tied_dropped=dropped)
         tensors = source.tensors()
         report.tensors, report.objects = len(tensors), len(source.items) - len(tensors)
         report.tensor_bytes = sum(t.nbytes for t in tensors)
@@ -236,6 +265,29 @@ def convert_checkpoint(
             )
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _select(source: Source, to: str, select: str, keys: list[str] | None, strip: str | None) -> tuple[Source, str, list[str]]:
+    """The part of ``source`` to export, its description, and the tied aliases left out.
+
+    Why the default differs by output: safetensors is what Hugging Face loads, and
+    ``from_pretrained`` wants the model's own names and nothing else (optimizer, RNG and
+    loader tensors would be unexpected keys, ``model.``-prefixed ones missing keys). The
+    other formats are checkpoints and keep everything unless asked.
+    """
+    training = source.metadata.get("training_state")
+    tied = training.get("tied") if isinstance(training, dict) else None
+    tied = {k: v for k, v in tied.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(tied, dict) else {}
+    if keys:
+        patterns, prefix, selection = list(keys), strip, "keys"
+    elif select == "model" or (select == "auto" and to == "safetensors" and isinstance(training, dict)):
+        patterns, prefix, selection = [MODEL_PREFIX + "*"], MODEL_PREFIX, "model"
+    else:
+        return source, "all", []
+    # An alias goes only when the tensor it is tied to is exported too.
+    chosen = {k for k in source.items if any(fnmatchcase(k, p) for p in patterns)}
+    dropped = sorted(a for a, kept in tied.items() if a in chosen and kept in chosen)
+    return SelectedSource(source, patterns, prefix, dropped), selection, dropped
 
 
 def _refuse_same(source: Source, store: Store) -> None:

@@ -1,4 +1,4 @@
-"""``ls``: the checkpoints under a manager root, one per ``step_XXXXXXXX`` location.
+"""``ls``: the checkpoints under a manager root, one per ``step_XXXXXXXX`` (or ``step_N``) location.
 
 Status of each:
 
@@ -16,13 +16,14 @@ a full verification per complete step), so it works on any store.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..format.commit_record import COMMITTED, CORRUPT, MISSING, UNSUPPORTED, read_commit_record
+from ..format.commit_record import COMMITTED, CORRUPT, MISSING, UNSUPPORTED, foreign_layout_message, read_commit_record
 from ..format.manifest import MANIFEST_NAME
-from ..manager.step_layout import child_uri, list_step_dirs, step_dir_name
+from ..manager.step_layout import child_uri
 from ._common import NO_PROGRESS, Progress, open_location, require_positive
 from .verify import verify_checkpoint
 
@@ -71,8 +72,12 @@ def list_checkpoints(
             damaged ones show as ``corrupt``.
         **options: backend options for the store.
 
+    Step directories are the manager's ``step_00001000`` and any other ``step_N`` (a
+    hand-written ``step_100``, as the README's quick start saves).
+
     Raises:
-        CheckpointNotFoundError: ``root`` holds nothing.
+        CheckpointNotFoundError: ``root`` holds nothing, or no step directory (another tool's
+            checkpoint is named), or is a checkpoint itself.
     """
     require_positive("thread_count", thread_count)
     store = open_location(root, options)
@@ -80,15 +85,23 @@ def list_checkpoints(
     if not names:
         raise CheckpointNotFoundError(f"no checkpoints under {store.uri}: it is empty or does not exist", path=store.uri)
     report = ListReport(root=store.uri, verified=verify)
-    steps = list_step_dirs(store)
+    steps = _step_dirs(store, names)
     if not steps and MANIFEST_NAME in names:
         raise CheckpointNotFoundError(
             f"{store.uri} is a checkpoint, not a manager root of step_XXXXXXXX checkpoints; "
             "use `goodput-ckpt inspect` or `verify` on it",
             path=store.uri,
         )
-    for step, files in steps.items():
-        name = step_dir_name(step)
+    if not steps:
+        others = sorted({n.split("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + MANIFEST_NAME)})
+        what = foreign_layout_message(store.uri, names) if not others else None
+        raise CheckpointNotFoundError(
+            what
+            or f"no checkpoints under {store.uri}: it holds {len(names)} file(s) but no step_N directories"
+            + (f" (checkpoints in other directories: {', '.join(others[:3])}; verify or inspect them one by one)" if others else ""),
+            path=store.uri,
+        )
+    for (step, name), files in steps.items():
         row = CheckpointRow(step=step, name=name, uri=child_uri(store.uri, name), status="incomplete")
         report.checkpoints.append(row)
         record = read_commit_record(store, name, location=row.uri, listing=files)
@@ -110,6 +123,22 @@ def list_checkpoints(
                 row.status = "corrupt" if result.status != "incomplete" else "incomplete"
                 row.problems.extend(p.message for p in result.problems)
     return report
+
+
+#: What ``ls`` takes for a step directory: the manager's ``step_00001000`` and also the
+#: shorter ``step_100`` people write by hand (the README's quick start saves one).
+_ANY_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _step_dirs(store, names: list[str]) -> dict[tuple[int, str], list[str]]:
+    """(step, directory name) -> its files (relative), sorted by step then name, from one listing."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for n in names:
+        head, sep, rest = n.partition("/")
+        m = _ANY_STEP_DIR.fullmatch(head) if sep else None
+        if m is not None:
+            out.setdefault((int(m.group(1)), head), []).append(rest)
+    return dict(sorted(out.items()))
 
 
 def _sizes(store, name: str, files: list[str]) -> int:

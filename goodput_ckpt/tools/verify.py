@@ -157,8 +157,8 @@ def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
     refuse_plain_file(store)
     record = read_commit_record(store)
     if record.status == MISSING:
-        if not record.file_count:
-            record.manifest_or_raise()  # nothing at all: CheckpointNotFoundError
+        if not record.file_count or record.foreign:
+            record.manifest_or_raise()  # nothing, or another tool's layout: CheckpointNotFoundError
         report.status = "incomplete"
         report.problems.append(Problem("incomplete", record.message))
         return None

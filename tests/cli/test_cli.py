@@ -241,7 +241,11 @@ def test_readme_command_line_examples_run(tmp_path, monkeypatch):
         assert argv[0] == "goodput-ckpt"
         code, out, err = run(*argv[1:])
         assert code == 0, (line, out, err)
-    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "w8" / MANIFEST_NAME).exists()
+    assert (tmp_path / "hf_model" / "model.safetensors").exists() and (tmp_path / "w8" / MANIFEST_NAME).exists()
+    # A manager checkpoint exports as a model: its own names, no optimizer/RNG sections.
+    data = (tmp_path / "hf_model" / "model.safetensors").read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    assert set(header) - {"__metadata__"} == {"weight", "bias"}
 
 
 def test_every_command_is_also_a_library_function():

@@ -82,3 +82,16 @@ def test_a_damaged_chunk_anywhere_in_a_run_fails_the_load_by_name(runs, task_ind
     lo, hi = err.byte_range
     assert lo <= at < hi and hi - lo <= TASK, (err.byte_range, at)
     assert _load(loc, thread_count=threads, verify=False) is not None  # the damage is only in the hash
+
+
+def test_dcp_load_of_an_uncommitted_save_gives_the_typed_error_back(tmp_path):
+    """torch 2.13 turns read_metadata's error into a bare AssertionError (issue 20, item 6):
+    find_checkpoint_error still returns our IncompleteCheckpointError, with its path."""
+    from goodput_ckpt.errors import IncompleteCheckpointError, find_checkpoint_error
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "rank0.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(BaseException) as e:
+        dcp.load({"w": torch.empty(2)}, storage_reader=CheckpointReader(str(tmp_path / "x")), no_dist=True)
+    err = find_checkpoint_error(e.value)
+    assert isinstance(err, IncompleteCheckpointError) and err.path == str(tmp_path / "x"), repr(e.value)

@@ -51,3 +51,20 @@ def test_retention_imports_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_restore_removes_a_step_directory_left_empty_by_a_killed_deletion(tmp_path):
+    """Retention cut short by SIGKILL between the last unlink and the rmdir leaves an empty
+    step directory (issue 20): restore's clean-up removes it, and keeps every real step."""
+    import torch
+
+    from goodput_ckpt import CheckpointManager
+
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(str(tmp_path / "run"), async_save=False) as mgr:
+        mgr.save(1, model=model)
+    (tmp_path / "run" / "step_00000000").mkdir()  # what the killed deletion left
+    (tmp_path / "run" / "step_00000002" / "nested").mkdir(parents=True)
+    with CheckpointManager(str(tmp_path / "run"), async_save=False) as mgr:
+        assert mgr.restore(model=model) == 1
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_dir()) == ["step_00000001"]

@@ -105,8 +105,10 @@ def test_options_and_uris(mem_uri):
     fs = fsspec.filesystem("memory")
     assert open_store(mem_uri, {"filesystem": fs}).config.filesystem is fs
     # One whole-object PUT commits atomically; sftp/ftp write the record in place (not atomic).
-    assert open_store(mem_uri).traits.atomic_commit_record and open_store("gs://bucket/x").traits.atomic_commit_record
-    assert not open_store("sftp://host/x").traits.atomic_commit_record and not open_store("ftp://host/x").traits.atomic_commit_record
+    gs = FsspecStore("gs://bucket/x", FsspecConfig())  # built directly: open_store refuses gs:// without gcsfs
+    assert open_store(mem_uri).traits.atomic_commit_record and gs.traits.atomic_commit_record
+    assert not FsspecStore("sftp://host/x", FsspecConfig()).traits.atomic_commit_record
+    assert not open_store("ftp://host/x").traits.atomic_commit_record
     with pytest.raises(ValueError, match="either filesystem or storage_options"):
         FsspecConfig(filesystem=fs, storage_options={"a": 1})
     with pytest.raises(TypeError):
@@ -115,4 +117,26 @@ def test_options_and_uris(mem_uri):
         import gcsfs  # noqa: F401
     except ImportError:
         with pytest.raises(CheckpointError, match="extra package"):
-            open_store("gs://bucket/x").list()
+            gs.list()
+
+
+def test_a_protocol_whose_package_is_missing_is_refused_up_front():
+    """``gs://`` without gcsfs (issue 20): a ValueError naming the package, before any work;
+    the CLI reports it as exit 2 (environment), not as a failed check."""
+    import importlib.util
+
+    from goodput_ckpt.cli import EXIT_USAGE, main
+    from goodput_ckpt.storage import open_store
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(ValueError, match="install gcsfs"):
+        open_store("gs://bucket/run/step_1")
+    assert main(["verify", "gs://bucket/run/step_1"]) == EXIT_USAGE
+
+
+def test_local_urls_are_the_local_disk_store(tmp_path):
+    from goodput_ckpt.storage import LocalStore, open_store
+
+    store = open_store(f"local://{tmp_path}/ck")
+    assert isinstance(store, LocalStore) and store.traits.local_path == f"{tmp_path}/ck"

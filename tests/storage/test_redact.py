@@ -48,7 +48,12 @@ def test_refused_uris_do_not_echo_credentials(uri):
     ],
 )
 def test_fsspec_stores_keep_credentials_out_of_uri_repr_and_errors(uri):
-    store = open_store(uri)
+    try:
+        store = open_store(uri)
+    except ValueError as e:  # the protocol's package is not installed (http:// without aiohttp)
+        assert "not installed" in str(e)
+        _no_secret(e)
+        return
     _no_secret(store.uri, store)
     assert "://***@" in store.uri
     for op in (store.list, lambda: store.read_small("manifest.json"), lambda: store.open_source("x").read_into(0, [bytearray(1)])):

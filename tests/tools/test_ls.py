@@ -24,25 +24,27 @@ def root(sample_ckpt, tmp_path):
     garbled = copy_ckpt(src, root / "step_00000400")
     (garbled / MANIFEST_NAME).write_text("{")
     copy_ckpt(src, root / "not-a-step")  # ignored
-    copy_ckpt(src, root / "step_1")  # not the canonical spelling of a step: ignored
+    copy_ckpt(src, root / "step_1")  # a hand-written step_N name: listed too (issue 20)
     return root
 
 
 def test_statuses_without_and_with_verify(root):
     r = list_checkpoints(str(root))
     assert [(c.step, c.status) for c in r.checkpoints] == [
-        (100, "complete"), (200, "incomplete"), (300, "complete"), (400, "corrupt")]  # fmt: skip
+        (1, "complete"), (100, "complete"), (200, "incomplete"), (300, "complete"), (400, "corrupt")]  # fmt: skip
+    assert r.checkpoints[0].name == "step_1"
     assert r.latest_complete == 300 and not r.verified
+    r.checkpoints.pop(0)
     done = r.checkpoints[0]
     assert done.name == "step_00000100" and done.uri.endswith("/step_00000100")
     assert done.created_at and done.files == 1 and done.bytes > 0
     assert r.checkpoints[1].bytes > 0 and r.checkpoints[1].created_at is None
     v = list_checkpoints(str(root), verify=True)
-    assert [c.status for c in v.checkpoints] == ["complete", "incomplete", "corrupt", "corrupt"]
+    assert [c.status for c in v.checkpoints][1:] == ["complete", "incomplete", "corrupt", "corrupt"]
     assert v.latest_complete == 100
-    assert any("checksum mismatch" in p for p in v.checkpoints[2].problems)
+    assert any("checksum mismatch" in p for p in v.checkpoints[3].problems)
     quick = list_checkpoints(str(root), verify=True, quick=True)
-    assert quick.checkpoints[2].status == "complete"  # a flipped byte needs hashing
+    assert quick.checkpoints[3].status == "complete"  # a flipped byte needs hashing
 
 
 def test_invalid_manifest_is_corrupt_on_disk_and_incomplete_on_a_volume(sample_ckpt, tmp_path):
@@ -79,3 +81,29 @@ def test_lists_what_the_manager_writes(tmp_path):
     r = list_checkpoints(str(tmp_path / "run"), verify=True)
     assert [(c.step, c.status) for c in r.checkpoints] == [(10, "complete"), (20, "complete")]
     assert r.latest_complete == mgr.latest_step() == 20
+
+
+def test_lists_the_readme_quick_start_layout(tmp_path):
+    """The README's quick start saves ``ckpt/step_100`` with CheckpointWriter (issue 20)."""
+    import torch.distributed.checkpoint as dcp
+
+    from goodput_ckpt import CheckpointWriter
+
+    dcp.save({"w": torch.ones(3)}, storage_writer=CheckpointWriter(str(tmp_path / "ckpt" / "step_100")), no_dist=True)
+    r = list_checkpoints(str(tmp_path / "ckpt"))
+    assert [(c.step, c.name, c.status) for c in r.checkpoints] == [(100, "step_100", "complete")]
+
+
+def test_a_root_without_checkpoints_is_not_found_like_a_missing_one(sample_ckpt, tmp_path):
+    """Both exit 2 from the CLI (docs/tools.md: no checkpoint at the location)."""
+    from goodput_ckpt.cli import EXIT_USAGE, main
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("x")
+    with pytest.raises(CheckpointNotFoundError, match="no step_N directories"):
+        list_checkpoints(str(tmp_path / "notes"))
+    copy_ckpt(sample_ckpt[0], tmp_path / "odd" / "best")
+    with pytest.raises(CheckpointNotFoundError, match="other directories: best"):
+        list_checkpoints(str(tmp_path / "odd"))
+    assert main(["ls", str(tmp_path / "nope")]) == EXIT_USAGE
+    assert main(["ls", str(tmp_path / "notes")]) == EXIT_USAGE

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import struct
 from functools import partial
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 
 from ...dcp.untrusted_load import check_inflation
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, OVERWRITE_HINT
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, OpenFiles, Source, TensorMeta, ordered_map
@@ -117,9 +118,43 @@ class DcpSource(Source):
                 if m:
                     ranks.add(int(m.group(1)))
         self.world_size = len(ranks) or None
+        self._refuse_safetensors_serialization()
         pd = self.md.planner_data
         if isinstance(pd, dict) and all(isinstance(v, (tuple, list)) for v in pd.values()):
             self.planner_data = {k: list(v) for k, v in pd.items()}
+
+    def _refuse_safetensors_serialization(self) -> None:
+        """Refuse, by name, a save made with ``serialization_format=SAFETENSORS``.
+
+        Why: that layout stores each file's tensors as one safetensors blob, and its metadata
+        points every tensor at the blob's start; read as ``torch.save`` shards (the default
+        layout) it fails deep inside ``torch.load`` with an unpickling error that asks to file
+        an issue. One small read of the first tensor's bytes tells the two apart: a
+        ``torch.save`` archive starts with a zip header, a safetensors blob with its 8-byte
+        header length and ``{``.
+
+        Raises:
+            CheckpointError: the checkpoint uses the safetensors serialization.
+        """
+        first = next((k for k, m in self.items.items() if isinstance(m, TensorMeta)), None)
+        if first is None:
+            return
+        chunk = self.md.state_dict_metadata[first].chunks[0]
+        info = self._info(_md.MetadataIndex(first, chunk.offsets))
+        size = self._store.size(info.relative_path)
+        if size is None or size - info.offset < 10:
+            return
+        head = bytearray(10)
+        self._source(info.relative_path).read_into(info.offset, [head])
+        n = struct.unpack("<Q", bytes(head[:8]))[0]
+        if head[8:10] == b'{"' and info.offset + 8 + n <= size:
+            raise CheckpointError(
+                f"{self.uri} was saved by torch DCP with serialization_format=SAFETENSORS ({info.relative_path} holds a "
+                "safetensors blob, not torch.save shards), which convert does not read (nor does torch's own "
+                "FileSystemReader); save it again with the default serialization format, or with "
+                "HuggingFaceStorageWriter, whose output convert reads",
+                path=self.uri,
+            )
 
     def _info(self, index: _md.MetadataIndex) -> Any:
         return storage_info(self.md, index)
@@ -239,7 +274,7 @@ def write_dcp(
     store.prepare()
     if store.read_small(METADATA_NAME) is not None:
         if not overwrite:
-            raise CheckpointExistsError(f"{store.uri} already holds a DCP checkpoint; pass --overwrite (overwrite=True) to replace it", path=store.uri)
+            raise CheckpointExistsError(f"{store.uri} already holds a DCP checkpoint; {OVERWRITE_HINT}", path=store.uri)
         store.delete(METADATA_NAME)  # first: from here on the old checkpoint is visibly incomplete
     for name in store.list():
         if _DATA_FILE.match(name):

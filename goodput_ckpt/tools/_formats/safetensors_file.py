@@ -3,7 +3,7 @@
 The format is small enough to handle directly (an 8-byte little-endian header length, a JSON
 header, then the raw bytes of each tensor), which lets both directions stream through the
 :class:`~goodput_ckpt.storage.Store` interface: a tensor is read by byte ranges, never through
-an mmap of the whole file, and written piece by piece after the header. Files written here
+an mmap of the whole file, and written piece by piece after the header (:mod:`.safetensors_write`). Files written here
 load with ``safetensors.torch.load_file`` and with HF ``transformers``.
 
 Layouts:
@@ -18,22 +18,21 @@ Layouts:
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import struct
 from functools import partial
 from typing import Any
 
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
-from ...format.dcp_metadata import dtype_name, torch_dtype
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError
+from ...format.dcp_metadata import torch_dtype
 from ...storage import FileSource, Store
-from .._common import NO_PROGRESS, Progress
-from .base import Box, ObjectMeta, Source, TensorMeta, alloc, ordered_map
-from .input_checks import read_small_capped
-from .sequential_sink import SequentialSink
+from .base import Box, ObjectMeta, Source, TensorMeta
 from .goodput import encode_torch_save
-from .objects_json import MAX_SIDECAR_BYTES, dump_sidecar, load_sidecar
+from .input_checks import read_small_capped
+from .objects_json import MAX_SIDECAR_BYTES, load_sidecar
 
-__all__ = ["SafetensorsSource", "write_safetensors"]
+__all__ = ["SafetensorsSource", "open_safetensors", "split_file_uri"]
 
 #: safetensors dtype names, by format-v1 (torch) name.
 ST_DTYPES = {
@@ -64,11 +63,15 @@ class SafetensorsSource(Source):
         self.uri = store.uri if len(files) != 1 else f"{store.uri.rstrip('/')}/{files[0]}"
         self._store = store
         self._sources: dict[str, FileSource] = {}
-        self._where: dict[str, tuple[str, int]] = {}  # key -> (file, absolute byte offset)
+        # key -> its stored parts: (file, absolute byte offset, offsets in the tensor, sizes). One
+        # whole part, except for torch's distributed HF output (see _sharding_info).
+        self._where: dict[str, list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]] = {}
         self._objects: dict[str, Any] = {}
+        self._partial: set[str] = set()  # keys stored as parts (torch's distributed HF output)
         try:
             for name in files:
                 self._read_header(name)
+            self.check_parts()
             if sidecar is not None:
                 data = read_small_capped(store, sidecar, MAX_SIDECAR_BYTES, "sidecar")
                 if data is not None:
@@ -100,6 +103,7 @@ class SafetensorsSource(Source):
         raw = bytearray(n)
         src.read_into(8, [raw])
         header = _parse_header(bytes(raw), where)
+        sharding = _sharding_info(header.pop("__metadata__", None), where)
         base = 8 + n
         entries = []
         pos = 0
@@ -116,22 +120,50 @@ class SafetensorsSource(Source):
                     key=key,
                 )
             pos = end
-            if key in self.items:
+            part_of = sharding.get(key)
+            if key in self.items and (part_of is None or key not in self._partial):
                 raise CorruptCheckpointError(f"{where}: key {key!r} appears in more than one file", path=where, key=key)
-            entries.append((begin, key, meta))
+            if part_of is not None and len(part_of) != len(meta.shape):
+                raise CorruptCheckpointError(f"{where}: saved_offsets of {key!r} do not match its shape", path=where, key=key)
+            entries.append((begin, key, meta, part_of))
         if base + pos != size:
             raise CorruptCheckpointError(
                 f"{where}: the tensors cover {base + pos} of its {size} bytes; a safetensors file is exactly its header and tensors",
                 path=where,
             )
-        for begin, key, meta in sorted(entries, key=lambda x: x[0]):  # file order: sequential reads
-            self.items[key] = meta
-            self._where[key] = (name, base + begin)
+        for begin, key, meta, part_of in sorted(entries, key=lambda x: x[0]):  # file order: sequential reads
+            offsets = part_of or (0,) * len(meta.shape)
+            self._where.setdefault(key, []).append((name, base + begin, offsets, meta.shape))
+            if part_of is None:
+                self.items[key] = meta
+                continue
+            self._partial.add(key)
+            old = self.items.get(key)
+            if old is not None and old.dtype != meta.dtype:
+                raise CorruptCheckpointError(f"{where}: the parts of {key!r} disagree on its dtype", path=where, key=key)
+            shape = tuple(o + s for o, s in zip(offsets, meta.shape))
+            if old is not None:
+                shape = tuple(max(a, b) for a, b in zip(old.shape, shape))
+            self.items[key] = TensorMeta(key, meta.dtype, shape)
+
+    def check_parts(self) -> None:
+        """Raise unless the parts of every partial tensor add up to it exactly once.
+
+        Raises:
+            CorruptCheckpointError: a part is missing (a rank's file absent) or repeated.
+        """
+        for key in self._partial:
+            total = sum(math.prod(sizes) for _, _, _, sizes in self._where[key])
+            if total != self.items[key].numel:
+                raise CorruptCheckpointError(
+                    f"{self.uri}: the partial shards of {key!r} hold {total} of its {self.items[key].numel} elements: "
+                    "a rank's file of the distributed save is missing, or one is there twice",
+                    key=key,
+                )
 
     def boxes(self, key: str) -> list[Box]:
-        meta = self.items[key]
-        name, offset = self._where[key]
-        return [Box((0,) * len(meta.shape), tuple(meta.shape), partial(self._read, name, offset, meta.itemsize))]
+        es = self.items[key].itemsize
+        return [Box(offsets, sizes, partial(self._read, name, offset, es)) for name, offset, offsets, sizes in self._where[key]]
 
     def _read(self, name: str, offset: int, es: int, lo: int, hi: int, out: memoryview) -> None:
         self._sources[name].read_into(offset + lo * es, [out])
@@ -171,10 +203,12 @@ def _parse_header(raw: bytes, where: str) -> dict[str, dict[str, Any]]:
         raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})", path=where) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: the header is not a JSON object", path=where)
-    extra = header.pop("__metadata__", None)
+    extra = header.get("__metadata__")
     if extra is not None and not (isinstance(extra, dict) and all(isinstance(v, str) for v in extra.values())):
         raise CorruptCheckpointError(f"{where}: '__metadata__' must map names to strings", path=where)
     for key, e in header.items():
+        if key == "__metadata__":
+            continue
         ok = (
             isinstance(e, dict)
             and e.get("dtype") in _FROM_ST
@@ -191,6 +225,34 @@ def _parse_header(raw: bytes, where: str) -> dict[str, dict[str, Any]]:
                 key=key,
             )
     return header
+
+
+#: Where torch's ``HuggingFaceStorageWriter(save_distributed=True)`` records each part's place.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def _sharding_info(extra: dict[str, str] | None, where: str) -> dict[str, tuple[int, ...]]:
+    """key -> offsets in the full tensor of the parts a distributed HF save stored in this file.
+
+    Why: with ``save_distributed=True`` every rank writes its own shard of a tensor under the
+    tensor's name, in its own file, and records where the shard starts in ``__metadata__``
+    (``{"DCP_SHARDING_INFO": '{"key": {"saved_offsets": [...]}}'}``); torch's reader merges
+    them, and so does convert. Empty for ordinary files.
+
+    Raises:
+        CorruptCheckpointError: the sharding record is malformed.
+    """
+    text = (extra or {}).get(DCP_SHARDING_KEY)
+    if text is None:
+        return {}
+    try:
+        doc = json.loads(text)
+        out = {k: tuple(v["saved_offsets"]) for k, v in doc.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: '{DCP_SHARDING_KEY}' is malformed ({e!r})", path=where) from None
+    if not all(_u64_list(list(o)) for o in out.values()):
+        raise CorruptCheckpointError(f"{where}: '{DCP_SHARDING_KEY}' offsets must be unsigned integers", path=where)
+    return out
 
 
 def _u64_list(v: Any) -> bool:
@@ -229,141 +291,3 @@ def open_safetensors(store: Store, single: str | None) -> SafetensorsSource:
             raise CheckpointNotFoundError(f"no .safetensors files in {store.uri}", path=store.uri)
         stem = files[0][: -len(".safetensors")] if len(files) == 1 else "model"
     return SafetensorsSource(store, files, stem + SIDECAR_SUFFIX)
-
-
-# -- writing ------------------------------------------------------------------------------------
-
-
-def _header(tensors: list[TensorMeta]) -> bytes:
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for t in tensors:
-        doc[t.key] = {"dtype": ST_DTYPES[dtype_name(t.dtype, t.key)], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-        pos += t.nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _shards(tensors: list[TensorMeta], shard_bytes: int | None) -> list[list[TensorMeta]]:
-    if not shard_bytes:
-        return [tensors]
-    shards: list[list[TensorMeta]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return shards
-
-
-def write_safetensors(
-    source: Source,
-    store: Store,
-    single: str | None,
-    *,
-    shard_bytes: int | None,
-    overwrite: bool,
-    thread_count: int,
-    progress: Progress = NO_PROGRESS,
-) -> list[str]:
-    """Write ``source``'s tensors as safetensors and its other values as the JSON sidecar.
-
-    ``single``: the file name for a single-file output in ``store``; ``None`` writes the
-    directory layout of the module docstring. Returns the names written (sidecar last).
-
-    Raises:
-        CheckpointError: a tensor has a dtype safetensors cannot hold (nothing is written).
-        CheckpointExistsError: an output file exists and ``overwrite`` is false.
-    """
-    tensors = source.tensors()
-    bad = [f"{t.key} ({t.dtype})" for t in tensors if dtype_name(t.dtype, t.key) not in ST_DTYPES]
-    if bad:
-        raise CheckpointError(f"safetensors cannot hold these tensors' dtypes: {', '.join(bad[:8])}; convert to goodput, dcp or torch instead")
-    # Decode the objects first: an unencodable one fails before anything is written.
-    objects = {m.key: source.object_value(m.key) for m in source.objects()}
-    sidecar = dump_sidecar(objects, source.planner_data, source.metadata)
-    shards = _shards(tensors, shard_bytes)
-    if single is not None:
-        names = [single]
-        stem = single[: -len(".safetensors")]
-        index_name = None
-    elif len(shards) == 1:
-        names, stem, index_name = ["model.safetensors"], "model", None
-    else:
-        n = len(shards)
-        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        stem, index_name = "model", "model" + INDEX_SUFFIX
-    sidecar_name = stem + SIDECAR_SUFFIX
-    store.prepare()
-    _clear(store, single, names + [sidecar_name] + ([index_name] if index_name else []), overwrite)
-    progress.start(sum(t.nbytes for t in tensors), "write")
-    done: list[str] = []
-    try:
-        for name, shard in zip(names, shards):
-            _write_file(source, store, name, shard, thread_count, progress)
-            done.append(name)
-    except BaseException:
-        # Shards already written have no index or sidecar yet: uncommitted, so removed.
-        for name in done:
-            store.delete(name)
-        raise
-    finally:
-        progress.close()
-    written = list(names)
-    if index_name is not None:
-        weight_map = {t.key: name for name, shard in zip(names, shards) for t in shard}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
-        store.put_commit_record(index_name, json.dumps(index, indent=2).encode(), replace=True)
-        written.append(index_name)
-    store.put_commit_record(sidecar_name, sidecar, replace=True)
-    written.append(sidecar_name)
-    return written
-
-
-def _clear(store: Store, single: str | None, names: list[str], overwrite: bool) -> None:
-    if single is None:
-        existing = [n for n in store.list() if "/" not in n and (n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n.endswith(SIDECAR_SUFFIX))]
-    else:
-        existing = [n for n in names if store.size(n) is not None]
-    if existing and not overwrite:
-        raise CheckpointExistsError(
-            f"{store.uri} already holds {', '.join(existing[:4])}; pass --overwrite (overwrite=True) to replace",
-            path=store.uri,
-        )
-    # The index goes first, so a crash leaves no index that points at half-written shards.
-    for n in sorted(existing, key=lambda n: not n.endswith(INDEX_SUFFIX)):
-        store.delete(n)
-
-
-def _write_file(source: Source, store: Store, name: str, tensors: list[TensorMeta], thread_count: int, progress: Progress) -> None:
-    header = _header(tensors)
-    pieces = []  # (tensor, first element, last element, file offset)
-    pos = len(header)
-    for t in tensors:
-        step = max(1, PIECE_BYTES // t.itemsize)
-        for lo in range(0, t.numel, step):
-            hi = min(t.numel, lo + step)
-            pieces.append((t, lo, hi, pos + lo * t.itemsize))
-        pos += t.nbytes
-
-    def read(piece):
-        t, lo, hi, _ = piece
-        buf = alloc((hi - lo) * t.itemsize)
-        source.read_flat(t.key, lo, hi, buf)
-        return buf
-
-    sink = SequentialSink(store, name)
-    results = ordered_map(read, pieces, threads=thread_count, ahead=2 * thread_count)
-    try:
-        sink.write_at(0, [header])
-        for piece, buf in zip(pieces, results):
-            sink.write_at(piece[3], [buf])
-            progress.advance(buf.nbytes)
-        sink.close()
-    except BaseException:
-        results.close()
-        sink.abort()
-        raise

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ...dcp.untrusted_load import check_inflation, weights_only_refusal
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, OVERWRITE_HINT
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc, ordered_map
 from .goodput import encode_torch_save
@@ -158,7 +158,7 @@ def write_torch(
     from torch.serialization import skip_data
 
     if os.path.exists(path) and not overwrite:
-        raise CheckpointExistsError(f"{path} exists; pass --overwrite (overwrite=True) to replace it", path=path)
+        raise CheckpointExistsError(f"{path} exists; {OVERWRITE_HINT}", path=path)
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a directory; the torch format is a single file", path=path)
     parent = os.path.dirname(os.path.abspath(path))
