@@ -145,7 +145,7 @@ class DcpSource(Source):
         if size is None or size - info.offset < 10:
             return
         head = bytearray(10)
-        self._source(info.relative_path).read_into(info.offset, [head])
+        self._files.get(info.relative_path).read_into(info.offset, [head])
         n = struct.unpack("<Q", bytes(head[:8]))[0]
         if head[8:10] == b'{"' and info.offset + 8 + n <= size:
             raise CheckpointError(
