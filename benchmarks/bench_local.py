@@ -282,9 +282,9 @@ METHODS: dict[str, Method] = {
     "raw": Method("raw", _raw_save, (("raw", _raw_read), ("raw-par4", lambda c, d: _raw_read(c, d, 4))),
                   "1 thread, os.write <=64 MiB, fsync; read 1 thread / 4 threads, 16 MiB preadv"),
     "ours": Method("ours", _ours_save, (("ours", _ours_load(True)), ("ours-noverify", _ours_load(False)),
-                                        ("ours-buffered", _ours_load(True, direct_reads=False))),
+                                        ("ours-direct", _ours_load(True, direct_reads=True))),
                    "CheckpointWriter (fsyncs itself); load verify=True / verify=False / "
-                   "verify=True through the page cache (direct_reads=False)"),
+                   "verify=True with O_DIRECT reads (direct_reads=True)"),
     "ours-nohash": Method("ours-nohash", _ours_nohash_save, (), "CheckpointWriter with blake3 patched to a no-op"),
     "fsw-default": Method("fsw-default", _fsw_save(), (("fsw-default", _fsr_load),),
                           "FileSystemWriter() (sync_files=True fsyncs); FileSystemReader()"),
@@ -460,7 +460,7 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
     # Context, not targets: how much faster than FileSystemReader any reader of this disk could
     # be, taking the parallel raw read as the disk's limit.
     for name, a, b in (("(disk limit) raw-par4 vs FileSystemReader", "load:raw-par4", "load:fsw-default"),
-                       ("direct reads vs page cache (both verified)", "load:ours", "load:ours-buffered"),
+                       ("O_DIRECT reads vs default (both verified)", "load:ours-direct", "load:ours"),
                        ("(disk limit) raw-par4 vs raw sequential read", "load:raw-par4", "load:raw")):
         x, y = g(a), g(b)
         if x is not None and y is not None:
