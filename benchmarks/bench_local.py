@@ -208,6 +208,30 @@ def _raw_read(ctx: Ctx, d: str, threads: int = 1, block: int = 16 * MiB) -> dict
     return None
 
 
+def _raw_direct_read(ctx: Ctx, d: str, threads: int = 4, block: int = 16 * MiB) -> None:
+    """The device's limit for direct reads: O_DIRECT into page-aligned buffers, no copy."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = ctx.raw_buf.numel()
+    fd = os.open(os.path.join(d, "raw.bin"), os.O_RDONLY | os.O_DIRECT)
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
+
+    def lane(i: int) -> None:
+        view = memoryview(bufs[i])
+        for off in range(i * block, size, threads * block):
+            if os.preadv(fd, [view], off) == 0:
+                raise EOFError("raw.bin is short")
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lane, range(threads)))
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+
+
 def _ours_save(ctx: Ctx, d: str) -> None:
     from goodput_ckpt import CheckpointWriter
 
@@ -219,11 +243,12 @@ def _ours_nohash_save(ctx: Ctx, d: str) -> None:
         _ours_save(ctx, d)
 
 
-def _ours_load(verify: bool) -> Callable[[Ctx, str], dict]:
+def _ours_load(verify: bool, **options: Any) -> Callable[[Ctx, str], dict]:
     def load(ctx: Ctx, d: str) -> dict:
         from goodput_ckpt import CheckpointReader
 
-        dcp.load(ctx.dest, storage_reader=CheckpointReader(d, verify=verify, **ctx.reader_kw))
+        kw = {**ctx.reader_kw, **options}
+        dcp.load(ctx.dest, storage_reader=CheckpointReader(d, verify=verify, **kw))
         return ctx.dest
 
     return load
@@ -278,10 +303,14 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "raw": Method("raw", _raw_save, (("raw", _raw_read), ("raw-par4", lambda c, d: _raw_read(c, d, 4))),
-                  "1 thread, os.write <=64 MiB, fsync; read 1 thread / 4 threads, 16 MiB preadv"),
-    "ours": Method("ours", _ours_save, (("ours", _ours_load(True)), ("ours-noverify", _ours_load(False))),
-                   "CheckpointWriter (fsyncs itself); load verify=True / verify=False"),
+    "raw": Method("raw", _raw_save, (("raw", _raw_read), ("raw-par4", lambda c, d: _raw_read(c, d, 4)),
+                                      ("raw-direct4", _raw_direct_read)),
+                  "1 thread, os.write <=64 MiB, fsync; read 1 thread / 4 threads, 16 MiB preadv / "
+                  "4 threads, 16 MiB O_DIRECT preadv into reused aligned buffers (no copy)"),
+    "ours": Method("ours", _ours_save, (("ours", _ours_load(True)), ("ours-noverify", _ours_load(False)),
+                                        ("ours-direct", _ours_load(True, direct_reads=True))),
+                   "CheckpointWriter (fsyncs itself); load verify=True / verify=False / "
+                   "verify=True with O_DIRECT reads (direct_reads=True)"),
     "ours-nohash": Method("ours-nohash", _ours_nohash_save, (), "CheckpointWriter with blake3 patched to a no-op"),
     "fsw-default": Method("fsw-default", _fsw_save(), (("fsw-default", _fsr_load),),
                           "FileSystemWriter() (sync_files=True fsyncs); FileSystemReader()"),
@@ -397,9 +426,12 @@ def run(state: State, methods: list[str], repeats: int, base: str, writer_kw: di
     samples: dict[str, list[Sample]] = {}
     infos: dict[str, Any] = {}
     cold = drop_caches()
+    order: list[list[str]] = []
+    load0 = os.getloadavg()
     for rep in range(repeats):
         k = rep % len(methods)
-        for name in methods[k:] + methods[:k]:
+        order.append(methods[k:] + methods[:k])
+        for name in order[-1]:
             t0 = time.perf_counter()
             infos[name] = run_method(METHODS[name], ctx, base, samples, check and rep == 0,
                                      reverse_loads=rep % 2 == 1, quiet=quiet)
@@ -413,9 +445,11 @@ def run(state: State, methods: list[str], repeats: int, base: str, writer_kw: di
             "other_cpus": [round(s.other, 2) for s in ss],
             "median_s": wall,
             "best_gbps": state.nbytes / min(s.wall for s in ss) / GB,
+            "worst_gbps": state.nbytes / max(s.wall for s in ss) / GB,
             "gbps": state.nbytes / wall / GB,
         }
-    return {"results": results, "methods": infos, "cold_cache": cold}
+    return {"results": results, "methods": infos, "cold_cache": cold, "order": order,
+            "loadavg": {"start": load0, "end": os.getloadavg()}}
 
 
 def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]:
@@ -444,7 +478,7 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
         "save vs raw write+fsync": ratio("save:ours", "save:raw", 0.9),
         "save vs FileSystemWriter default": ratio("save:ours", "save:fsw-default", 1.4),
         "cold load vs FileSystemReader default": ratio("load:ours", "load:fsw-default", 2.0),
-        "cold load vs raw sequential read": ratio("load:ours", "load:raw", 0.7),
+        "cold load vs raw sequential read": ratio("load:ours", "load:raw", 0.9),
         "hashing overhead on save": overhead("save:ours", "save:ours-nohash", 0.10),
         "hashing overhead on load": overhead("load:ours", "load:ours-noverify", 0.10),
     }
@@ -452,6 +486,8 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
     # Context, not targets: how much faster than FileSystemReader any reader of this disk could
     # be, taking the parallel raw read as the disk's limit.
     for name, a, b in (("(disk limit) raw-par4 vs FileSystemReader", "load:raw-par4", "load:fsw-default"),
+                       ("O_DIRECT reads vs default (both verified)", "load:ours-direct", "load:ours"),
+                       ("(disk limit) raw-direct4 vs raw-par4", "load:raw-direct4", "load:raw-par4"),
                        ("(disk limit) raw-par4 vs raw sequential read", "load:raw-par4", "load:raw")):
         x, y = g(a), g(b)
         if x is not None and y is not None:
@@ -462,7 +498,7 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
 def table(report: dict[str, Any]) -> str:
     """The results as text: one row per load variant, then the notes."""
     res = report["results"]
-    head = (f"{'method':<15}{'save GB/s':>10}{'load GB/s':>10}{'best save':>10}{'best load':>10}{'save s':>8}"
+    head = (f"{'method':<15}{'save GB/s':>10}{'load GB/s':>10}{'save min-max':>13}{'load min-max':>13}{'save s':>8}"
             f"{'load s':>8}{'save cpu':>9}{'load cpu':>9}{'others':>10}{'files':>6}")
     lines = [head]
 
@@ -472,6 +508,9 @@ def table(report: dict[str, Any]) -> str:
         if key in ("cpu_seconds", "other_cpus"):
             return format(statistics.median(r[key]), spec)
         return format(r[key], spec)
+
+    def spread(r: dict | None) -> str:
+        return "-" if r is None else f"{r['worst_gbps']:.2f}-{r['best_gbps']:.2f}"
 
     notes = []
     rows: list[tuple[str, str | None, str | None]] = []
@@ -488,10 +527,10 @@ def table(report: dict[str, Any]) -> str:
         files = report["methods"].get(label, {}).get("files", "") if skey else ""
         others = f"{fmt(s, 'other_cpus', '.1f')}/{fmt(l, 'other_cpus', '.1f')}"
         lines.append(f"{label:<15}{fmt(s, 'gbps', '.3f'):>10}{fmt(l, 'gbps', '.3f'):>10}"
-                     f"{fmt(s, 'best_gbps', '.3f'):>10}{fmt(l, 'best_gbps', '.3f'):>10}"
+                     f"{spread(s):>13}{spread(l):>13}"
                      f"{fmt(s, 'median_s', '.2f'):>8}{fmt(l, 'median_s', '.2f'):>8}"
                      f"{fmt(s, 'cpu_seconds', '.2f'):>9}{fmt(l, 'cpu_seconds', '.2f'):>9}{others:>10}{files!s:>6}")
-    lines.append("GB/s and s: medians; best: the fastest repeat; cpu: this process's CPU seconds (median); "
+    lines.append("GB/s and s: medians; min-max: slowest and fastest repeat (GB/s); cpu: this process's CPU seconds (median); "
                  "others: CPUs busy\nwith other processes of this machine during the measurement "
                  "(save/load, median), a noise gauge")
     return "\n".join(lines + notes)
@@ -560,6 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"payload {state.nbytes / GB:.3f} GB; median of {a.repeats}; GB = 1e9 bytes; "
           f"loads {'COLD (page cache dropped before each)' if rep['cold_cache'] else 'WARM (could not drop caches: not root?)'}")
     print(f"ours: {rep['config']['writer']} {rep['config']['reader']}")
+    print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(rep["order"])))
+    la = rep["loadavg"]
+    print(f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
+          f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {os.cpu_count()} CPUs")
     print(table(rep))
     print()
     print(f"{'target':<44}{'median':>8}{'best':>8}")

@@ -273,11 +273,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = SeaweedServer(data_dir, extra_args=(f"-metricsPort={metrics_port}",))
     env = Env(server.url, f"http://127.0.0.1:{server.master_port}", f"http://127.0.0.1:{metrics_port}/metrics", state, nbytes, raw)
     results: dict[str, dict[str, Phase]] = {}
+    orders: list[list[str]] = []
+    load0 = os.getloadavg()
     try:
         bucket = "bench"
         boto_client(env, tuned=True).create_bucket(Bucket=bucket)
         for rep in range(args.repeats):
             order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
+            orders.append(order)
             for m in order:
                 prefix = f"{m}-{rep}"
                 factory = {
@@ -305,7 +308,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
-    return summarize(results, nbytes, args)
+    report = summarize(results, nbytes, args)
+    report["order"] = orders
+    report["loadavg"] = {"start": load0, "end": os.getloadavg()}
+    return report
 
 
 def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -316,6 +322,7 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
             t = statistics.median(ph.seconds)
             row[name] = {
                 "seconds": t, "mib_s": nbytes / MiB / t, "cpu_s": statistics.median(ph.cpu),
+                "min_mib_s": nbytes / MiB / max(ph.seconds), "max_mib_s": nbytes / MiB / min(ph.seconds),
                 "requests": ph.requests[-1], "all_seconds": ph.seconds,
             }  # fmt: skip
         rows[m] = row
@@ -351,17 +358,25 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"payload {report['payload_bytes'] / MiB:.0f} MiB, median of {report['repeats']} repeat(s)")
-    print(f"{'method':<15}{'save MiB/s':>11}{'cpu s':>7}  {'save requests':<34}{'load MiB/s':>11}{'cpu s':>7}  load requests")
+    print(f"payload {report['payload_bytes'] / MiB:.0f} MiB, median of {report['repeats']} repeat(s); "
+          "min-max: slowest and fastest repeat")
+    print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(report.get("order", []))))
+    la = report.get("loadavg")
+    if la:
+        print(f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
+              f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {report['cpus']} CPUs")
+    print(f"{'method':<15}{'save MiB/s':>11}{'min-max':>11}{'cpu s':>7}  {'save requests':<34}"
+          f"{'load MiB/s':>11}{'min-max':>11}{'cpu s':>7}  load requests")
     for m, row in report["results"].items():
         cells = []
         for p in ("save", "load"):
             if p in row:
                 r = row[p]
                 reqs = " ".join(f"{k}={v}" for k, v in sorted(r["requests"].items()))
-                cells.append(f"{r['mib_s']:>11.0f}{r['cpu_s']:>7.1f}  {reqs:<34}")
+                spread = f"{r['min_mib_s']:.0f}-{r['max_mib_s']:.0f}"
+                cells.append(f"{r['mib_s']:>11.0f}{spread:>11}{r['cpu_s']:>7.1f}  {reqs:<34}")
             else:
-                cells.append(f"{'-':>11}{'':>7}  {'':<34}")
+                cells.append(f"{'-':>11}{'':>11}{'':>7}  {'':<34}")
         print(f"{m:<15}{cells[0]}{cells[1]}")
     for p, refs in report["ratios_of_ours"].items():
         print(f"ours {p}: " + ", ".join(f"{v:.2f}x {k}" for k, v in refs.items()))

@@ -22,69 +22,28 @@ completion) aborts the upload instead, so a file is never completed with missing
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
+from ._s3_bodies import BODIES, b64, fill
 from ._s3_retry import is_no_such_upload
 from .base import byte_views
 
 if TYPE_CHECKING:
     from .s3 import S3Store
 
-__all__ = ["MAX_PARTS", "S3Sink", "crc32_b64", "ignore_no_such_upload"]
+__all__ = ["MAX_PARTS", "S3Sink", "ignore_no_such_upload"]
 
 log = logging.getLogger("goodput_ckpt.storage.s3")
 
 #: S3 numbers parts 1 to 10,000.
 MAX_PARTS = 10_000
-#: Bytes per step when a part body is filled: the piece is copied, then hashed and CRC-summed from
-#: the copy while it is in the CPU cache (an 8 MiB chunk is not). Chosen by measurement
-#: (docs/benchmarks.md, "Constants in storage/").
-FILL_PIECE = 256 << 10
 #: PUTs of one small file whose stored size differs from the body sent, before the save fails.
 SHORT_OBJECT_ATTEMPTS = 3
-
-
-def crc32_b64(data: Any) -> str:
-    """The ``x-amz-checksum-crc32`` value of ``data``: its CRC-32, big-endian, base64."""
-    return _b64(zlib.crc32(data))
-
-
-def _b64(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
-
-
-def _fill(views: list[memoryview], start: int, end: int, into: bytearray, hasher: Any, crc: bool) -> int:
-    """Copy bytes ``[start, end)`` of the concatenation of ``views`` into ``into`` (exactly that
-    long); ``hasher.update`` (when given) gets them in order. Returns their CRC-32 (0 unless
-    ``crc``).
-
-    Piece by piece (:data:`FILL_PIECE`): each piece is hashed and summed from the copy, so the
-    digest and the CRC describe the body that is sent. blake3 and zlib release the GIL.
-    """
-    out = memoryview(into)
-    value = at = pos = 0
-    for v in views:
-        lo, hi = max(start, pos) - pos, min(end, pos + v.nbytes) - pos
-        pos += v.nbytes
-        for a in range(lo, hi, FILL_PIECE):
-            b = min(hi, a + FILL_PIECE)
-            dst = out[at : at + b - a]
-            dst[:] = v[a:b]
-            at += b - a
-            if hasher is not None:
-                hasher.update(dst)
-            if crc:
-                value = zlib.crc32(dst, value)
-        if pos >= end:
-            break
-    return value
 
 
 class S3Sink:
@@ -105,9 +64,6 @@ class S3Sink:
         self._parts: dict[int, tuple[int, int, str, str | None]] = {}
         self._put_size: int | None = None  # set when the file went up as one PutObject
         self._futures: list[Future] = []
-        # Bodies of finished full parts, reused: a fresh 8 MiB buffer per part costs page faults
-        # (docs/benchmarks.md, "Constants in storage/"). At most max_concurrency.
-        self._spare: list[bytearray] = []
         self._pool: ThreadPoolExecutor | None = None
         self._failed = threading.Event()  # first failure: queued parts skip, retries stop
         self._error: BaseException | None = None
@@ -135,7 +91,7 @@ class S3Sink:
         if offset == 0 and n < self._unit:
             # The whole file is this one short chunk (every other chunk is a full unit).
             body = bytearray(n)
-            crc = _fill(views, 0, n, body, hasher, checksums)
+            crc = fill(views, 0, n, body, hasher, checksums)
             self._put(body, crc)
             with self._lock:
                 self._put_size = n
@@ -158,8 +114,8 @@ class S3Sink:
             self._acquire_slot(slots)
             try:
                 self._check_usable()
-                body = self._spare_body(end - start)
-                crc = _fill(views, start, end, body, hasher, checksums)
+                body = BODIES.take(end - start)
+                crc = fill(views, start, end, body, hasher, checksums)
                 fut = self._executor().submit(self._upload_part, upload_id, number, offset + start, body, crc)
             except BaseException:
                 slots.release()
@@ -223,7 +179,7 @@ class S3Sink:
         # A bytearray, not bytes: botocore turns a bytes body of PutObject into a file object,
         # which costs a 100-continue round trip.
         client, bucket = self._store.client(), self._store.bucket
-        extra = {"ChecksumCRC32": _b64(crc)} if self._store.config.checksums else {}
+        extra = {"ChecksumCRC32": b64(crc)} if self._store.config.checksums else {}
         for attempt in range(1, SHORT_OBJECT_ATTEMPTS + 1):
             self._store.call(
                 "writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra), stop=self._failed
@@ -278,8 +234,6 @@ class S3Sink:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            self._spare.clear()
 
     def _ensure_upload(self) -> str:
         with self._create_lock:
@@ -295,13 +249,6 @@ class S3Sink:
                 self._upload_id = resp["UploadId"]
             return self._upload_id
 
-    def _spare_body(self, n: int) -> bytearray:
-        if n == self._split:
-            with self._lock:
-                if self._spare:
-                    return self._spare.pop()
-        return bytearray(n)  # else the file's short last part: a one-off buffer
-
     def _upload_part(self, upload_id: str, number: int, offset: int, body: bytearray, crc: int) -> None:
         try:
             if self._failed.is_set():
@@ -309,7 +256,7 @@ class S3Sink:
             client, bucket = self._store.client(), self._store.bucket
             # The server checks the CRC on receipt (a corrupted body fails with BadDigest and is
             # retried with the same body).
-            extra = {"ChecksumCRC32": _b64(crc)} if self._store.config.checksums else {}
+            extra = {"ChecksumCRC32": b64(crc)} if self._store.config.checksums else {}
             resp = self._store.call(
                 f"uploading part {number} of",
                 self._key,
@@ -318,8 +265,8 @@ class S3Sink:
             )
             with self._lock:
                 self._parts[number] = (offset, len(body), resp["ETag"], extra.get("ChecksumCRC32"))
-                if len(body) == self._split:
-                    self._spare.append(body)
+            if len(body) == self._split:  # (a file's short last part is a one-off size)
+                BODIES.give(body, self._store.config.max_concurrency)
         except BaseException as e:
             with self._lock:
                 if self._error is None:

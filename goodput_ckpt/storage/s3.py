@@ -46,7 +46,8 @@ from ._s3_config import DEFAULT_PART_SIZE, MIN_PART_SIZE, S3Config
 from ._s3_download import S3Source
 from ._s3_retry import call_with_retries, client_error_code, is_not_found
 from ._s3_stale import abort_stale_uploads
-from ._s3_upload import S3Sink, crc32_b64
+from ._s3_bodies import crc32_b64
+from ._s3_upload import S3Sink
 from .base import (
     SMALL_FILE_LIMIT,
     read_capped,

@@ -23,8 +23,9 @@ fsync may be an upload or a no-op; small files are expensive. This store asks fo
   requests (128 KiB on ``weed mount``); a direct one goes daemon -> destination in ``max_read``-
   sized requests (1 MiB there), without the page cache's copy and page bookkeeping. On two
   cores shared with the FUSE daemon and the server, that CPU is the load's bottleneck
-  (docs/volumes.md). A filesystem that refuses ``O_DIRECT`` or an unaligned direct read (a local
-  directory with ``volume=True``: ext4, older tmpfs) is read buffered instead. With
+  (docs/volumes.md). A filesystem that refuses an unaligned direct read (a local directory with
+  ``volume=True``: ext4) is read with aligned direct reads, one that refuses ``O_DIRECT`` (older
+  tmpfs) buffered (:mod:`.direct_read`, shared with the local store). With
   ``traits.sequential_reads`` the reader gives each of its threads a run of one file's tasks, in order;
   each concurrent reader of a file gets its own descriptor, preferably the one whose last read
   ended where this one starts, so every descriptor streams its file (the kernel reads ahead, and
@@ -40,13 +41,13 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .base import Buffer, StoreTraits, committed_elsewhere_error, drop_done, missing_file_error, out_of_order_error
-from .local import LocalStore, os_error, read_full
+from .base import Buffer, StoreTraits, committed_elsewhere_error, drop_done, out_of_order_error
+from .direct_read import DirectSource
+from .local import LocalStore, os_error
 
 __all__ = ["VolumeConfig", "VolumeStore"]
 
@@ -56,8 +57,6 @@ __all__ = ["VolumeConfig", "VolumeStore"]
 _JOIN_BELOW = 1 << 20
 #: Linux caps an iovec array at IOV_MAX (1024).
 _MAX_IOV = 512
-#: ``O_DIRECT`` where the platform has it (Linux); 0 elsewhere (then reads are buffered).
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: fsync errors that mean "not supported by this filesystem" rather than "the data is lost".
 _FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
@@ -199,102 +198,6 @@ class _VolumeSink:
             pass
 
 
-class _VolumeSource:
-    """One file read through a small pool of descriptors, each read sequentially.
-
-    With ``direct`` the descriptors are opened with ``O_DIRECT`` (see the module docstring).
-    The first refusal (``EINVAL`` from the open or a read: the filesystem has no direct I/O, or
-    wants aligned buffers and offsets) turns it off for this file: the pool's direct
-    descriptors are closed and that read, and every later one, is made buffered.
-    """
-
-    def __init__(self, path: str, direct: bool = True) -> None:
-        self._path = path
-        self._lock = threading.Lock()  # guards the pool and _direct (reader threads share them)
-        self._direct = bool(direct and _O_DIRECT)
-        fd, is_direct = self._open()
-        self._idle: list[tuple[int, int, bool]] = [(fd, 0, is_direct)]  # (fd, its last read's end, O_DIRECT)
-        self._closed = False
-
-    @property
-    def direct(self) -> bool:
-        """Whether new descriptors are opened with ``O_DIRECT``."""
-        return self._direct
-
-    def _open(self) -> tuple[int, bool]:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            if self._direct:
-                try:
-                    return os.open(self._path, flags | _O_DIRECT), True
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    self._direct = False  # no direct I/O on this filesystem
-            return os.open(self._path, flags), False
-        except FileNotFoundError as e:
-            raise missing_file_error(self._path) from e
-        except OSError as e:
-            raise os_error(e, "opening", self._path) from e
-
-    def _take(self, offset: int) -> tuple[int, bool]:
-        with self._lock:
-            if self._closed:
-                raise CheckpointError(f"{self._path} was closed", path=self._path)
-            for i, (_fd, end, _is_direct) in enumerate(self._idle):
-                if end == offset:
-                    fd, _, is_direct = self._idle.pop(i)
-                    return fd, is_direct
-            if self._idle:
-                fd, _, is_direct = self._idle.pop()
-                return fd, is_direct
-        return self._open()
-
-    def _give_back(self, fd: int, end: int, is_direct: bool) -> None:
-        with self._lock:
-            if not self._closed and (self._direct or not is_direct):
-                self._idle.append((fd, end, is_direct))
-                return
-        os.close(fd)
-
-    def _stop_direct(self) -> None:
-        """Direct reads were refused: read buffered from now on (closes idle direct fds)."""
-        with self._lock:
-            self._direct = False
-            stale = [fd for fd, _, is_direct in self._idle if is_direct]
-            self._idle = [e for e in self._idle if not e[2]]
-        for fd in stale:
-            os.close(fd)
-
-    def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
-        while True:
-            fd, is_direct = self._take(offset)
-            try:
-                read_full(fd, self._path, offset, buffers)
-            except CheckpointError as e:
-                os.close(fd)
-                cause = e.__cause__
-                if is_direct and isinstance(cause, OSError) and cause.errno == errno.EINVAL:
-                    self._stop_direct()  # e.g. ext4: O_DIRECT opens, but wants aligned buffers
-                    continue  # the whole range again, buffered
-                raise
-            except BaseException:
-                os.close(fd)
-                raise
-            break
-        self._give_back(fd, offset + sum(memoryview(b).nbytes for b in buffers), is_direct)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for fd, _, _ in idle:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 class VolumeStore(LocalStore):
     """A checkpoint directory on a mounted volume (see the module docstring).
 
@@ -337,8 +240,8 @@ class VolumeStore(LocalStore):
                 raise os_error(e, "creating directory", parent) from e
         return _VolumeSink(path, self.config.fsync)
 
-    def open_source(self, name: str) -> _VolumeSource:
-        return _VolumeSource(self._path(name), self.config.direct_reads)
+    def open_source(self, name: str) -> DirectSource:
+        return DirectSource(self._path(name), "unaligned" if self.config.direct_reads else "buffered")
 
     def put_commit_record(self, name: str, data: bytes, *, replace: bool) -> None:
         """Write ``data`` to its final name in one write (no temporary file, no rename).

@@ -451,3 +451,51 @@ def test_client_settings():
     assert config.retries["total_max_attempts"] == 1 and config.max_pool_connections >= 80
     assert config.request_checksum_calculation == "when_required"
     assert plain.traits.min_part_size == 5 * MiB and open_store("s3://b/x", {"part_size": 16 * MiB}).traits.min_part_size == 16 * MiB
+
+
+def test_part_bodies_are_reused_across_saves(moto):
+    """A save takes the part bodies an earlier save (another writer, another store) gave back,
+    instead of page-faulting fresh ones; a body is kept once per part size, up to the store's
+    max_concurrency."""
+    from goodput_ckpt.storage._s3_bodies import BODIES
+
+    BODIES.clear()
+    data = bytes(range(256)) * (3 * CHUNK // 256)  # 3 full parts
+    seen: list[set[int]] = []
+    for step in range(2):
+        store = open_store(moto.uri(f"reuse/{step}"), moto.options(max_concurrency=2))
+        sink = store.open_sink("data.bin", part_size=CHUNK)
+        for o in range(0, len(data), CHUNK):
+            sink.write_at(o, [memoryview(data)[o : o + CHUNK]])
+        sink.close()
+        assert store.read_small("data.bin", max_bytes=len(data)) == data
+        kept = [BODIES.take(CHUNK) for _ in range(3)]
+        seen.append({id(b) for b in kept})
+        for b in kept:
+            BODIES.give(b, 2)
+    assert len(seen[0]) == 3  # (the third take made a fresh one: at most 2 kept)
+    assert seen[0] & seen[1] and len(seen[0] & seen[1]) == 2, "the second save used fresh bodies"
+    BODIES.clear()
+
+
+def test_part_checksums_use_the_fastest_crc32(s3):
+    """Parts are summed with ISA-L's CRC-32 where isal is installed (the same value as zlib's),
+    and the servers accept those checksums (a wrong one fails with BadDigest)."""
+    import os
+    import zlib
+
+    from goodput_ckpt.storage import _s3_bodies
+
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        pytest.skip("isal is not installed: zlib's CRC-32 is used")
+    assert _s3_bodies.crc32 is isal_zlib.crc32
+    data = os.urandom(2 * CHUNK + 77)
+    assert _s3_bodies.crc32(data) == zlib.crc32(data)
+    store = open_store(s3.uri("crc"), s3.options())
+    sink = store.open_sink("data.bin", part_size=CHUNK)
+    for o in range(0, len(data), CHUNK):
+        sink.write_at(o, [memoryview(data)[o : o + CHUNK]])
+    sink.close()
+    assert s3.client().get_object(Bucket=s3.bucket, Key="crc/data.bin")["Body"].read() == data
