@@ -22,6 +22,12 @@ One writer instance serves one save at a time. A second save that overlaps a run
 same instance raises :class:`~goodput_ckpt.CheckpointError`, unless the running save's thread
 ends within 2 s (a failed save's executor thread is then let go): use one writer per in-flight
 ``dcp.async_save``.
+
+Why this module is above the ~400-line guideline: it is one class whose methods are DCP's
+``StorageWriter`` protocol, called in the order above. The work they start already lives
+elsewhere (layout: ``dcp/layout.py``; hashing and commit: ``dcp/hashed_write.py``; staging:
+``dcp/staging.py``), and splitting the protocol's methods across files would hide the call order
+that this docstring documents.
 """
 
 from __future__ import annotations

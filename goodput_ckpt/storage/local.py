@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .direct_read import DirectSource, read_full
+from .direct_read import DirectSource
 from .base import (
     SMALL_FILE_LIMIT,
     read_capped,
@@ -43,9 +43,7 @@ from .base import (
     check_relative_name,
     committed_elsewhere_error,
     drop_done,
-    missing_file_error,
     too_large_error,
-    truncated_error,
 )
 
 __all__ = ["LocalConfig", "LocalStore"]
