@@ -34,6 +34,7 @@ from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_r
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..storage import FileSource, Store, is_supported_uri, open_store
+from ..storage.base import redact
 from .manifest_load import load_manifest
 from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks, sequential_lanes
@@ -117,7 +118,8 @@ class CheckpointReader(StorageReader):
         self.process_group = process_group
         self.share_manifest = share_manifest
         self._options = dict(options)
-        self.checkpoint_id: str | os.PathLike = uri
+        # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
+        self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
         self._store: Store = open_store(uri, self._options)
         self._manifest: Manifest | None = None
         self._storage_data: dict[Any, StoredRange] = {}
@@ -134,7 +136,7 @@ class CheckpointReader(StorageReader):
     # -- StorageReader ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.checkpoint_id = checkpoint_id
+            self.checkpoint_id = redact(os.fspath(checkpoint_id))
             self._store = open_store(checkpoint_id, self._options)
         self._manifest = None
         self._storage_data = {}

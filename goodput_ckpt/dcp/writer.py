@@ -61,6 +61,7 @@ from ..format.dcp_metadata import (
 )
 from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION, FileEntry, Manifest
 from ..storage import Store, is_supported_uri, open_store
+from ..storage.base import redact
 from .hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
@@ -154,7 +155,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.overwrite = bool(overwrite)
         self.user_metadata = _json_checked(metadata or {})
         self._options = dict(options)
-        self.checkpoint_id: str | os.PathLike = uri
+        # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
+        self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
         self._store: Store = open_store(uri, self._options)
         check_chunk_size(self._store, self.chunk_size)  # S3: a chunk is a part, >= 5 MiB
         self._is_coordinator = False
@@ -181,7 +183,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     # -- StorageWriter ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.checkpoint_id = checkpoint_id
+            self.checkpoint_id = redact(os.fspath(checkpoint_id))
             self._store = open_store(checkpoint_id, self._options)
             check_chunk_size(self._store, self.chunk_size)
         self._assignment = None

@@ -399,5 +399,5 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CheckpointError(f"this CheckpointManager ({self.root_uri}) is closed")
+            raise CheckpointError(f"this CheckpointManager ({self._root.uri}) is closed")
 
