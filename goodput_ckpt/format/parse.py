@@ -290,21 +290,24 @@ def _check_dcp(dcp: dict) -> None:
         raise _Bad(f"field dcp.planner_data is malformed: an object is needed, not {type(planner_data).__name__}")
     bound = len(planner_data)
     for key, path in planner_data.items():
-        if not isinstance(path, list) or not 1 <= len(path) <= MAX_PLANNER_PATH or not isinstance(path[0], str):
-            raise _Bad(
-                f"field dcp.planner_data is malformed: the path of {key!r} must be a list of 1 to "
-                f"{MAX_PLANNER_PATH} names and indices starting with a name",
-                key=key,
-            )
-        for p in path:
-            if isinstance(p, str):
-                continue
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < bound:
-                raise _Bad(
-                    f"field dcp.planner_data is malformed: the path of {key!r} holds {p!r:.40}, "
-                    f"not a name or a list index below {bound} (the number of entries)",
-                    key=key,
-                )
+        why = planner_path_problem(path, bound)
+        if why is not None:
+            raise _Bad(f"field dcp.planner_data is malformed: the path of {key!r} {why}", key=key)
+
+
+def planner_path_problem(path: object, bound: int) -> str | None:
+    """What is wrong with one ``planner_data`` path, or ``None``: it must be a list of 1 to
+    ``MAX_PLANNER_PATH`` names and list indices, starting with a name, every index below
+    ``bound``. The one rule for our manifests and for foreign checkpoints' planner data (see
+    :func:`_check_dcp` for why an index is bounded)."""
+    if not isinstance(path, (list, tuple)) or not 1 <= len(path) <= MAX_PLANNER_PATH or not isinstance(path[0], str):
+        return f"must be a list of 1 to {MAX_PLANNER_PATH} names and indices starting with a name"
+    for p in path:
+        if isinstance(p, str):
+            continue
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < bound:
+            return f"holds {p!r:.40}, not a name or a list index below {bound} (the number of entries)"
+    return None
 
 
 def _parse_v1(doc: dict) -> Manifest:

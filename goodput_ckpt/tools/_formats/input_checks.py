@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ...errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError, FileTooLargeError
+from ...format.parse import planner_path_problem
 from ...storage import Store
 from .base import Source
 
@@ -25,48 +26,24 @@ def check_planner_data(source: Source) -> None:
     pd = source.planner_data
     if pd is None:
         return
-    n = len(source.items)
+    bound = max(len(source.items), 1)
     for key, path in pd.items():
-        ok = isinstance(path, (list, tuple)) and all(
-            isinstance(p, str) or (type(p) is int and 0 <= p < max(n, 1)) for p in path
-        )
-        if not ok:
-            raise CorruptCheckpointError(
-                f"{source.uri}: planner_data for {key!r} is {str(path)[:200]}; a path is a list of names and list "
-                f"indexes below the number of items ({n})",
-                key=key,
-            )
+        why = planner_path_problem(path, bound)
+        if why is not None:
+            raise CorruptCheckpointError(f"{source.uri}: planner_data for {key!r} {why}", key=key)
 
 
 def read_small_capped(store: Store, name: str, limit: int, what: str) -> bytes | None:
-    """The whole of a small file (a commit record, a header, an index, a sidecar), or ``None``
-    when it is missing; never more than ``limit`` bytes.
-
-    Why: a foreign checkpoint's small files are read whole and parsed in memory. Without a cap,
-    a 3 GiB sparse file or an endless one exhausts memory before any parser can refuse it.
-    The size is asked first (the stores refuse links and non-regular files there), and then
-    exactly that many bytes are read by range, so a file that grows meanwhile is not read past
-    the size that was checked. Every foreign small file goes through here, so this is the one
-    place to swap for a store's own capped read.
+    """The whole of a foreign checkpoint's small file (a metadata file, an index, a sidecar), or
+    ``None`` when it is missing: the store's own capped read (``Store.read_small``, which refuses
+    links, non-regular files and anything over ``limit`` before reading it), with the file named
+    by what it is in the error.
 
     Raises:
         CorruptCheckpointError: the file is larger than ``limit``.
         CheckpointError: the store refuses the file (a link, not a regular file).
     """
-    size = store.size(name)
-    if size is None:
-        return None
-    where = f"{store.uri.rstrip('/')}/{name}"
-    if size > limit:
-        raise CorruptCheckpointError(
-            f"{what} {where} is {size} bytes, over the {limit}-byte limit for it; refusing to read it",
-            path=where,
-        )
-    buf = bytearray(size)
-    if size:
-        src = store.open_source(name)
-        try:
-            src.read_into(0, [memoryview(buf)])
-        finally:
-            src.close()
-    return bytes(buf)
+    try:
+        return store.read_small(name, max_bytes=limit)
+    except FileTooLargeError as e:
+        raise FileTooLargeError(f"{what}: {e}", path=e.path) from e
