@@ -53,9 +53,19 @@ _LEVELS = ("unaligned", "aligned", "buffered")
 
 
 def os_error(exc: OSError, what: str, path: str) -> CheckpointError:
-    from .local import os_error as translate  # the one table of advice (local imports this module)
-
-    return translate(exc, what, path)
+    """Translate an ``OSError`` into a :class:`CheckpointError` with advice: the one table, for
+    every store that works on POSIX files (local disk, volumes, their direct reads)."""
+    hint = {
+        errno.ENOSPC: "the disk is full: free space or save elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted",
+        errno.EFBIG: "the file exceeds the file-size limit (ulimit -f) of this process",
+        errno.EACCES: "permission denied: check the ownership of the location",
+        errno.EPERM: "operation not permitted on this filesystem",
+        errno.EROFS: "the filesystem is read-only",
+        errno.ENOENT: "no such file or directory",
+        errno.ESPIPE: "this filesystem only takes writes in order (a mounted object store?): save with volume=True",
+    }.get(exc.errno or -1, exc.strerror or "I/O error")
+    return CheckpointError(f"{what} {path} failed: {hint} ({exc})", path=path)
 
 
 def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> None:

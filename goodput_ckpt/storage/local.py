@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .direct_read import DirectSource
+from .direct_read import DirectSource, os_error
 from .base import (
     SMALL_FILE_LIMIT,
     read_capped,
@@ -103,21 +103,6 @@ class LocalConfig:
             raise TypeError(f"fsync must be a bool, got {type(self.fsync).__name__}")
         if not isinstance(self.direct_reads, bool):
             raise TypeError(f"direct_reads must be a bool, got {type(self.direct_reads).__name__}")
-
-
-def os_error(exc: OSError, what: str, path: str) -> CheckpointError:
-    """Translate an ``OSError`` into a :class:`CheckpointError` with advice."""
-    hint = {
-        errno.ENOSPC: "the disk is full: free space or save elsewhere",
-        errno.EDQUOT: "the disk quota is exhausted",
-        errno.EFBIG: "the file exceeds the file-size limit (ulimit -f) of this process",
-        errno.EACCES: "permission denied: check the ownership of the location",
-        errno.EPERM: "operation not permitted on this filesystem",
-        errno.EROFS: "the filesystem is read-only",
-        errno.ENOENT: "no such file or directory",
-        errno.ESPIPE: "this filesystem only takes writes in order (a mounted object store?): save with volume=True",
-    }.get(exc.errno or -1, exc.strerror or "I/O error")
-    return CheckpointError(f"{what} {path} failed: {hint} ({exc})", path=path)
 
 
 def _iov_batches(buffers: Sequence[Buffer]):
