@@ -83,6 +83,10 @@ class EpochPosition:
         """
         alive = torch.arange(order.numel(), dtype=torch.int64)
         if self.done is not None:
+            if self.done.numel() * 8 < order.numel():
+                raise ValueError(
+                    f"the saved position's bitmap covers {self.done.numel() * 8} samples, the epoch has {order.numel()}"
+                )
             alive = alive[~_unpack(self.done, order.numel())]
         for ws, counts in self.segments:
             alive = alive[~_consumed(alive.numel(), ws, counts)]
@@ -120,6 +124,10 @@ class EpochPosition:
             raise ValueError(f"malformed elastic sampler position: {type(e).__name__}: {e}") from None
         if done is not None and not (isinstance(done, torch.Tensor) and done.dtype == torch.uint8):
             raise ValueError("malformed elastic sampler position: 'done' must be a uint8 tensor")
+        if len(segs) > MAX_SEGMENTS:  # to_state never writes more: they are folded into 'done'
+            raise ValueError(f"malformed elastic sampler position: {len(segs)} segments, at most {MAX_SEGMENTS}")
+        if done is not None and done.dim() != 1:
+            raise ValueError("malformed elastic sampler position: 'done' must be one-dimensional")
         if any(ws < 1 or len(c) != ws or min(c) < 0 for ws, c in segs):
             raise ValueError(f"malformed elastic sampler position: bad segments {segs!r:.200}")
         return cls(epoch, segs, done)

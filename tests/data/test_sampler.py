@@ -189,3 +189,18 @@ def test_checkpoint_ranks_sharing_a_sampler_rank():
     _, later = _run(loaders, 1)
     with pytest.raises(TopologyChangeError, match="not in step"):
         s.elastic_resume([states[0], later[0], states[1]], batch_size=None)
+
+
+def test_a_hostile_position_is_refused_before_it_drives_work():
+    """A saved position is read from a checkpoint: its segment count and bitmap are bounded
+    before they drive a loop or an index (a state with 10^5 segments, or a bitmap shorter than
+    the epoch, was looped over or failed with an IndexError)."""
+    import torch
+
+    from goodput_ckpt.data.position import MAX_SEGMENTS, EpochPosition
+
+    with pytest.raises(ValueError, match="segments"):
+        EpochPosition.from_state({"epoch": 0, "segments": [[1, [0]]] * (MAX_SEGMENTS + 1), "done": None})
+    short = EpochPosition.from_state({"epoch": 0, "segments": [], "done": torch.zeros(1, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="bitmap covers 8 samples"):
+        short.pending(torch.arange(100))
