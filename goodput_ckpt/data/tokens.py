@@ -171,8 +171,7 @@ class TokenStream(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Same-topology restore (through the loader, inside each worker)."""
         self._check(state, "the dataloader state")
-        self._base = [int(c) for c in state["base"]]
-        self._progress = {int(i): int(c) for i, c in state["progress"].items()}
+        self._base, self._progress = self._counts(state, "the dataloader state")
 
     def _check(self, state: dict, where: str) -> None:
         if state.get(MARK) != VERSION:
@@ -184,6 +183,24 @@ class TokenStream(IterableDataset):
                 "its per-shard counts cannot be applied",
                 key="dataloader",
             )
+
+    def _counts(self, state: dict, where: str) -> tuple[list[int], dict[int, int]]:
+        """The saved per-shard counts (``base``, ``progress``), checked against this stream's
+        shards before they index anything: one count per shard, shard indices in range (a
+        negative one would silently move another shard's position), counts not negative."""
+        n = len(self.shards)
+        try:
+            base = [int(c) for c in state["base"]]
+            progress = {int(i): int(c) for i, c in state["progress"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{where}: malformed TokenStream counts ({type(e).__name__}: {e})", key="dataloader") from None
+        if len(base) != n or any(not 0 <= i < n for i in progress) or min([*base, *progress.values()], default=0) < 0:
+            raise CheckpointError(
+                f"{where}: TokenStream counts do not fit its {n} shard(s): {len(base)} base count(s), "
+                f"shard indices {sorted(progress)[:5]}",
+                key="dataloader",
+            )
+        return base, progress
 
     @staticmethod
     def find_states(loader_state: Any) -> list[dict]:
@@ -200,10 +217,11 @@ class TokenStream(IterableDataset):
         consumed = [0] * len(self.shards)
         for st in states:
             self._check(st, where)
-            for i, c in enumerate(st["base"]):
-                consumed[i] = max(consumed[i], int(c))
-            for i, c in st["progress"].items():
-                consumed[int(i)] = max(consumed[int(i)], int(c))
+            base, progress = self._counts(st, where)
+            for i, c in enumerate(base):
+                consumed[i] = max(consumed[i], c)
+            for i, c in progress.items():
+                consumed[i] = max(consumed[i], c)
         self._base, self._progress = consumed, {}
         lengths = self.lengths()
         done = sum(min(c, n) for c, n in zip(consumed, lengths))

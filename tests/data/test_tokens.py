@@ -101,3 +101,17 @@ def test_manager_restores_it_under_another_worker_count(tmp_path):
     mgr.close()
     rest = _ids(fresh)
     assert sorted(seen + rest) == list(range(total))
+
+
+def test_saved_counts_are_checked_before_they_index_shards(tmp_path):
+    """Counts read from a checkpoint: a negative shard index used to move the last shard's
+    position silently (Python's negative indexing), an extra base count raised IndexError."""
+    from goodput_ckpt.errors import CheckpointError
+
+    names, _ = _shards(tmp_path, "uint16")
+    state = _stream(tmp_path, names).state_dict()
+    for bad in ({"progress": {"-1": 2}}, {"base": state["base"] + [0]}, {"progress": {"0": -5}}):
+        with pytest.raises(CheckpointError, match="counts do not fit"):
+            _stream(tmp_path, names).load_state_dict({**state, **bad})
+        with pytest.raises(CheckpointError, match="counts do not fit"):
+            _stream(tmp_path, names).elastic_resume([{**state, **bad}])
