@@ -81,12 +81,15 @@ class _Bodies:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # upload threads of every sink give bodies back
         self._idle: dict[int, list[bytearray]] = {}
+        #: Bodies made fresh because none of their size was idle (what reuse saves; tests read it).
+        self.fresh = 0
 
     def take(self, n: int) -> bytearray:
         with self._lock:
             idle = self._idle.get(n)
             if idle:
                 return idle.pop()
+            self.fresh += 1
         return bytearray(n)
 
     def give(self, body: bytearray, keep: int) -> None:
@@ -99,6 +102,7 @@ class _Bodies:
         """Drop every kept body (tests; a process that is done saving)."""
         with self._lock:
             self._idle.clear()
+            self.fresh = 0
 
 
 BODIES = _Bodies()
