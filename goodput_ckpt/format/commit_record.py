@@ -48,7 +48,6 @@ __all__ = [
     "no_record_message",
     "parse_commit_record",
     "read_commit_record",
-    "records_are_atomic",
     "short_read_error",
 ]
 
@@ -57,16 +56,10 @@ MISSING, TORN, CORRUPT, UNSUPPORTED, COMMITTED = "missing", "torn", "corrupt", "
 T = TypeVar("T")
 
 
-def records_are_atomic(store: Store) -> bool:
-    """Whether readers of ``store`` only ever see a whole commit record
-    (``store.traits.atomic_commit_record``; see storage.base). The only place that asks a store this."""
-    return store.traits.atomic_commit_record
-
-
 def parse_commit_record(store: object, name: str, data: bytes, parse: Callable[[bytes], T]) -> T:
     """``parse(data)``, the commit record ``name`` read from ``store``, judged by how it commits.
 
-    Where readers only ever see the whole record (:func:`records_are_atomic`), a record that
+    Where readers only ever see the whole record (``store.traits.atomic_commit_record``), a record that
     does not validate, its own digest included, was damaged after its commit: ``parse``'s
     :class:`CorruptCheckpointError` goes through. Where the record is written in place under its
     final name (a mounted volume), it may still be being written or be the truncated record of a
@@ -80,7 +73,7 @@ def parse_commit_record(store: object, name: str, data: bytes, parse: Callable[[
     try:
         return parse(data)
     except CorruptCheckpointError as e:
-        if records_are_atomic(store):
+        if store.traits.atomic_commit_record:
             raise
         where = e.path or f"{store.uri}/{name}"
         raise IncompleteCheckpointError(

@@ -21,7 +21,7 @@ import logging
 import os
 
 from ..errors import CheckpointError
-from ..format.commit_record import MISSING, TORN, read_commit_record, records_are_atomic
+from ..format.commit_record import MISSING, TORN, read_commit_record
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
@@ -49,7 +49,7 @@ def scan_steps(root: Store) -> StepScan:
     each step's record to tell a torn one from a commit."""
     files = list_step_dirs(root)
     torn: set[int] = set()
-    if not records_are_atomic(root):
+    if not root.traits.atomic_commit_record:
         for step, names in files.items():
             if MANIFEST_NAME in names and _record_is_torn(root, step, names):
                 torn.add(step)
