@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _ZEROS = bytes(ALIGNMENT)
-_DATA_FILE = re.compile(r"rank\d{5}-\d{2}\.[0-9a-f]{12}\.bin\Z")
+_DATA_FILE = re.compile(r"rank(\d{5,})-\d{2}\.[0-9a-f]{12}\.bin\Z")
 _TMP_FILE = re.compile(r"\.manifest\.json\.tmp-[0-9a-f]+\Z")
 
 
@@ -77,6 +77,13 @@ class ByteSource(Protocol):
 def data_file_name(rank_index: int, file_index: int, token: str) -> str:
     """The writer's name for file ``file_index`` of rank ``rank_index`` in the save ``token``."""
     return f"rank{rank_index:05d}-{file_index:02d}.{token}.bin"
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote the data file ``name`` (see :func:`data_file_name`), or ``None`` for a
+    name the writer does not give (another writer's file)."""
+    m = _DATA_FILE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def check_chunk_size(store: Store, chunk_size: int) -> None:

@@ -43,11 +43,12 @@ from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_
 from ..storage import open_store
 from .agreement import agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
 from .config import ManagerConfig
-from .retention import delete_step, retention_victims, scan_steps
+from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
 from .staging.async_staging import AsyncStaging
 from .staging.confirmed_writer import ConfirmedWriter
 from .step_layout import child_uri, step_dir_name
+from .tiers import Tiers
 from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
@@ -111,12 +112,19 @@ class CheckpointManager:
         verify: bool = True,
         timeout_s: float = 1800.0,
         timeline: str | os.PathLike | Callable[[dict[str, Any]], None] | bool = True,
+        local_dir: str | os.PathLike | None = None,
+        replicas: int = 0,
+        persist_every: int = 1,
+        local_keep_last: int | None = None,
+        local_world_size: int | None = None,
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
             keep_last=keep_last, async_save=async_save, async_staging=async_staging, fail_fast=fail_fast, save_rng=save_rng,
             allow_topology_change=allow_topology_change, overwrite=overwrite, thread_count=thread_count,
             chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
+            local_dir=None if local_dir is None else os.fspath(local_dir), replicas=replicas,
+            persist_every=persist_every, local_keep_last=local_keep_last,
         )  # fmt: skip
         if on_error is not None and not callable(on_error):
             raise TypeError("on_error must be callable(step, error)")
@@ -127,14 +135,22 @@ class CheckpointManager:
         self._staging = AsyncStaging(defer=self.config.async_staging, timeout_s=self.config.timeout_s)
         self._closed = False
         self._pg, self._own_pg = open_group(process_group)
-        self._saves = SaveJobs(
-            pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
-            on_commit=self._apply_retention, on_error=on_error,
-        )  # fmt: skip
         if self._pg is not None:
             self._topology = Topology(rank=dist.get_rank(self._pg), world_size=dist.get_world_size(self._pg))
         else:
             self._topology = Topology(rank=0, world_size=1)
+        self._tiers: Tiers | None = None
+        self._saves = SaveJobs(
+            pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
+            on_commit=self._apply_retention, on_error=on_error,
+            after_write=None if self.config.local_dir is None else self._after_local_write,
+        )  # fmt: skip
+        if self.config.local_dir is not None:
+            self._tiers = Tiers.open(
+                self.config, root_uri=self.root_uri, storage_options=self._storage_options, pg=self._pg,
+                topology=self._topology, local_world_size=local_world_size, timeline=self._timeline,
+                on_failure=self._saves.report_failure,
+            )  # fmt: skip
 
     def _timeline_target(self, timeline: Any) -> Any:
         if timeline is True:
@@ -174,8 +190,19 @@ class CheckpointManager:
         return self._saves.in_flight_step
 
     def steps(self) -> list[int]:
-        """The steps that hold a complete (committed) checkpoint, ascending."""
+        """The steps that hold a complete (committed) checkpoint, ascending. With two tiers: the
+        steps this rank sees committed on its node's local tier or on the persistent tier
+        (:meth:`step_tiers` says which)."""
+        if self._tiers is not None:
+            return list(self._tiers.step_tiers())
         return scan_steps(self._root).complete
+
+    def step_tiers(self) -> dict[int, tuple[str, ...]]:
+        """Step -> the tiers holding a committed copy of it, seen from this rank (``"local"``:
+        this node's directory, ``"persistent"``: the root). One tier: every step is persistent."""
+        if self._tiers is not None:
+            return self._tiers.step_tiers()
+        return {s: ("persistent",) for s in scan_steps(self._root).complete}
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None``."""
@@ -183,7 +210,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def step_uri(self, step: int) -> str:
-        """Where the checkpoint of ``step`` lives (for ``CheckpointReader`` or the tools)."""
+        """Where the checkpoint of ``step`` lives (for ``CheckpointReader`` or the tools): on the
+        persistent tier (with two tiers, only persisted steps are complete there)."""
         return child_uri(self.root_uri, step_dir_name(step))
 
     def extra(self, step: int) -> dict[str, Any]:
@@ -192,7 +220,10 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
         """
-        manifest = load_manifest(open_store(self.step_uri(step), self._storage_options))
+        if self._tiers is not None and step in self._tiers.step_tiers() and "local" in self._tiers.step_tiers()[step]:
+            manifest = load_manifest(open_store(self._tiers.step_uri(step), {}))
+        else:
+            manifest = load_manifest(open_store(self.step_uri(step), self._storage_options))
         extra = manifest.metadata.get(EXTRA_KEY, {})
         return dict(extra) if isinstance(extra, dict) else {}
 
@@ -218,12 +249,15 @@ class CheckpointManager:
                 background save failed.
         """
         self._check_open()
-        uri = child_uri(self.root_uri, step_dir_name(step))
+        if self._tiers is not None:  # every save goes to the node-local tier first
+            uri, options = self._tiers.step_uri(step), {}
+        else:
+            uri, options = child_uri(self.root_uri, step_dir_name(step)), self._storage_options
         started, t0 = time.time(), time.perf_counter()
         self._saves.finish_previous(report=False)
         if self.config.fail_fast and (failed := self._saves.take_unraised()) is not None:
             # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
-            fail_on_every_rank(self._pg, uri, failed, self._storage_options)
+            fail_on_every_rank(self._pg, uri, failed, options)
             raise failed
         t_waited = time.perf_counter()
         try:
@@ -235,14 +269,14 @@ class CheckpointManager:
             )  # fmt: skip
             writer_options = dict(
                 thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
-                overwrite=self.config.overwrite, metadata=metadata, **self._storage_options,
+                overwrite=self.config.overwrite, metadata=metadata, **options,
             )  # fmt: skip
             # An async save commits only if every rank's deferred copies are good
             # (staging/confirmed_writer.py).
             writer_cls = ConfirmedWriter if self.config.async_save else CheckpointWriter
             writer = writer_cls(uri, **writer_options)
         except Exception as e:
-            fail_on_every_rank(self._pg, uri, e, self._storage_options)
+            fail_on_every_rank(self._pg, uri, e, options)
             raise
         record = SaveRecord(
             step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
@@ -257,7 +291,7 @@ class CheckpointManager:
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
                 err = as_checkpoint_error(e, f"staging step {step}")
-                fail_on_every_rank(self._pg, uri, err, self._storage_options)
+                fail_on_every_rank(self._pg, uri, err, options)
                 raise err from e
             raise
         del state
@@ -275,14 +309,16 @@ class CheckpointManager:
     def _apply_retention(self, committed: int) -> None:
         """Coordinator, after ``committed`` was committed and with no other save in flight
         (policy: :mod:`.retention`; the save thread calls it). Best effort: failures are logged."""
-        if not self.is_coordinator:
-            return
-        try:
-            scan = scan_steps(self._root)
-            for s in retention_victims(scan, committed=committed, keep_last=self.config.keep_last):
-                delete_step(self._root, s, scan.files[s])
-        except CheckpointError as e:
-            logger.warning("retention under %s failed (will retry after the next save): %s", self._root.uri, e)
+        if self.is_coordinator and self._tiers is None:  # two tiers: each tier applies its own
+            apply_retention(self._root, committed=committed, keep_last=self.config.keep_last)
+
+    def _after_local_write(self, job: SaveJob, err: CheckpointError | None) -> CheckpointError | None:
+        """Two tiers, the save thread, every rank: spread the local save (manifest to every node,
+        replicas, persist hand-off, local retention). Never raises."""
+        assert self._tiers is not None
+        err, replicate_s = self._tiers.local.after_save(job.step, err)
+        job.record.tier, job.record.replicate_s = "local", replicate_s
+        return err
 
     # -- restore ------------------------------------------------------------------------------------
     def restore(
@@ -313,6 +349,9 @@ class CheckpointManager:
         self._saves.finish_previous(report=False)  # a save in flight lands before anything is read
         models = normalize(model, optimizer)
         check_stateful(stateful)
+        if self._tiers is not None:
+            self._tiers.wait(self.config.timeout_s)  # and a persist in flight
+            return self._restore_tiers(step, models=models, dataloader=dataloader, stateful=stateful)
         if step is None:
             step = self._agree_on_latest()
             if step is None:
@@ -325,14 +364,25 @@ class CheckpointManager:
         )  # fmt: skip
         plan, local_err = None, None
         try:
-            plan = plan_restore(
-                reader.manifest, where=uri, models=models, dataloader=dataloader, stateful=stateful,
-                topology=self._topology, allow_topology_change=self.config.allow_topology_change,
-            )  # fmt: skip
+            plan = self._plan(reader.manifest, uri, models, dataloader, stateful)
         except CheckpointError as e:
             local_err = e
         raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err)
         assert plan is not None
+        self._load(step, uri, plan, reader, started, t0)
+        return step
+
+    def _plan(self, manifest: Any, where: str, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> Any:
+        return plan_restore(
+            manifest, where=where, models=models, dataloader=dataloader, stateful=stateful,
+            topology=self._topology, allow_topology_change=self.config.allow_topology_change,
+        )  # fmt: skip
+
+    def _load(
+        self, step: int, uri: str, plan: Any, reader: CheckpointReader, started: float, t0: float,
+        sources: dict[str, int] | None = None,
+    ) -> None:  # fmt: skip
+        """Every rank: load ``plan`` through ``reader``, apply it, record it, report its notes."""
         try:
             dcp.load(plan.dest, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
         except (Exception, CheckpointException) as e:
@@ -341,14 +391,31 @@ class CheckpointManager:
         self._timeline.emit(
             RestoreRecord(
                 step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
-                seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest),
+                seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest), sources=sources,
             )  # fmt: skip
         )
         for note in plan.notes:
             logger.warning("restore of step %d: %s", step, note)
-            warnings.warn(f"restore of step {step}: {note}", stacklevel=2)
+            warnings.warn(f"restore of step {step}: {note}", stacklevel=3)
         logger.info("restored step %d from %s", step, uri)
-        return step
+
+    def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
+        """Two tiers: agree on a step every rank can rebuild, fetch what is missing from the next
+        tier, then load from this node's copy (:mod:`.tiers.restore`)."""
+        assert self._tiers is not None
+        started, t0 = time.time(), time.perf_counter()
+        found = self._tiers.restore(
+            step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),
+            dest_of=lambda plan: plan.dest,
+        )  # fmt: skip
+        if found is None:
+            return None
+        choice, plan = found
+        uri = self._tiers.step_uri(choice.step)
+        # Verified again as it is read: a file could change between the check and the load.
+        reader = CheckpointReader(uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg)
+        self._load(choice.step, uri, plan, reader, started, t0, sources=choice.sources)
+        return choice.step
 
     def _agree_on_latest(self) -> int | None:
         """The step every rank restores: the coordinator's choice (:func:`.agreement.agree_on_latest`)."""
@@ -365,6 +432,9 @@ class CheckpointManager:
             CheckpointError: a background save failed since the last report.
         """
         self._check_open()
+        self._saves.finish_previous(report=False)
+        if self._tiers is not None:
+            self._tiers.wait(self.config.timeout_s)
         self._saves.finish_previous(report=True)
 
     def close(self) -> None:
@@ -376,10 +446,15 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            self._saves.finish_previous(report=False)
+            if self._tiers is not None:
+                self._tiers.wait(self.config.timeout_s)
             self._saves.finish_previous(report=True)
         finally:
             self._closed = True
             self._saves.shutdown()
+            if self._tiers is not None:
+                self._tiers.close()
             self._staging.close()
             if self._own_pg and self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)

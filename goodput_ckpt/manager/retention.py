@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 
 from ..errors import CheckpointError
 from ..format.commit_record import MISSING, TORN, read_commit_record
@@ -26,7 +27,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
 
-__all__ = ["StepScan", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
+__all__ = ["StepScan", "apply_retention", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
 
 logger = logging.getLogger("goodput_ckpt.retention")
 
@@ -72,6 +73,19 @@ def retention_victims(scan: StepScan, *, committed: int, keep_last: int | None) 
         keep = set(scan.complete[-keep_last:]) | {committed, scan.complete[-1]}
         doomed += [s for s in scan.complete if s not in keep]
     return sorted(doomed)
+
+
+def apply_retention(root: Store, *, committed: int, keep_last: int | None, protect: Collection[int] = ()) -> None:
+    """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
+    still being read: a persist in flight). Best effort: a failure is logged, and the next
+    commit retries."""
+    try:
+        scan = scan_steps(root)
+        for s in retention_victims(scan, committed=committed, keep_last=keep_last):
+            if s not in protect:
+                delete_step(root, s, scan.files[s])
+    except CheckpointError as e:
+        logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
 
 
 def delete_step(root: Store, step: int, files: list[str]) -> None:

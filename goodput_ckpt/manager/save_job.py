@@ -38,12 +38,17 @@ from .staging.confirmed_writer import ConfirmedWriter
 from .staging.deferred_copy import DeferredCopies
 from .timeline import SaveRecord, TimelineSink
 
-__all__ = ["ErrorCallback", "SaveJob", "SaveJobs"]
+__all__ = ["AfterWrite", "ErrorCallback", "SaveJob", "SaveJobs"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
 
 #: ``on_error(step, error)``: called from the save thread when a background save fails.
 ErrorCallback = Callable[[int, CheckpointError], None]
+
+#: ``after_write(job, error) -> error``: the save thread's step after the write, on every rank
+#: (two tiers: the manifest to every node, replicas, the persist hand-off); it returns the save's
+#: error (``error`` or its own) and never raises.
+AfterWrite = Callable[["SaveJob", "CheckpointError | None"], "CheckpointError | None"]
 
 
 @dataclass(eq=False)
@@ -67,6 +72,8 @@ class SaveJobs:
         timeout_s: the longest wait for a previous save or for durability.
         on_commit: ``on_commit(step)`` after a save committed and is durable (retention).
         on_error: the user's ``on_error`` (see :data:`ErrorCallback`), or ``None``.
+        after_write: with two tiers, spreads each local save (every rank calls it after every
+            write, failed or not, since it is collective); see :data:`AfterWrite`.
 
     Attributes:
         last_error: the most recent failure of a background save, or ``None``.
@@ -81,6 +88,7 @@ class SaveJobs:
         timeout_s: float,
         on_commit: Callable[[int], None],
         on_error: ErrorCallback | None,
+        after_write: AfterWrite | None = None,
     ) -> None:
         self.pg = pg
         self._staging = staging
@@ -88,6 +96,7 @@ class SaveJobs:
         self._timeout_s = timeout_s
         self._on_commit = on_commit
         self._on_error = on_error
+        self._after_write = after_write
         self.last_error: CheckpointError | None = None
         self._unraised: CheckpointError | None = None
         self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
@@ -112,15 +121,18 @@ class SaveJobs:
         Raises:
             CheckpointError: the save failed (recorded as failed; retention not applied).
         """
+        err: CheckpointError | None = None
         try:
             dcp.save(state, storage_writer=job.writer, process_group=self.pg, no_dist=self.pg is None)
             job.record.written(time.perf_counter() - started)
             self.wait_durable(job)
         except (Exception, CheckpointException) as e:
             err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
-            self._emit(job.record, started, err, stall_from=blocked_from)
+        if self._after_write is not None:
+            err = self._after_write(job, err)
+        self._emit(job.record, started, err, stall_from=blocked_from)
+        if err is not None:
             raise err
-        self._emit(job.record, started, None, stall_from=blocked_from)
         self._on_commit(job.step)
 
     # -- an async save ------------------------------------------------------------------------------
@@ -165,19 +177,26 @@ class SaveJobs:
             self.wait_durable(job)
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
+        if self._after_write is not None:
+            err = self._after_write(job, err)
         self._emit(job.record, handed_off, err)
         if err is None:
             logger.info("committed step %d at %s", job.step, job.uri)
             self._on_commit(job.step)
             return
+        self.report_failure(job.step, err)
+
+    def report_failure(self, step: int, err: CheckpointError) -> None:
+        """A background failure (a save here, or a persist of two tiers): ``last_error``,
+        ``on_error``, and raised once at the next ``wait``/``close``. Any thread."""
         with self._lock:
             self.last_error = err
             if self._unraised is None:
                 self._unraised = err
-        logger.error("background save of step %d failed: %s", job.step, err)
+        logger.error("background save of step %d failed: %s", step, err)
         if self._on_error is not None:
             try:
-                self._on_error(job.step, err)
+                self._on_error(step, err)
             except Exception:  # noqa: BLE001 - a broken callback must not hide the save error
                 logger.exception("on_error callback raised")
 

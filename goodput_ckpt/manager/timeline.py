@@ -47,6 +47,7 @@ from typing import Any
 
 __all__ = [
     "TIMELINE_NAME",
+    "PersistRecord",
     "RestoreRecord",
     "SaveRecord",
     "TimelineSink",
@@ -93,6 +94,8 @@ class SaveRecord:
     gbps: float | None = None
     ok: bool = False
     error: str | None = None
+    replicate_s: float | None = None  # two tiers: sending and receiving the replicas
+    tier: str | None = None  # two tiers: "local" (every save there; persists are their own records)
 
     def staged(self, *, stage_s: float, stall_s: float) -> None:
         """An async save's staging is done: ``save`` blocked for ``stall_s`` in all."""
@@ -128,6 +131,7 @@ class SaveRecord:
             "time": self.time, "async": self.is_async, "wait_s": self.wait_s, "stage_s": self.stage_s,
             "guard_s": self.guard_s, "stall_s": self.stall_s, "write_s": self.write_s,
             "durable_s": self.durable_s, "bytes": self.bytes, "gbps": self.gbps, "ok": self.ok, "error": self.error,
+            **({} if self.tier is None else {"tier": self.tier, "replicate_s": self.replicate_s}),
         }  # fmt: skip
 
 
@@ -141,12 +145,37 @@ class RestoreRecord:
     time: float
     seconds: float
     bytes: int
+    sources: dict[str, int] | None = None  # two tiers: data files read per tier ("local", "replica", "persistent")
 
     def to_json(self) -> Record:
         """The record as the JSON object of the timeline file."""
         return {
             "event": "restore", "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "time": self.time, "seconds": self.seconds, "bytes": self.bytes, "ok": True, "error": None,
+            **({} if self.sources is None else {"sources": dict(self.sources)}),
+        }  # fmt: skip
+
+
+@dataclass(kw_only=True, frozen=True)
+class PersistRecord:
+    """The timeline record of one persist of a two-tier manager: a step copied from the
+    node-local tier to the persistent one, in the background (``seconds``: this rank's copy,
+    the agreement and the commit; ``bytes``: the data files this rank uploaded)."""
+
+    step: int
+    rank: int
+    world_size: int
+    time: float
+    seconds: float
+    bytes: int
+    error: str | None
+
+    def to_json(self) -> Record:
+        """The record as the JSON object of the timeline file."""
+        return {
+            "event": "persist", "step": self.step, "rank": self.rank, "world_size": self.world_size,
+            "time": self.time, "seconds": self.seconds, "bytes": self.bytes, "ok": self.error is None,
+            "error": self.error,
         }  # fmt: skip
 
 
@@ -163,7 +192,7 @@ class TimelineSink:
         """The JSON-lines file the records are appended to, if any."""
         return self._path
 
-    def emit(self, event: SaveRecord | RestoreRecord) -> None:
+    def emit(self, event: SaveRecord | RestoreRecord | PersistRecord) -> None:
         """Record one event. Best effort: a failure to write the timeline never fails a save."""
         record = event.to_json()
         self.records.append(record)

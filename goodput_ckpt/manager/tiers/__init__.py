@@ -1,0 +1,100 @@
+"""Two-tier checkpoints: node-local saves, replicas on other nodes, persistent saves less often.
+
+``CheckpointManager(root, local_dir=..., replicas=1, persist_every=4)`` writes every save into
+the node-local tier (:mod:`.local_tier`), keeps each rank's files on ``replicas`` other nodes
+too, persists every ``persist_every``-th save to ``root`` from the local copy in the background
+(:mod:`.persist`), and restores the newest step every rank can rebuild, each file from its
+nearest intact copy (:mod:`.restore`). Nodes and replica partners: :mod:`.nodes`; moving a file
+between tiers with every chunk checked: :mod:`.file_moves`. :class:`Tiers` is what the manager
+holds. Details and the failure policy: ``docs/manager.md`` (Two tiers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from ...errors import CheckpointError
+from ...state import Topology
+from ..retention import scan_steps
+from ..timeline import TimelineSink
+from .local_tier import LocalTier
+from .nodes import NodeLayout
+from .persist import Persister
+from .restore import LOCAL, PERSISTENT, REPLICA, TierRestore, restore_tiers
+
+__all__ = ["LOCAL", "PERSISTENT", "REPLICA", "TierRestore", "Tiers"]
+
+
+class Tiers:
+    """The tiers of one two-tier manager, on one rank."""
+
+    def __init__(self, local: LocalTier, persister: Persister, keep_last: int | None, verify: bool) -> None:
+        self.local = local
+        self.persister = persister
+        self.keep_last = keep_last
+        self.verify = verify
+
+    @classmethod
+    def open(
+        cls,
+        config: Any,
+        *,
+        root_uri: str,
+        storage_options: dict[str, Any],
+        pg: dist.ProcessGroup | None,
+        topology: Topology,
+        local_world_size: int | None,
+        timeline: TimelineSink,
+        on_failure: Callable[[int, CheckpointError], None],
+    ) -> Tiers:
+        """Set up the tiers (collective when ``pg`` is given: a gloo group for the persist thread).
+
+        Raises:
+            ValueError: a bad layout (``LOCAL_WORLD_SIZE``, ``replicas``) or ``local_dir``.
+        """
+        layout = NodeLayout.of(
+            topology.rank, topology.world_size, local_world_size=local_world_size, replicas=config.replicas
+        )
+        # The persist thread's collectives must never interleave with the save thread's.
+        persist_pg = dist.new_group(backend="gloo") if pg is not None else None
+        keep_local = config.local_keep_last if config.local_keep_last is not None else config.keep_last
+        local = LocalTier(
+            template=config.local_dir, layout=layout, pg=pg, persister=None, persist_every=config.persist_every,
+            keep_last=keep_local, overwrite=config.overwrite,
+        )  # fmt: skip
+        persister = Persister(
+            root_uri=root_uri, storage_options=storage_options, local=local.store, rank=topology.rank,
+            world_size=topology.world_size, pg=persist_pg, keep_last=config.keep_last, overwrite=config.overwrite,
+            timeline=timeline, on_failure=on_failure,
+        )  # fmt: skip
+        local.persister = persister
+        return cls(local, persister, keep_local, config.verify)
+
+    def step_uri(self, step: int) -> str:
+        """Where every save of ``step`` is written: this node's local directory."""
+        return self.local.step_uri(step)
+
+    def step_tiers(self) -> dict[int, tuple[str, ...]]:
+        """Step -> the tiers that hold a committed copy of it, seen from this rank: ``"local"``
+        (this node's directory; it may hold only this node's files and replicas) and
+        ``"persistent"``."""
+        out: dict[int, list[str]] = {}
+        for s in scan_steps(self.local.store).complete:
+            out.setdefault(s, []).append(LOCAL)
+        for s in scan_steps(self.persister.root).complete:
+            out.setdefault(s, []).append(PERSISTENT)
+        return {s: tuple(t) for s, t in sorted(out.items())}
+
+    def wait(self, timeout_s: float | None) -> None:
+        """Wait for the persist in flight."""
+        self.persister.wait(timeout_s)
+
+    def close(self) -> None:
+        self.persister.shutdown()
+
+    def restore(self, step: int | None, **kwargs: Any) -> tuple[TierRestore, Any] | None:
+        """:func:`.restore.restore_tiers` over these tiers."""
+        return restore_tiers(self.local, self.persister.root, step=step, keep_last=self.keep_last, verify=self.verify, **kwargs)

@@ -1,0 +1,185 @@
+"""Moving one data file between tiers, every byte checked against the manifest on the way.
+
+A file moves whole, in its hash chunks, in order: from a store to a store (a persistent upload
+from the local copy, a repair from the persistent tier) or from one rank to another over the
+job's process group (a replica, a repair from a replica). The receiving side checks each
+chunk's blake3 against the manifest before it writes it, so a damaged copy never spreads: the
+move fails, naming the file, the byte range and the tier, and the partial file is removed.
+
+Peer moves pair one sender with one receiver. Every rank goes through the same list of moves
+in the same order (:func:`run_moves`), so the first unfinished move always has both its ends
+at it, and a list never deadlocks. A sender that cannot read its copy still sends the file's
+length (zeros where it failed): the receiver's check fails, and the two stay in step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import blake3
+import torch
+import torch.distributed as dist
+
+from ...errors import CheckpointError
+from ...format.commit_record import checksum_error
+from ...format.schema import FileEntry
+from ...storage.base import Store
+
+__all__ = ["Move", "check_file", "copy_file", "run_moves"]
+
+logger = logging.getLogger("goodput_ckpt.tiers")
+
+
+def _pieces(entry: FileEntry, chunk_size: int) -> Iterator[tuple[int, int, int]]:
+    """(chunk index, offset, length) of each hash chunk of ``entry``."""
+    for index, offset in enumerate(range(0, entry.size, chunk_size)):
+        yield index, offset, min(chunk_size, entry.size - offset)
+
+
+def _check(entry: FileEntry, index: int, offset: int, view: memoryview, where: str) -> None:
+    if index >= len(entry.chunks) or blake3.blake3(view).hexdigest() != entry.chunks[index]:
+        raise checksum_error(where, entry.path, offset, offset + view.nbytes, index, [])
+
+
+def _buffer(chunk_size: int, size: int) -> torch.Tensor:
+    return torch.empty(max(1, min(chunk_size, size)), dtype=torch.uint8)
+
+
+def copy_file(src: Store, dst: Store, entry: FileEntry, chunk_size: int) -> None:
+    """Copy the data file ``entry`` from the checkpoint location ``src`` to ``dst``, each chunk
+    checked against the manifest before it is written.
+
+    Raises:
+        CorruptCheckpointError: a chunk of the source does not match the manifest (nothing of
+            the file is left at ``dst``).
+        CheckpointError: a read or write failed.
+    """
+    buf = _buffer(chunk_size, entry.size)
+    source = src.open_source(entry.path)
+    try:
+        sink = dst.open_sink(entry.path, part_size=chunk_size)
+        try:
+            for index, offset, length in _pieces(entry, chunk_size):
+                view = memoryview(buf.numpy())[:length]
+                source.read_into(offset, [view])
+                _check(entry, index, offset, view, src.uri)
+                sink.write_at(offset, [view])
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+    finally:
+        source.close()
+
+
+def check_file(store: Store, entry: FileEntry, chunk_size: int) -> None:
+    """Read the data file ``entry`` of the checkpoint location ``store`` whole and check every
+    chunk against the manifest.
+
+    Raises:
+        CorruptCheckpointError: the first chunk that does not match (file and byte range).
+        CheckpointError: the file cannot be read.
+    """
+    buf = _buffer(chunk_size, entry.size)
+    source = store.open_source(entry.path)
+    try:
+        for index, offset, length in _pieces(entry, chunk_size):
+            view = memoryview(buf.numpy())[:length]
+            source.read_into(offset, [view])
+            _check(entry, index, offset, view, store.uri)
+    finally:
+        source.close()
+
+
+@dataclass(frozen=True)
+class Move:
+    """The data file ``entry`` from rank ``src``'s copy to rank ``dst``'s (same name, ``entry.path``)."""
+
+    src: int
+    dst: int
+    entry: FileEntry
+
+    @property
+    def name(self) -> str:
+        return self.entry.path
+
+
+def _send(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup) -> None:
+    buf = _buffer(chunk_size, move.entry.size)
+    source = None
+    try:
+        source = store.open_source(move.name)
+    except CheckpointError as e:
+        logger.warning("cannot read %s to send it to rank %d: %s", move.name, move.dst, e)
+    try:
+        for _, offset, length in _pieces(move.entry, chunk_size):
+            piece = buf[:length]
+            if source is not None:
+                try:
+                    source.read_into(offset, [memoryview(piece.numpy())])
+                except CheckpointError as e:
+                    logger.warning("cannot read %s to send it to rank %d: %s", move.name, move.dst, e)
+                    source.close()
+                    source = None
+            if source is None:
+                piece.zero_()  # the receiver's check fails; both ends stay in step
+            dist.send(piece, group_dst=move.dst, group=pg)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _receive(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup, where: str) -> CheckpointError | None:
+    """Receive ``move`` into ``store``; the first bad chunk aborts the file but the rest is still
+    received (the sender goes on sending). Returns the failure, or ``None``."""
+    buf = _buffer(chunk_size, move.entry.size)
+    failure: CheckpointError | None = None
+    sink = None
+    try:
+        sink = store.open_sink(move.name, part_size=chunk_size)
+    except CheckpointError as e:
+        failure = e
+    for index, offset, length in _pieces(move.entry, chunk_size):
+        piece = buf[:length]
+        dist.recv(piece, group_src=move.src, group=pg)
+        if failure is not None:
+            continue
+        view = memoryview(piece.numpy())
+        try:
+            _check(move.entry, index, offset, view, where)
+            assert sink is not None
+            sink.write_at(offset, [view])
+        except CheckpointError as e:
+            failure = e
+            sink.abort()  # type: ignore[union-attr]
+    if failure is None and sink is not None:
+        try:
+            sink.close()
+        except CheckpointError as e:
+            failure = e
+    return failure
+
+
+def run_moves(
+    moves: Sequence[Move], *, rank: int, store: Store, chunk_size: int, pg: dist.ProcessGroup, sender_uri: str
+) -> dict[str, CheckpointError]:
+    """Do this rank's part of ``moves`` (the same list, in the same order, on every rank): send
+    the files it is the source of from ``store``, receive those it is the destination of into
+    ``store``. ``sender_uri`` names the sending tier in errors ({rank} is the sender's rank).
+
+    Returns:
+        The files this rank failed to receive, with why (a checksum mismatch names the file,
+        the byte range and the sending rank).
+    """
+    failed: dict[str, CheckpointError] = {}
+    for move in moves:
+        if move.src == rank:
+            _send(store, move, chunk_size, pg)
+        elif move.dst == rank:
+            err = _receive(store, move, chunk_size, pg, sender_uri.format(rank=move.src))
+            if err is not None:
+                failed[move.name] = err
+    return failed
+

@@ -1,0 +1,180 @@
+"""The node-local tier of a two-tier manager: where every save lands, and its replicas.
+
+Every save is written by ``CheckpointWriter`` into this node's ``local_dir`` (each rank's data
+files on its own node; the coordinator commits the manifest on its node). Then, in the save
+thread, on every rank (:meth:`LocalTier.after_save`):
+
+1. the coordinator's manifest goes to every node, and each other node commits it beside its
+   ranks' files: from then on every node holds a committed *local copy* of the step, made of
+   the files of its own ranks (and the replicas it receives next);
+2. each rank sends its data files to the ranks that keep its replicas, the same local rank
+   on each of the next ``replicas`` nodes (:class:`.nodes.NodeLayout`), over the manager's
+   group; the receiver checks every chunk against the manifest before writing it;
+3. every ``persist_every``-th save is handed to the persist thread (:mod:`.persist`);
+4. retention on this node's local directory (its first rank applies it), which keeps the step
+   a persist is still reading.
+
+A node's local copy of a step therefore lists every file of the step but holds only some; which
+ones a restore can use is decided then, from what every node actually holds
+(:mod:`.restore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from ...dcp.hashed_write import data_file_rank, remove_stale_files
+from ...errors import CheckpointError, as_checkpoint_error
+from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ...storage import open_store
+from ...storage.base import Store
+from ..retention import apply_retention
+from ..step_layout import child_uri, step_dir_name
+from .file_moves import Move, run_moves
+from .nodes import NodeLayout, local_root
+from .persist import Persister, PersistJob
+
+__all__ = ["LocalTier"]
+
+logger = logging.getLogger("goodput_ckpt.tiers")
+
+
+class LocalTier:
+    """This rank's view of the node-local tier (see the module doc).
+
+    Args:
+        template: ``local_dir`` (may hold ``{node}``).
+        layout: the job's nodes, seen from this rank.
+        pg: the manager's group (``None``: one process).
+        persister: the persistent tier's thread, or ``None`` when nothing is persisted.
+        persist_every: hand every n-th save to ``persister``.
+        keep_last: local retention.
+        overwrite: as the manager's.
+    """
+
+    def __init__(
+        self,
+        *,
+        template: str,
+        layout: NodeLayout,
+        pg: dist.ProcessGroup | None,
+        persister: Persister | None,
+        persist_every: int,
+        keep_last: int | None,
+        overwrite: bool,
+    ) -> None:
+        self.layout = layout
+        self.uri = local_root(template, layout.node)
+        self.store: Store = open_store(self.uri, {})
+        if self.store.traits.local_path is None:
+            raise ValueError(f"local_dir must be a directory on this node's disk, got {template!r}")
+        self.pg = pg
+        self.persister = persister
+        self.persist_every = persist_every
+        self.keep_last = keep_last
+        self.overwrite = overwrite
+        self._saves = 0
+        self._check_not_shared()
+
+    def _check_not_shared(self) -> None:
+        """Refuse two nodes whose local directories are one directory (a ``local_dir`` without
+        ``{node}`` on a shared filesystem, or simulated nodes on one machine): a replica would
+        overwrite the file it copies."""
+        if self.pg is None or self.layout.nodes == 1:
+            return
+        mine = (socket.gethostname(), os.path.realpath(self.store.traits.local_path or self.uri), self.layout.node)
+        seen: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(seen, mine, group=self.pg)
+        where: dict[tuple[str, str], int] = {}
+        for host, path, node in seen:
+            other = where.setdefault((host, path), node)
+            if other != node:
+                raise ValueError(
+                    f"nodes {other} and {node} share the local directory {path} on {host}: put {{node}} "
+                    "in local_dir so that each node has its own"
+                )
+
+    def step_uri(self, step: int) -> str:
+        """Where this rank writes ``step``."""
+        return child_uri(self.uri, step_dir_name(step))
+
+    def step_store(self, step: int) -> Store:
+        return open_store(self.step_uri(step), {})
+
+    # -- after every save (the save thread, every rank) --------------------------------------------
+    def after_save(self, step: int, err: CheckpointError | None) -> tuple[CheckpointError | None, float | None]:
+        """Spread the local commit of ``step`` (see the module doc), when every rank wrote it.
+
+        Returns:
+            ``(error, seconds)``: the save's error (``err``, or what failed here: the save is
+            then reported failed though this node may keep a local copy), and how long the
+            replication took (``None`` without replicas).
+        """
+        oks: list[Any] = [err is None]
+        if self.pg is not None:
+            oks = [None] * self.layout.world_size
+            dist.all_gather_object(oks, err is None, group=self.pg)
+        if not all(oks):
+            return err or CheckpointError(f"the save of step {step} failed on rank {oks.index(False)}"), None
+        try:
+            record, manifest = self._share_manifest(step)
+        except BaseException as e:  # noqa: BLE001 - reported as the save's failure
+            return as_checkpoint_error(e, f"committing step {step} on node {self.layout.node}"), None
+        seconds = None
+        if self.layout.replicas:
+            t0 = time.perf_counter()
+            err = self._replicate(step, manifest)
+            seconds = time.perf_counter() - t0
+        if err is None:
+            self._saves += 1
+            if self.persister is not None and self._saves % self.persist_every == 0:
+                self.persister.submit(PersistJob(step, record, manifest))
+        if self.layout.rank in self.layout.ranks_of(self.layout.node)[:1]:
+            persisting = self.persister.in_flight_step if self.persister is not None else None
+            apply_retention(self.store, committed=step, keep_last=self.keep_last, protect={persisting} - {None})
+        return err, seconds
+
+    def _share_manifest(self, step: int) -> tuple[bytes, Manifest]:
+        """The coordinator's commit record of ``step`` on every rank, committed on every node."""
+        box: list[Any] = [None]
+        if self.layout.rank == 0:
+            box[0] = self.step_store(step).read_small(MANIFEST_NAME)
+        if self.pg is not None:
+            dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        data = box[0]
+        if not isinstance(data, bytes):
+            raise CheckpointError(f"the commit record of step {step} vanished from {self.step_uri(step)} on node 0")
+        manifest = parse_manifest(data, location=self.step_uri(step))
+        if self.layout.node != 0 and self.layout.rank == self.layout.ranks_of(self.layout.node)[0]:
+            # A record already there is an earlier save's of this step (its run went back to an
+            # older step): this save replaces it, and that save's files are not listed any more.
+            store = self.step_store(step)
+            store.put_commit_record(MANIFEST_NAME, data, replace=True)
+            remove_stale_files(store, set(manifest.files))
+        return data, manifest
+
+    def _replicate(self, step: int, manifest: Manifest) -> CheckpointError | None:
+        moves = [
+            Move(src, dst, entry)
+            for entry in manifest.files.values()
+            if (src := data_file_rank(entry.path)) is not None and src < self.layout.world_size
+            for dst in self.layout.replica_holders(src)
+        ]
+        assert self.pg is not None  # replicas need another node, hence a group
+        failed = run_moves(
+            moves, rank=self.layout.rank, store=self.step_store(step), chunk_size=manifest.chunk_size, pg=self.pg,
+            sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)",
+        )  # fmt: skip
+        if failed:
+            name, first = next(iter(failed.items()))
+            return CheckpointError(
+                f"replicating step {step}: {len(failed)} file(s) could not be received on node "
+                f"{self.layout.node} (the step stays on its own nodes); first, {name}: {first}"
+            )
+        return None

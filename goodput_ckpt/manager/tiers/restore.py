@@ -1,0 +1,336 @@
+"""A two-tier restore: the newest step every rank can rebuild, each file from its nearest intact copy.
+
+All ranks run :func:`restore_tiers` together, over the manager's group:
+
+1. *Inventory.* Every rank lists its node's local directory (steps, which hold a commit record,
+   and the data files present with their sizes); the coordinator lists the persistent tier.
+   The candidates are the steps with a commit record on some node or complete on the
+   persistent tier, newest first (or just the step asked for).
+2. *One candidate at a time* (:func:`_attempt`): the commit record comes from the first node
+   whose record validates, else from the persistent tier. Each rank plans its load as
+   ``dcp.load`` will and so knows which data files it reads. It checks those in its node's
+   copy, hashing every chunk; a missing or damaged file is named in a warning and fetched into
+   the node's copy from the next tier: a replica (or any copy) on another node, sent over the
+   group and checked chunk by chunk on arrival, else the persistent tier, checked the same way.
+   When some rank cannot get a file from anywhere, every rank moves on to the next candidate
+   together: no rank ever restores a different step from the others.
+3. *Load.* Every node's copy now holds what its ranks read (and its commit record, rewritten
+   where it was missing): ``dcp.load`` reads it through ``CheckpointReader``, which checks
+   every byte again as it reads.
+
+Afterwards each node drops its local steps newer than the one restored (a newest-first search
+only passes a step that cannot be rebuilt) and incomplete ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ...dcp.needed_files import files_read_by
+from ...errors import CheckpointError, CheckpointNotFoundError, as_checkpoint_error
+from ...format.commit_record import COMMITTED, read_commit_record
+from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ...storage import open_store
+from ...storage.base import Store
+from ..retention import apply_retention, clean_before_restore, delete_step, scan_steps
+from ..step_layout import child_uri, list_step_dirs, step_dir_name
+from ..agreement import raise_if_any_rank_failed
+from .file_moves import Move, check_file, copy_file, run_moves
+from .local_tier import LocalTier
+
+__all__ = ["TierRestore", "restore_tiers"]
+
+logger = logging.getLogger("goodput_ckpt.tiers")
+
+LOCAL, REPLICA, PERSISTENT = "local", "replica", "persistent"
+
+
+@dataclass
+class TierRestore:
+    """What a two-tier restore chose: the step, its manifest, and where this rank's files came from."""
+
+    step: int
+    manifest: Manifest
+    sources: dict[str, int] = field(default_factory=dict)  # tier -> data files this rank read from it
+
+
+def _gather(pg: dist.ProcessGroup | None, world_size: int, value: Any) -> list[Any]:
+    if pg is None:
+        return [value]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, value, group=pg)
+    return out
+
+
+def _broadcast(pg: dist.ProcessGroup | None, value: Any, src: int) -> Any:
+    if pg is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=pg, group_src=src)
+    return box[0]
+
+
+def _inventory(local: Store) -> dict[int, dict[str, int]]:
+    """Step -> {file: size} of this node's local directory (the commit record included)."""
+    out: dict[int, dict[str, int]] = {}
+    for step, names in list_step_dirs(local).items():
+        sizes = {}
+        for name in names:
+            if "/" in name:
+                continue
+            size = local.size(f"{step_dir_name(step)}/{name}")
+            if size is not None:
+                sizes[name] = size
+        out[step] = sizes
+    return out
+
+
+def restore_tiers(
+    tier: LocalTier,
+    persistent: Store | None,
+    *,
+    step: int | None,
+    keep_last: int | None,
+    verify: bool,
+    plan_for: Callable[[Manifest, str], Any],
+    dest_of: Callable[[Any], dict[str, Any]],
+) -> tuple[TierRestore, Any] | None:
+    """Agree on a step and make every node's copy hold what its ranks read (the module doc).
+
+    Args:
+        persistent: the persistent root (``None``: local tier only).
+        step: the step asked for, or ``None`` for the newest one that can be rebuilt.
+        plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
+            then raises).
+        dest_of: the DCP destination state dict of a plan.
+
+    Returns:
+        ``(choice, plan)``, or ``None`` when ``step`` is ``None`` and no tier holds a step.
+
+    Raises:
+        CheckpointError: no candidate can be rebuilt (each one's reason is in the message), or
+            the step asked for cannot.
+    """
+    layout, pg = tier.layout, tier.pg
+    persisted: list[int] = []
+    listing_error = None
+    if layout.rank == 0 and persistent is not None:
+        try:
+            clean_before_restore(persistent, keep_last=keep_last)
+            persisted = scan_steps(persistent).complete
+        except CheckpointError as e:
+            listing_error = str(e)
+    persisted, listing_error = _broadcast(pg, (persisted, listing_error), 0)
+    if listing_error is not None:
+        raise CheckpointError(f"listing the persistent tier failed on the coordinator: {listing_error}")
+    mine = _inventory(tier.store) if layout.rank in layout.ranks_of(layout.node)[:1] else None
+    nodes: dict[int, dict[int, dict[str, int]]] = {}
+    for rank, inv in enumerate(_gather(pg, layout.world_size, mine)):
+        if inv is not None:
+            nodes[layout.node_of(rank)] = inv
+    recorded = {s for inv in nodes.values() for s, files in inv.items() if MANIFEST_NAME in files}
+    candidates = sorted(recorded | set(persisted), reverse=True)
+    if step is not None:
+        if step not in candidates:
+            raise CheckpointNotFoundError(
+                f"no tier holds a committed checkpoint of step {step} (local: {tier.uri} on each node; "
+                f"persistent: {persistent.uri if persistent is not None else 'none'})"
+            )
+        candidates = [step]
+    if not candidates:
+        return None
+    reasons = []
+    for s in candidates:
+        outcome = _attempt(tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of)
+        if isinstance(outcome, str):
+            reasons.append(f"step {s}: {outcome}")
+            if layout.rank == 0:
+                logger.warning("cannot restore step %d from any tier: %s", s, outcome)
+            continue
+        if step is None and layout.rank in layout.ranks_of(layout.node)[:1]:
+            _drop_after(tier, s, keep_last)
+        return outcome
+    raise CheckpointError("no checkpoint can be rebuilt from any tier: " + "; ".join(reasons))
+
+
+def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: bool, persisted: bool) -> bytes | str:
+    """The commit record of ``s`` on every rank: from the first node whose copy validates, else
+    the persistent tier; or why there is none."""
+    layout, pg = tier.layout, tier.pg
+    name = step_dir_name(s)
+    valid = False
+    if on_record_nodes:
+        valid = read_commit_record(tier.store, name, count_files=False).status == COMMITTED
+    flags = _gather(pg, layout.world_size, valid)
+    src = flags.index(True) if True in flags else None
+    data: Any = None
+    if src is not None:
+        if layout.rank == src:
+            data = tier.store.read_small(f"{name}/{MANIFEST_NAME}")
+        return _broadcast(pg, data, src) or f"its commit record vanished on node {layout.node_of(src)}"
+    if not persisted or persistent is None:
+        return "no node holds a valid commit record and it was never persisted"
+    if layout.rank == 0:
+        rec = read_commit_record(persistent, name, count_files=False)
+        data = persistent.read_small(f"{name}/{MANIFEST_NAME}") if rec.status == COMMITTED else rec.message
+    data = _broadcast(pg, data, 0)
+    return data if isinstance(data, bytes) else f"its persistent commit record is unusable: {data}"
+
+
+def _check_local(store: Store, s: int, manifest: Manifest, files: set[str], verify: bool) -> tuple[set[str], list[str]]:
+    """The files of ``files`` this node's copy of ``s`` lacks or holds damaged, and warnings."""
+    step_store = store_of(store, s)
+    missing, notes = set(), []
+    for name in sorted(files):
+        entry = manifest.files[name]
+        size = step_store.size(name)
+        if size != entry.size:
+            missing.add(name)
+            if size is not None:
+                notes.append(f"{step_store.uri}/{name} is {size} bytes, the manifest records {entry.size}")
+            continue
+        if verify:
+            try:
+                check_file(step_store, entry, manifest.chunk_size)
+            except CheckpointError as e:
+                missing.add(name)
+                notes.append(str(e))
+    return missing, notes
+
+
+def store_of(local: Store, s: int) -> Store:
+    """The checkpoint location of step ``s`` under the root ``local``."""
+    return open_store(child_uri(local.uri, step_dir_name(s)), {})
+
+
+def _attempt(
+    tier: LocalTier,
+    persistent: Store | None,
+    s: int,
+    nodes: dict[int, dict[int, dict[str, int]]],
+    persisted: bool,
+    *,
+    verify: bool,
+    plan_for: Callable[[Manifest, str], Any],
+    dest_of: Callable[[Any], dict[str, Any]],
+) -> tuple[TierRestore, Any] | str:
+    """Try to rebuild ``s`` on every node (module doc, step 2): the choice and this rank's plan,
+    or why ``s`` cannot be rebuilt (the same answer on every rank)."""
+    layout, pg = tier.layout, tier.pg
+    here = nodes.get(layout.node, {}).get(s, {})
+    data = _record(tier, persistent, s, MANIFEST_NAME in here, persisted)
+    if isinstance(data, str):
+        return data
+    where = tier.step_uri(s)
+    manifest = parse_manifest(data, location=where)
+    plan, need, missing, notes, local_err = None, set(), set(), [], None
+    try:
+        plan = plan_for(manifest, where)
+        need = files_read_by(dest_of(plan), manifest)
+        missing, notes = _check_local(tier.store, s, manifest, need, verify)
+    except Exception as e:  # noqa: BLE001 - DCP's planner raises plain errors; every rank raises
+        local_err = as_checkpoint_error(e, f"planning the restore of step {s}")
+    raise_if_any_rank_failed(pg, layout.world_size, local_err)
+    for note in notes:
+        logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, layout.node, note)
+        warnings.warn(f"restore of step {s}: node {layout.node}'s local copy: {note}; using the next tier", stacklevel=4)
+    reports = _gather(pg, layout.world_size, sorted(missing))
+    plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
+    if why is not None:
+        return why
+    sources = {LOCAL: len(need) - len(missing)}
+    failed = {}
+    if plan_moves and pg is not None:
+        failed = run_moves(
+            plan_moves, rank=layout.rank, store=store_of(tier.store, s), chunk_size=manifest.chunk_size, pg=pg,
+            sender_uri=f"the local copy of step {s} on the node of rank {{rank}}",
+        )  # fmt: skip
+        received = sum(1 for m in plan_moves if m.dst == layout.rank) - len(failed)
+        if received:
+            sources[REPLICA] = received
+    for name, err in failed.items():
+        logger.warning("restore of step %d: a replica of %s was not usable: %s", s, name, err)
+    want = sorted(set(fetch.get(layout.rank, [])) | set(failed))
+    errors = []
+    if want and not persisted:
+        errors.append(f"{len(failed)} file(s) arrived damaged from another node and step {s} was never persisted")
+    elif want:
+        assert persistent is not None
+        src = store_of(persistent, s)
+        for name in want:
+            try:
+                copy_file(src, store_of(tier.store, s), manifest.files[name], manifest.chunk_size)
+                sources[PERSISTENT] = sources.get(PERSISTENT, 0) + 1
+            except CheckpointError as e:
+                errors.append(f"{name} from the persistent tier: {e}")
+    outcomes = _gather(pg, layout.world_size, errors[0] if errors else None)
+    bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    if bad:
+        return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
+    if layout.rank in layout.ranks_of(layout.node)[:1]:
+        step_store = store_of(tier.store, s)
+        if read_commit_record(step_store, count_files=False).status != COMMITTED:
+            step_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+    if pg is not None:
+        dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
+    return TierRestore(s, manifest, {k: v for k, v in sources.items() if v}), plan
+
+
+def _route(
+    tier: LocalTier,
+    manifest: Manifest,
+    s: int,
+    nodes: dict[int, dict[int, dict[str, int]]],
+    reports: list[list[str]],
+    persisted: bool,
+) -> tuple[list[Move], dict[int, list[str]], str | None]:
+    """Where each missing file comes from (the same answer on every rank): moves from another
+    node's copy, fetches from the persistent tier per rank, or why ``s`` cannot be rebuilt."""
+    layout = tier.layout
+    damaged: dict[int, set[str]] = {}
+    for rank, names in enumerate(reports):
+        damaged.setdefault(layout.node_of(rank), set()).update(names)
+    moves: list[Move] = []
+    fetch: dict[int, list[str]] = {}
+    taken: set[tuple[int, str]] = set()
+    for rank, names in enumerate(reports):
+        node = layout.node_of(rank)
+        for name in names:
+            if (node, name) in taken:
+                continue  # another rank of this node receives it
+            taken.add((node, name))
+            entry = manifest.files[name]
+            holder = None
+            for hop in range(1, layout.nodes):
+                other = (node + hop) % layout.nodes
+                if nodes.get(other, {}).get(s, {}).get(name) == entry.size and name not in damaged.get(other, set()):
+                    holder = other
+                    break
+            if holder is not None:
+                src = holder * layout.local_world_size + (rank - node * layout.local_world_size)
+                moves.append(Move(src, rank, entry))
+            elif persisted:
+                fetch.setdefault(rank, []).append(name)
+            else:
+                return [], {}, (
+                    f"{name} (read by rank {rank}) has no intact copy on any node, and step {s} was never persisted"
+                )
+    return moves, fetch, None
+
+
+def _drop_after(tier: LocalTier, s: int, keep_last: int | None) -> None:
+    """This node's leader, after restoring ``s``: delete local steps newer than ``s`` (none of
+    them could be rebuilt) and incomplete or surplus ones (best effort)."""
+    try:
+        for step, names in list_step_dirs(tier.store).items():
+            if step > s:
+                delete_step(tier.store, step, names)
+        apply_retention(tier.store, committed=s, keep_last=keep_last)
+    except CheckpointError as e:
+        logger.warning("cleaning %s after the restore failed: %s", tier.uri, e)

@@ -1,0 +1,66 @@
+"""Rank functions of the two-tier tests (test_tiers.py), run on real gloo processes by
+``helpers.dist.run_ranks``: a small model and optimizer saved and restored through a two-tier
+``CheckpointManager`` on simulated nodes (``LOCAL_WORLD_SIZE`` ranks share one ``{node}``
+directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from goodput_ckpt import CheckpointManager
+
+
+def make(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 64, generator=g)
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, float]:
+    out = {f"p.{k}": float(v.double().sum()) for k, v in model.state_dict().items()}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"o.{i}.{k}"] = float(torch.as_tensor(v).double().sum())
+    return out
+
+
+def save_steps(rank: int, world: int, root: str, local: str, steps: int, opts: dict[str, Any], out: str) -> None:
+    """Train ``steps`` steps, saving each through a two-tier manager; write the final digest."""
+    model, opt = make(rank)
+    with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
+        for step in range(steps):
+            train(model, opt, step, rank)
+            mgr.save(step, model=model, optimizer=opt)
+        mgr.wait()
+        Path(out, f"tiers-rank{rank}.json").write_text(json.dumps(mgr.step_tiers()))
+    Path(out, f"digest-rank{rank}.json").write_text(json.dumps(digest(model, opt)))
+
+
+def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str) -> None:
+    """Restore the newest step a two-tier manager can rebuild; write it, its digest and the
+    restore's timeline record."""
+    model, opt = make(rank)
+    torch.manual_seed(123 + rank)  # restore must overwrite whatever this leaves
+    with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
+        step = mgr.restore(model=model, optimizer=opt)
+        record = [r for r in mgr.timeline if r["event"] == "restore"]
+    dist.barrier()
+    Path(out, f"restored-rank{rank}.json").write_text(
+        json.dumps({"step": step, "digest": digest(model, opt), "record": record[-1] if record else None})
+    )
