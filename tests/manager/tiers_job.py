@@ -6,7 +6,7 @@ directory)."""
 from __future__ import annotations
 
 import json
-import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from goodput_ckpt import CheckpointManager
+from goodput_ckpt.errors import CheckpointError
 
 
 def make(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -23,8 +24,9 @@ def make(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
-    g = torch.Generator().manual_seed(1000 * step + rank)
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """One step, the same on every rank (the model is replicated: DCP keeps one rank's copy)."""
+    g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(16, 64, generator=g)
     loss = model(x).square().mean()
     opt.zero_grad()
@@ -45,7 +47,7 @@ def save_steps(rank: int, world: int, root: str, local: str, steps: int, opts: d
     model, opt = make(rank)
     with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
         for step in range(steps):
-            train(model, opt, step, rank)
+            train(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
         mgr.wait()
         Path(out, f"tiers-rank{rank}.json").write_text(json.dumps(mgr.step_tiers()))
@@ -57,10 +59,27 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
     restore's timeline record."""
     model, opt = make(rank)
     torch.manual_seed(123 + rank)  # restore must overwrite whatever this leaves
-    with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
-        step = mgr.restore(model=model, optimizer=opt)
+    error = None
+    with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
+        warnings.simplefilter("always")
+        try:
+            step = mgr.restore(model=model, optimizer=opt)
+        except CheckpointError as e:
+            step, error = None, str(e)
         record = [r for r in mgr.timeline if r["event"] == "restore"]
     dist.barrier()
     Path(out, f"restored-rank{rank}.json").write_text(
-        json.dumps({"step": step, "digest": digest(model, opt), "record": record[-1] if record else None})
+        json.dumps({
+            "step": step, "error": error, "digest": digest(model, opt), "record": record[-1] if record else None,
+            "warnings": [str(w.message) for w in caught if "restore of step" in str(w.message)],
+        })
     )
+
+
+def reference_digest(steps: int) -> dict[str, float]:
+    """The digest after training steps ``0 .. steps-1`` in this process (what a restore of the
+    checkpoint saved after step ``steps-1`` must reproduce)."""
+    model, opt = make(0)
+    for step in range(steps):
+        train(model, opt, step)
+    return digest(model, opt)

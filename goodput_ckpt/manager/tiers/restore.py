@@ -244,42 +244,52 @@ def _attempt(
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
     if why is not None:
         return why
-    sources = {LOCAL: len(need) - len(missing)}
-    failed = {}
+    failed: dict[str, CheckpointError] = {}
+    here_store = store_of(tier.store, s)
+    if plan_moves or fetch:
+        here_store.prepare()  # a lost node's directory is made again
     if plan_moves and pg is not None:
         failed = run_moves(
-            plan_moves, rank=layout.rank, store=store_of(tier.store, s), chunk_size=manifest.chunk_size, pg=pg,
+            plan_moves, rank=layout.rank, store=here_store, chunk_size=manifest.chunk_size, pg=pg,
             sender_uri=f"the local copy of step {s} on the node of rank {{rank}}",
         )  # fmt: skip
-        received = sum(1 for m in plan_moves if m.dst == layout.rank) - len(failed)
-        if received:
-            sources[REPLICA] = received
+    arrived = {m.name: REPLICA for m in plan_moves if m.dst == layout.rank and m.name not in failed}
     for name, err in failed.items():
-        logger.warning("restore of step %d: a replica of %s was not usable: %s", s, name, err)
+        logger.warning("restore of step %d: a replica of %s was not usable, using the next tier: %s", s, name, err)
     want = sorted(set(fetch.get(layout.rank, [])) | set(failed))
     errors = []
     if want and not persisted:
-        errors.append(f"{len(failed)} file(s) arrived damaged from another node and step {s} was never persisted")
+        name, first = next(iter(failed.items()))
+        errors.append(
+            f"{len(failed)} file(s) could not be received from another node and step {s} was never persisted; "
+            f"first, {name}: {first}"
+        )
     elif want:
         assert persistent is not None
         src = store_of(persistent, s)
         for name in want:
             try:
-                copy_file(src, store_of(tier.store, s), manifest.files[name], manifest.chunk_size)
-                sources[PERSISTENT] = sources.get(PERSISTENT, 0) + 1
+                copy_file(src, here_store, manifest.files[name], manifest.chunk_size)
+                arrived[name] = PERSISTENT
             except CheckpointError as e:
                 errors.append(f"{name} from the persistent tier: {e}")
-    outcomes = _gather(pg, layout.world_size, errors[0] if errors else None)
-    bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    outcomes = _gather(pg, layout.world_size, (errors[0] if errors else None, arrived))
+    bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if bad:
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
+    # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
+    node_arrivals = {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
+    sources: dict[str, int] = {}
+    for name in need:
+        tier_name = node_arrivals.get(name, LOCAL)
+        sources[tier_name] = sources.get(tier_name, 0) + 1
     if layout.rank in layout.ranks_of(layout.node)[:1]:
-        step_store = store_of(tier.store, s)
-        if read_commit_record(step_store, count_files=False).status != COMMITTED:
-            step_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+        if read_commit_record(here_store, count_files=False).status != COMMITTED:
+            here_store.prepare()
+            here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
     if pg is not None:
         dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
-    return TierRestore(s, manifest, {k: v for k, v in sources.items() if v}), plan
+    return TierRestore(s, manifest, sources), plan
 
 
 def _route(

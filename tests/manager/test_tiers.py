@@ -1,0 +1,212 @@
+"""Two-tier checkpoints (issue 18): node-local saves, replicas, persistent saves, and restores
+that fall back tier by tier, on 4 real gloo ranks laid out as 2 simulated nodes (``{node}`` in
+``local_dir``, ``local_world_size=2``).
+
+One saving run (7 steps, every step saved, ``replicas=1``, ``persist_every=3``, ``keep_last=3``)
+leaves steps 4-6 on both nodes' local tiers and steps 2 and 5 persisted. Each failure scenario
+works on a copy of that state, restores on 4 fresh ranks and compares the restored model and
+optimizer with the state the saving run had at that step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import tiers_job
+from helpers.dist import run_ranks
+
+from goodput_ckpt import CheckpointManager
+from goodput_ckpt.manager.tiers.nodes import NodeLayout, local_root
+from goodput_ckpt.storage import open_store
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 4
+STEPS = 7
+OPTS = dict(replicas=1, persist_every=3, keep_last=3)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tiers")
+    run_ranks(
+        tiers_job.save_steps, WORLD, str(base / "persist"), str(base / "local" / "node{node}"), STEPS, OPTS, str(base),
+        report_dir=base / "report",
+    )  # fmt: skip
+    return base
+
+
+def _scenario(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    shutil.copytree(saved / "persist", tmp_path / "persist")
+    shutil.copytree(saved / "local", tmp_path / "local")
+    return tmp_path / "persist", tmp_path / "local"
+
+
+def _restore(tmp_path: Path, persist: Path, local: Path) -> list[dict]:
+    run_ranks(
+        tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path),
+        report_dir=tmp_path / "report",
+    )  # fmt: skip
+    return [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _damage_every_data_file(node_dir: Path) -> list[Path]:
+    hit = []
+    for f in sorted(node_dir.rglob("*.bin")):
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+        hit.append(f)
+    return hit
+
+
+def test_saves_land_on_each_tier(saved):
+    tiers = [json.loads((saved / f"tiers-rank{r}.json").read_text()) for r in range(WORLD)]
+    for view in tiers:
+        assert view["5"] == ["local", "persistent"]
+        assert view["6"] == ["local"]
+        assert view["2"] == ["persistent"]
+    persisted = sorted(p.name for p in (saved / "persist").glob("step_*"))
+    assert persisted == ["step_00000002", "step_00000005"]
+    for node in (0, 1):
+        steps = sorted(p.name for p in (saved / "local" / f"node{node}").glob("step_*"))
+        assert steps == ["step_00000004", "step_00000005", "step_00000006"]
+        # every rank's files are on both nodes: its own node's, and the previous node's replicas
+        names = {p.name.split(".")[0] for p in (saved / "local" / f"node{node}" / "step_00000006").glob("*.bin")}
+        assert names == {f"rank{r:05d}-00" for r in range(WORLD)}
+
+
+def test_nothing_lost_restores_newest_from_local(saved, tmp_path):
+    persist, local = _scenario(saved, tmp_path)
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(7)
+    for r in results:
+        assert r["error"] is None and r["step"] == 6
+        assert r["digest"] == want
+        assert set(r["record"]["sources"]) == {"local"}
+        assert r["warnings"] == []
+
+
+def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
+    persist, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local / "node1")
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(7)
+    for rank, r in enumerate(results):
+        assert r["error"] is None and r["step"] == 6
+        assert r["digest"] == want
+        if rank >= 2:  # node 1's ranks: their files came from node 0's copies
+            assert "replica" in r["record"]["sources"] and "persistent" not in r["record"]["sources"]
+        else:
+            assert set(r["record"]["sources"]) == {"local"}
+    # the lost node's copy is rebuilt and committed again
+    assert (local / "node1" / "step_00000006" / "manifest.json").exists()
+
+
+def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path):
+    persist, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local / "node1")
+    assert _damage_every_data_file(local / "node0")
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(6)  # step 5, the newest persisted
+    for r in results:
+        assert r["error"] is None and r["step"] == 5
+        assert r["digest"] == want
+        assert "persistent" in r["record"]["sources"]
+    # node 0's ranks were told which local file was bad, where, and that the next tier was used
+    warned = results[0]["warnings"]
+    assert any("checksum mismatch" in w and "node0" in w and "next tier" in w for w in warned), warned
+    # the steps after it, which no tier could rebuild, are gone from the local tier
+    assert not (local / "node0" / "step_00000006").exists()
+
+
+def test_both_local_tiers_lost_restore_newest_persistent(saved, tmp_path):
+    persist, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local)
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(6)
+    for r in results:
+        assert r["error"] is None and r["step"] == 5
+        assert r["digest"] == want
+        assert set(r["record"]["sources"]) == {"persistent"}
+
+
+def test_damaged_replica_is_not_used(saved, tmp_path):
+    """Node 1 lost, node 0's copies of node 1's files damaged, nothing persisted: the newest
+    local steps cannot be rebuilt, and the restore says so instead of loading bad bytes."""
+    persist, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local / "node1")
+    shutil.rmtree(persist)
+    for f in (local / "node0").rglob("rank0000[23]-*.bin"):
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0x01
+        f.write_bytes(bytes(raw))
+    results = _restore(tmp_path, persist, local)
+    for r in results:
+        assert r["step"] is None
+        assert "no checkpoint can be rebuilt from any tier" in r["error"]
+        assert "step 6: rank0000" in r["error"] and "has no intact copy on any node" in r["error"]
+    assert any("checksum mismatch" in w and "rank00002" in w for w in results[0]["warnings"]), results[0]["warnings"]
+
+
+# -- without processes ---------------------------------------------------------------------------
+
+
+def test_layout_ring_and_errors():
+    lay = NodeLayout(rank=3, world_size=8, local_world_size=2, replicas=2)
+    assert lay.node == 1 and lay.nodes == 4
+    assert lay.replica_holders(3) == [5, 7]
+    assert lay.replica_holders(7) == [1, 3]
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        NodeLayout(rank=0, world_size=6, local_world_size=4)
+    with pytest.raises(ValueError, match="needs at least 2 nodes"):
+        NodeLayout(rank=0, world_size=4, local_world_size=4, replicas=1)
+
+
+def test_local_dir_template():
+    assert local_root("/x/{node}/ckpt", 3) == "/x/3/ckpt"
+    assert local_root("/x/ckpt", 3) == "/x/ckpt"
+    with pytest.raises(ValueError, match="only {node}"):
+        local_root("/x/{rank}", 0)
+    with pytest.raises(ValueError, match="not a valid template"):
+        local_root("/x/{node", 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(replicas=1), "need local_dir"),
+        (dict(persist_every=2), "need local_dir"),
+        (dict(local_dir="L", persist_every=0), "persist_every must be a positive integer"),
+        (dict(local_dir="L", replicas=-1), "replicas must be a non-negative integer"),
+        (dict(local_dir="L", replicas=1), "needs at least 2 nodes"),
+    ],
+)
+def test_bad_options(tmp_path, kwargs, match):
+    if "local_dir" in kwargs:
+        kwargs["local_dir"] = str(tmp_path / kwargs["local_dir"])
+    with pytest.raises(ValueError, match=match):
+        CheckpointManager(tmp_path / "root", **kwargs)
+
+
+def test_one_process_two_tiers(tmp_path):
+    """One process (no group): saves land locally, every 2nd is persisted, restore prefers local."""
+    import torch
+
+    model, opt = tiers_job.make(0)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2, keep_last=2) as mgr:
+        for step in range(4):
+            tiers_job.train(model, opt, step)
+            mgr.save(step, model=model, optimizer=opt)
+        mgr.wait()
+        assert mgr.step_tiers() == {1: ("persistent",), 2: ("local",), 3: ("local", "persistent")}
+    assert open_store(str(tmp_path / "root"), {}).list()  # the persistent tier exists
+    fresh, fresh_opt = tiers_job.make(0)
+    torch.nn.init.zeros_(fresh[0].weight)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2) as mgr:
+        assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
+        assert mgr.timeline[-1]["sources"] == {"local": 1}
+    assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
