@@ -136,7 +136,7 @@ class TwoLevelPlan:
         bound: what set the interval (see :class:`TwoLevelOption`).
         one_level: the best plan with the persistent tier only, for comparison.
         gain: ``goodput − one_level.goodput_at_optimum``, in percentage points.
-        options: the best schedule for a few other ``persist_every`` (1, the neighbours of ``k``).
+        options: the best schedule for a few other ``persist_every`` (1, ``k ± 1`` and ``2k``).
     """
 
     inputs: TwoLevelInputs
