@@ -41,9 +41,9 @@ _ONE_LEVEL_ONLY = ("stall", "mtbf", "gpus", "gpu_failures_per_hour", "current_in
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-bench", metavar="BENCH_JSON",
-                   help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output (flags override)")  # fmt: skip
+                   help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output (flags override; two levels: --persist and --restore)")  # fmt: skip
     p.add_argument("--from-timeline", metavar="TIMELINE_JSONL",
-                   help="take --stall, --persist and --restore from a CheckpointManager timeline (flags override)")  # fmt: skip
+                   help="take --stall, --persist and --restore from a CheckpointManager timeline (flags override; two levels: --persist and --restore)")  # fmt: skip
     p.add_argument("--stall", type=parse_duration, help="time training blocks per checkpoint (required without --from-bench/--from-timeline)")
     p.add_argument("--persist", type=parse_duration, help="time a background save takes to be durable after the stall (default 0)")
     p.add_argument("--restore", type=parse_duration, help="time to load a checkpoint after a restart (default 0)")
@@ -58,7 +58,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     two.add_argument("--replicate", type=parse_duration, help="time after that stall until the local copy and its replica are complete")
     two.add_argument("--local-restore", type=parse_duration, help="time to load a checkpoint from the local tier or a replica")
     two.add_argument("--persist-stall", type=parse_duration, help="extra stall of a save that also goes to the persistent tier (default 0)")
-    two.add_argument("--node-mtbf", type=_duration_or_inf, help="mean time between failures the local tier survives (a lost node); inf for none")
+    two.add_argument("--node-mtbf", type=_duration_or_inf, help="MTBF of failures the local tier survives (a lost node); inf: none")
     two.add_argument("--job-mtbf", type=parse_duration, help="mean time between failures that need the persistent tier")
     two.add_argument("--max-persist-every", type=int, default=10_000, help="the largest persist_every searched (default 10000)")
 
