@@ -56,8 +56,9 @@ interval): every save goes to the persistent tier with the stall ``δ_L + δ_P``
 and every failure (rate ``1/M_L + 1/M_P``) restores from it. That plan ignores the upload bound,
 so the gain it shows is, if anything, understated.
 
-Valid while the costs and intervals are small next to the MTBFs (first order: failures during a
-restore or during the pattern's other failures are not counted).
+Valid while the costs and intervals are small next to the MTBFs. First order, a failure that
+strikes during a restart or during work already lost counts as if it struck useful time, so the
+model is slightly pessimistic (``tests/tools/test_plan_two_level.py`` simulates it).
 """
 
 from __future__ import annotations
@@ -65,14 +66,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .plan import GoodputPlan, PlanInputs, plan
+from .plan import MIN_INTERVAL, GoodputPlan, PlanInputs, plan
 
-__all__ = ["TwoLevelInputs", "TwoLevelOption", "TwoLevelPlan", "plan_two_level", "two_level_goodput"]
-
-#: The shortest local interval considered (seconds of training), as in the one-level plan: a
-#: zero stall would otherwise ask for continuous checkpointing.
-MIN_INTERVAL = 1e-3
-
+__all__ = ["TwoLevelInputs", "TwoLevelOption", "TwoLevelPlan", "one_level_inputs", "plan_two_level", "two_level_goodput"]
 
 @dataclass(frozen=True, kw_only=True)
 class TwoLevelInputs:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from goodput_ckpt.tools.plan import PlanInputs, goodput
-from goodput_ckpt.tools.plan_two_level import MIN_INTERVAL, TwoLevelInputs, plan_two_level, two_level_goodput
+from goodput_ckpt.tools.plan import MIN_INTERVAL, PlanInputs, goodput
+from goodput_ckpt.tools.plan_two_level import TwoLevelInputs, plan_two_level, two_level_goodput
 
 #: A job of the issue's shape: cheap local saves, a persistent upload that is slow and slows training.
 TYPICAL = dict(local_stall=2.0, replicate=8.0, local_restore=30.0, persist_stall=20.0, persist=180.0,
