@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from typing import TYPE_CHECKING
 
 from ._output import Output, human_bytes, table, to_jsonable
 from ._registry import Command
+
+if TYPE_CHECKING:
+    from ..tools.plan import BenchMeasurement
 
 _UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -30,6 +34,10 @@ def _fmt(seconds: float | None) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.3f} s"
 
 
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.2f} %"
+
+
 def _duration_or_inf(text: str) -> float:
     """A duration, or ``inf`` for "never"."""
     return math.inf if text.strip().lower() in ("inf", "never") else parse_duration(text)
@@ -41,9 +49,11 @@ _ONE_LEVEL_ONLY = ("stall", "mtbf", "gpus", "gpu_failures_per_hour", "current_in
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-bench", metavar="BENCH_JSON",
-                   help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output (flags override; two levels: --persist and --restore)")  # fmt: skip
+                   help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output "
+                        "(flags override; two levels: persist, restore)")  # fmt: skip
     p.add_argument("--from-timeline", metavar="TIMELINE_JSONL",
-                   help="take --stall, --persist and --restore from a CheckpointManager timeline (flags override; two levels: --persist and --restore)")  # fmt: skip
+                   help="take --stall, --persist and --restore from a CheckpointManager timeline "
+                        "(flags override; two levels: persist, restore)")  # fmt: skip
     p.add_argument("--stall", type=parse_duration, help="time training blocks per checkpoint (required without --from-bench/--from-timeline)")
     p.add_argument("--persist", type=parse_duration, help="time a background save takes to be durable after the stall (default 0)")
     p.add_argument("--restore", type=parse_duration, help="time to load a checkpoint after a restart (default 0)")
@@ -98,7 +108,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-def _measured(args: argparse.Namespace):
+def _measured(args: argparse.Namespace) -> tuple[str | None, BenchMeasurement | None]:
     """The bench report or timeline named by --from-bench / --from-timeline, and its name."""
     from ..tools.plan import inputs_from_bench, inputs_from_timeline
 
@@ -111,7 +121,9 @@ def _measured(args: argparse.Namespace):
     return None, None
 
 
-def _print_measured(args: argparse.Namespace, out: Output, source, measured, names: tuple[str, ...]) -> None:
+def _print_measured(args: argparse.Namespace, out: Output, source: str | None, measured: BenchMeasurement | None,
+                    names: tuple[str, ...]) -> None:  # fmt: skip
+    """Which of ``names`` came from the report (those no flag gave), as one line."""
     if measured is not None:
         taken = [f"{n} {_fmt(getattr(measured, n))}" for n in names if getattr(args, n) is None]
         out.print(f"from {source} ({measured.method}, {human_bytes(measured.size_bytes)} state on "
@@ -144,12 +156,11 @@ def _run_two_level(args: argparse.Namespace, out: Output) -> int:
         out.emit_json({**doc, key: None if measured is None else measured.to_dict()})
         return 0
     _print_measured(args, out, source, measured, ("persist", "restore"))
-    pct = lambda g: f"{100 * g:.2f} %"  # noqa: E731
-    rows = [["two levels (best)", _fmt(result.local_interval), result.persist_every, _fmt(result.persistent_period), pct(result.goodput)]]
-    rows += [[f"  persist_every {o.persist_every}", _fmt(o.local_interval), o.persist_every, _fmt(o.persistent_period), pct(o.goodput)]
+    rows = [["two levels (best)", _fmt(result.local_interval), result.persist_every, _fmt(result.persistent_period), _pct(result.goodput)]]
+    rows += [[f"  persist_every {o.persist_every}", _fmt(o.local_interval), o.persist_every, _fmt(o.persistent_period), _pct(o.goodput)]
              for o in result.options]  # fmt: skip
     one = result.one_level
-    rows.append(["one level (Daly)", "-", "-", _fmt(one.optimal_interval), pct(one.goodput_at_optimum)])
+    rows.append(["one level (Daly)", "-", "-", _fmt(one.optimal_interval), _pct(one.goodput_at_optimum)])
     out.print(table(["SCHEDULE", "LOCAL EVERY", "PERSIST_EVERY", "PERSISTENT EVERY", "GOODPUT"], rows, right=(2,)))
     node = "never" if math.isinf(inputs.node_mtbf) else _fmt(inputs.node_mtbf)
     out.print(f"\nnode MTBF {node}, job MTBF {_fmt(inputs.job_mtbf)}; the local interval is set by: {result.bound}")
