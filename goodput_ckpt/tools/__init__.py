@@ -11,7 +11,9 @@ Each returns a dataclass report that the CLI renders as a table or JSON:
 - :func:`bench_storage` (``bench``): save, load, stall and verify throughput of a storage location,
   against torch's own writers;
 - :func:`run_demo` (``demo``): a training job killed, resumed bit for bit, and its goodput;
-- :func:`plan_interval` (``plan``): the checkpoint interval that maximizes goodput.
+- :func:`plan_interval` (``plan``): the checkpoint interval that maximizes goodput;
+- :func:`plan_two_levels` (``plan --local-stall ... --node-mtbf ... --job-mtbf ...``): the local
+  interval and ``persist_every`` of a two-tier manager, against one tier.
 
 ``verify``, ``inspect`` and ``ls`` need no torch; the names are imported lazily so that using
 them does not load it.
@@ -28,6 +30,7 @@ __all__ = [
     "inspect_checkpoint",
     "list_checkpoints",
     "plan_interval",
+    "plan_two_levels",
     "reshard_checkpoint",
     "run_demo",
     "verify_checkpoint",
@@ -43,6 +46,7 @@ _WHERE: dict[str, str | tuple[str, str]] = {
     "bench_storage": (".bench", "bench"),
     "run_demo": ".demo",
     "plan_interval": (".plan", "plan"),
+    "plan_two_levels": (".plan_two_level", "plan_two_level"),
 }
 
 

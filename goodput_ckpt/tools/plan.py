@@ -58,6 +58,10 @@ __all__ = [
     "plan",
 ]
 
+#: The shortest interval recommended (seconds of training): a zero stall would otherwise ask for
+#: continuous checkpointing.
+MIN_INTERVAL = 1e-3
+
 
 @dataclass(frozen=True, kw_only=True)
 class PlanInputs:
@@ -211,7 +215,7 @@ def optimal_interval(stall: float, mtbf: float) -> float:
 
 def plan(p: PlanInputs) -> GoodputPlan:
     """Optimum interval, goodput there and at the current interval, and sensitivities."""
-    tau = max(optimal_interval(p.stall, p.mtbf), 1e-3)
+    tau = max(optimal_interval(p.stall, p.mtbf), MIN_INTERVAL)
     g_opt = goodput(tau, p)
     sens: dict[str, float] = {}
     for name in ("stall", "persist", "restore", "restart", "mtbf"):
@@ -220,7 +224,7 @@ def plan(p: PlanInputs) -> GoodputPlan:
             sens[name] = 0.0
             continue
         changed = _replace(p, **{name: base * 2})
-        tau2 = max(optimal_interval(changed.stall, changed.mtbf), 1e-3)
+        tau2 = max(optimal_interval(changed.stall, changed.mtbf), MIN_INTERVAL)
         sens[name] = round(100.0 * (goodput(tau2, changed) - g_opt), 6)
     ci = p.current_interval
     return GoodputPlan(

@@ -112,3 +112,65 @@ def test_plan_from_a_real_manager_timeline(tmp_path):
     assert code == 0 and "from " in out and "stall" not in out.split("\n")[0].split(":")[1]
     code, _, err = _run("plan", "--from-timeline", path, "--from-bench", path, "--mtbf", "3h")
     assert code == 2 and "not both" in err and "Traceback" not in err
+
+
+TWO_LEVEL = ("plan", "--local-stall", "2s", "--replicate", "8s", "--local-restore", "30s", "--persist-stall", "20s",
+             "--persist", "3m", "--restore", "5m", "--restart", "4m", "--node-mtbf", "4h", "--job-mtbf", "3d")  # fmt: skip
+
+
+def test_plan_two_levels_text_and_json():
+    code, out, err = _run(*TWO_LEVEL)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["SCHEDULE", "LOCAL", "EVERY", "PERSIST_EVERY", "PERSISTENT", "EVERY", "GOODPUT"]
+    assert lines[1].startswith("two levels (best)") and "one level (Daly)" in out and "gain over one level: +" in out
+    code, out, _ = _run(*TWO_LEVEL, "--json")
+    doc = json.loads(out)
+    assert code == 0
+    assert set(doc) == {"inputs", "local_interval", "persist_every", "persistent_period", "goodput", "bound",
+                        "one_level", "gain", "options", "from_bench"}  # fmt: skip
+    assert doc["inputs"]["node_mtbf"] == 4 * 3600 and doc["inputs"]["persist"] == 180
+    assert isinstance(doc["persist_every"], int) and doc["persist_every"] > 1
+    assert doc["goodput"] > doc["one_level"]["goodput_at_optimum"]
+    assert doc["gain"] == pytest.approx(100 * (doc["goodput"] - doc["one_level"]["goodput_at_optimum"]), abs=1e-5)
+    assert doc["one_level"]["inputs"]["stall"] == 22  # the same save, local stall and persistent stall
+    assert {o["persist_every"] for o in doc["options"]} >= {1, doc["persist_every"] + 1}
+
+
+def test_plan_two_levels_without_node_failures():
+    code, out, _ = _run("plan", "--local-stall", "2s", "--node-mtbf", "inf", "--job-mtbf", "12h", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["inputs"]["node_mtbf"] is None and doc["persist_every"] == 1
+    code, out, _ = _run("plan", "--local-stall", "2s", "--node-mtbf", "never", "--job-mtbf", "12h")
+    assert code == 0 and "node MTBF never" in out
+
+
+def test_plan_two_levels_from_bench(bench_json):
+    path, doc = bench_json
+    ours = doc["methods"][0]
+    code, out, err = _run("plan", "--from-bench", str(path), "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--json")
+    assert code == 0, err
+    inputs = json.loads(out)["inputs"]
+    assert inputs["restore"] == ours["median"]["load_s"] and inputs["local_stall"] == 1.0  # the persistent tier's figures
+    code, out, _ = _run("plan", "--from-bench", str(path), "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d")
+    assert code == 0 and out.startswith(f"from {path} (goodput, 8.0 MiB state on local): persist ")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("plan", "--local-stall", "1s", "--job-mtbf", "3d"), "needs --node-mtbf"),
+        (("plan", "--node-mtbf", "4h", "--job-mtbf", "3d"), "needs --local-stall"),
+        (("plan", "--local-stall", "1s", "--node-mtbf", "4h"), "needs --job-mtbf"),
+        (("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--mtbf", "3h"), "--mtbf: only for the one-level plan"),
+        (("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--stall", "1s", "--current-interval", "1h"),
+         "--stall, --current-interval: only for the one-level plan"),
+        (("plan", "--local-stall", "1s", "--node-mtbf", "0s", "--job-mtbf", "3d"), "node_mtbf must be a positive"),
+        (("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--max-persist-every", "0"), "max_persist_every"),
+        (("plan", "--stall", "1s"), "give --mtbf, or --gpus"),
+    ],
+)
+def test_plan_two_levels_bad_inputs_exit_2_with_a_message(argv, message):
+    code, out, err = _run(*argv)
+    assert code == 2 and message in err
+    assert "Traceback" not in out + err
