@@ -412,10 +412,10 @@ class CheckpointManager:
             return None
         choice, plan = found
         uri = self._tiers.step_uri(choice.step)
-        # Verified again as it is read: a file could change between the check and the load.
-        reader = CheckpointReader(
-            uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True
-        )
+        # Every file this rank reads was checked chunk by chunk during the restore (on this
+        # node's disk, or on arrival from another tier) moments ago: hashing it again as it is
+        # read would double the restore's CPU cost for nothing (with verify=False, nothing was).
+        reader = CheckpointReader(uri, verify=False, thread_count=self.config.thread_count, process_group=self._pg, partial=True)
         self._load(choice.step, uri, plan, reader, started, t0, sources=choice.sources)
         return choice.step
 

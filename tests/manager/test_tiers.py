@@ -106,6 +106,21 @@ def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
     assert (local / "node1" / "step_00000006" / "manifest.json").exists()
 
 
+def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):
+    persist, local = _scenario(saved, tmp_path)
+    (bad,) = (local / "node0" / "step_00000006").glob("rank00000-*.bin")
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 0x10
+    bad.write_bytes(bytes(raw))
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(7)
+    for r in results:
+        assert r["error"] is None and r["step"] == 6 and r["digest"] == want
+    assert results[0]["record"]["sources"] == {"local": 3, "replica": 1}
+    assert any(bad.name in w and "checksum mismatch" in w for w in results[0]["warnings"]), results[0]["warnings"]
+    assert set(results[2]["record"]["sources"]) == {"local"}
+
+
 def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path):
     persist, local = _scenario(saved, tmp_path)
     shutil.rmtree(local / "node1")

@@ -6,6 +6,7 @@ directory)."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,9 @@ from goodput_ckpt import CheckpointManager
 from goodput_ckpt.errors import CheckpointError
 
 
-def make(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make(rank: int, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt
 
@@ -27,7 +28,7 @@ def make(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     """One step, the same on every rank (the model is replicated: DCP keeps one rank's copy)."""
     g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(16, 64, generator=g)
+    x = torch.randn(16, model[0].in_features, generator=g)
     loss = model(x).square().mean()
     opt.zero_grad()
     loss.backward()
@@ -54,10 +55,10 @@ def save_steps(rank: int, world: int, root: str, local: str, steps: int, opts: d
     Path(out, f"digest-rank{rank}.json").write_text(json.dumps(digest(model, opt)))
 
 
-def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str) -> None:
+def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str, width: int = 64) -> None:
     """Restore the newest step a two-tier manager can rebuild; write it, its digest and the
     restore's timeline record."""
-    model, opt = make(rank)
+    model, opt = make(rank, width)
     torch.manual_seed(123 + rank)  # restore must overwrite whatever this leaves
     error = None
     with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
@@ -76,10 +77,32 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
     )
 
 
-def reference_digest(steps: int) -> dict[str, float]:
+def reference_digest(steps: int, width: int = 64) -> dict[str, float]:
     """The digest after training steps ``0 .. steps-1`` in this process (what a restore of the
     checkpoint saved after step ``steps-1`` must reproduce)."""
-    model, opt = make(0)
+    model, opt = make(0, width)
     for step in range(steps):
         train(model, opt, step)
     return digest(model, opt)
+
+
+def main(argv: list[str]) -> None:
+    """One rank of a job that trains and saves every step until it is killed, printing
+    ``SAVED step`` (flushed) after each save returns: ``tiers_job.py RANK WORLD PORT ROOT LOCAL
+    WIDTH OPTIONS_JSON`` (the SIGKILL tests of test_tiers_sigkill.py)."""
+    rank, world, port, root, local, width, opts = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4], int(argv[5]), json.loads(argv[6])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, opt = make(rank, width)
+    with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
+        for step in range(10_000):
+            train(model, opt, step)
+            mgr.save(step, model=model, optimizer=opt)
+            print("SAVED", step, flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

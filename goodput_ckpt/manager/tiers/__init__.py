@@ -105,4 +105,7 @@ class Tiers:
 
     def restore(self, step: int | None, **kwargs: Any) -> tuple[TierRestore, Any] | None:
         """:func:`.restore.restore_tiers` over these tiers."""
-        return restore_tiers(self.local, self.persister.root, step=step, keep_last=self.keep_last, verify=self.verify, **kwargs)
+        return restore_tiers(
+            self.local, self.persister.root, step=step, keep_last=self.keep_last, verify=self.verify,
+            persistent_options=self.persister.storage_options, **kwargs,
+        )  # fmt: skip

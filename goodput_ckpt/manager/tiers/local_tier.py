@@ -116,21 +116,26 @@ class LocalTier:
             then reported failed though this node may keep a local copy), and how long the
             replication took (``None`` without replicas).
         """
-        oks: list[Any] = [err is None]
-        if self.pg is not None:
-            oks = [None] * self.layout.world_size
-            dist.all_gather_object(oks, err is None, group=self.pg)
-        if not all(oks):
-            return err or CheckpointError(f"the save of step {step} failed on rank {oks.index(False)}"), None
+        err = self._agree(step, err)
+        if err is not None:
+            return err, None
+        shared: tuple[bytes, Manifest] | None = None
         try:
-            record, manifest = self._share_manifest(step)
+            shared = self._share_manifest(step)
         except BaseException as e:  # noqa: BLE001 - reported as the save's failure
-            return as_checkpoint_error(e, f"committing step {step} on node {self.layout.node}"), None
+            err = as_checkpoint_error(e, f"committing step {step} on node {self.layout.node}")
+        err = self._agree(step, err)  # all ranks replicate, or none
+        if err is not None or shared is None:
+            return err, None
+        record, manifest = shared
         seconds = None
         if self.layout.replicas:
             t0 = time.perf_counter()
             err = self._replicate(step, manifest)
             seconds = time.perf_counter() - t0
+        # Every rank learns the outcome (a replica that failed on one node fails the save on
+        # all, so all hand the same persists over), and none returns before every node committed.
+        err = self._agree(step, err)
         if err is None:
             self._saves += 1
             if self.persister is not None and self._saves % self.persist_every == 0:
@@ -140,16 +145,30 @@ class LocalTier:
             apply_retention(self.store, committed=step, keep_last=self.keep_last, protect={persisting} - {None})
         return err, seconds
 
+    def _agree(self, step: int, err: CheckpointError | None) -> CheckpointError | None:
+        """``err``, or the first other rank's failure: the same verdict on every rank."""
+        if self.pg is None:
+            return err
+        outcomes: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(outcomes, None if err is None else str(err), group=self.pg)
+        if err is None and any(o is not None for o in outcomes):
+            rank = next(r for r, o in enumerate(outcomes) if o is not None)
+            err = CheckpointError(f"step {step} failed on rank {rank}: {outcomes[rank]}")
+        return err
+
     def _share_manifest(self, step: int) -> tuple[bytes, Manifest]:
         """The coordinator's commit record of ``step`` on every rank, committed on every node."""
         box: list[Any] = [None]
         if self.layout.rank == 0:
-            box[0] = self.step_store(step).read_small(MANIFEST_NAME)
+            try:
+                box[0] = self.step_store(step).read_small(MANIFEST_NAME)
+            except CheckpointError as e:  # still broadcast: the others wait for it
+                box[0] = str(e)
         if self.pg is not None:
             dist.broadcast_object_list(box, group=self.pg, group_src=0)
         data = box[0]
         if not isinstance(data, bytes):
-            raise CheckpointError(f"the commit record of step {step} vanished from {self.step_uri(step)} on node 0")
+            raise CheckpointError(f"the commit record of step {step} cannot be read on node 0: {data or 'it vanished'}")
         manifest = parse_manifest(data, location=self.step_uri(step))
         if self.layout.node != 0 and self.layout.rank == self.layout.ranks_of(self.layout.node)[0]:
             # A record already there is an earlier save's of this step (its run went back to an

@@ -15,8 +15,8 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
 3. *Load.* Every node's copy now holds what its ranks read (and its commit record, rewritten
-   where it was missing): ``dcp.load`` reads it through ``CheckpointReader``, which checks
-   every byte again as it reads.
+   where it was missing), every file of it checked chunk by chunk moments ago: ``dcp.load``
+   reads it through ``CheckpointReader`` (the manager's ``_restore_tiers``).
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
 only passes a step that cannot be rebuilt) and incomplete ones.
@@ -100,12 +100,14 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
+    persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
     """Agree on a step and make every node's copy hold what its ranks read (the module doc).
 
     Args:
         persistent: the persistent root (``None``: local tier only).
         step: the step asked for, or ``None`` for the newest one that can be rebuilt.
+        persistent_options: the persistent root's backend options.
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
@@ -147,7 +149,10 @@ def restore_tiers(
         return None
     reasons = []
     for s in candidates:
-        outcome = _attempt(tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of)
+        outcome = _attempt(
+            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of,
+            persistent_options=persistent_options,
+        )  # fmt: skip
         if isinstance(outcome, str):
             reasons.append(f"step {s}: {outcome}")
             if layout.rank == 0:
@@ -204,9 +209,10 @@ def _check_local(store: Store, s: int, manifest: Manifest, files: set[str], veri
     return missing, notes
 
 
-def store_of(local: Store, s: int) -> Store:
-    """The checkpoint location of step ``s`` under the root ``local``."""
-    return open_store(child_uri(local.uri, step_dir_name(s)), {})
+def store_of(root: Store, s: int, options: dict[str, Any] | None = None) -> Store:
+    """The checkpoint location of step ``s`` under ``root`` (``options``: the root's backend
+    options, such as an S3 ``endpoint_url``)."""
+    return open_store(child_uri(root.uri, step_dir_name(s)), options or {})
 
 
 def _attempt(
@@ -219,6 +225,7 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
+    persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
     """Try to rebuild ``s`` on every node (module doc, step 2): the choice and this rank's plan,
     or why ``s`` cannot be rebuilt (the same answer on every rank)."""
@@ -266,7 +273,7 @@ def _attempt(
         )
     elif want:
         assert persistent is not None
-        src = store_of(persistent, s)
+        src = store_of(persistent, s, persistent_options)
         for name in want:
             try:
                 copy_file(src, here_store, manifest.files[name], manifest.chunk_size)

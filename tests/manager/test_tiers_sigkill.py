@@ -1,0 +1,92 @@
+"""SIGKILL of a two-tier job in each background phase of a save (issue 18): the local write, the
+replication to the other node, the persistent upload.
+
+The job (``tiers_job.py`` as a script: 4 gloo ranks, 2 simulated nodes, a ~50 MB replicated
+model and AdamW state, every step saved, ``replicas=1``, ``persist_every=2``) runs until this
+test sees, on disk, the phase it wants in progress, and SIGKILLs every rank at once (a lost
+job). Then 4 fresh ranks restore: the step they agree on must reproduce, bit for bit, the
+state the job had after that step, and nothing half-written may remain visible as committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import tiers_job
+from helpers.dist import run_ranks
+
+from goodput_ckpt.tools._job_launch import JobLaunch, free_port
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+WORLD = 4
+WIDTH = 2048
+OPTS = {"replicas": 1, "persist_every": 2, "keep_last": 3}
+PHASE_TIMEOUT_S = 240.0
+
+
+def _local_write(persist: Path, local: Path) -> bool:
+    """A step directory on node 0 with data files but no commit record yet."""
+    return any(not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in (local / "node0").glob("step_*"))
+
+
+def _replication(persist: Path, local: Path) -> bool:
+    """Node 1 committed a step but has not received all of node 0's files yet."""
+    for d in (local / "node1").glob("step_*"):
+        if (d / "manifest.json").exists() and len(list(d.glob("rank*.bin"))) < WORLD:
+            return True
+    return False
+
+
+def _persist(persist: Path, local: Path) -> bool:
+    """A persistent step with data files but no commit record yet."""
+    return any(not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in persist.glob("step_*"))
+
+
+PHASES: dict[str, Callable[[Path, Path], bool]] = {"local-write": _local_write, "replication": _replication, "persist": _persist}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_sigkill_in_phase(tmp_path, phase):
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    port = str(free_port())
+    script = str(Path(tiers_job.__file__))
+    commands = [
+        [sys.executable, script, str(r), str(WORLD), port, str(persist), str(local / "node{node}"), str(WIDTH), json.dumps(OPTS)]
+        for r in range(WORLD)
+    ]
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    job = JobLaunch(commands, str(tmp_path / "logs"), phase, env=env)
+    seen = PHASES[phase]
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    try:
+        saved = 0
+        while saved < 2:  # two saves returned: there is something to restore
+            line = job.next_line(deadline)
+            assert line is not None, f"the job ended before its second save{job.why()}"
+            saved += line.startswith("SAVED")
+        while time.monotonic() < deadline and not seen(persist, local):
+            time.sleep(0.0005)
+        caught = seen(persist, local)
+    finally:
+        job.kill()
+    assert caught, f"the {phase} phase was never seen in progress in {PHASE_TIMEOUT_S:.0f} s"
+
+    run_ranks(tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path), WIDTH, report_dir=tmp_path / "report")
+    results = [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
+    step = results[0]["step"]
+    assert step is not None and all(r["step"] == step and r["error"] is None for r in results)
+    want = tiers_job.reference_digest(step + 1, WIDTH)
+    assert all(r["digest"] == want for r in results)
+    # what the kill left half-written is not taken for a checkpoint, and was cleaned up
+    assert not _persist(persist, local)
+    assert all((d / "manifest.json").exists() for d in persist.glob("step_*"))
+
