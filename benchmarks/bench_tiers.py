@@ -3,8 +3,9 @@ persistent tier on S3, side by side on the same state; and what each tier costs 
 
 One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recipe of
 ``tests/helpers/s3.py``) and 4 real gloo ranks laid out as 2 simulated nodes
-(``local_world_size=2``, ``local_dir=.../node{node}``), holding an FSDP2-sharded stack of
-``Linear`` layers and its AdamW state (``--size`` in all, a quarter per rank). Per repeat:
+(``local_world_size=2``, ``local_dir=.../node{node}``), holding a stack of ``Linear`` layers and its AdamW state
+(``--size`` in all): sharded by FSDP2 (a quarter per rank, the default) or ``--state replicated``
+(the whole state on every rank, the layout of ``tests/manager/test_tiers.py``). Per repeat:
 
 1. *Saves.* A two-tier ``CheckpointManager(s3://bench/tiersN, local_dir=..., replicas=1,
    persist_every=2, keep_last=2)`` saves ``--saves`` steps (an optimizer step between saves);
@@ -16,8 +17,10 @@ One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recip
    its ranks' files come from their replicas on node 0, over the group), ``persistent`` (both
    local directories deleted: every file comes from S3, is checked chunk by chunk and written
    to the local tier, then loaded from it), and ``s3-one-tier`` (the one-tier manager's
-   restore, read straight from S3). Before each restore the local directories are reset to
-   the state the saves left (hard links: the local store never writes a file in place).
+   restore, read straight from S3); ``local-noverify`` is ``local`` with ``verify=False`` (no
+   hash checked before or during the load: what the checks cost). Before each restore the
+   local directories are reset to the state the saves left (hard links: the local store never
+   writes a file in place).
 
 Rules:
 - A restore's time is the timeline's ``seconds`` of its slowest rank (agreement, checks,
@@ -69,7 +72,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 MiB = 1 << 20
 WORLD, LOCAL_WORLD = 4, 2
-METHODS = ("local", "replica", "persistent", "s3-one-tier")
+METHODS = ("local", "replica", "persistent", "s3-one-tier", "local-noverify")
 BASELINE = "persistent"
 BUCKET = "bench"
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -199,7 +202,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
                 mgr = CheckpointManager(
                     f"s3://{BUCKET}/tiers{rep}", local_dir=str(base / "local" / "node{node}"),
                     local_world_size=LOCAL_WORLD, replicas=1, persist_every=cfg["persist_every"], keep_last=2,
-                    timeline=False, **opts,
+                    timeline=False, verify=method != "local-noverify", **opts,
                 )  # fmt: skip
                 step = last
             dist.barrier()
@@ -264,6 +267,7 @@ def _check_sources(method: str, sources: list[dict[str, int]]) -> None:
     tiers = [set(s or {}) for s in sources]
     ok = {
         "local": all(t == {"local"} for t in tiers),
+        "local-noverify": all(t == {"local"} for t in tiers),
         "replica": all(t == {"local"} for t in tiers[:LOCAL_WORLD]) and all("replica" in t and "persistent" not in t for t in tiers[LOCAL_WORLD:]),
         "persistent": all(t == {"persistent"} for t in tiers),
         "s3-one-tier": all(not t for t in tiers),
@@ -397,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=4, help="two-tier saves per repeat (default 4)")
     ap.add_argument("--persist-every", type=int, default=2)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds of (simulated) training between saves")
-    ap.add_argument("--state", choices=("replicated", "fsdp2"), default="replicated",
-                    help="replicated (default) or fsdp2-sharded model and optimizer state (see docs/benchmarks.md)")
+    ap.add_argument("--state", choices=("fsdp2", "replicated"), default="fsdp2",
+                    help="fsdp2 (default): sharded over the 4 ranks; replicated: the whole state on every rank")
     ap.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m])
     ap.add_argument("--quiet", type=float, default=10.0, help="wait up to this long for a quiet machine before a restore")
     ap.add_argument("--dir", default=None, help="scratch directory (default: the system's temp)")
