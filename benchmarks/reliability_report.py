@@ -5,7 +5,7 @@ volume; full disks and file-size limits; S3 faults through a loopback proxy; ran
 at rest; two writers and a racing reader), plus the hostile-manifest corpus
 (``tests/format/test_manifest_hostile.py``) and the S3 fault tests of the store
 (``tests/storage/test_s3_faults.py``), and the hostile-input and destructive-path tests
-(``HOSTILE`` below; ``--hostile`` runs only them). It runs here, in this process, through pytest; slow
+(``HOSTILE`` below; ``--hostile`` runs only them), and the two-tier tests (``TIERS``, ``--tiers``). It runs here, in this process, through pytest; slow
 tests included unless ``--quick``.
 
 Where the rows come from: each scenario of ``tests/faults`` appends its own line to a JSON-lines
@@ -66,8 +66,18 @@ HOSTILE = {
     "tests/storage/test_redact.py": ("hostile: credentials in URLs never echoed [tests]", "all"),
     "tests/storage/test_contract.py": ("hostile: capped small reads, one error type per event [tests]", "all"),
 }
+#: Two-tier checkpoints (issue 18): lost nodes, damaged copies, SIGKILL during local saves,
+#: replication and persistent uploads; ``--tiers`` runs only these.
+TIERS = {
+    "tests/manager/test_tiers.py": (
+        "two tiers: lost node, damaged local copies and replicas, fallback tier by tier [tests]", "local (4 ranks, 2 nodes)"),
+    "tests/manager/test_tiers_acceptance.py": (
+        "two tiers: FSDP2 job, 4 failures restored bit-exact; SIGKILL in local save/replication/persist [tests]",
+        "local (4 ranks, 2 nodes)"),
+}
 FROM_OUTCOMES.update(HOSTILE)
-SUITE += list(HOSTILE)
+FROM_OUTCOMES.update(TIERS)
+SUITE += list(HOSTILE) + list(TIERS)
 COLUMNS = ("scenario", "backend", "trials", "faults_injected", "detected_or_recovered", "data_lost")
 HEADERS = ("scenario", "backend", "trials", "faults injected", "detected or recovered", "data lost")
 
@@ -151,6 +161,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path, help="also write the rows and the outcomes to this file")
     ap.add_argument("-k", dest="keyword", help="only the tests pytest -k selects")
     ap.add_argument("--hostile", action="store_true", help="only the hostile-input and destructive-path tests")
+    ap.add_argument("--tiers", action="store_true", help="only the two-tier tests")
     args = ap.parse_args(argv)
     trials = args.trials or (100 if args.long else 30)
     if trials < 1:
@@ -161,7 +172,7 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     log = Path(tempfile.mkdtemp(prefix="goodput-reliability-")) / "results.jsonl"
     os.environ[LOG_ENV], os.environ[TRIALS_ENV] = str(log), str(trials)
-    pytest_args = [*(HOSTILE if args.hostile else SUITE), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    pytest_args = [*(HOSTILE if args.hostile else TIERS if args.tiers else SUITE), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     if args.quick:
         pytest_args += ["-m", "not slow"]
     if args.keyword:

@@ -11,8 +11,10 @@ from ..storage import Store
 __all__ = ["load_manifest"]
 
 
-def load_manifest(store: Store) -> Manifest:
-    """Read, parse and validate the manifest of ``store``, and check every file's size.
+def load_manifest(store: Store, *, check_files: bool = True) -> Manifest:
+    """Read, parse and validate the manifest of ``store``, and check every file's size
+    (``check_files=False``: a partial copy, such as a node's copy of a two-tier checkpoint, whose
+    missing files are an error only when read).
 
     Raises:
         CheckpointNotFoundError: nothing is stored at the location.
@@ -23,6 +25,7 @@ def load_manifest(store: Store) -> Manifest:
         CheckpointError: a manifest version this library does not read; a file cannot be examined.
     """
     manifest = read_commit_record(store).manifest_or_raise()
-    for problem in file_problems(store, manifest):
-        raise problem.error(store.uri)
+    if check_files:
+        for problem in file_problems(store, manifest):
+            raise problem.error(store.uri)
     return manifest

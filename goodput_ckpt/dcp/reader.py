@@ -90,6 +90,9 @@ class CheckpointReader(StorageReader):
             where a read is cheap and a partial load (``dcp.load(..., no_dist=True)`` on some
             ranks only) must not wait for ranks that never come. ``True`` forces sharing; pass
             ``False`` for a partial load from an object store.
+        partial: the location may hold only some of the files its manifest lists (a node's
+            copy of a two-tier checkpoint, which holds what that node's ranks read): files are
+            not checked up front, and a missing one is an error only when read.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -107,6 +110,7 @@ class CheckpointReader(StorageReader):
         trust_pickle: bool = False,
         process_group: Any = None,
         share_manifest: bool | None = None,
+        partial: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -117,6 +121,7 @@ class CheckpointReader(StorageReader):
         self.trust_pickle = bool(trust_pickle)
         self.process_group = process_group
         self.share_manifest = share_manifest
+        self.partial = bool(partial)
         self._options = dict(options)
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
@@ -130,7 +135,7 @@ class CheckpointReader(StorageReader):
     def manifest(self) -> Manifest:
         """The validated manifest (read on first use)."""
         if self._manifest is None:
-            self._manifest = load_manifest(self._store)
+            self._manifest = load_manifest(self._store, check_files=not self.partial)
         return self._manifest
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -155,7 +160,7 @@ class CheckpointReader(StorageReader):
     def read_metadata(self) -> Metadata:
         # Collective when a process group exists: one rank reads, the others receive it.
         try:
-            self._manifest = load_shared(lambda: load_manifest(self._store), group=self.process_group, enabled=self._shares_manifest())
+            self._manifest = load_shared(lambda: load_manifest(self._store, check_files=not self.partial), group=self.process_group, enabled=self._shares_manifest())
         except CheckpointError as e:
             # torch 2.13's dcp.load re-raises this as a bare AssertionError that keeps only the
             # message; remembered so that find_checkpoint_error can give the typed error back.

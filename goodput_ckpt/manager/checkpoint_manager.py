@@ -413,7 +413,9 @@ class CheckpointManager:
         choice, plan = found
         uri = self._tiers.step_uri(choice.step)
         # Verified again as it is read: a file could change between the check and the load.
-        reader = CheckpointReader(uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg)
+        reader = CheckpointReader(
+            uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True
+        )
         self._load(choice.step, uri, plan, reader, started, t0, sources=choice.sources)
         return choice.step
 

@@ -19,6 +19,9 @@ rank, so the goodput of a real run can be computed afterwards (``goodput-ckpt pl
   was committed; ``durable_s`` until it was durable at its final location (later than the commit
   only with local staging onto a volume). ``gbps`` = ``bytes`` / ``write_s`` / 1e9.
 - ``bytes``: this rank's tensor payload (its shards of the model and optimizer state).
+- Two tiers (``local_dir``): save records add ``tier`` (``"local"``) and ``replicate_s``; each
+  persist is a ``{"event": "persist", "step", "seconds", "bytes", "ok", "error", ...}`` record;
+  restore records add ``sources``, data files read per tier (``{"local": 3, "replica": 1}``).
 
 In code a record is a :class:`SaveRecord` or a :class:`RestoreRecord`; the save job
 (:mod:`.save_job`) is the one place that fills a save's record in, and :meth:`SaveRecord.to_json`

@@ -40,6 +40,7 @@ class CheckpointRow:
     bytes: int = 0
     files: int = 0
     problems: list[str] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # with a local_dir: "persistent", "node 0", ...
 
 
 @dataclass
@@ -63,11 +64,16 @@ def list_checkpoints(
     quick: bool = False,
     thread_count: int | None = None,
     progress: Progress = NO_PROGRESS,
+    local_dir: str | None = None,
     **options: Any,
 ) -> ListReport:
     """List the checkpoints under the manager root ``root``.
 
     Args:
+        local_dir: the node-local tier of a two-tier manager (``{node}`` allowed): each row
+            then says which tiers hold a committed copy (``tiers``), and steps held only on
+            the local tier get a row of status ``local`` (a node's copy holds only that node's
+            files and replicas, so it is not verified here).
         verify: verify every complete checkpoint (hashes; sizes only with ``quick``), so that
             damaged ones show as ``corrupt``.
         **options: backend options for the store.
@@ -82,17 +88,22 @@ def list_checkpoints(
     require_positive("thread_count", thread_count)
     store = open_location(root, options)
     names = store.list()
-    if not names:
+    local = _local_steps(local_dir) if local_dir is not None else {}
+    if not names and local:
+        names = []
+    elif not names:
         raise CheckpointNotFoundError(f"no checkpoints under {store.uri}: it is empty or does not exist", path=store.uri)
     report = ListReport(root=store.uri, verified=verify)
     steps = _step_dirs(store, names)
-    if not steps and MANIFEST_NAME in names:
+    if not steps and local:
+        pass
+    elif not steps and MANIFEST_NAME in names:
         raise CheckpointNotFoundError(
             f"{store.uri} is a checkpoint, not a manager root of step_XXXXXXXX checkpoints; "
             "use `goodput-ckpt inspect` or `verify` on it",
             path=store.uri,
         )
-    if not steps:
+    if not steps and not local:
         others = sorted({n.split("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + MANIFEST_NAME)})
         what = foreign_layout_message(store.uri, names) if not others else None
         raise CheckpointNotFoundError(
@@ -122,7 +133,48 @@ def list_checkpoints(
             if not result.ok:
                 row.status = "corrupt" if result.status != "incomplete" else "incomplete"
                 row.problems.extend(p.message for p in result.problems)
+    if local_dir is not None:
+        _add_local(report, local)
     return report
+
+
+def _local_steps(template: str) -> dict[int, list[tuple[int, str, Any]]]:
+    """Step -> (node, its local location, its manifest) for every committed node copy."""
+    from ..manager.step_layout import list_step_dirs, step_dir_name
+    from ..manager.tiers.nodes import node_dirs
+    from ..storage import open_store
+
+    try:
+        nodes = node_dirs(template)
+    except ValueError as e:
+        raise CheckpointError(f"--local-dir: {e}") from None
+    out: dict[int, list[tuple[int, str, Any]]] = {}
+    for node, path in nodes.items():
+        local = open_store(path, {})
+        for step, files in list_step_dirs(local).items():
+            record = read_commit_record(local, step_dir_name(step), listing=files)
+            if record.status == COMMITTED:
+                out.setdefault(step, []).append((node, child_uri(local.uri, step_dir_name(step)), record.manifest))
+    return out
+
+
+def _add_local(report: ListReport, local: dict[int, list[tuple[int, str, Any]]]) -> None:
+    """Say which tiers hold each step, and add the steps only the local tier holds."""
+    rows = {c.step: c for c in report.checkpoints}
+    for c in report.checkpoints:
+        if c.status == "complete":
+            c.tiers.append("persistent")
+    for step, copies in sorted(local.items()):
+        row = rows.get(step)
+        if row is None:
+            _, uri, manifest = copies[0]
+            row = CheckpointRow(
+                step=step, name=uri.rsplit("/", 1)[-1], uri=uri, status="local", created_at=manifest.created_at,
+                bytes=manifest.total_bytes(), files=len(manifest.files),
+            )  # fmt: skip
+            report.checkpoints.append(row)
+        row.tiers.extend(f"node {node}" for node, _, _ in copies)
+    report.checkpoints.sort(key=lambda c: c.step)
 
 
 #: What ``ls`` takes for a step directory: the manager's ``step_00001000`` and also the

@@ -31,7 +31,6 @@ from goodput_ckpt.errors import TopologyChangeError  # noqa: E402
 from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from goodput_ckpt.manager.step_layout import list_step_dirs  # noqa: E402
 from goodput_ckpt.storage import open_store  # noqa: E402
-from goodput_ckpt.tools._job_launch import JobLaunch, free_port  # noqa: E402
 from goodput_ckpt.manager.timeline import TIMELINE_NAME, read_timeline  # noqa: E402
 
 # The scenario runs 6-8 two-rank job launches: 40-60 s on an idle 2-core machine.
@@ -44,46 +43,9 @@ WORLD = 2
 JOB_TIMEOUT_S = 180.0
 
 
-class Job(JobLaunch):
-    """One launch of the 2-rank job (the demo's launcher: each rank in its own session, so a
-    SIGKILL of the session takes its dataloader workers too)."""
-
-    def __init__(self, out: Path, logs: Path, root: Path | None, tag: str, elastic: bool = False) -> None:
-        port = free_port()
-        out.mkdir(parents=True, exist_ok=True)
-        commands = [
-            train_job.command(rank, WORLD, port, out, steps=STEPS, save_every=SAVE_EVERY, root=root, elastic=elastic)
-            for rank in range(WORLD)
-        ]
-        # The ranks import goodput_ckpt from this checkout, not from wherever it is installed.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-        super().__init__(commands, str(logs), tag, env=env)
-        self.log: list[str] = []
-
-    def next_line(self, deadline: float) -> str | None:
-        try:
-            line = super().next_line(deadline)
-        except RuntimeError as e:
-            raise AssertionError(str(e)) from None
-        if line is not None:
-            self.log.append(line)
-        return line
-
-    def wait_for(self, prefix: str, deadline: float) -> str:
-        while True:
-            line = self.next_line(deadline)
-            if line is None:
-                raise AssertionError(f"rank 0 exited before {prefix!r}; output ends {self.log[-5:]}{self.why()}")
-            if line.startswith(prefix):
-                return line
-
-    def finish(self, deadline: float) -> None:
-        while self.next_line(deadline) is not None:
-            pass
-        try:
-            super().finish(deadline)
-        except RuntimeError as e:
-            raise AssertionError(str(e)) from None
+def Job(out: Path, logs: Path, root: Path | None, tag: str, elastic: bool = False) -> train_job.Job:
+    """One launch of this test's 2-rank job."""
+    return train_job.Job(out, logs, root, tag, world=WORLD, steps=STEPS, save_every=SAVE_EVERY, elastic=elastic)
 
 
 def _complete_and_incomplete(root: Path) -> tuple[list[int], list[int]]:

@@ -210,3 +210,30 @@ def test_one_process_two_tiers(tmp_path):
         assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
         assert mgr.timeline[-1]["sources"] == {"local": 1}
     assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
+
+
+def test_ls_shows_tiers(saved):
+    from goodput_ckpt.tools.ls import list_checkpoints
+
+    report = list_checkpoints(str(saved / "persist"), local_dir=str(saved / "local" / "node{node}"))
+    got = {c.step: (c.status, c.tiers) for c in report.checkpoints}
+    assert got == {
+        2: ("complete", ["persistent"]),
+        4: ("local", ["node 0", "node 1"]),
+        5: ("complete", ["persistent", "node 0", "node 1"]),
+        6: ("local", ["node 0", "node 1"]),
+    }
+    plain = list_checkpoints(str(saved / "persist"))
+    assert [c.step for c in plain.checkpoints] == [2, 5] and all(c.tiers == [] for c in plain.checkpoints)
+
+
+def test_timeline_records_each_tier(saved):
+    from goodput_ckpt.manager.timeline import read_timeline
+
+    records = read_timeline(saved / "persist" / "goodput-timeline.jsonl")
+    saves = [r for r in records if r["event"] == "save"]
+    assert len(saves) == WORLD * STEPS and all(r["ok"] and r["tier"] == "local" for r in saves)
+    assert all(r["replicate_s"] is not None and r["replicate_s"] >= 0 for r in saves)
+    persists = [r for r in records if r["event"] == "persist"]
+    assert sorted((r["step"], r["rank"]) for r in persists) == [(s, r) for s in (2, 5) for r in range(WORLD)]
+    assert all(r["ok"] and r["bytes"] > 0 and r["seconds"] > 0 for r in persists)

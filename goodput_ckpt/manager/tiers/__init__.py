@@ -58,6 +58,11 @@ class Tiers:
         layout = NodeLayout.of(
             topology.rank, topology.world_size, local_world_size=local_world_size, replicas=config.replicas
         )
+        if pg is not None and dist.get_world_size(pg) != dist.get_world_size():
+            raise ValueError(
+                "two tiers (local_dir) need a process group over the whole job: the persist thread's "
+                "own group is created over all ranks"
+            )
         # The persist thread's collectives must never interleave with the save thread's.
         persist_pg = dist.new_group(backend="gloo") if pg is not None else None
         keep_local = config.local_keep_last if config.local_keep_last is not None else config.keep_last
@@ -93,7 +98,10 @@ class Tiers:
         self.persister.wait(timeout_s)
 
     def close(self) -> None:
+        """Stop the persist thread (after the persist in flight) and release its group."""
         self.persister.shutdown()
+        if self.persister.pg is not None and dist.is_initialized():
+            dist.destroy_process_group(self.persister.pg)
 
     def restore(self, step: int | None, **kwargs: Any) -> tuple[TierRestore, Any] | None:
         """:func:`.restore.restore_tiers` over these tiers."""

@@ -9,11 +9,13 @@ and a lost node's files survive on its successors. No torch here.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import string
 from dataclasses import dataclass
 
-__all__ = ["NodeLayout", "local_root"]
+__all__ = ["NodeLayout", "local_root", "node_dirs"]
 
 #: The one placeholder a ``local_dir`` template may hold.
 NODE_FIELD = "node"
@@ -97,3 +99,30 @@ def local_root(template: str, node: int) -> str:
     if bad:
         raise ValueError(f"local_dir {template!r} may hold only {{{NODE_FIELD}}}, not {{{bad[0]}}}")
     return template.format(node=node)
+
+
+#: The most node directories :func:`node_dirs` returns (a glob of a hostile template is bounded).
+MAX_NODE_DIRS = 65536
+
+
+def node_dirs(template: str) -> dict[int, str]:
+    """The existing local directories of ``template``, by node (the template itself as node 0
+    when it holds no ``{node}``); for ``goodput-ckpt ls`` and other readers of every node.
+
+    Raises:
+        ValueError: a malformed template (see :func:`local_root`), or more than
+            :data:`MAX_NODE_DIRS` matches.
+    """
+    local_root(template, 0)  # validates
+    if "{" + NODE_FIELD + "}" not in template:
+        return {0: template} if os.path.isdir(template) else {}
+    head, _, tail = template.partition("{" + NODE_FIELD + "}")
+    pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail).replace(re.escape("{" + NODE_FIELD + "}"), r"\1") + r"\Z")
+    found: dict[int, str] = {}
+    for path in glob.iglob(glob.escape(head) + "*" + glob.escape(tail).replace(glob.escape("{" + NODE_FIELD + "}"), "*")):
+        m = pattern.match(path)
+        if m is not None and os.path.isdir(path) and local_root(template, int(m.group(1))) == path:
+            found[int(m.group(1))] = path
+            if len(found) > MAX_NODE_DIRS:
+                raise ValueError(f"more than {MAX_NODE_DIRS} node directories match {template!r}")
+    return dict(sorted(found.items()))
