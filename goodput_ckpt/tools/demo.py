@@ -30,6 +30,9 @@ every save whose work was kept, for a blocking ``dcp.save`` with torch's stock
 ``FileSystemWriter`` (timed once at the end of the run, to local disk: the ``sync`` probe), with
 the same lost work, restart and restore and no background writes:
 ``goodput_sync = training / (training + saves × sync + lost + restart + restore)``.
+
+The two-tier demo (:mod:`.demo_tiers`) runs the same steps (through :func:`_kill_and_restart`
+and :func:`_account`) once with one tier and once with two, for the same failure.
 """
 
 from __future__ import annotations
