@@ -180,7 +180,7 @@ def _run_mode(
         lost_dir = None if lost is None else local_dir.format(node=lost)
         options = {"local_dir": local_dir, "local_world_size": cfg.world_size // NODES, "replicas": 1,
                    "persist_every": cfg.persist_every}  # fmt: skip
-        how = f"every save to node-local disk with a replica on the other node, every {cfg.persist_every}. also to {root}"
+        how = f"every save to node-local disk with a replica on the other node, 1 save in {cfg.persist_every} also to {root}"
     else:
         how = f"every save to {root}"
     failure = f"SIGKILL after step {_kill_point(cfg)}" + ("" if lost is None else f", node {lost} lost")

@@ -187,7 +187,7 @@ def test_tier_demo_text_report(tier_report, monkeypatch):
     rc, out, _ = _cli(["--tiers", "--no-progress"], monkeypatch, tier_report)
     assert rc == 0
     for text in ("ONE TIER", "TWO TIERS", "resumed bit for bit", "from persistent", "local",
-                 "stall per save", "lost work", "GOODPUT", "Measured gain", "Two-level model", "persist_every"):  # fmt: skip
+                 "stall per save", "lost work", "GOODPUT", "Measured for this failure", "checkpoint cost", "Two-level model", "persist_every"):  # fmt: skip
         assert text in out, text
 
 
