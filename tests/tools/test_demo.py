@@ -208,13 +208,6 @@ def test_bad_tier_options_are_refused_before_any_job(argv, match, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=False, raises=RuntimeError,
-    reason="manager bug, intermittent (2 of 7 runs failed here, one with 2 ranks, one with 4): after a lost node, a two-tier "
-    "restore of a sharded (FSDP2) model refills the node's copy only with the files its ranks read, and the "
-    "CheckpointReader over that copy refuses it: 'data file .../node1/step_.../rank00000-...bin listed in "
-    "the manifest is missing'",
-)  # fmt: skip
 def test_tier_demo_survives_a_lost_node(tmp_path):
     from goodput_ckpt.tools.demo_tiers import run_tier_demo
 
