@@ -30,6 +30,9 @@ every save whose work was kept, for a blocking ``dcp.save`` with torch's stock
 ``FileSystemWriter`` (timed once at the end of the run, to local disk: the ``sync`` probe), with
 the same lost work, restart and restore and no background writes:
 ``goodput_sync = training / (training + saves × sync + lost + restart + restore)``.
+
+The two-tier demo (:mod:`.demo_tiers`) runs the same steps (through :func:`_kill_and_restart`
+and :func:`_account`) once with one tier and once with two, for the same failure.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ __all__ = ["DemoConfig", "DemoReport", "run_demo"]
 
 #: A file that marks a directory as the demo's own, so a rerun may clear it.
 MARKER = ".goodput-demo"
+
+#: The two-tier demo's failures: a lost node (killed, its local directory deleted), or the job
+#: killed with every node's local directory intact.
+FAILURES = ("node", "job")
 
 #: ``on_event(kind, text)``: ``kind`` is ``"phase"`` (a new phase starts), ``"step"`` (progress
 #: within a phase) or ``"note"`` (something worth a line).
@@ -74,6 +81,10 @@ class DemoConfig:
             background, so the restart goes back to the save before).
         seed: seeds the kill point.
         timeout_s: the longest any launch may run.
+        persist_every, failure, node_mtbf, job_mtbf: the two-tier demo's (:mod:`.demo_tiers`):
+            every how many local saves one is persisted; the failure (``"node"``: the job is
+            killed and the last node's local directory deleted; ``"job"``: only killed); and the
+            failure rates (seconds) the two-level model's prediction assumes.
     """
 
     workdir: str = "goodput-demo"
@@ -86,9 +97,13 @@ class DemoConfig:
     kill_at: int | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    persist_every: int = 3
+    failure: str = "node"
+    node_mtbf: float = 4 * 3600.0
+    job_mtbf: float = 3 * 86400.0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "save_every", "width", "world_size"):
+        for name in ("steps", "save_every", "width", "world_size", "persist_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -98,6 +113,12 @@ class DemoConfig:
             raise ValueError(f"width must be even, got {self.width}")
         if self.kill_at is not None and not self.save_every <= self.kill_at < self.steps - 1:
             raise ValueError(f"kill_at must be in [save_every, steps - 1) = [{self.save_every}, {self.steps - 1}), got {self.kill_at}")
+        if self.failure not in FAILURES:
+            raise ValueError(f"failure must be one of {', '.join(FAILURES)}, got {self.failure!r}")
+        for name in ("node_mtbf", "job_mtbf"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
 
     @property
     def root(self) -> str:
@@ -134,8 +155,11 @@ class DemoReport:
         return self.bit_exact and bool(self.checkpoints) and all(c["ok"] for c in self.checkpoints)
 
 
-def _launch(cfg: DemoConfig, tag: str, out: str, logs: str, *, managed: bool, timeline: str) -> JobLaunch:
-    """Start the demo job once, every rank on a fresh port."""
+def _launch(cfg: DemoConfig, tag: str, out: str, logs: str, *, root: str | None, timeline: str = "",
+            options: dict[str, Any] | None = None, sync_probe: bool = True) -> JobLaunch:
+    """Start the demo job once, every rank on a fresh port. ``root=None``: the reference run (no
+    manager); else a managed run whose ``CheckpointManager`` gets ``cfg.storage_options`` and
+    ``options`` as keyword arguments."""
     os.makedirs(out, exist_ok=True)
     port = free_port()
     commands = []
@@ -143,9 +167,10 @@ def _launch(cfg: DemoConfig, tag: str, out: str, logs: str, *, managed: bool, ti
         cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank),
                "--world-size", str(cfg.world_size), "--port", str(port), "--out", out,
                "--steps", str(cfg.steps), "--width", str(cfg.width)]  # fmt: skip
-        if managed:
-            cmd += ["--root", cfg.root, "--save-every", str(cfg.save_every), "--timeline", timeline, "--sync-probe"]
-            for k, v in cfg.storage_options.items():
+        if root is not None:
+            cmd += ["--root", root, "--save-every", str(cfg.save_every), "--timeline", timeline]
+            cmd += ["--sync-probe"] if sync_probe else []
+            for k, v in {**cfg.storage_options, **(options or {})}.items():
                 cmd += ["-o", f"{k}={json.dumps(v)}"]
         commands.append(cmd)
     return JobLaunch(commands, logs, tag)
@@ -244,6 +269,76 @@ def _kill_point(cfg: DemoConfig) -> int:
     return random.Random(cfg.seed).choice(options or [lo + (-lo) % cfg.save_every])
 
 
+def _start(cfg: DemoConfig) -> tuple[DemoConfig, str, str]:
+    """Check the URI, make the work directory: the config with an absolute ``workdir``, the
+    log directory and the device the ranks train on."""
+    from ..storage import open_store
+    from ._demo_job import device_for
+
+    if cfg.uri is not None:
+        open_store(cfg.uri, cfg.storage_options)  # a bad URI or option fails before any job starts
+    cfg = DemoConfig(**{**cfg.__dict__, "workdir": os.path.abspath(cfg.workdir)})
+    _prepare(cfg.workdir)
+    logs = os.path.join(cfg.workdir, "logs")
+    os.makedirs(logs)
+    return cfg, logs, str(device_for(0, cfg.world_size))
+
+
+def _reference(cfg: DemoConfig, logs: str, device: str, emit: EventCallback) -> tuple[_Trace, str]:
+    """The uninterrupted run without checkpoints: its trace and fingerprint directory."""
+    emit("phase", f"reference run: {cfg.steps} steps, {cfg.world_size} ranks on {device}, no checkpoints")
+    ref_dir = os.path.join(cfg.workdir, "reference")
+    ref, _ = _run_launch(_launch(cfg, "reference", ref_dir, logs, root=None), cfg, emit)
+    return ref, ref_dir
+
+
+def _kill_and_restart(
+    cfg: DemoConfig, tag: str, run_dir: str, logs: str, emit: EventCallback, *, root: str, timeline: str,
+    options: dict[str, Any] | None = None, sync_probe: bool = True, after_kill: Callable[[], None] | None = None,
+) -> tuple[_Trace, _Trace, float]:
+    """The checkpointed run SIGKILLed after the kill point, ``after_kill()`` (what else the failure
+    took), and its restart: both launches' traces and the time of the kill."""
+    kill_after = _kill_point(cfg)
+    first, killed_at = _run_launch(
+        _launch(cfg, f"{tag}launch1", run_dir, logs, root=root, timeline=timeline, options=options, sync_probe=sync_probe),
+        cfg, emit, kill_after=kill_after,
+    )  # fmt: skip
+    assert killed_at is not None
+    emit("note", f"  SIGKILL of every process of the job after step {kill_after}")
+    if after_kill is not None:
+        after_kill()
+    emit("phase", "restart: the same command again")
+    second, _ = _run_launch(
+        _launch(cfg, f"{tag}launch2", run_dir, logs, root=root, timeline=timeline, options=options, sync_probe=sync_probe),
+        cfg, emit,
+    )  # fmt: skip
+    return first, second, killed_at
+
+
+def _verify_steps(root: str, storage_options: dict[str, Any], **labels: Any) -> list[dict[str, Any]]:
+    """Verify every complete step under ``root``: one row per step (``labels`` added to each)."""
+    from ..manager.retention import scan_steps
+    from ..manager.step_layout import child_uri, step_dir_name
+    from ..storage import open_store
+    from .verify import verify_checkpoint
+
+    rows = []
+    for step in scan_steps(open_store(root, storage_options)).complete:
+        v = verify_checkpoint(child_uri(root, step_dir_name(step)), **storage_options)
+        rows.append({"step": step, **labels, "ok": v.ok, "status": v.status, "bytes": v.bytes_hashed, "gbps": v.gbps})
+    return rows
+
+
+def _in_flight_at_kill(first: _Trace, timeline: str, killed_at: float) -> int | None:
+    """The newest save the first launch handed off whose commit was not recorded before the kill
+    (the restart saves some of the same steps again)."""
+    from ..manager.timeline import read_timeline
+
+    records = read_timeline(timeline)
+    committed = {r["step"] for r in records if r["event"] == "save" and r["ok"] and r["time"] < killed_at}
+    return max((s for s in first.saves if s not in committed), default=None)
+
+
 def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoReport:
     """Run the demo (see the module docstring) and return its report.
 
@@ -251,69 +346,26 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
         ValueError: a bad configuration or a work directory that is not the demo's.
         RuntimeError: a launch failed (the message ends with its stderr).
     """
-    from ..storage import open_store
-    from ..manager.timeline import read_timeline
-    from .verify import verify_checkpoint
-
     emit = on_event or (lambda kind, text: None)
-    workdir = os.path.abspath(cfg.workdir)
-    cfg = DemoConfig(**{**cfg.__dict__, "workdir": workdir})
-    _prepare(workdir)
-    logs = os.path.join(workdir, "logs")
-    os.makedirs(logs)
-    timeline = os.path.join(workdir, "timeline.jsonl")
-    if cfg.uri is not None:
-        open_store(cfg.uri, cfg.storage_options)  # a bad URI or option fails before any job starts
-    from ._demo_job import device_for
+    cfg, logs, device = _start(cfg)
+    timeline = os.path.join(cfg.workdir, "timeline.jsonl")
+    ref, ref_dir = _reference(cfg, logs, device, emit)
 
-    device = str(device_for(0, cfg.world_size))
+    run_dir = os.path.join(cfg.workdir, "resumed")
     kill_after = _kill_point(cfg)
-
-    emit("phase", f"reference run: {cfg.steps} steps, {cfg.world_size} ranks on {device}, no checkpoints")
-    ref_dir = os.path.join(workdir, "reference")
-    ref, _ = _run_launch(_launch(cfg, "reference", ref_dir, logs, managed=False, timeline=timeline), cfg, emit)
-
-    run_dir = os.path.join(workdir, "resumed")
     emit("phase", f"checkpointed run: async save every {cfg.save_every} steps to {cfg.root}; SIGKILL after step {kill_after}")
-    first, killed_at = _run_launch(
-        _launch(cfg, "launch1", run_dir, logs, managed=True, timeline=timeline), cfg, emit, kill_after=kill_after
-    )
-    assert killed_at is not None
-    emit("note", f"  SIGKILL of every process of the job after step {kill_after}")
-    emit("phase", "restart: the same command again")
-    second, _ = _run_launch(_launch(cfg, "launch2", run_dir, logs, managed=True, timeline=timeline), cfg, emit)
+    first, second, killed_at = _kill_and_restart(cfg, "", run_dir, logs, emit, root=cfg.root, timeline=timeline)
 
     emit("phase", "checking the resumed run against the reference, and verifying every checkpoint")
     compared, mismatches = _compare(ref_dir, run_dir, cfg.world_size)
-    records = read_timeline(timeline)
-    checkpoints = []
-    for step in _complete_steps(cfg):
-        v = verify_checkpoint(_step_uri(cfg, step), **cfg.storage_options)
-        checkpoints.append({"step": step, "ok": v.ok, "status": v.status, "bytes": v.bytes_hashed, "gbps": v.gbps})
-    # Saves of the first launch whose commit was recorded before the kill; the restart saves
-    # some of the same steps again.
-    committed = {r["step"] for r in records if r["event"] == "save" and r["ok"] and r["time"] < killed_at}
-    in_flight = max((s for s in first.saves if s not in committed), default=None)
+    checkpoints = _verify_steps(cfg.root, cfg.storage_options)
     acc = _account(ref, first, second, killed_at)
     return DemoReport(
         root=cfg.root, device=device, steps=cfg.steps, save_every=cfg.save_every, world_size=cfg.world_size,
-        killed_after_step=kill_after, save_in_flight_at_kill=in_flight, restored_step=second.restored,
-        bit_exact=not mismatches and compared > 0, values_compared=compared, mismatches=mismatches,
-        checkpoints=checkpoints, reference_s=_span(ref), logs=logs, **acc,
+        killed_after_step=kill_after, save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at),
+        restored_step=second.restored, bit_exact=not mismatches and compared > 0, values_compared=compared,
+        mismatches=mismatches, checkpoints=checkpoints, reference_s=_span(ref), logs=logs, **acc,
     )  # fmt: skip
-
-
-def _complete_steps(cfg: DemoConfig) -> list[int]:
-    from ..manager.retention import scan_steps
-    from ..storage import open_store
-
-    return scan_steps(open_store(cfg.root, cfg.storage_options)).complete
-
-
-def _step_uri(cfg: DemoConfig, step: int) -> str:
-    from ..manager.step_layout import child_uri, step_dir_name
-
-    return child_uri(cfg.root, step_dir_name(step))
 
 
 def _first_step_start(trace: _Trace) -> float:

@@ -124,3 +124,94 @@ def test_a_differing_value_is_named(demo_run, tmp_path):
         (changed / f"fingerprint-rank{rank}.json").write_text(json.dumps(prints))
     compared, mismatches = _compare(str(ref), str(changed), 2)
     assert mismatches == ["rank 1: rng.torch"] and compared > 20
+
+
+# -- demo --tiers: the same job and failure on one tier and on two ---------------------------------
+
+TIER_SMALL = dict(steps=24, save_every=5, width=64, kill_at=12, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def tier_report(tmp_path_factory):
+    """One two-tier demo (2 ranks as 2 nodes of 1, the job killed with every local copy intact)."""
+    from goodput_ckpt.tools.demo_tiers import run_tier_demo
+
+    work = tmp_path_factory.mktemp("tiers") / "run"
+    return run_tier_demo(DemoConfig(workdir=str(work), failure="job", **TIER_SMALL))
+
+
+def _cli(argv, monkeypatch=None, report=None):
+    import io
+
+    from goodput_ckpt.cli._main import main
+
+    if report is not None:
+        monkeypatch.setattr("goodput_ckpt.tools.demo_tiers.run_tier_demo", lambda cfg, on_event=None: report)
+    out, err = io.StringIO(), io.StringIO()
+    return main(["demo", *argv], stdout=out, stderr=err), out.getvalue(), err.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tier_demo_runs_both_modes_bit_exactly(tier_report, monkeypatch):
+    rc, out, _ = _cli(["--tiers", "--json"], monkeypatch, tier_report)
+    assert rc == 0
+    report = json.loads(out)
+    assert report["ok"] and report["nodes"] == 2 and report["local_world_size"] == 1 and report["lost_node"] is None
+    one, two = report["modes"]
+    assert (one["name"], two["name"]) == ("one tier", "two tiers")
+    for mode in (one, two):
+        assert mode["bit_exact"] and mode["values_compared"] > 20 and mode["restored_step"] in (5, 10)
+        s = mode["seconds"]
+        assert sum(v for k, v in s.items() if k != "total") == pytest.approx(s["total"])
+        assert mode["goodput"] == pytest.approx(s["training"] / s["total"])
+        assert mode["stall_per_save_s"] > 0 and mode["background_per_save_s"] > 0
+        assert mode["checkpoints"] and all(c["ok"] for c in mode["checkpoints"])
+    # one tier reads its root; two tiers, with every local copy intact, read only local files
+    assert one["restored_from"] == ["persistent"] and one["restore_files"] == {} and one["local_dir"] is None
+    assert two["restored_from"] == ["local"] and two["restore_files"]["local"] > 0
+    assert two["persist_every"] == 3 and two["persist_per_save_s"] > 0
+    assert {c["tier"] for c in two["checkpoints"]} == {"persistent", "local node 0", "local node 1"}
+    # every 3rd save of a launch persisted: 10 of 0, 5, 10 (unless the kill caught its upload) and
+    # 23 of 15, 20, 23
+    assert {23} <= {c["step"] for c in two["checkpoints"] if c["tier"] == "persistent"} <= {10, 23}
+    assert report["gain"] == pytest.approx(100 * (two["goodput"] - one["goodput"]))
+    model = report["model"]
+    assert 0 < model["goodput"] <= 1 and model["persist_every"] >= 1
+    assert model["inputs"]["local_restore"] == pytest.approx(two["seconds"]["restore"])
+    assert model["inputs"]["restore"] == pytest.approx(one["seconds"]["restore"])
+
+
+@pytest.mark.slow
+def test_tier_demo_text_report(tier_report, monkeypatch):
+    rc, out, _ = _cli(["--tiers", "--no-progress"], monkeypatch, tier_report)
+    assert rc == 0
+    for text in ("ONE TIER", "TWO TIERS", "resumed bit for bit", "from persistent", "local",
+                 "stall per save", "lost work", "GOODPUT", "Measured for this failure", "checkpoint cost", "Two-level model", "persist_every"):  # fmt: skip
+        assert text in out, text
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--persist-every", "2"], "--persist-every needs --tiers"),
+        (["--failure", "job"], "--failure needs --tiers"),
+        (["--tiers", "--ranks", "3"], "the world size must be even, got 3"),
+        (["--tiers", "--persist-every", "0"], "persist_every must be a positive integer"),
+    ],
+)
+def test_bad_tier_options_are_refused_before_any_job(argv, match, tmp_path):
+    rc, _, err = _cli(["--dir", str(tmp_path / "d"), *argv])
+    assert rc == 2 and match in err and "Traceback" not in err
+    assert not (tmp_path / "d").exists()  # refused before the work directory, so before any launch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tier_demo_survives_a_lost_node(tmp_path):
+    from goodput_ckpt.tools.demo_tiers import run_tier_demo
+
+    report = run_tier_demo(DemoConfig(workdir=str(tmp_path / "w"), failure="node", **TIER_SMALL))
+    one, two = report.modes
+    assert report.ok and report.lost_node == 1
+    assert one.restored_from == ["persistent"] and "replica" in two.restored_from
