@@ -34,8 +34,10 @@ def build_manifest(
     chunk_size: int,
     created_at: str,
     user_metadata: dict[str, Any],
+    version: int = FORMAT_VERSION,
 ) -> Manifest:
-    """The manifest of a save: its files (in rank order) and its items (in DCP's order).
+    """The manifest of a save: its files (in rank order) and its items (in DCP's order), in
+    format ``version`` (v2: regular shardings as grids; 1 is kept for comparisons and fixtures).
 
     Raises:
         CheckpointError: a result was not written by :class:`~goodput_ckpt.CheckpointWriter`,
@@ -52,14 +54,14 @@ def build_manifest(
             if sd.file_entry is not None:
                 files[sd.file_entry.path] = sd.file_entry
     return Manifest(
-        version=FORMAT_VERSION,
+        version=version,
         library_version=__version__,
         torch_version=torch.__version__,
         created_at=created_at,
         world_size=max(1, len(results)),
         chunk_size=chunk_size,
         files=files,
-        items=items_from_dcp(metadata, locations),
+        items=items_from_dcp(metadata, locations, tuple(files) if version >= 2 else None),
         dcp={
             "version": getattr(metadata, "version", None),
             "planner_data": encode_planner_data(metadata.planner_data),
