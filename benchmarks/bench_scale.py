@@ -74,6 +74,7 @@ TP = 8
 MODELS = {
     "8B": (32, 4096, 14336, 1024, 128256),
     "70B": (80, 8192, 28672, 1024, 128256),
+    "tiny": (16, 64, 160, 16, 1000),  # for --check: real gloo saves of the same layout
     "405B": (126, 16384, 53248, 1024, 128256),
 }
 
@@ -176,10 +177,10 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
             count += 1
         props = TensorProperties(dtype=getattr(torch, t.dtype))
         sd_md[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.shape), chunks=chunks)
-    planner_data = {t.fqn: tuple(t.fqn.split(".")) for t in tensors}
+    planner_data = {t.fqn: (t.fqn,) for t in tensors}  # what DCP records for a flat state dict
     results: list[list[WriteResult]] = []
     for rank, items in enumerate(rank_items):
-        name = f"r{rank:05d}-f000-0123456789abcdef.bin"
+        name = f"rank{rank:05d}-00.0123456789ab.bin"  # the writer's names (data_file_name), same length
         size = ends[rank]
         hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
         entry: FileEntry | None = FileEntry(name, size, hashes)
@@ -273,18 +274,19 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
     rec("torch.plan", lambda: plan_one_rank(md, sim.local[plan_rank]))
 
 
-def measure(model: str, world: int, mesh: str, repeats: int, memory: bool, order_log: list[str]) -> dict[str, Any]:
+def measure(
+    model: str, world: int, mesh: str, repeats: int, memory: bool, order_log: list[str], methods: list[str]
+) -> dict[str, Any]:
     plan_rank = world // 2
     t0 = time.perf_counter()
     sim = simulate(model, world, mesh, plan_rank)
     setup = time.perf_counter() - t0
     timings: dict[str, Phase] = {}
-    methods = ["v1", "v2", "torch"]
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         store = open_store(tmp)
         for rep in range(repeats + (1 if memory else 0)):
             traced = memory and rep == 0
-            order = methods[rep % 3 :] + methods[: rep % 3]
+            order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
             order_log.append(f"{model}/{mesh}/W={world} rep {rep}{' (tracemalloc)' if traced else ''}: {' '.join(order)}")
             for m in order:
                 if m != "torch":
@@ -303,10 +305,12 @@ def measure(model: str, world: int, mesh: str, repeats: int, memory: bool, order
     p = row["phases"]
     med = lambda n: p[n]["median"]  # noqa: E731
     for v in ("v1", "v2"):
-        row[f"{v}_save_s"] = med(f"{v}.build") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
-        row[f"{v}_restore_s"] = med(f"{v}.parse") + med(f"{v}.rebuild")
-    row["torch_save_s"] = med("torch.dumps")
-    row["torch_restore_s"] = med("torch.loads")
+        if v in methods:
+            row[f"{v}_save_s"] = med(f"{v}.build") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
+            row[f"{v}_restore_s"] = med(f"{v}.parse") + med(f"{v}.rebuild")
+    if "torch" in methods:
+        row["torch_save_s"] = med("torch.dumps")
+        row["torch_restore_s"] = med("torch.loads")
     return row
 
 
@@ -317,11 +321,15 @@ def print_row(row: dict[str, Any]) -> None:
         nbytes = f"{ph['bytes']:,}" if ph["bytes"] else ""
         print(f"  {name:<12} {ph['min']:8.3f} {ph['median']:9.3f} {ph['max']:8.3f} {ph['peak_mb']:9.1f} {nbytes:>12}")
     for v in ("v1", "v2"):
+        if f"{v}_save_s" not in row:
+            continue
         print(
             f"  {v} coordinator: save {row[f'{v}_save_s']:.3f} s (build+serialize+parse+write), restore "
             f"{row[f'{v}_restore_s']:.3f} s (parse+rebuild)"
         )
     p = row["phases"]
+    if not {"v1.parse", "v2.parse", "torch.loads"} <= set(p):
+        return
     print(
         f"  torch .metadata: dumps {row['torch_save_s']:.3f} s, loads {row['torch_restore_s']:.3f} s; "
         f"v2 vs torch: parse {row['torch_restore_s'] / p['v2.parse']['median']:.1f}x faster, bytes "
@@ -336,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="fsdp", help="fsdp, fsdp-tp, or both comma-separated")
     ap.add_argument("--ranks", default="64,256", help="world sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
     ap.add_argument("--check", action="store_true", help="compare real gloo saves (2-16 ranks) with the simulation")
     ap.add_argument("--json", help="write the rows here")
@@ -343,14 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         from bench_scale_check import run_check  # noqa: PLC0415 - only this mode spawns processes
 
-        return run_check()
+        return run_check([int(w) for w in args.ranks.split(",")] if args.ranks != "64,256" else [2, 4, 8, 16])
     rows = []
     order_log: list[str] = []
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     for model in args.layouts.split(","):
         for mesh in args.mesh.split(","):
             for world in (int(w) for w in args.ranks.split(",")):
-                row = measure(model, world, mesh, args.repeats, not args.no_memory, order_log)
+                row = measure(model, world, mesh, args.repeats, not args.no_memory, order_log, args.methods.split(","))
                 print_row(row)
                 sys.stdout.flush()
                 rows.append(row)
