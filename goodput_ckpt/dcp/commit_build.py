@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._version import __version__
@@ -43,14 +43,14 @@ def build_manifest(
         CheckpointError: a result was not written by :class:`~goodput_ckpt.CheckpointWriter`,
             or an item cannot be stored.
     """
-    locations: dict[MetadataIndex, StoredRange] = {}
+    locations: dict[tuple[str, Any], StoredRange] = {}
     files: dict[str, FileEntry] = {}
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
             if not isinstance(sd, StoredItem):
                 raise CheckpointError("CheckpointWriter.finish got results it did not write")
-            locations[wr.index] = sd
+            locations[wr.index.fqn, wr.index.offset] = sd
             if sd.file_entry is not None:
                 files[sd.file_entry.path] = sd.file_entry
     return Manifest(

@@ -62,9 +62,13 @@ def torch_dtype(name: str, key: str = "") -> torch.dtype:
 
 
 def items_from_dcp(
-    metadata: Metadata, locations: dict[MetadataIndex, StoredRange], names: Sequence[str] | None = None
+    metadata: Metadata, locations: dict[tuple[str, Sequence[int] | None], StoredRange], names: Sequence[str] | None = None
 ) -> dict[str, TensorEntry | ObjectEntry]:
     """Manifest items for DCP's global ``metadata`` and the gathered write locations.
+
+    ``locations`` is keyed by ``(fqn, offsets)`` (``offsets`` is ``None`` for an object): a plain
+    tuple hashes in C, where ``MetadataIndex``, a Python dataclass, costs a Python call per chunk,
+    and there are ranks x tensors of them.
 
     With ``names`` (the manifest's files, in order), a tensor whose chunks form a grid is
     stored as one :class:`~.grid.GridChunks` (format v2); without, every chunk is listed (v1).
@@ -73,7 +77,7 @@ def items_from_dcp(
     file_index = {n: i for i, n in enumerate(names)} if names is not None else {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
-            loc = locations[MetadataIndex(fqn)]
+            loc = locations[fqn, None]
             items[fqn] = ObjectEntry(fqn, "torch.save", loc.file, loc.offset, loc.length)
             continue
         if not isinstance(md, TensorStorageMetadata):
@@ -87,7 +91,7 @@ def items_from_dcp(
         dtype = dtype_name(md.properties.dtype, fqn)
         boxes = []
         for ch in md.chunks:
-            loc = locations[MetadataIndex(fqn, ch.offsets)]
+            loc = locations[fqn, ch.offsets]
             boxes.append((tuple(ch.offsets), tuple(ch.sizes), loc.file, loc.offset, loc.length))
         shape = tuple(md.size)
         grid = grid_from_chunks(shape, DTYPE_SIZES[dtype], boxes, file_index, names) if names is not None else None
@@ -125,26 +129,29 @@ class _GridChunkList(Sequence[ChunkStorageMetadata]):
     """A grid's chunks as DCP's ``ChunkStorageMetadata``, made when DCP's planner reads them:
     the rebuild costs nothing per cell, and a rank's planner touches only the tensors it loads."""
 
-    __slots__ = ("_grid",)
+    __slots__ = ("_grid", "_made")
 
     def __init__(self, grid: GridChunks) -> None:
         self._grid = grid
+        self._made: list[ChunkStorageMetadata] | None = None
+
+    def _all(self) -> list[ChunkStorageMetadata]:
+        # DCP's planner walks a tensor's chunks several times: make them once, when first walked.
+        if self._made is None:
+            self._made = [
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                for o, s in map(self._grid.box, range(len(self._grid)))
+            ]
+        return self._made
 
     def __len__(self) -> int:
         return len(self._grid)
 
     def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
-        if k < 0:
-            k += len(self)
-        if not 0 <= k < len(self):
-            raise IndexError(k)
-        offsets, sizes = self._grid.box(k)
-        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        return self._all()[k]
 
     def __iter__(self) -> Iterator[ChunkStorageMetadata]:
-        return (self[k] for k in range(len(self)))
+        return iter(self._all())
 
 
 class _StorageIndex(Mapping[MetadataIndex, StoredRange]):
