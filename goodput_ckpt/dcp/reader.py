@@ -33,6 +33,7 @@ from ..errors import CheckpointError, IncompleteCheckpointError, remember_swallo
 from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
+from ..format.grid import GridChunks
 from ..storage import FileSource, Store, is_supported_uri, open_store
 from ..storage.base import redact
 from .manifest_load import load_manifest
@@ -170,7 +171,7 @@ class CheckpointReader(StorageReader):
         return to_dcp_metadata(self._manifest)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._storage_data = dict(metadata.storage_data or {})
+        self._storage_data = metadata.storage_data or {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -270,7 +271,10 @@ class CheckpointReader(StorageReader):
             req.buffer = byte_view(region)  # zero copy: the file bytes land in the destination
         return req
 
-    def _chunk_index(self, entry: TensorEntry) -> dict[tuple[int, ...], Any]:
+    def _chunk_index(self, entry: TensorEntry) -> Any:
+        """A lookup from a chunk's offsets to the chunk: a grid finds it by arithmetic."""
+        if isinstance(entry.chunks, GridChunks):
+            return entry.chunks
         index = self._chunk_cache.get(entry.key)
         if index is None:
             index = self._chunk_cache[entry.key] = {c.offsets: c for c in entry.chunks}

@@ -45,23 +45,17 @@ from typing import Any
 
 import torch
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from .._version import __version__
 from ..errors import CheckpointError
-from ..format.dcp_metadata import (
-    StoredRange,
-    dtype_name,
-    encode_planner_data,
-    encode_storage_meta,
-    items_from_dcp,
-)
-from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION, FileEntry, Manifest
+from ..format.dcp_metadata import dtype_name
+from ..format.manifest import DTYPE_SIZES
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
+from .commit_build import StoredItem, build_manifest
 from .hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
@@ -97,13 +91,6 @@ class _RankAssignment:
 
     rank_index: int
     token: str
-
-
-@dataclass(frozen=True)
-class _StoredItem(StoredRange):
-    """Per-item write result. The first item of each file also carries that file's entry."""
-
-    file_entry: FileEntry | None = None
 
 
 def _now_utc() -> str:
@@ -339,7 +326,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 WriteResult(
                     index=items[p.item].index,
                     size_in_bytes=p.length,
-                    storage_data=_StoredItem(names[p.file], p.offset, p.length, entry),
+                    storage_data=StoredItem(names[p.file], p.offset, p.length, entry),
                 )
             )
         return results
@@ -367,34 +354,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- coordinator: the commit --------------------------------------------------------------
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        locations: dict[MetadataIndex, StoredRange] = {}
-        files: dict[str, FileEntry] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                sd = wr.storage_data
-                if not isinstance(sd, _StoredItem):
-                    raise CheckpointError("CheckpointWriter.finish got results it did not write")
-                locations[wr.index] = StoredRange(sd.file, sd.offset, sd.length)
-                if sd.file_entry is not None:
-                    files[sd.file_entry.path] = sd.file_entry
-        manifest = Manifest(
-            version=FORMAT_VERSION,
-            library_version=__version__,
-            torch_version=torch.__version__,
-            created_at=_now_utc(),
-            world_size=max(1, len(results)),
-            chunk_size=self.chunk_size,
-            files=files,
-            items=items_from_dcp(metadata, locations),
-            dcp={
-                "version": getattr(metadata, "version", None),
-                "planner_data": encode_planner_data(metadata.planner_data),
-                "storage_meta": encode_storage_meta(getattr(metadata, "storage_meta", None)),
-            },
-            metadata=self.user_metadata,
+        manifest = build_manifest(
+            metadata, results, chunk_size=self.chunk_size, created_at=_now_utc(), user_metadata=self.user_metadata
         )
         publish_manifest(self._store, manifest, replace=self.overwrite)
-        remove_stale_files_after_commit(self._store, set(files))
+        remove_stale_files_after_commit(self._store, set(manifest.files))
 
 
 

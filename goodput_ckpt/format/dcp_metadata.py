@@ -6,6 +6,7 @@ entries; the reader rebuilds an equivalent ``Metadata`` from the JSON alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointError
+from .grid import GridChunks, grid_from_chunks
 from .manifest import DTYPE_SIZES, ChunkEntry, Manifest, ObjectEntry, TensorEntry
 
 __all__ = ["StoredRange", "dtype_name", "items_from_dcp", "to_dcp_metadata", "torch_dtype"]
@@ -60,13 +62,22 @@ def torch_dtype(name: str, key: str = "") -> torch.dtype:
 
 
 def items_from_dcp(
-    metadata: Metadata, locations: dict[MetadataIndex, StoredRange]
+    metadata: Metadata, locations: dict[tuple[str, Sequence[int] | None], StoredRange], names: Sequence[str] | None = None
 ) -> dict[str, TensorEntry | ObjectEntry]:
-    """Manifest items for DCP's global ``metadata`` and the gathered write locations."""
+    """Manifest items for DCP's global ``metadata`` and the gathered write locations.
+
+    ``locations`` is keyed by ``(fqn, offsets)`` (``offsets`` is ``None`` for an object): a plain
+    tuple hashes in C, where ``MetadataIndex``, a Python dataclass, costs a Python call per chunk,
+    and there are ranks x tensors of them.
+
+    With ``names`` (the manifest's files, in order), a tensor whose chunks form a grid is
+    stored as one :class:`~.grid.GridChunks` (format v2); without, every chunk is listed (v1).
+    """
     items: dict[str, TensorEntry | ObjectEntry] = {}
+    file_index = {n: i for i, n in enumerate(names)} if names is not None else {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
-            loc = locations[MetadataIndex(fqn)]
+            loc = locations[fqn, None]
             items[fqn] = ObjectEntry(fqn, "torch.save", loc.file, loc.offset, loc.length)
             continue
         if not isinstance(md, TensorStorageMetadata):
@@ -77,17 +88,15 @@ def items_from_dcp(
                 "can be saved",
                 key=fqn,
             )
-        chunks = []
+        dtype = dtype_name(md.properties.dtype, fqn)
+        boxes = []
         for ch in md.chunks:
-            loc = locations[MetadataIndex(fqn, ch.offsets)]
-            chunks.append(ChunkEntry(tuple(ch.offsets), tuple(ch.sizes), loc.file, loc.offset, loc.length))
-        items[fqn] = TensorEntry(
-            fqn,
-            dtype_name(md.properties.dtype, fqn),
-            tuple(md.size),
-            tuple(chunks),
-            bool(md.properties.requires_grad),
-        )
+            loc = locations[fqn, ch.offsets]
+            boxes.append((tuple(ch.offsets), tuple(ch.sizes), loc.file, loc.offset, loc.length))
+        shape = tuple(md.size)
+        grid = grid_from_chunks(shape, DTYPE_SIZES[dtype], boxes, file_index, names) if names is not None else None
+        chunks = grid if grid is not None else tuple(ChunkEntry(*b) for b in boxes)
+        items[fqn] = TensorEntry(fqn, dtype, shape, chunks, bool(md.properties.requires_grad))
     return items
 
 
@@ -116,25 +125,97 @@ def encode_storage_meta(sm: StorageMeta | None) -> dict[str, Any] | None:
     }
 
 
+class _GridChunkList(Sequence[ChunkStorageMetadata]):
+    """A grid's chunks as DCP's ``ChunkStorageMetadata``, made when DCP's planner reads them:
+    the rebuild costs nothing per cell, and a rank's planner touches only the tensors it loads."""
+
+    __slots__ = ("_grid", "_made")
+
+    def __init__(self, grid: GridChunks) -> None:
+        self._grid = grid
+        self._made: list[ChunkStorageMetadata] | None = None
+
+    def _all(self) -> list[ChunkStorageMetadata]:
+        # DCP's planner walks a tensor's chunks several times: make them once, when first walked.
+        if self._made is None:
+            self._made = [
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                for o, s in map(self._grid.box, range(len(self._grid)))
+            ]
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self._grid)
+
+    def __getitem__(self, k: Any) -> Any:
+        return self._all()[k]
+
+    def __iter__(self) -> Iterator[ChunkStorageMetadata]:
+        return iter(self._all())
+
+
+class _StorageIndex(Mapping[MetadataIndex, StoredRange]):
+    """DCP's ``storage_data`` looked up in the manifest on demand: a grid finds a chunk by
+    arithmetic, an explicit chunk list through a per-tensor index built on first use."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._items = manifest.items
+        self._explicit: dict[str, dict[tuple[int, ...], ChunkEntry]] = {}
+
+    def __getitem__(self, index: MetadataIndex) -> StoredRange:
+        e = self._items.get(index.fqn)
+        if isinstance(e, ObjectEntry):
+            return StoredRange(e.file, e.offset, e.length)
+        if isinstance(e, TensorEntry):
+            offsets = tuple(index.offset or ())
+            if isinstance(e.chunks, GridChunks):
+                c = e.chunks.get(offsets)
+            else:
+                table = self._explicit.get(e.key)
+                if table is None:
+                    table = self._explicit[e.key] = {c.offsets: c for c in e.chunks}
+                c = table.get(offsets)
+            if c is not None:
+                return StoredRange(c.file, c.offset, c.length)
+        raise KeyError(index)
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for key, e in self._items.items():
+            if isinstance(e, ObjectEntry):
+                yield MetadataIndex(key)
+            else:
+                for c in e.chunks:
+                    yield MetadataIndex(key, torch.Size(c.offsets))
+
+    def __len__(self) -> int:
+        return sum(1 if isinstance(e, ObjectEntry) else len(e.chunks) for e in self._items.values())
+
+    def __bool__(self) -> bool:  # without this, ``storage or {}`` would count every chunk
+        return bool(self._items)
+
+
 def to_dcp_metadata(manifest: Manifest) -> Metadata:
-    """Rebuild DCP ``Metadata`` (with :class:`StoredRange` storage data) from a manifest."""
+    """Rebuild DCP ``Metadata`` (with :class:`StoredRange` storage data) from a manifest.
+
+    Grid tensors (format v2) cost O(1) here: their chunk lists and storage data are views made
+    on demand (O(tensors) in all, not O(chunks)); explicit chunks are listed.
+    """
     sd_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, StoredRange] = {}
     for key, e in manifest.items.items():
         if isinstance(e, ObjectEntry):
             sd_md[key] = BytesStorageMetadata()
-            storage[MetadataIndex(key)] = StoredRange(e.file, e.offset, e.length)
             continue
         dtype = torch_dtype(e.dtype, key)
-        chunks = []
-        for c in e.chunks:
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)))
-            storage[MetadataIndex(key, torch.Size(c.offsets))] = StoredRange(c.file, c.offset, c.length)
+        if isinstance(e.chunks, GridChunks):
+            chunks: Any = _GridChunkList(e.chunks)
+        else:
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in e.chunks]
         sd_md[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype, requires_grad=e.requires_grad),
             size=torch.Size(e.shape),
             chunks=chunks,
         )
+    storage = _StorageIndex(manifest)
     planner_data = manifest.dcp.get("planner_data")  # validated by parse_manifest
     if planner_data is not None:
         planner_data = {k: tuple(v) for k, v in planner_data.items()}

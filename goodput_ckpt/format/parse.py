@@ -43,6 +43,7 @@ from .schema import (
     ObjectEntry,
     TensorEntry,
 )
+from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
 from .seal import check_seal, refuse_damaged_version
 from .tiling import TilingBudget, TilingError, check_tiling
 
@@ -70,7 +71,8 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
     """Parse and fully validate a manifest.
 
     Raises:
-        CorruptCheckpointError: the bytes are not a valid v1 manifest (names the field).
+        CorruptCheckpointError: the bytes are not a valid manifest of their version (names
+            the field).
         CheckpointError: the manifest is of a version this library does not know (its
             ``version`` attribute says which).
     """
@@ -107,7 +109,7 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
         )
     check_seal(data, where_file)
     try:
-        return _parse_v1(doc)
+        return _parse_body(doc)
     except _Bad as e:
         raise CorruptCheckpointError(
             f"manifest {where_file} is invalid: {e}", path=where_file, key=e.key
@@ -173,7 +175,9 @@ class _Ranges:
 
     def __init__(self, files: dict[str, FileEntry]) -> None:
         self.files = files
-        self.seen: list[tuple[str, int, int, str]] = []
+        self.names = list(files)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.spans: list[Span] = []
 
     def take(self, d: dict, where: str, key: str) -> tuple[str, int, int]:
         file = _get(d, "file", str, where)
@@ -191,16 +195,16 @@ class _Ranges:
         if offset % ALIGNMENT:
             raise _Bad(f"{where}: byte offset {offset} is not a multiple of {ALIGNMENT}", key=key)
         if length:  # empty items hold no bytes
-            self.seen.append((entry.path, offset, length, key))
+            self.spans.append((offset, length, self.index[file], 1, 1, key))
         return entry.path, offset, length  # the file table's name: one string per file, not per chunk
 
     def check_disjoint(self) -> None:
         # A one-digit change to a byte offset must not move an item onto other bytes unnoticed:
         # the digests cover files, not items, so they cannot catch it.
-        ranges = sorted(self.seen, key=lambda r: (r[0], r[1]))
-        for (f0, o0, n0, k0), (f1, o1, _, k1) in zip(ranges, ranges[1:]):
-            if f0 == f1 and o1 < o0 + n0:
-                raise _Bad(f"items {k0!r} and {k1!r} overlap in {f0!r} at byte {o1}", key=f"{k0}, {k1}")
+        try:
+            check_spans(self.spans, self.names, [f.size for f in self.files.values()])
+        except GridError as e:
+            raise _Bad(str(e), key=e.key) from None
 
 
 class _Shared:
@@ -209,9 +213,10 @@ class _Shared:
     def __init__(self) -> None:
         self.tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.budget = TilingBudget()
+        self.cells = [MAX_GRID_CELLS]  # what grids may still describe (format v2)
 
 
-def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared) -> TensorEntry:
+def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared, version: int) -> TensorEntry:
     where = f"item {key!r}"
     dtype = _get(it, "dtype", str, where)
     if dtype not in DTYPE_SIZES:
@@ -220,6 +225,15 @@ def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared) -> Tenso
     requires_grad = it.get("requires_grad", False)
     if not isinstance(requires_grad, bool):
         raise _Bad(f"{where}: field 'requires_grad' must be true or false", key=key)
+    if version >= 2 and "grid" in it:
+        if "chunks" in it:
+            raise _Bad(f"{where}: holds both 'grid' and 'chunks' (one of them)", key=key)
+        try:
+            grid = parse_grid(it["grid"], shape, DTYPE_SIZES[dtype], ranges.names, key, shared.cells)
+        except GridError as e:
+            raise _Bad(str(e), key=key) from None
+        ranges.spans.extend(spans_of(grid, key))
+        return TensorEntry(key, dtype, shape, grid, requires_grad)
     chunks = []
     chunk_docs = _get(it, "chunks", list, where)
     for i, cd in enumerate(chunk_docs):
@@ -245,7 +259,7 @@ def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared) -> Tenso
     return TensorEntry(key, dtype, shape, tuple(chunks), requires_grad)
 
 
-def _parse_items(doc: dict, ranges: _Ranges) -> dict[str, TensorEntry | ObjectEntry]:
+def _parse_items(doc: dict, ranges: _Ranges, version: int) -> dict[str, TensorEntry | ObjectEntry]:
     items: dict[str, TensorEntry | ObjectEntry] = {}
     shared = _Shared()
     items_doc = _get(doc, "items", dict, "manifest")
@@ -262,7 +276,7 @@ def _parse_items(doc: dict, ranges: _Ranges) -> dict[str, TensorEntry | ObjectEn
                 raise _Bad(f"{where}: unknown object encoding {enc!r}", key=key)
             items[key] = ObjectEntry(key, enc, *ranges.take(it, where, key))
         elif kind == "tensor":
-            items[key] = _parse_tensor(key, it, ranges, shared)
+            items[key] = _parse_tensor(key, it, ranges, shared, version)
         else:
             raise _Bad(f"{where}: unknown item kind {kind!r} (known: tensor, object)", key=key)
     return items
@@ -310,7 +324,8 @@ def planner_path_problem(path: object, bound: int) -> str | None:
     return None
 
 
-def _parse_v1(doc: dict) -> Manifest:
+def _parse_body(doc: dict) -> Manifest:
+    """Everything after the version and the seal; v2 differs from v1 only in grid entries."""
     w = "manifest"
     if doc.get("byte_order", "little") != "little":
         raise _Bad(f"{w}: byte_order {doc.get('byte_order')!r} is not supported")
@@ -320,7 +335,7 @@ def _parse_v1(doc: dict) -> Manifest:
     chunk_size = _int_in(hash_doc, "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE, "hash")
     files = _parse_files(doc, chunk_size)
     ranges = _Ranges(files)
-    items = _parse_items(doc, ranges)
+    items = _parse_items(doc, ranges, doc["version"])
     ranges.check_disjoint()
     dcp = doc.get("dcp", {})
     metadata = doc.get("metadata", {})

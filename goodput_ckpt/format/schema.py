@@ -1,4 +1,4 @@
-"""The manifest's schema (format v1): constants, limits and the dataclasses a parsed manifest is.
+"""The manifest's schema (formats v1 and v2): constants, limits and the dataclasses a parsed manifest is.
 
 No torch and no validation here: :mod:`.parse` turns bytes into these records after checking
 every field, :mod:`.seal` appends and checks the manifest's own digest, and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from .seal import seal_manifest
@@ -32,8 +33,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "goodput-ckpt"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+#: The version writers emit: v2 stores regular shardings compactly (:mod:`.grid`).
+FORMAT_VERSION = 2
+#: Versions readers accept; v1 checkpoints stay readable and verifiable.
+SUPPORTED_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 HASH_ALGORITHM = "blake3"
 #: Byte alignment of every item inside a data file (so readers can mmap typed views).
@@ -86,10 +89,13 @@ class ChunkEntry:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
+    """A tensor: its saved chunks are a tuple, or a :class:`~.grid.GridChunks` (format v2's
+    compact grid, a read-only sequence of the same :class:`ChunkEntry` records)."""
+
     key: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkEntry, ...]
+    chunks: Sequence[ChunkEntry]
     requires_grad: bool = False
     kind: str = field(default="tensor", init=False)
 
@@ -122,7 +128,22 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        """Serialize (deterministic key order, UTF-8)."""
+        """Serialize (deterministic key order, UTF-8) in format ``version``: v1 lists every
+        chunk; v2 writes a grid entry for each tensor whose chunks are a grid over this
+        manifest's files, in their order."""
+        names = list(self.files)
+        grid_ok: dict[int, bool] = {}  # id(grid.names) -> whether it is this file order
+
+        def item(e: TensorEntry | ObjectEntry) -> dict[str, Any]:
+            if self.version >= 2 and isinstance(e, TensorEntry) and hasattr(e.chunks, "to_json"):
+                ok = grid_ok.get(id(e.chunks.names))
+                if ok is None:
+                    ok = grid_ok[id(e.chunks.names)] = list(e.chunks.names) == names
+                if ok:
+                    return {"kind": "tensor", "dtype": e.dtype, "shape": list(e.shape),
+                            "requires_grad": e.requires_grad, "grid": e.chunks.to_json()}  # fmt: skip
+            return _item_to_json(e)
+
         doc = {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -135,7 +156,7 @@ class Manifest:
             "files": {
                 f.path: {"size": f.size, "chunks": list(f.chunks)} for f in self.files.values()
             },
-            "items": {k: _item_to_json(v) for k, v in self.items.items()},
+            "items": {k: item(v) for k, v in self.items.items()},
             "dcp": self.dcp,
             "metadata": self.metadata,
         }

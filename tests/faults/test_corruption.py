@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers.samples import item_range as sample_item_range
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -72,9 +73,8 @@ class Ckpt:
         self.size = self.manifest["files"][self.file]["size"]
 
     def item_range(self, key: str) -> tuple[int, int]:
-        it = self.manifest["items"][key]
-        ref = it["chunks"][0] if it["kind"] == "tensor" else it
-        return ref["offset"], ref["offset"] + ref["length"]
+        _, offset, length = sample_item_range(self.path, key)  # the helper expands a v2 grid
+        return offset, offset + length
 
     def gaps(self) -> list[tuple[int, int]]:
         """Byte ranges of the data file that belong to no item (alignment padding)."""

@@ -63,13 +63,13 @@ def test_seal_rejects_non_objects():
 
 
 def test_damaged_version_digit_is_damage_not_a_newer_format(saved):
-    """A flipped bit in ``"version":1`` fails the seal: corrupt, with the byte range, not
+    """A flipped bit in ``"version":2`` fails the seal: corrupt, with the byte range, not
     "upgrade goodput-ckpt"."""
     path = saved / MANIFEST_NAME
     raw = path.read_bytes()
-    assert raw.count(b'"version":1,') == 1
-    path.write_bytes(raw.replace(b'"version":1,', b'"version":3,'))  # '1' ^ 0x02
-    with pytest.raises(CorruptCheckpointError, match="claims format version 3 but fails its own checksum") as info:
+    assert raw.count(b'"version":2,') == 1
+    path.write_bytes(raw.replace(b'"version":2,', b'"version":6,'))  # '2' ^ 0x04
+    with pytest.raises(CorruptCheckpointError, match="claims format version 6 but fails its own checksum") as info:
         CheckpointReader(saved).read_metadata()
     assert info.value.byte_range[0] == 0 and info.value.version is None
 
@@ -78,8 +78,8 @@ def test_damaged_version_digit_is_damage_not_a_newer_format(saved):
 def test_newer_version_is_named_whether_or_not_sealed_like_v1(sealed):
     """A manifest written by a later version is refused by version, never called corrupt: sealed
     the v1 way (valid digest) or in a way this reader does not know (no digest member)."""
-    body = b'{"format":"goodput-ckpt","version":2,"items":{}}'
+    body = b'{"format":"goodput-ckpt","version":3,"items":{}}'
     raw = seal_manifest(body) if sealed else body
-    with pytest.raises(CheckpointError, match="reads versions 1") as info:
+    with pytest.raises(CheckpointError, match="reads versions 1, 2") as info:
         parse_manifest(raw)
-    assert not isinstance(info.value, CorruptCheckpointError) and info.value.version == 2
+    assert not isinstance(info.value, CorruptCheckpointError) and info.value.version == 3

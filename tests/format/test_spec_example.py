@@ -154,8 +154,7 @@ def test_limits_table_is_what_the_validator_enforces():
         def edit(d):
             w = d["items"]["model.w"]
             w["shape"] = [4, 3] + [1] * (n - 2)
-            w["chunks"][0]["offsets"] = [0] * n
-            w["chunks"][0]["sizes"] = [4, 3] + [1] * (n - 2)
+            w["grid"]["block"] = [4, 3] + [1] * (n - 2)
 
         return edit
 
@@ -172,6 +171,8 @@ def test_limits_table_is_what_the_validator_enforces():
     assert not _accepts(lambda d: d["files"][file].update(size=(1 << 50) + 1))
 
     assert "2^30" in _limit_row("manifest size")
+
+    assert "2^27" in _limit_row("grid cells")
 
     class _Huge(bytes):  # its length alone is over the limit, without allocating a GiB
         def __len__(self) -> int:

@@ -75,9 +75,11 @@ def manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 def item_range(path: str | os.PathLike, key: str, chunk: int = 0) -> tuple[str, int, int]:
     """(file, offset, length) of a tensor chunk or object in the checkpoint at ``path``."""
-    item = manifest(path)["items"][key]
-    c = item["chunks"][chunk] if item["kind"] == "tensor" else item
-    return c["file"], c["offset"], c["length"]
+    from goodput_ckpt.format.manifest import TensorEntry, parse_manifest
+
+    item = parse_manifest(Path(path, MANIFEST_NAME).read_bytes()).items[key]
+    c = item.chunks[chunk] if isinstance(item, TensorEntry) else item  # a v2 grid expands its cells
+    return c.file, c.offset, c.length
 
 
 def flip_byte(path: str | os.PathLike, name: str, offset: int) -> None:

@@ -20,7 +20,7 @@ def test_good_checkpoint_hashes_every_byte(sample_ckpt):
     m = manifest(path)
     total = sum(f["size"] for f in m["files"].values())
     assert r.ok and r.status == "ok" and not r.problems and not r.warnings
-    assert r.version == 1 and r.world_size == 1 and r.files == len(m["files"])
+    assert r.version == 2 and r.world_size == 1 and r.files == len(m["files"])
     assert r.bytes_hashed == r.bytes_total == total
     assert r.chunks_checked == sum(len(f["chunks"]) for f in m["files"].values()) > 10
 

@@ -134,7 +134,7 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("path_unlisted_object_file", set_(["items", "step", "file"], "other.bin"), msg="does not list")
     add("path_not_string", set_(["items", "w", "chunks", 0, "file"], 7), msg="wrong type")
     # -- version and format --------------------------------------------------------------------
-    add("version_2", set_(["version"], 2), parse=VERSION, msg="reads versions 1")
+    add("version_3", set_(["version"], 3), parse=VERSION, msg="reads versions 1, 2")
     add("version_0", set_(["version"], 0), parse=VERSION, msg="reads versions 1")
     add("version_string", set_(["version"], "1"), parse=VERSION, msg="reads versions 1")
     add("version_bool", set_(["version"], True), parse=VERSION, msg="reads versions 1")
@@ -219,6 +219,34 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
         return d
 
     add("items_share_bytes_past_empty", overlap_past_empty, msg="items 'w' and 'step' overlap")
+    # -- format v2 grids: checked on the compact form -------------------------------------------
+    def grid(block, runs, version=2, keep_chunks=False):
+        def mutate(d):
+            d["version"] = version
+            w = d["items"]["w"]
+            if not keep_chunks:
+                del w["chunks"]
+            w["grid"] = {"block": block, "runs": runs} if block is not None else runs
+            return d
+
+        return mutate
+
+    halves = [[1, 0, 1, 0], [1, 0, 1, 4096]]  # "w" as two [8, 128] cells in file 0, one after the other
+    add("grid_overlap", grid([8, 128], [[1, 0, 1, 0], [1, 0, 1, 2048]]), msg="items 'w' and 'w' overlap")
+    add("grid_past_file", grid([8, 128], [[1, 0, 1, 0], [1, 1, 1, 0]]), msg="lies beyond the end of")
+    add("grid_overlaps_object", grid([8, 128], [[1, 0, 1, 0], [1, 0, 1, 4160]]), msg="items 'w' and 'step' overlap")
+    add("grid_file_index", grid([8, 128], [[2, 1, 1, 0]]), msg="are not all among the 2 files")
+    add("grid_file_step_zero", grid([8, 128], [[2, 0, 0, 0]]), msg="are not all among the 2 files")
+    add("grid_block_outside", grid([32, 128], [[1, 0, 1, 0]]), msg="is not within the shape")
+    add("grid_block_zero", grid([0, 128], halves), msg="is not within the shape")
+    add("grid_runs_short", grid([8, 128], halves[:1]), msg="its runs hold 1 of the grid's 2 cells")
+    add("grid_runs_long", grid([8, 128], [[3, 0, 1, 0]]), msg="3 cells, but 2 of the grid's 2 are left")
+    add("grid_run_uneven", grid([10, 128], [[2, 0, 1, 0]]), msg="differ in size")
+    add("grid_run_not_ints", grid([8, 128], [[1, 0, 1, 0], [1, 0, 1, "4096"]]), msg="must be 4 integers")
+    add("grid_unaligned", grid([8, 128], [[1, 0, 1, 0], [1, 0, 1, 4100]]), msg="is not a multiple of 64")
+    add("grid_not_object", grid(None, [1, 2]), msg="must be an object")
+    add("grid_and_chunks", grid([8, 128], halves, keep_chunks=True), msg="holds both 'grid' and 'chunks'")
+    add("grid_in_v1", grid([8, 128], halves, version=1), msg="field 'chunks' is missing")
     add("offset_unaligned", lambda d: (d["items"]["step"].update(offset=8193, length=63), d)[1],
         msg="byte offset 8193 is not a multiple of 64")  # fmt: skip
     # -- hashes --------------------------------------------------------------------------------

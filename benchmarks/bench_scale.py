@@ -1,0 +1,377 @@
+"""The commit record's cost against the number of ranks, with W ranks simulated in one process.
+
+For a Llama-shaped model plus AdamW state (``--layouts 8B,70B,405B``: 9 tensors per layer plus
+embedding, final norm and head; parameters bf16, both moments fp32) sharded over W ranks
+(``fsdp``: every tensor split along dim 0, torch's chunk rule; ``fsdp-tp``: a (W/8) x 8 mesh,
+column-parallel weights split along dim 0 by TP then FSDP, row-parallel ones 2-D (dim 0 by FSDP,
+dim 1 by TP), norms split by FSDP and saved by the first TP rank), it builds what DCP hands the
+coordinator at ``finish`` (the global ``Metadata`` and every rank's write results, each rank's
+items laid out in one file as the writer does) and runs the project's own code path on it, per
+phase:
+
+- ``build``: :func:`goodput_ckpt.dcp.commit_build.build_manifest` (what ``finish`` runs);
+- ``serialize``: ``Manifest.to_json`` (sealed bytes); ``bytes`` is their size;
+- ``write``: ``put_commit_record`` on a local directory (fsync + rename);
+- ``parse``: ``parse_manifest`` (every check a reader makes; the writer runs it too, as a
+  self-check before it commits);
+- ``rebuild``: ``to_dcp_metadata`` (the ``Metadata`` a load hands DCP's planner);
+- ``plan``: one rank's restore planning: torch's own ``create_read_items_for_chunk_list`` for each
+  of the rank's local chunks against the rebuilt metadata (what ``DefaultLoadPlanner`` runs), and
+  the storage lookup of each read.
+
+Side by side, torch DCP's ``.metadata``: the same ``Metadata`` with ``_StorageInfo`` storage data,
+``pickle.dumps`` (what ``FileSystemWriter.finish`` writes) and ``pickle.loads`` (what every
+rank's ``read_metadata`` does).
+
+Each figure is the min / median / max over ``--repeats`` timed runs; a first, untimed run under
+``tracemalloc`` gives each phase's peak of Python allocations (``peak MB``). The methods' order
+rotates per repeat and is printed. ``--check`` saves a small many-tensor state with real gloo
+processes (2 to 16 ranks) through ``CheckpointWriter`` and compares its manifest with the
+simulation of the same layout.
+
+Run: ``.venv/bin/python benchmarks/bench_scale.py --layouts 70B --ranks 64,256 --json scale.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+
+from goodput_ckpt.dcp.commit_build import StoredItem, build_manifest
+from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
+from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
+from goodput_ckpt.storage import open_store
+
+MB = 1e6
+CHUNK_SIZE = 8 << 20  # the writer's default hash chunk
+TP = 8
+
+#: (layers, hidden, intermediate, kv width, vocab): Llama 3 shapes.
+MODELS = {
+    "8B": (32, 4096, 14336, 1024, 128256),
+    "70B": (80, 8192, 28672, 1024, 128256),
+    "tiny": (16, 64, 160, 16, 1000),  # for --check: real gloo saves of the same layout
+    "405B": (126, 16384, 53248, 1024, 128256),
+}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    tp_dim: int | None  # the dimension TP splits (fsdp-tp), None: replicated over TP
+
+
+def model_tensors(model: str) -> list[Tensor]:
+    """The model's parameters (bf16) and AdamW's two moments (fp32), in state-dict order."""
+    layers, h, inter, kv, vocab = MODELS[model]
+    params: list[tuple[str, tuple[int, ...], int | None]] = [("model.embed_tokens.weight", (vocab, h), 0)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        params += [
+            (p + "self_attn.q_proj.weight", (h, h), 0),
+            (p + "self_attn.k_proj.weight", (kv, h), 0),
+            (p + "self_attn.v_proj.weight", (kv, h), 0),
+            (p + "self_attn.o_proj.weight", (h, h), 1),
+            (p + "mlp.gate_proj.weight", (inter, h), 0),
+            (p + "mlp.up_proj.weight", (inter, h), 0),
+            (p + "mlp.down_proj.weight", (h, inter), 1),
+            (p + "input_layernorm.weight", (h,), None),
+            (p + "post_attention_layernorm.weight", (h,), None),
+        ]
+    params += [("model.norm.weight", (h,), None), ("lm_head.weight", (vocab, h), 0)]
+    out = [Tensor(f, s, "bfloat16", t) for f, s, t in params]
+    for moment in ("exp_avg", "exp_avg_sq"):
+        out += [Tensor(f"optim.state.{f}.{moment}", s, "float32", t) for f, s, t in params]
+    return out
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """torch's chunk rule: blocks of ceil(n / parts), the last smaller, empty ones dropped."""
+    c = -(-n // parts) if n else 0
+    return [(o, min(c, n - o)) for o in range(0, n, c)] if c else []
+
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
+
+
+def shard(t: Tensor, world: int, mesh: str) -> list[Chunk]:
+    """The non-empty chunks of ``t`` over ``world`` ranks, in rank order (DCP's order)."""
+    rest = t.shape[1:]
+    zeros = (0,) * len(rest)
+    if mesh == "fsdp" or world % TP:
+        return [((o,) + zeros, (n,) + rest, r) for r, (o, n) in enumerate(_split(t.shape[0], world))]
+    dp = world // TP
+    out: list[Chunk] = []
+    if t.tp_dim is None:  # replicated over TP: the first TP rank of each FSDP group saves it
+        out = [((o,) + zeros, (n,) + rest, i * TP) for i, (o, n) in enumerate(_split(t.shape[0], dp))]
+    elif t.tp_dim == 0:  # TP splits dim 0, FSDP splits each TP block again (strided sharding)
+        for j, (o, n) in enumerate(_split(t.shape[0], TP)):
+            out += [((o + o2,) + zeros, (n2,) + rest, i * TP + j) for i, (o2, n2) in enumerate(_split(n, dp))]
+    else:  # TP splits dim 1, FSDP dim 0: a 2-D grid
+        for i, (o0, n0) in enumerate(_split(t.shape[0], dp)):
+            for j, (o1, n1) in enumerate(_split(t.shape[1], TP)):
+                out.append(((o0, o1), (n0, n1), i * TP + j))
+    return sorted(out, key=lambda c: c[2])
+
+
+@dataclass
+class Simulated:
+    """What DCP hands the coordinator at ``finish``, and torch's own metadata for the same save."""
+
+    metadata: Metadata
+    results: list[list[WriteResult]]
+    torch_metadata: Metadata
+    local: dict[int, list[tuple[str, ChunkStorageMetadata]]]  # one rank's chunks, for planning
+    chunks: int
+
+
+def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
+    """Build the ``finish`` inputs of a save of ``model`` by ``world`` ranks (no data)."""
+    tensors = model_tensors(model)
+    ends = [0] * world
+    rank_items: list[list[tuple[MetadataIndex, int, int]]] = [[] for _ in range(world)]
+    sd_md: dict[str, TensorStorageMetadata] = {}
+    torch_storage: dict[MetadataIndex, _StorageInfo] = {}
+    local: dict[int, list[tuple[str, ChunkStorageMetadata]]] = {plan_rank: []}
+    count = 0
+    for t in tensors:
+        esize = DTYPE_SIZES[t.dtype]
+        chunks = []
+        for offsets, sizes, rank in shard(t, world, mesh):
+            cm = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            chunks.append(cm)
+            length = math.prod(sizes) * esize
+            off = -(-ends[rank] // ALIGNMENT) * ALIGNMENT
+            ends[rank] = off + length
+            index = MetadataIndex(t.fqn, torch.Size(offsets))
+            rank_items[rank].append((index, off, length))
+            torch_storage[index] = _StorageInfo(f"__{rank}_0.distcp", off, length)
+            if rank == plan_rank:
+                local[plan_rank].append((t.fqn, cm))
+            count += 1
+        props = TensorProperties(dtype=getattr(torch, t.dtype))
+        sd_md[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.shape), chunks=chunks)
+    planner_data = {t.fqn: (t.fqn,) for t in tensors}  # what DCP records for a flat state dict
+    results: list[list[WriteResult]] = []
+    for rank, items in enumerate(rank_items):
+        name = f"rank{rank:05d}-00.0123456789ab.bin"  # the writer's names (data_file_name), same length
+        size = ends[rank]
+        hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
+        entry: FileEntry | None = FileEntry(name, size, hashes)
+        rank_results = []
+        for index, off, length in items:
+            rank_results.append(WriteResult(index=index, size_in_bytes=length, storage_data=StoredItem(name, off, length, entry)))
+            entry = None
+        results.append(rank_results)  # a rank without items writes no file
+    md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
+    torch_md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=torch_storage)
+    return Simulated(md, results, torch_md, local, count)
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: list[float]
+    peak_mb: float = 0.0
+    bytes: int = 0
+
+
+def _run(fn: Callable[[], Any], memory: bool) -> tuple[Any, float, float]:
+    gc.collect()
+    if memory:
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    peak = 0.0
+    if memory:
+        peak = (tracemalloc.get_traced_memory()[1] - base) / MB
+        tracemalloc.stop()
+    return out, dt, peak
+
+
+def plan_one_rank(md: Metadata, local: list[tuple[str, ChunkStorageMetadata]]) -> int:
+    """One rank's restore planning against ``md``: torch's read items, and each read's location."""
+    reads = 0
+    storage = md.storage_data
+    for fqn, chunk in local:
+        for ri in create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [chunk]):
+            storage[ri.storage_index]
+            reads += 1
+    return reads
+
+
+def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict[str, Phase], version: int) -> None:
+    """The goodput-ckpt phases in format ``version``, each timed (and, with ``memory``, traced) once."""
+    prefix = f"v{version}."
+
+    def rec(name: str, fn: Callable[[], Any], nbytes: int = 0) -> Any:
+        out, dt, peak = _run(fn, memory)
+        ph = timings.setdefault(prefix + name, Phase(prefix + name, []))
+        if memory:
+            ph.peak_mb = peak
+        else:
+            ph.seconds.append(dt)
+        return out
+
+    manifest = rec(
+        "build",
+        lambda: build_manifest(sim.metadata, sim.results, chunk_size=CHUNK_SIZE, created_at="", user_metadata={}, version=version),
+    )
+    data = rec("serialize", manifest.to_json)
+    timings[prefix + "serialize"].bytes = len(data)
+    del manifest
+    rec("write", lambda: store.put_commit_record("manifest.json", data, replace=True))
+    parsed = rec("parse", lambda: parse_manifest(data))
+    data = b""
+    md = rec("rebuild", lambda: to_dcp_metadata(parsed))
+    parsed = None
+    rec("plan", lambda: plan_one_rank(md, sim.local[plan_rank]))
+
+
+def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, Phase]) -> None:
+    def rec(name: str, fn: Callable[[], Any]) -> Any:
+        out, dt, peak = _run(fn, memory)
+        ph = timings.setdefault(name, Phase(name, []))
+        if memory:
+            ph.peak_mb = peak
+        else:
+            ph.seconds.append(dt)
+        return out
+
+    blob = rec("torch.dumps", lambda: pickle.dumps(sim.torch_metadata, protocol=pickle.HIGHEST_PROTOCOL))
+    timings["torch.dumps"].bytes = len(blob)
+    md = rec("torch.loads", lambda: pickle.loads(blob))
+    blob = b""
+    rec("torch.plan", lambda: plan_one_rank(md, sim.local[plan_rank]))
+
+
+def measure(
+    model: str, world: int, mesh: str, repeats: int, memory: bool, order_log: list[str], methods: list[str]
+) -> dict[str, Any]:
+    plan_rank = world // 2
+    t0 = time.perf_counter()
+    sim = simulate(model, world, mesh, plan_rank)
+    setup = time.perf_counter() - t0
+    timings: dict[str, Phase] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        store = open_store(tmp)
+        for rep in range(repeats + (1 if memory else 0)):
+            traced = memory and rep == 0
+            order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
+            order_log.append(f"{model}/{mesh}/W={world} rep {rep}{' (tracemalloc)' if traced else ''}: {' '.join(order)}")
+            for m in order:
+                if m != "torch":
+                    ours(sim, store, plan_rank, traced, timings, int(m[1:]))
+                else:
+                    torch_side(sim, plan_rank, traced, timings)
+    row: dict[str, Any] = {
+        "model": model, "mesh": mesh, "world": world, "tensors": len(sim.metadata.state_dict_metadata),
+        "chunks": sim.chunks, "setup_s": round(setup, 2), "phases": {},
+    }  # fmt: skip
+    for ph in timings.values():
+        s = sorted(ph.seconds)
+        row["phases"][ph.name] = {
+            "min": s[0], "median": statistics.median(s), "max": s[-1], "peak_mb": round(ph.peak_mb, 1), "bytes": ph.bytes,
+        }  # fmt: skip
+    p = row["phases"]
+    med = lambda n: p[n]["median"]  # noqa: E731
+    for v in ("v1", "v2"):
+        if v in methods:
+            row[f"{v}_save_s"] = med(f"{v}.build") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
+            row[f"{v}_restore_s"] = med(f"{v}.parse") + med(f"{v}.rebuild")
+    if "torch" in methods:
+        row["torch_save_s"] = med("torch.dumps")
+        row["torch_restore_s"] = med("torch.loads")
+    return row
+
+
+def print_row(row: dict[str, Any]) -> None:
+    print(f"\n{row['model']} {row['mesh']} W={row['world']}: {row['tensors']} tensors, {row['chunks']} chunks (setup {row['setup_s']} s)")
+    print(f"  {'phase':<12} {'min s':>8} {'median s':>9} {'max s':>8} {'peak MB':>9} {'bytes':>12}")
+    for name, ph in row["phases"].items():
+        nbytes = f"{ph['bytes']:,}" if ph["bytes"] else ""
+        print(f"  {name:<12} {ph['min']:8.3f} {ph['median']:9.3f} {ph['max']:8.3f} {ph['peak_mb']:9.1f} {nbytes:>12}")
+    for v in ("v1", "v2"):
+        if f"{v}_save_s" not in row:
+            continue
+        print(
+            f"  {v} coordinator: save {row[f'{v}_save_s']:.3f} s (build+serialize+parse+write), restore "
+            f"{row[f'{v}_restore_s']:.3f} s (parse+rebuild)"
+        )
+    p = row["phases"]
+    if not {"v1.parse", "v2.parse", "torch.loads"} <= set(p):
+        return
+    print(
+        f"  torch .metadata: dumps {row['torch_save_s']:.3f} s, loads {row['torch_restore_s']:.3f} s; "
+        f"v2 vs torch: parse {row['torch_restore_s'] / p['v2.parse']['median']:.1f}x faster, bytes "
+        f"{p['torch.dumps']['bytes'] / p['v2.serialize']['bytes']:.1f}x smaller; v1 vs v2 bytes "
+        f"{p['v1.serialize']['bytes'] / p['v2.serialize']['bytes']:.1f}x"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="8B,70B", help="models, comma-separated (8B, 70B, 405B)")
+    ap.add_argument("--mesh", default="fsdp", help="fsdp, fsdp-tp, or both comma-separated")
+    ap.add_argument("--ranks", default="64,256", help="world sizes, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
+    ap.add_argument("--check", action="store_true", help="compare real gloo saves (2-16 ranks) with the simulation")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.check:
+        from bench_scale_check import run_check  # noqa: PLC0415 - only this mode spawns processes
+
+        return run_check([int(w) for w in args.ranks.split(",")] if args.ranks != "64,256" else [2, 4, 8, 16])
+    rows = []
+    order_log: list[str] = []
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    for model in args.layouts.split(","):
+        for mesh in args.mesh.split(","):
+            for world in (int(w) for w in args.ranks.split(",")):
+                row = measure(model, world, mesh, args.repeats, not args.no_memory, order_log, args.methods.split(","))
+                print_row(row)
+                sys.stdout.flush()
+                rows.append(row)
+    print("\norder run:")
+    for line in order_log:
+        print("  " + line)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "rows": rows, "order": order_log}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
