@@ -21,6 +21,7 @@ from helpers.samples import Opaque, copy_ckpt, flip_byte, item_range, manifest
 from goodput_ckpt import __version__
 from goodput_ckpt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from goodput_ckpt.cli._output import Output, parse_size
+from goodput_ckpt.format.manifest import FORMAT_VERSION
 from goodput_ckpt.format import MANIFEST_NAME
 
 SCRIPT = shutil.which("goodput-ckpt", path=str(Path(sys.executable).parent)) or "goodput-ckpt"
@@ -78,7 +79,7 @@ def test_verify_incomplete(incomplete):
 def test_inspect(sample_ckpt, incomplete, tmp_path):
     code, out, _ = run("inspect", sample_ckpt[0])
     assert code == 0
-    for text in ("goodput-ckpt v1", "step        100", "world size  1", "SECTION", "optimizer", "KEY", "model.embed.weight", "1001x64"):
+    for text in (f"goodput-ckpt v{FORMAT_VERSION}", "step        100", "world size  1", "SECTION", "optimizer", "KEY", "model.embed.weight", "1001x64"):
         assert text in out, text
     code, out, _ = run("inspect", sample_ckpt[0], "--keys", "rng.*", "--json")
     doc = json.loads(out)
