@@ -64,6 +64,7 @@ def test_sigkill_in_phase(tmp_path, phase):
     ]
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "logs").mkdir()
     job = JobLaunch(commands, str(tmp_path / "logs"), phase, env=env)
     seen = PHASES[phase]
     deadline = time.monotonic() + PHASE_TIMEOUT_S

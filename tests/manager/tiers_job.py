@@ -5,6 +5,7 @@ directory)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -35,11 +36,17 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None
     opt.step()
 
 
-def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, float]:
-    out = {f"p.{k}": float(v.double().sum()) for k, v in model.state_dict().items()}
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """sha256 of every parameter and optimizer state tensor's bytes (bit for bit, unlike a sum,
+    whose rounding depends on the thread count)."""
+
+    def h(t: Any) -> str:
+        return hashlib.sha256(torch.as_tensor(t).detach().contiguous().numpy().tobytes()).hexdigest()
+
+    out = {f"p.{k}": h(v) for k, v in model.state_dict().items()}
     for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            out[f"o.{i}.{k}"] = float(torch.as_tensor(v).double().sum())
+            out[f"o.{i}.{k}"] = h(v)
     return out
 
 
@@ -77,7 +84,7 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
     )
 
 
-def reference_digest(steps: int, width: int = 64) -> dict[str, float]:
+def reference_digest(steps: int, width: int = 64) -> dict[str, str]:
     """The digest after training steps ``0 .. steps-1`` in this process (what a restore of the
     checkpoint saved after step ``steps-1`` must reproduce)."""
     model, opt = make(0, width)
