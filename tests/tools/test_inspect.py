@@ -8,6 +8,7 @@ from helpers.samples import damaged_manifests, flat_tensors, item_range, save, t
 
 from goodput_ckpt import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from goodput_ckpt.format import MANIFEST_NAME
+from goodput_ckpt.format.manifest import FORMAT_VERSION
 from goodput_ckpt.tools.inspect import TRAINING_STATE_KEY, inspect_checkpoint, section_of
 
 
@@ -15,7 +16,7 @@ def test_report_covers_the_whole_checkpoint(sample_ckpt):
     path, sd = sample_ckpt
     r = inspect_checkpoint(str(path))
     tensors = flat_tensors(sd)
-    assert (r.format, r.version, r.world_size, r.step) == ("goodput-ckpt", 1, 1, 100)
+    assert (r.format, r.version, r.world_size, r.step) == ("goodput-ckpt", FORMAT_VERSION, 1, 100)
     assert r.tensors == len(tensors)
     assert r.tensor_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
     assert r.objects == 5  # optimizer lr, betas, params (DCP flattens param_groups) + extra name, epoch
