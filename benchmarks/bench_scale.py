@@ -15,9 +15,10 @@ phase:
 - ``parse``: ``parse_manifest`` (every check a reader makes; the writer runs it too, as a
   self-check before it commits);
 - ``rebuild``: ``to_dcp_metadata`` (the ``Metadata`` a load hands DCP's planner);
-- ``plan``: one rank's restore planning: torch's own ``create_read_items_for_chunk_list`` for each
-  of the rank's local chunks against the rebuilt metadata (what ``DefaultLoadPlanner`` runs), and
-  the storage lookup of each read.
+- ``plan``: one rank's restore planning: ``GridLoadPlanner``'s reads for each of the rank's local
+  chunks against the rebuilt metadata (grid arithmetic for v2; torch's own
+  ``create_read_items_for_chunk_list``, what ``DefaultLoadPlanner`` runs, for v1 and for
+  ``torch.plan``), and the storage lookup of each read.
 
 Side by side, torch DCP's ``.metadata``: the same ``Metadata`` with ``_StorageInfo`` storage data,
 ``pickle.dumps`` (what ``FileSystemWriter.finish`` writes) and ``pickle.loads`` (what every
@@ -62,6 +63,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 
 from goodput_ckpt.dcp.commit_build import StoredItem, build_manifest
+from goodput_ckpt.dcp.load_planner import tensor_read_items
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
 from goodput_ckpt.storage import open_store
@@ -218,12 +220,14 @@ def _run(fn: Callable[[], Any], memory: bool) -> tuple[Any, float, float]:
     return out, dt, peak
 
 
-def plan_one_rank(md: Metadata, local: list[tuple[str, ChunkStorageMetadata]]) -> int:
-    """One rank's restore planning against ``md``: torch's read items, and each read's location."""
+def plan_one_rank(md: Metadata, local: list[tuple[str, ChunkStorageMetadata]], read_items: Callable[..., list[Any]]) -> int:
+    """One rank's restore planning against ``md``: ``read_items`` for each local chunk (torch's
+    ``create_read_items_for_chunk_list``, or ``GridLoadPlanner``'s ``tensor_read_items``), and
+    each read's location."""
     reads = 0
     storage = md.storage_data
     for fqn, chunk in local:
-        for ri in create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [chunk]):
+        for ri in read_items(fqn, md.state_dict_metadata[fqn], [chunk]):
             storage[ri.storage_index]
             reads += 1
     return reads
@@ -254,7 +258,7 @@ def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict
     data = b""
     md = rec("rebuild", lambda: to_dcp_metadata(parsed))
     parsed = None
-    rec("plan", lambda: plan_one_rank(md, sim.local[plan_rank]))
+    rec("plan", lambda: plan_one_rank(md, sim.local[plan_rank], tensor_read_items))
 
 
 def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, Phase]) -> None:
@@ -271,7 +275,7 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
     timings["torch.dumps"].bytes = len(blob)
     md = rec("torch.loads", lambda: pickle.loads(blob))
     blob = b""
-    rec("torch.plan", lambda: plan_one_rank(md, sim.local[plan_rank]))
+    rec("torch.plan", lambda: plan_one_rank(md, sim.local[plan_rank], create_read_items_for_chunk_list))
 
 
 def measure(

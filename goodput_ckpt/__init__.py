@@ -2,7 +2,8 @@
 
 Public API (listed in the README's "Public API" section, which a test compares with
 ``__all__``): :class:`CheckpointWriter` and
-:class:`CheckpointReader` are ``torch.distributed.checkpoint`` storage plugins;
+:class:`CheckpointReader` are ``torch.distributed.checkpoint`` storage plugins and
+:class:`GridLoadPlanner` its load planner for large world sizes;
 :class:`CheckpointManager` saves and resumes the whole training state; the errors form one
 hierarchy under :class:`CheckpointError`.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
     "CorruptCheckpointError",
+    "GridLoadPlanner",
     "IncompleteCheckpointError",
     "TopologyChangeError",
     "__version__",
@@ -41,6 +43,10 @@ def __getattr__(name: str):
         from .manager.checkpoint_manager import CheckpointManager
 
         return CheckpointManager
+    if name == "GridLoadPlanner":
+        from .dcp.load_planner import GridLoadPlanner
+
+        return GridLoadPlanner
     if name == "CheckpointReader":
         from .dcp.reader import CheckpointReader
 

@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from .grid import GridChunks, grid_from_chunks
 from .manifest import DTYPE_SIZES, ChunkEntry, Manifest, ObjectEntry, TensorEntry
 
-__all__ = ["StoredRange", "dtype_name", "items_from_dcp", "to_dcp_metadata", "torch_dtype"]
+__all__ = ["StoredRange", "dtype_name", "grid_of", "items_from_dcp", "to_dcp_metadata", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,13 @@ class _GridChunkList(Sequence[ChunkStorageMetadata]):
 
     def __iter__(self) -> Iterator[ChunkStorageMetadata]:
         return iter(self._all())
+
+
+def grid_of(chunks: Sequence[ChunkStorageMetadata]) -> GridChunks | None:
+    """The grid behind a tensor's DCP chunk list when :func:`to_dcp_metadata` made it from a
+    format-v2 grid, else ``None``: a planner can then find the cells a box overlaps by arithmetic
+    instead of walking every saved chunk."""
+    return chunks._grid if isinstance(chunks, _GridChunkList) else None
 
 
 class _StorageIndex(Mapping[MetadataIndex, StoredRange]):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..dcp.load_planner import GridLoadPlanner
 from ..dcp.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
@@ -384,7 +385,9 @@ class CheckpointManager:
     ) -> None:  # fmt: skip
         """Every rank: load ``plan`` through ``reader``, apply it, record it, report its notes."""
         try:
-            dcp.load(plan.dest, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
+            dcp.load(
+                plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=self._pg is None
+            )  # fmt: skip
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, f"loading step {step} from {uri}")
         apply_restore(plan)
