@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -151,6 +152,7 @@ class Simulated:
     torch_metadata: Metadata
     local: dict[int, list[tuple[str, ChunkStorageMetadata]]]  # one rank's chunks, for planning
     chunks: int
+    world: int
 
 
 def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
@@ -193,7 +195,7 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
         results.append(rank_results)  # a rank without items writes no file
     md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
     torch_md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=torch_storage)
-    return Simulated(md, results, torch_md, local, count)
+    return Simulated(md, results, torch_md, local, count, world)
 
 
 @dataclass
@@ -220,17 +222,27 @@ def _run(fn: Callable[[], Any], memory: bool) -> tuple[Any, float, float]:
     return out, dt, peak
 
 
-def plan_one_rank(md: Metadata, local: list[tuple[str, ChunkStorageMetadata]], read_items: Callable[..., list[Any]]) -> int:
+def plan_one_rank(md: Metadata, local: list[tuple[str, ChunkStorageMetadata]], read_items: Callable[..., list[Any]]) -> list[Any]:
     """One rank's restore planning against ``md``: ``read_items`` for each local chunk (torch's
     ``create_read_items_for_chunk_list``, or ``GridLoadPlanner``'s ``tensor_read_items``), and
     each read's location."""
-    reads = 0
+    items = []
     storage = md.storage_data
     for fqn, chunk in local:
         for ri in read_items(fqn, md.state_dict_metadata[fqn], [chunk]):
             storage[ri.storage_index]
-            reads += 1
-    return reads
+            items.append(ri)
+    return items
+
+
+def plan_exchange(plan: LoadPlan, world: int) -> int:
+    """The coordinator's share of ``dcp.load``'s plan gather and scatter when every rank's local
+    plan is like ``plan``: W plans unpickled, W pickled back (the transport itself not counted).
+    ``GridLoadPlanner`` sends empty plans; ``DefaultLoadPlanner`` sends every read item."""
+    blob = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    for _ in range(world):
+        pickle.dumps(pickle.loads(blob), protocol=pickle.HIGHEST_PROTOCOL)
+    return len(blob) * world
 
 
 def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict[str, Phase], version: int) -> None:
@@ -259,6 +271,8 @@ def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict
     md = rec("rebuild", lambda: to_dcp_metadata(parsed))
     parsed = None
     rec("plan", lambda: plan_one_rank(md, sim.local[plan_rank], tensor_read_items))
+    if version >= 2:  # GridLoadPlanner keeps the items on their rank: the plans exchanged are empty
+        timings[prefix + "exchange"].bytes = rec("exchange", lambda: plan_exchange(LoadPlan([]), sim.world))
 
 
 def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, Phase]) -> None:
@@ -275,7 +289,8 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
     timings["torch.dumps"].bytes = len(blob)
     md = rec("torch.loads", lambda: pickle.loads(blob))
     blob = b""
-    rec("torch.plan", lambda: plan_one_rank(md, sim.local[plan_rank], create_read_items_for_chunk_list))
+    items = rec("torch.plan", lambda: plan_one_rank(md, sim.local[plan_rank], create_read_items_for_chunk_list))
+    timings["torch.exchange"].bytes = rec("torch.exchange", lambda: plan_exchange(LoadPlan(items), sim.world))
 
 
 def measure(
