@@ -9,7 +9,11 @@ coordinator at ``finish`` (the global ``Metadata`` and every rank's write result
 items laid out in one file as the writer does) and runs the project's own code path on it, per
 phase:
 
-- ``build``: :func:`goodput_ckpt.dcp.commit_build.build_manifest` (what ``finish`` runs);
+- ``gather``: a pickle round trip of every rank's write results (what DCP's gather moves to the
+  coordinator: one ``RankWrites`` per rank; ``torch.gather``: ``FileSystemWriter``'s one
+  ``WriteResult`` per item);
+- ``build``: :func:`goodput_ckpt.dcp.commit_build.build_manifest` (what ``finish`` runs) on the
+  first save of a run; ``build_same``: on a later save with the same layout (the entries reused);
 - ``serialize``: ``Manifest.to_json`` (sealed bytes); ``bytes`` is their size;
 - ``write``: ``put_commit_record`` on a local directory (fsync + rename);
 - ``parse``: ``parse_manifest`` (every check a reader makes; the writer runs it too, as a
@@ -63,7 +67,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from goodput_ckpt.dcp.commit_build import StoredItem, build_manifest
+from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, RankWrites, build_manifest, forget_layouts, layout_digest
 from goodput_ckpt.dcp.load_planner import tensor_read_items
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
@@ -159,7 +163,7 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
     """Build the ``finish`` inputs of a save of ``model`` by ``world`` ranks (no data)."""
     tensors = model_tensors(model)
     ends = [0] * world
-    rank_items: list[list[tuple[MetadataIndex, int, int]]] = [[] for _ in range(world)]
+    rank_items: list[list[tuple[MetadataIndex, int, int, tuple[int, ...]]]] = [[] for _ in range(world)]
     sd_md: dict[str, TensorStorageMetadata] = {}
     torch_storage: dict[MetadataIndex, _StorageInfo] = {}
     local: dict[int, list[tuple[str, ChunkStorageMetadata]]] = {plan_rank: []}
@@ -174,7 +178,7 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
             off = -(-ends[rank] // ALIGNMENT) * ALIGNMENT
             ends[rank] = off + length
             index = MetadataIndex(t.fqn, torch.Size(offsets))
-            rank_items[rank].append((index, off, length))
+            rank_items[rank].append((index, off, length, tuple(sizes)))
             torch_storage[index] = _StorageInfo(f"__{rank}_0.distcp", off, length)
             if rank == plan_rank:
                 local[plan_rank].append((t.fqn, cm))
@@ -183,16 +187,14 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
         sd_md[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.shape), chunks=chunks)
     planner_data = {t.fqn: (t.fqn,) for t in tensors}  # what DCP records for a flat state dict
     results: list[list[WriteResult]] = []
-    for rank, items in enumerate(rank_items):
+    for rank, items in enumerate(rank_items):  # each rank's one result, as CheckpointWriter returns it
         name = f"rank{rank:05d}-00.0123456789ab.bin"  # the writer's names (data_file_name), same length
         size = ends[rank]
         hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
-        entry: FileEntry | None = FileEntry(name, size, hashes)
-        rank_results = []
-        for index, off, length in items:
-            rank_results.append(WriteResult(index=index, size_in_bytes=length, storage_data=StoredItem(name, off, length, entry)))
-            entry = None
-        results.append(rank_results)  # a rank without items writes no file
+        files = (FileEntry(name, size, hashes),) if items else ()  # a rank without items writes no file
+        written = tuple((index.fqn, tuple(index.offset), 0, off, length) for index, off, length, _ in items)
+        writes = RankWrites(files, written, layout_digest(written, [sizes for *_, sizes in items]))
+        results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=writes)])
     md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
     torch_md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=torch_storage)
     return Simulated(md, results, torch_md, local, count, world)
@@ -258,10 +260,11 @@ def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict
             ph.seconds.append(dt)
         return out
 
-    manifest = rec(
-        "build",
-        lambda: build_manifest(sim.metadata, sim.results, chunk_size=CHUNK_SIZE, created_at="", user_metadata={}, version=version),
-    )
+    results = rec("gather", lambda: pickle.loads(pickle.dumps(sim.results, protocol=pickle.HIGHEST_PROTOCOL)))
+    forget_layouts()  # the first save of a run: every item
+    build = lambda: build_manifest(sim.metadata, results, chunk_size=CHUNK_SIZE, created_at="", user_metadata={}, version=version)  # noqa: E731
+    rec("build", build)
+    manifest = rec("build_same", build)  # a later save, same layout: the entries reused
     data = rec("serialize", manifest.to_json)
     timings[prefix + "serialize"].bytes = len(data)
     del manifest
@@ -285,6 +288,11 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
             ph.seconds.append(dt)
         return out
 
+    per_item = [[] for _ in range(sim.world)]  # FileSystemWriter's results: one per item
+    for index, info in sim.torch_metadata.storage_data.items():
+        per_item[int(info.relative_path[2:].split("_")[0])].append(WriteResult(index=index, size_in_bytes=info.length, storage_data=info))
+    rec("torch.gather", lambda: pickle.loads(pickle.dumps(per_item, protocol=pickle.HIGHEST_PROTOCOL)))
+    per_item = []
     blob = rec("torch.dumps", lambda: pickle.dumps(sim.torch_metadata, protocol=pickle.HIGHEST_PROTOCOL))
     timings["torch.dumps"].bytes = len(blob)
     md = rec("torch.loads", lambda: pickle.loads(blob))
@@ -326,6 +334,7 @@ def measure(
     for v in ("v1", "v2"):
         if v in methods:
             row[f"{v}_save_s"] = med(f"{v}.build") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
+            row[f"{v}_save_same_s"] = med(f"{v}.build_same") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
             row[f"{v}_restore_s"] = med(f"{v}.parse") + med(f"{v}.rebuild")
     if "torch" in methods:
         row["torch_save_s"] = med("torch.dumps")
@@ -343,8 +352,8 @@ def print_row(row: dict[str, Any]) -> None:
         if f"{v}_save_s" not in row:
             continue
         print(
-            f"  {v} coordinator: save {row[f'{v}_save_s']:.3f} s (build+serialize+parse+write), restore "
-            f"{row[f'{v}_restore_s']:.3f} s (parse+rebuild)"
+            f"  {v} coordinator: first save {row[f'{v}_save_s']:.3f} s (build+serialize+parse+write), later "
+            f"saves {row[f'{v}_save_same_s']:.3f} s (build_same+...), restore {row[f'{v}_restore_s']:.3f} s (parse+rebuild)"
         )
     p = row["phases"]
     if not {"v1.parse", "v2.parse", "torch.loads"} <= set(p):

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -55,7 +55,7 @@ from ..format.dcp_metadata import dtype_name
 from ..format.manifest import DTYPE_SIZES
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
-from .commit_build import StoredItem, build_manifest
+from .commit_build import RANK_WRITES_KEY, RankWrites, build_manifest, layout_digest
 from .hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
@@ -315,21 +315,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             store, names, placements, file_sizes, sources, chunk_size=self.chunk_size, thread_count=self.thread_count
         )
 
-        results: list[WriteResult] = []
-        first_of_file = set()
-        for p in placements:
-            entry = None
-            if p.file not in first_of_file:
-                first_of_file.add(p.file)
-                entry = entries[p.file]
-            results.append(
-                WriteResult(
-                    index=items[p.item].index,
-                    size_in_bytes=p.length,
-                    storage_data=StoredItem(names[p.file], p.offset, p.length, entry),
-                )
-            )
-        return results
+        written = tuple(
+            (items[p.item].index.fqn, _offsets(items[p.item]), p.file, p.offset, p.length) for p in placements
+        )
+        boxes = [None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements]
+        rank_writes = RankWrites(tuple(entries), written, layout_digest(written, boxes))
+        return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=rank_writes)]
 
     def _resolve(self, item: WriteItem, planner: SavePlanner) -> Any:
         key = item.index.fqn
@@ -387,6 +378,11 @@ def _warn_if_unsafe_object(raw: bytes, key: str) -> None:
             "Store plain Python types or tensors instead.",
             stacklevel=4,
         )
+
+
+def _offsets(item: WriteItem) -> tuple[int, ...] | None:
+    """The item's chunk offsets as a plain tuple (``None`` for an object), as the manifest keys it."""
+    return None if item.index.offset is None else tuple(item.index.offset)
 
 
 def _numel(sizes) -> int:
