@@ -35,7 +35,7 @@ from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointEr
 from ..format.commit_record import COMMITTED, MISSING, TORN, file_problems, read_commit_record
 from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import Store
-from ..storage.base import BackgroundCommit
+from ..storage.base import BackgroundCommit, StaleUploads
 from .layout import ChunkPlan, Placement, chunk_plans
 
 __all__ = [
@@ -221,7 +221,12 @@ def write_hashed_files(
 
 
 def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
-    """Before a save: refuse a committed checkpoint at ``store``, or remove it when allowed.
+    """Before a save (the coordinator, before any rank writes): refuse a committed checkpoint at
+    ``store``, or remove it when allowed; first, on a store whose killed saves leave hidden
+    uploads behind (S3), abort the stale ones (:meth:`~..storage.base.StaleUploads.abort_stale_uploads_before_save`).
+
+    Done here, once per save, rather than by every rank: a listing per rank is a burst of
+    ranks LIST requests against one prefix at every save (docs/scale.md).
 
     The commit record goes first: from then on the old checkpoint is visibly incomplete, so a
     crash can never pair the old manifest with new data.
@@ -229,6 +234,8 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     Raises:
         CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is false.
     """
+    if isinstance(store, StaleUploads):
+        store.abort_stale_uploads_before_save()
     record = read_commit_record(store, count_files=False)
     if record.status == MISSING:
         return

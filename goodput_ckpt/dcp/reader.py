@@ -128,15 +128,32 @@ class CheckpointReader(StorageReader):
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
         self._store: Store = open_store(uri, self._options)
         self._manifest: Manifest | None = None
+        self._preloaded = False  # _manifest came from shared_manifest() and no load used it yet
         self._storage_data: dict[Any, StoredRange] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
         self._key_index: tuple[Manifest, KeyIndex] | None = None
 
     @property
     def manifest(self) -> Manifest:
-        """The validated manifest (read on first use)."""
+        """The validated manifest (read on first use, by this rank alone)."""
         if self._manifest is None:
             self._manifest = load_manifest(self._store, check_files=not self.partial)
+        return self._manifest
+
+    def shared_manifest(self) -> Manifest:
+        """The validated manifest, read once for the whole group: collective over
+        ``process_group``, like ``read_metadata`` (every rank calls it together).
+
+        For a caller that plans from the manifest before ``dcp.load`` (the manager's restore):
+        with :attr:`manifest` every rank would read the record and check every data file's size,
+        ranks x files requests on an object store. The next ``read_metadata`` takes the manifest
+        read here instead of reading it again.
+
+        Raises:
+            CheckpointError: what reading it raised (on rank 0: the original error).
+        """
+        self._manifest = self._load_shared()
+        self._preloaded = True
         return self._manifest
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -145,6 +162,7 @@ class CheckpointReader(StorageReader):
             self.checkpoint_id = redact(os.fspath(checkpoint_id))
             self._store = open_store(checkpoint_id, self._options)
         self._manifest = None
+        self._preloaded = False
         self._storage_data = {}
         self._chunk_cache = {}
         self._key_index = None
@@ -158,10 +176,17 @@ class CheckpointReader(StorageReader):
             return bool(self.share_manifest)
         return self._store.traits.costly_requests
 
-    def read_metadata(self) -> Metadata:
+    def _load_shared(self) -> Manifest:
         # Collective when a process group exists: one rank reads, the others receive it.
+        return load_shared(
+            lambda: load_manifest(self._store, check_files=not self.partial), group=self.process_group, enabled=self._shares_manifest()
+        )
+
+    def read_metadata(self) -> Metadata:
         try:
-            self._manifest = load_shared(lambda: load_manifest(self._store, check_files=not self.partial), group=self.process_group, enabled=self._shares_manifest())
+            if not self._preloaded:  # shared_manifest() just read it for this load
+                self._manifest = self._load_shared()
+            self._preloaded = False
         except CheckpointError as e:
             # torch 2.13's dcp.load re-raises this as a bare AssertionError that keeps only the
             # message; remembered so that find_checkpoint_error can give the typed error back.

@@ -365,7 +365,7 @@ class CheckpointManager:
         )  # fmt: skip
         plan, local_err = None, None
         try:
-            plan = self._plan(reader.manifest, uri, models, dataloader, stateful)
+            plan = self._plan(reader.shared_manifest(), uri, models, dataloader, stateful)  # one read, not one per rank
         except CheckpointError as e:
             local_err = e
         raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err)

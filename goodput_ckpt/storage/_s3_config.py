@@ -61,7 +61,8 @@ class S3Config:
         aws_access_key_id, aws_secret_access_key, aws_session_token: explicit credentials
             instead of boto3's chain (the key pair together; the token only with it). Hidden
             from reprs and never quoted in messages.
-        stale_upload_age: seconds. When a save starts here (:meth:`S3Store.prepare`), multipart
+        stale_upload_age: seconds. When a save starts here (the coordinator, once:
+            :meth:`S3Store.abort_stale_uploads_before_save`), multipart
             uploads of files directly under this location that have been idle this long (no
             part uploaded, nor the upload started, for this long, by the server's clock) are
             aborted: leftovers of a save that was killed. Every save of this store's own starts

@@ -30,7 +30,7 @@ and the optional abilities are small protocols a caller tests with ``isinstance`
   listing; ``durable_future()`` completes when everything asked of the store for the current
   save is durable at its destination.
 - :class:`StaleUploads` (S3): ``abort_stale_uploads`` reclaims the multipart uploads that killed
-  saves left open.
+  saves left open; the coordinator calls ``abort_stale_uploads_before_save`` once per save.
 
 Only this package knows a backend's concrete class; code above it asks the traits.
 
@@ -238,6 +238,11 @@ class StaleUploads(Protocol):
 
     def abort_stale_uploads(self, *, older_than: float, recursive: bool = False) -> list[str]:
         """Abort the uploads under the location idle for ``older_than`` seconds; their keys."""
+
+    def abort_stale_uploads_before_save(self) -> None:
+        """Before a save, on one rank (the coordinator) before any rank writes: abort the uploads
+        under the location idle for the store's configured age. Best effort: a failure is
+        logged, never raised."""
 
 
 #: The user-info part of a URL: everything from ``://`` to the last ``@`` before the path

@@ -29,7 +29,7 @@ no repr, message, log record or manifest; the config holds them (pickled with th
 ``dcp.async_save``'s process executor) and hands them only to boto3.
 
 A save killed mid-upload leaves its multipart uploads open (stored, billed, invisible). When a
-save starts, :meth:`S3Store.prepare` aborts those under this location that have been idle for
+save starts, the coordinator aborts those under this location that have been idle for
 ``S3Config.stale_upload_age`` (``_s3_stale``).
 """
 
@@ -179,11 +179,16 @@ class S3Store:
 
     # -- Store -------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Before a save (every rank): abort this location's stale multipart uploads.
+        """Nothing to do (object stores have no directories; the bucket must exist). The
+        clean-up of stale uploads runs once per save, on the coordinator
+        (:meth:`abort_stale_uploads_before_save`), not on every rank."""
 
-        Nothing is created (object stores have no directories; the bucket must exist). Every
-        rank prepares before any rank writes (DCP plans collectively first), so no upload of
-        this save exists yet. The clean-up is best effort: a failure (a policy without
+    def abort_stale_uploads_before_save(self) -> None:
+        """Before a save (the coordinator, before any rank writes): abort this location's stale
+        multipart uploads, those idle for ``S3Config.stale_upload_age``.
+
+        DCP plans collectively before any rank writes, so no upload of this save exists yet.
+        The clean-up is best effort: a failure (a policy without
         ``s3:ListBucketMultipartUploads``, say) is logged and the save goes on.
         """
         if self.config.stale_upload_age is None or not self.prefix:
