@@ -304,7 +304,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         assignment = plan.storage_data
         if not isinstance(assignment, _RankAssignment):
             raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
-        items = list(plan.items)
+        # Values that are not shards of a distributed tensor first: the small replicated ones
+        # (optimizer steps, hyperparameters) that every rank reads at a restore then lie together
+        # at the start of the file, in its first hash chunk, not one chunk each.
+        items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
         sources = [self._resolve(item, planner) for item in items]
         sizes = [s.nbytes for s in sources]
         store = self._store

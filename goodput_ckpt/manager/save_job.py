@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..dcp.save_planner import ReplicaGroupingSavePlanner
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error
 from .staging.async_staging import AsyncStaging
@@ -123,7 +124,10 @@ class SaveJobs:
         """
         err: CheckpointError | None = None
         try:
-            dcp.save(state, storage_writer=job.writer, process_group=self.pg, no_dist=self.pg is None)
+            dcp.save(
+                state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(), process_group=self.pg,
+                no_dist=self.pg is None,
+            )  # fmt: skip
             job.record.written(time.perf_counter() - started)
             self.wait_durable(job)
         except (Exception, CheckpointException) as e:
@@ -169,7 +173,10 @@ class SaveJobs:
             try:
                 later.finish()
                 job.record.guarded(later.blocked_seconds())
-                dcp.save(staged, storage_writer=job.writer, process_group=self.pg, no_dist=self.pg is None)
+                dcp.save(
+                    staged, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(), process_group=self.pg,
+                    no_dist=self.pg is None,
+                )  # fmt: skip
             finally:
                 del staged
                 self._staging.release()

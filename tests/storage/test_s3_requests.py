@@ -80,11 +80,8 @@ def test_other_ranks_requests_do_not_grow_with_ranks(counts, phase):
     assert small[1] == large[1] == large[3], f"{phase}: a non-coordinator rank's requests, W=2 {small[1]} vs W=4 {large[1:]}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19: DCP's save planner spreads replicated plain tensors (AdamW's step) over every "
-    "rank's file, so each rank's restore GETs from up to W files (docs/scale.md)",
-)
 def test_other_ranks_restore_requests_do_not_grow_with_ranks(counts):
+    """The manager saves small replicated values (AdamW's step, param_groups) on the lowest rank
+    (dcp/save_planner.py): spread over every rank's file, each rank read from W files."""
     small, large = counts[2]["manager.restore"], counts[4]["manager.restore"]
     assert small[1] == large[1] == large[3], f"W=2 {small[1]} vs W=4 {large[1:]}"

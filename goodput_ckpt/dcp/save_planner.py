@@ -1,0 +1,65 @@
+"""A DCP save planner that stores small replicated values once, on the lowest rank holding them.
+
+Why: DCP assumes a plain tensor or object under the same key on several ranks is one replicated
+value and keeps one copy (``dedup_save_plans``). By default it gives each copy to the rank with
+the fewest bytes so far, which spreads hundreds of tiny values (AdamW's per-parameter ``step``,
+``param_groups`` entries) over every rank's file. Every rank needs all of them at restore, so
+each rank then reads from up to W files: W x W requests per restore on an object store
+(measured in ``tests/storage/test_s3_requests.py``). Kept on the lowest rank they cost every rank
+a read or two of one file. Large replicated tensors (a DDP model) keep torch's balancing, so
+no rank writes much more than the others.
+
+:class:`ReplicaGroupingSavePlanner` runs this before torch's own dedup (which then finds those
+values already unique). Values held by one rank only (per-rank RNG and dataloader state) and
+DTensor shards are never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+__all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "group_small_replicas"]
+
+#: Replicated plain tensors below this many bytes go to the lowest rank; larger ones are
+#: balanced by torch. 1 MiB: far above a scalar or a norm's state, far below a weight matrix.
+SMALL_REPLICA_BYTES = 1 << 20
+
+
+def _small(item: WriteItem) -> bool:
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    if item.type == WriteItemType.TENSOR:
+        size = item.tensor_storage_size()
+        return size is not None and size < SMALL_REPLICA_BYTES
+    return False  # a shard of a DTensor or ShardedTensor: one rank's own piece
+
+
+def group_small_replicas(all_plans: list[SavePlan]) -> list[SavePlan]:
+    """``all_plans`` with each small value that several ranks hold left only in the lowest of
+    those ranks' plans. One pass over the items; plans without such values are returned as is."""
+    first: dict[MetadataIndex, int] = {}
+    shared: set[MetadataIndex] = set()
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            if _small(item):
+                if item.index in first:
+                    shared.add(item.index)
+                else:
+                    first[item.index] = rank
+    if not shared:
+        return all_plans
+    return [
+        dataclasses.replace(plan, items=[it for it in plan.items if it.index not in shared or first[it.index] == rank])
+        for rank, plan in enumerate(all_plans)
+    ]
+
+
+class ReplicaGroupingSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank (module doc)."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return super().create_global_plan(group_small_replicas(all_plans))

@@ -1,0 +1,86 @@
+"""ReplicaGroupingSavePlanner: small replicated values are saved once, by the lowest rank that
+holds them; large replicated tensors keep torch's balancing; one rank's own values stay its own.
+(The requests it saves at restore are counted in tests/storage/test_s3_requests.py.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+from goodput_ckpt.dcp.save_planner import SMALL_REPLICA_BYTES, ReplicaGroupingSavePlanner, group_small_replicas
+
+
+def _plans(world: int) -> list:
+    big = torch.zeros(SMALL_REPLICA_BYTES // 4 + 1)  # just over the limit
+    plans = []
+    for rank in range(world):
+        sd = {f"opt.{i}.step": torch.tensor(float(i)) for i in range(20)}
+        sd |= {"lr": 0.1, "big.a": big, "big.b": big.clone(), f"rng.rank{rank}": torch.tensor(rank)}
+        plans.append(create_default_local_save_plan(sd, rank == 0))
+    return plans
+
+
+def _keys(plan) -> set[str]:
+    return {it.index.fqn for it in plan.items}
+
+
+def test_small_replicas_go_to_the_lowest_rank_and_the_rest_is_untouched() -> None:
+    plans = _plans(4)
+    grouped = group_small_replicas(plans)
+    small = {f"opt.{i}.step" for i in range(20)} | {"lr"}
+    assert small <= _keys(grouped[0])
+    for rank in range(4):
+        assert f"rng.rank{rank}" in _keys(grouped[rank])  # one rank's own value stays there
+        assert {"big.a", "big.b"} <= _keys(grouped[rank])  # large replicas: torch's dedup decides
+        if rank:
+            assert not small & _keys(grouped[rank])
+
+
+def test_the_global_plan_saves_every_value_once() -> None:
+    planner = ReplicaGroupingSavePlanner(flatten_state_dict=False)  # the plans here are flat already
+    plans, metadata = planner.create_global_plan(_plans(4))
+    where = {}
+    for rank, plan in enumerate(plans):
+        for it in plan.items:
+            assert it.index.fqn not in where, it.index.fqn
+            where[it.index.fqn] = rank
+    assert set(where) == set(metadata.state_dict_metadata)
+    assert all(where[f"opt.{i}.step"] == 0 for i in range(20)) and where["lr"] == 0
+    assert {where["big.a"], where["big.b"]} != {0}  # torch still spreads what is large
+    assert [where[f"rng.rank{r}"] for r in range(4)] == [0, 1, 2, 3]
+
+
+def _save_mixed(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from goodput_ckpt import CheckpointWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for i in range(6):  # shards and small replicated values interleaved, as an optimizer state is
+        sd[f"{i}.exp_avg"] = distribute_tensor(torch.randn(4096, generator=g), mesh, [Shard(0)], src_data_rank=None)
+        sd[f"{i}.step"] = torch.tensor(float(i))
+    sd["lr"] = 0.1
+    dcp.save(sd, storage_writer=CheckpointWriter(path), planner=ReplicaGroupingSavePlanner())
+
+
+def test_small_replicas_lie_together_at_the_start_of_the_lowest_ranks_file(tmp_path) -> None:
+    from helpers.dist import run_ranks
+
+    from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
+
+    path = tmp_path / "ck"
+    run_ranks(_save_mixed, 2, str(path), timeout=300, report_dir=tmp_path / "ranks")
+    m = parse_manifest((path / MANIFEST_NAME).read_bytes())
+    small, shards = [], []
+    for key, e in m.items.items():
+        if key.endswith(".exp_avg"):
+            shards += [c for c in e.chunks if c.file.startswith("rank00000-")]
+        else:
+            small.append(e if e.kind == "object" else e.chunks[0])
+    assert len(small) == 7 and all(c.file.startswith("rank00000-") for c in small)
+    assert max(c.offset + c.length for c in small) <= min(c.offset for c in shards) < 64 << 10
