@@ -40,6 +40,8 @@ from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error
 from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
+from ..state.bundle import DATALOADER
+from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
 from .agreement import agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
 from .config import ManagerConfig
@@ -54,6 +56,15 @@ from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, te
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
+
+#: The DCP keys of the per-rank dataloader states (``dataloader.rank{r}``, see ``state.bundle``).
+LOADER_KEY_PREFIX = f"{DATALOADER}."
+
+
+def _share_agreement(plan: Any) -> tuple[str, Any]:
+    """What every rank's restore plan must agree on before the load (``agreement``): whether, and
+    how much, old loader state the coordinator broadcasts after it (``state.loader_share``)."""
+    return "the old ranks' loader states of an elastic restore (count, bytes)", share_key(plan)
 
 
 class CheckpointManager:
@@ -367,7 +378,7 @@ class CheckpointManager:
             plan = self._plan(reader.manifest, uri, models, dataloader, stateful)
         except CheckpointError as e:
             local_err = e
-        raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err)
+        raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err, agree=_share_agreement(plan))
         assert plan is not None
         self._load(step, uri, plan, reader, started, t0)
         return step
@@ -387,11 +398,16 @@ class CheckpointManager:
             dcp.load(plan.dest, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, f"loading step {step} from {uri}")
+        share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
         apply_restore(plan)
+        loader_states = None
+        if plan.dataloader is not None:
+            loader_states = sum(1 for k in reader.keys_read if k.startswith(LOADER_KEY_PREFIX))
         self._timeline.emit(
             RestoreRecord(
                 step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
                 seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest), sources=sources,
+                loader_states=loader_states,
             )  # fmt: skip
         )
         for note in plan.notes:
@@ -406,7 +422,7 @@ class CheckpointManager:
         started, t0 = time.time(), time.perf_counter()
         found = self._tiers.restore(
             step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),
-            dest_of=lambda plan: plan.dest,
+            dest_of=lambda plan: plan.dest, agree_of=_share_agreement,
         )  # fmt: skip
         if found is None:
             return None
