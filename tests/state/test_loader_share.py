@@ -167,3 +167,27 @@ def test_elastic_restore_reads_loader_states_once_on_the_coordinator(moto, tmp_p
         flat = seen + [i for r in rest for i in r]
         assert len(flat) == len(set(flat)), "no sample twice"
         assert N - len(flat) < 2 * ws, "none skipped but the tail that does not split into full batches"
+
+
+def _save_two(rank: int, ws: int, root: str) -> None:
+    loader, _ = _loader(ws, rank, batch=3)
+    next(iter(loader))
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, model=nn.Linear(3, 2), dataloader=loader)
+
+
+def _restore_disagreeing(rank: int, ws: int, root: str) -> None:
+    from goodput_ckpt.errors import CheckpointError
+
+    # Rank 0's loader changed its batch size (an elastic restore); rank 1's did not (its own
+    # state). Rank 0 would broadcast the old states to a rank that never joins: refused instead.
+    loader, _ = _loader(ws, rank, batch=2 if rank == 0 else 3)
+    with CheckpointManager(root, async_save=False) as mgr:
+        with pytest.raises(CheckpointError, match="disagree on the old ranks' loader states"):
+            mgr.restore(model=nn.Linear(3, 2), dataloader=loader)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_disagree_on_sharing_raise_instead_of_hanging(tmp_path):
+    run_ranks(_save_two, 2, str(tmp_path), report_dir=tmp_path / "save", timeout=120)
+    run_ranks(_restore_disagreeing, 2, str(tmp_path), report_dir=tmp_path / "restore", timeout=120)
