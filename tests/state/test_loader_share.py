@@ -14,6 +14,9 @@ The restores that count GETs read with ``verify=False``: with verification a rea
 hash chunks (8 MiB), so a rank that reads the model from old rank 0's file also fetches the bytes
 of rank 0's loader state next to it. The 2-rank restore verifies and checks the record only.
 With every rank reading every state (the behaviour before issue 17), the 3-rank GET count fails.
+
+Also: ranks whose plans disagree on the sharing raise instead of hanging, and a two-tier restore
+(node-local copies) shares the states the same way.
 """
 
 from __future__ import annotations
@@ -191,3 +194,34 @@ def _restore_disagreeing(rank: int, ws: int, root: str) -> None:
 def test_ranks_that_disagree_on_sharing_raise_instead_of_hanging(tmp_path):
     run_ranks(_save_two, 2, str(tmp_path), report_dir=tmp_path / "save", timeout=120)
     run_ranks(_restore_disagreeing, 2, str(tmp_path), report_dir=tmp_path / "restore", timeout=120)
+
+
+def _save_tiers(rank: int, ws: int, root: str, local: str, out: str) -> None:
+    loader, _ = _loader(ws, rank, batch=3)
+    it = iter(loader)
+    seen = _ids(next(it) for _ in range(rank + 1))
+    with CheckpointManager(root, async_save=False, local_dir=local, local_world_size=1) as mgr:
+        mgr.save(2, model=nn.Linear(3, 2), dataloader=loader)
+    Path(out, f"tier-seen{rank}.json").write_text(json.dumps(seen))
+
+
+def _restore_tiers(rank: int, ws: int, root: str, local: str, out: str) -> None:
+    loader, _ = _loader(ws, rank, batch=2)  # another batch size: elastic at the same world size
+    with CheckpointManager(root, async_save=False, local_dir=local, local_world_size=1) as mgr:
+        assert mgr.restore(model=nn.Linear(3, 2), dataloader=loader) == 2
+        (record,) = [r for r in mgr.timeline if r["event"] == "restore"]
+    Path(out, f"tier-rest{rank}.json").write_text(json.dumps({"loader_states": record["loader_states"], "rest": _ids(loader)}))
+
+
+@pytest.mark.timeout(300)
+def test_two_tier_elastic_restore_shares_too(tmp_path):
+    """With node-local tiers (each rank its own simulated node) the coordinator reads both old
+    states from its node's copy and the other rank receives them."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local" / "node{node}")
+    run_ranks(_save_tiers, 2, root, local, str(tmp_path), report_dir=tmp_path / "save", timeout=120)
+    run_ranks(_restore_tiers, 2, root, local, str(tmp_path), report_dir=tmp_path / "restore", timeout=120)
+    results = [json.loads((tmp_path / f"tier-rest{r}.json").read_text()) for r in range(2)]
+    assert [r["loader_states"] for r in results] == [2, 0]
+    seen = [i for r in range(2) for i in json.loads((tmp_path / f"tier-seen{r}.json").read_text())]
+    flat = seen + [i for r in results for i in r["rest"]]
+    assert len(flat) == len(set(flat)) and N - len(flat) < 4, "every pending sample once"
