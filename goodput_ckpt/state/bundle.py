@@ -363,7 +363,10 @@ def plan_restore(
 
 def apply_restore(plan: RestorePlan) -> None:
     """Load the filled destination into the live objects. RNG goes last, so that nothing that
-    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it."""
+    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
+
+    An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
+    only then do the ranks other than the coordinator hold the old loader states."""
     plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
     for name, obj in plan.stateful.items():
         obj.load_state_dict(plan.dest[name])
