@@ -132,6 +132,9 @@ class CheckpointReader(StorageReader):
         self._storage_data: dict[Any, StoredRange] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
         self._key_index: tuple[Manifest, KeyIndex] | None = None
+        #: The keys of the items this reader has read from storage (since ``reset``): what a
+        #: restore record reports, e.g. how many old ranks' loader states this rank read.
+        self.keys_read: set[str] = set()
 
     @property
     def manifest(self) -> Manifest:
@@ -166,6 +169,7 @@ class CheckpointReader(StorageReader):
         self._storage_data = {}
         self._chunk_cache = {}
         self._key_index = None
+        self.keys_read = set()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -256,6 +260,7 @@ class CheckpointReader(StorageReader):
                 verify=(lambda t, bufs: self._verify(t, bufs, manifest)) if self.verify else None,
                 job_done=job_done,
             )
+            self.keys_read.update(item.storage_index.fqn for item in plan.items)
         finally:
             for src in sources.values():
                 src.close()

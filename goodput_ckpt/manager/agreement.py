@@ -80,17 +80,37 @@ def agree_on_latest(
     return choice[0]
 
 
-def raise_if_any_rank_failed(pg: dist.ProcessGroup | None, world_size: int, local_err: CheckpointError | None) -> None:
+def raise_if_any_rank_failed(
+    pg: dist.ProcessGroup | None,
+    world_size: int,
+    local_err: CheckpointError | None,
+    *,
+    agree: tuple[str, Any] | None = None,
+) -> None:
     """Raise on every rank when any rank failed to plan, instead of letting the others hang in
-    the load's collectives: this rank's own error, else the first other rank's."""
+    the load's collectives: this rank's own error, else the first other rank's.
+
+    ``agree`` is ``(what, value)``: a decision of this rank's plan that decides which collectives
+    it joins next (an elastic restore's loader-state broadcast). It rides on the same gather, so
+    checking it costs no collective; ranks whose values differ raise on every rank, naming
+    ``what``, instead of one rank waiting in a broadcast the others never join.
+    """
     if pg is None:
         if local_err is not None:
             raise local_err
         return
-    errors: list[Any] = [None] * world_size
-    dist.all_gather_object(errors, None if local_err is None else str(local_err), group=pg)
+    mine = None if agree is None else agree[1]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (None if local_err is None else str(local_err), mine), group=pg)
     if local_err is not None:
         raise local_err
-    for rank, msg in enumerate(errors):
+    for rank, (msg, _) in enumerate(gathered):
         if msg is not None:
             raise CheckpointError(f"restore failed on rank {rank}: {msg}")
+    if agree is not None:
+        for rank, (_, value) in enumerate(gathered):
+            if value != gathered[0][1]:
+                raise CheckpointError(
+                    f"the ranks disagree on {agree[0]}: rank 0 has {gathered[0][1]!r}, rank {rank} has "
+                    f"{value!r}"
+                )

@@ -41,6 +41,8 @@ from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error
 from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
+from ..state.bundle import DATALOADER
+from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
 from .agreement import agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
 from .config import ManagerConfig
@@ -55,6 +57,15 @@ from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, te
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
+
+#: The DCP keys of the per-rank dataloader states (``dataloader.rank{r}``, see ``state.bundle``).
+LOADER_KEY_PREFIX = f"{DATALOADER}."
+
+
+def _share_agreement(plan: Any) -> tuple[str, Any]:
+    """What every rank's restore plan must agree on before the load (``agreement``): whether, and
+    how much, old loader state the coordinator broadcasts after it (``state.loader_share``)."""
+    return "the old ranks' loader states of an elastic restore (count, bytes)", share_key(plan)
 
 
 class CheckpointManager:
@@ -368,7 +379,7 @@ class CheckpointManager:
             plan = self._plan(reader.shared_manifest(), uri, models, dataloader, stateful)  # one read, not one per rank
         except CheckpointError as e:
             local_err = e
-        raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err)
+        raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err, agree=_share_agreement(plan))
         assert plan is not None
         self._load(step, uri, plan, reader, started, t0)
         return step
@@ -390,11 +401,16 @@ class CheckpointManager:
             )  # fmt: skip
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, f"loading step {step} from {uri}")
+        share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
         apply_restore(plan)
+        loader_states = None
+        if plan.dataloader is not None:
+            loader_states = sum(1 for k in reader.keys_read if k.startswith(LOADER_KEY_PREFIX))
         self._timeline.emit(
             RestoreRecord(
                 step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
                 seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest), sources=sources,
+                loader_states=loader_states,
             )  # fmt: skip
         )
         for note in plan.notes:
@@ -409,7 +425,7 @@ class CheckpointManager:
         started, t0 = time.time(), time.perf_counter()
         found = self._tiers.restore(
             step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),
-            dest_of=lambda plan: plan.dest,
+            dest_of=lambda plan: plan.dest, agree_of=_share_agreement,
         )  # fmt: skip
         if found is None:
             return None

@@ -22,6 +22,9 @@ rank, so the goodput of a real run can be computed afterwards (``goodput-ckpt pl
 - Two tiers (``local_dir``): save records add ``tier`` (``"local"``) and ``replicate_s``; each
   persist is a ``{"event": "persist", "step", "seconds", "bytes", "ok", "error", ...}`` record;
   restore records add ``sources``, data files read per tier (``{"local": 3, "replica": 1}``).
+- Restores with a ``dataloader=`` add ``loader_states``: how many ranks' saved dataloader states
+  this rank read from storage (its own: 1; an elastic restore: the old world size on the
+  coordinator and 0 on the other ranks, which receive them from it; 0 when none was restored).
 
 In code a record is a :class:`SaveRecord` or a :class:`RestoreRecord`; the save job
 (:mod:`.save_job`) is the one place that fills a save's record in, and :meth:`SaveRecord.to_json`
@@ -149,6 +152,7 @@ class RestoreRecord:
     seconds: float
     bytes: int
     sources: dict[str, int] | None = None  # two tiers: data files read per tier ("local", "replica", "persistent")
+    loader_states: int | None = None  # with a dataloader: the ranks' loader states this rank read from storage
 
     def to_json(self) -> Record:
         """The record as the JSON object of the timeline file."""
@@ -156,6 +160,7 @@ class RestoreRecord:
             "event": "restore", "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "time": self.time, "seconds": self.seconds, "bytes": self.bytes, "ok": True, "error": None,
             **({} if self.sources is None else {"sources": dict(self.sources)}),
+            **({} if self.loader_states is None else {"loader_states": self.loader_states}),
         }  # fmt: skip
 
 

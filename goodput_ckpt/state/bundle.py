@@ -18,8 +18,10 @@ restore under another topology is refused by name instead of silently misapplied
 
 Elastic loaders (``goodput_ckpt.data.ElasticSampler`` as sampler, ``TokenStream`` as dataset)
 are the exception: their per-rank blobs together hold a global data position, so a restore under
-another topology loads *every* old rank's blob and hands them to the loader's position holder,
-and re-derives the RNG (``state.rng``) instead of refusing.
+another topology hands *every* old rank's blob to the loader's position holder, and re-derives
+the RNG (``state.rng``) instead of refusing. Only the coordinator (rank 0 of the checkpoint
+group) reads those blobs from storage; the others receive their bytes from it
+(:mod:`.loader_share`): W_old reads per restore instead of W_old x W_new.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
 from ..format.dcp_metadata import torch_dtype
 from ..format.manifest import Manifest, TensorEntry
+from ..format.schema import MAX_WORLD_SIZE
 from .dataloader import (
     check_dataloader,
     decode_dataloader_state,
@@ -151,6 +154,13 @@ class RestorePlan:
     #: Elastic data position: old ranks whose loader states go to the ElasticSampler (their
     #: count), the batch size they used, and where (for messages). 0 = not elastic.
     elastic_from: int = 0
+    #: Elastic: the old ranks' loader blobs, rank order, filled before :func:`apply_restore`.
+    #: On the coordinator these are ``dest``'s own tensors (DCP reads them); elsewhere empty
+    #: tensors of the sizes the manifest gives, which :func:`.loader_share.share_loader_states`
+    #: fills from the coordinator's copy.
+    elastic_blobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Whether DCP reads ``elastic_blobs`` into this rank (the coordinator) or it receives them.
+    elastic_reads: bool = False
     elastic_batch_size: int | None = None
     where: str = ""
     #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
@@ -219,7 +229,9 @@ def plan_restore(
     and report what was skipped in ``notes``. Model, optimizer and other objects reshard.
 
     Elastic loaders (an ``ElasticSampler`` saved and restored into, see ``state.dataloader``) need
-    no flag: every rank reads all old ranks' loader states and the sampler splits the epoch's
+    no flag: every rank gets all old ranks' loader states (only the coordinator,
+    ``topology.rank == 0``, puts them in ``dest``; the others get them from it through
+    :func:`.loader_share.share_loader_states`) and the sampler splits the epoch's
     pending samples among the new ranks; under another world size every rank's RNG is re-derived
     from the saved base seed, the step and its new rank (``state.rng``). A checkpoint without
     dataloader state (``reshard --rank-state drop``) restores with the loader left at its start.
@@ -273,8 +285,11 @@ def plan_restore(
     # How many ranks' loader states there are: the saving world size, unless ``reshard`` carried
     # elastic positions over to another world size (it records the old one as "ranks").
     dl_ranks = meta["dataloader"].get("ranks", saved_ws) if want_dl else saved_ws
-    if isinstance(dl_ranks, bool) or not isinstance(dl_ranks, int) or dl_ranks < 1:
-        raise CorruptCheckpointError(f"{where}: dataloader ranks must be a positive integer", path=where)
+    # Bounded like the manifest's world size: each of these ranks costs a blob template here.
+    if isinstance(dl_ranks, bool) or not isinstance(dl_ranks, int) or not 1 <= dl_ranks <= MAX_WORLD_SIZE:
+        raise CorruptCheckpointError(
+            f"{where}: dataloader ranks must be an integer in [1, {MAX_WORLD_SIZE}]", path=where, key=DATALOADER
+        )
     moved = saved_ws != topology.world_size or dl_ranks != topology.world_size
     if elastic and moved:
         if want_rng and saved_ws != topology.world_size:
@@ -330,7 +345,10 @@ def plan_restore(
         plan.restore_rng = True
     if plan.elastic_from:
         keys = [rank_key(r) for r in range(plan.elastic_from)]
-        plan.dest[DATALOADER] = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
+        plan.elastic_blobs = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
+        plan.elastic_reads = topology.rank == 0
+        if plan.elastic_reads:  # the others receive the blobs from the coordinator
+            plan.dest[DATALOADER] = plan.elastic_blobs
         plan.dataloader, plan.where = dataloader, where
         plan.elastic_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
@@ -345,12 +363,15 @@ def plan_restore(
 
 def apply_restore(plan: RestorePlan) -> None:
     """Load the filled destination into the live objects. RNG goes last, so that nothing that
-    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it."""
+    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
+
+    An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
+    only then do the ranks other than the coordinator hold the old loader states."""
     plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
     for name, obj in plan.stateful.items():
         obj.load_state_dict(plan.dest[name])
     if plan.elastic_from:
-        states = [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in plan.dest[DATALOADER].items()]
+        states = [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in plan.elastic_blobs.items()]
         sampler = elastic_sampler_of(plan.dataloader)
         note = sampler.elastic_resume(states, batch_size=plan.elastic_batch_size, where=plan.where)
         plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position

@@ -11,8 +11,9 @@ The manifest also records what the state depends on (:func:`describe_dataloader`
 count and the batch size. A dataloader resumed with a different worker count would silently
 replay or skip samples, so the restore refuses it (see ``state.bundle``) -- unless the loader's
 sampler is elastic (``goodput_ckpt.data.ElasticSampler``): its position is global, so a restore
-under another world size, worker count or batch size reads every old rank's blob and hands them
-to the sampler (:func:`elastic_sampler_of`). The sampler is found by its methods, because
+under another world size, worker count or batch size hands every old rank's blob to the
+sampler (:func:`elastic_sampler_of`); the coordinator reads them and shares their bytes with the
+other ranks (``state.loader_share``). The sampler is found by its methods, because
 ``data/`` sits beside ``state/`` and neither imports the other.
 """
 

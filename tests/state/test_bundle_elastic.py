@@ -3,6 +3,7 @@ worker count, batch size or world size elastic (no flag), and checkpoints withou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -15,7 +16,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt import CheckpointManager
 from goodput_ckpt.data import ElasticSampler, TokenStream
-from goodput_ckpt.errors import TopologyChangeError
+from goodput_ckpt.dcp.manifest_load import load_manifest
+from goodput_ckpt.errors import CorruptCheckpointError, TopologyChangeError
+from goodput_ckpt.format.schema import MAX_WORLD_SIZE
+from goodput_ckpt.state import META_KEY, Topology, normalize, plan_restore
+from goodput_ckpt.storage import open_store
 from goodput_ckpt.state.rng import derived_seed
 from goodput_ckpt.tools.reshard import reshard_checkpoint
 
@@ -55,7 +60,27 @@ def test_same_topology_is_bit_exact(tmp_path):
     assert mgr.restore(model=model, dataloader=fresh) == 1
     assert fs.epoch == 3, "the restored epoch is known right after restore"
     assert _ids(fresh) == want
+    assert mgr.timeline[-1]["loader_states"] == 1, "its own loader state, read once"
     mgr.close()
+
+
+def test_the_old_rank_count_is_bounded_before_it_sizes_anything(tmp_path):
+    """A hostile ``dataloader.ranks`` must not allocate a template per claimed rank."""
+    model = nn.Linear(2, 2)
+    loader, _ = _loader(0, 4)
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, model=model, dataloader=loader)
+    manifest = load_manifest(open_store(str(tmp_path / "step_00000001"), {}))
+    meta = manifest.metadata[META_KEY]
+    for ranks in (MAX_WORLD_SIZE + 1, 1 << 40, 0, True):
+        bad = dataclasses.replace(
+            manifest, metadata={**manifest.metadata, META_KEY: {**meta, "dataloader": {**meta["dataloader"], "ranks": ranks}}}
+        )
+        with pytest.raises(CorruptCheckpointError, match="dataloader ranks"):
+            plan_restore(
+                bad, where="x", models=normalize(model, None), dataloader=_loader(0, 4, 2, 0)[0], stateful={},
+                topology=Topology(rank=0, world_size=2), allow_topology_change=False,
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize(("before", "after"), [((2, 4), (0, 3)), ((0, 4), (2, 5))])

@@ -100,6 +100,7 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
+    agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
     """Agree on a step and make every node's copy hold what its ranks read (the module doc).
@@ -111,6 +112,7 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
+        agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
 
     Returns:
         ``(choice, plan)``, or ``None`` when ``step`` is ``None`` and no tier holds a step.
@@ -150,7 +152,7 @@ def restore_tiers(
     reasons = []
     for s in candidates:
         outcome = _attempt(
-            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of,
+            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of, agree_of=agree_of,
             persistent_options=persistent_options,
         )  # fmt: skip
         if isinstance(outcome, str):
@@ -225,6 +227,7 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
+    agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
     """Try to rebuild ``s`` on every node (module doc, step 2): the choice and this rank's plan,
@@ -243,7 +246,8 @@ def _attempt(
         missing, notes = _check_local(tier.store, s, manifest, need, verify)
     except Exception as e:  # noqa: BLE001 - DCP's planner raises plain errors; every rank raises
         local_err = as_checkpoint_error(e, f"planning the restore of step {s}")
-    raise_if_any_rank_failed(pg, layout.world_size, local_err)
+    agree = None if agree_of is None or plan is None else agree_of(plan)
+    raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
     for note in notes:
         logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, layout.node, note)
         warnings.warn(f"restore of step {s}: node {layout.node}'s local copy: {note}; using the next tier", stacklevel=4)

@@ -1,0 +1,74 @@
+"""An elastic restore's old loader states: read once by the coordinator, sent to the other ranks.
+
+Why: every new rank needs every old rank's (small) dataloader blob to rebuild a global data
+position (``state.bundle``). Read by every rank, that is W_old x W_new small requests, about a
+million at 1,000 ranks on S3. So only the coordinator (rank 0 of the checkpoint group) puts
+them in its DCP destination, and after ``dcp.load`` it broadcasts their raw bytes to the group
+as one ``uint8`` tensor: one collective, and nothing is pickled or unpickled on the way.
+
+Every rank knows each blob's size from the manifest it has already validated (its plan holds an
+empty tensor of that size per old rank), so the receivers allocate exactly what the coordinator
+read and no size crosses the wire. The received bytes are then decoded like read ones, by
+``decode_dataloader_state`` (``torch.load(weights_only=True)``) in ``apply_restore``.
+
+Call order, every rank of the group: ``plan_restore`` -> the ranks agree on the plan's
+:func:`share_key` (a mismatch would leave some ranks waiting in this broadcast) -> ``dcp.load``
+-> :func:`share_loader_states` -> ``apply_restore``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .bundle import RestorePlan
+
+__all__ = ["share_key", "share_loader_states"]
+
+
+def share_key(plan: RestorePlan | None) -> tuple[int, int] | None:
+    """What every rank's plan must agree on before :func:`share_loader_states`: the number of
+    old loader states and their total bytes ((0, 0) when there is nothing to share)."""
+    if plan is None:
+        return None
+    return plan.elastic_from, sum(_bytes(b).numel() for b in plan.elastic_blobs.values())
+
+
+def share_loader_states(plan: RestorePlan, pg: Any) -> None:
+    """Give every rank the old loader blobs the coordinator read (a no-op when the restore is not
+    elastic, or without a process group: then this process read them itself).
+
+    Collective over ``pg`` when ``plan.elastic_from``; every rank's :func:`share_key` must be equal.
+    """
+    if not plan.elastic_from or pg is None:
+        return
+    blobs = [_bytes(b) for b in plan.elastic_blobs.values()]
+    total = sum(b.numel() for b in blobs)
+    device = _device_of(pg)
+    if plan.elastic_reads:
+        flat = torch.cat(blobs).to(device)
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+    dist.broadcast(flat, group=pg, group_src=0)
+    if plan.elastic_reads:
+        return
+    flat, start = flat.cpu(), 0
+    for b in blobs:
+        b.copy_(flat[start : start + b.numel()])
+        start += b.numel()
+
+
+def _bytes(blob: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a blob template (a view: filling it fills the template)."""
+    return blob.reshape(-1).view(torch.uint8)
+
+
+def _device_of(pg: Any) -> torch.device:
+    """Where the group's collectives take tensors: CPU for gloo (the manager's own group), this
+    process's current GPU for a NCCL group a caller passed in."""
+    backend = str(dist.get_backend(pg)).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
