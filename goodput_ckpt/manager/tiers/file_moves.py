@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -76,16 +76,18 @@ def copy_file(src: Store, dst: Store, entry: FileEntry, chunk_size: int) -> None
         source.close()
 
 
-def check_file(store: Store, entry: FileEntry, chunk_size: int, *, threads: int = 4) -> None:
-    """Read the data file ``entry`` of the checkpoint location ``store`` whole and check every
-    chunk against the manifest, ``threads`` chunks at a time (blake3 and the reads release the
-    GIL), each thread with one reused buffer.
+def check_file(
+    store: Store, entry: FileEntry, chunk_size: int, *, threads: int = 4, only: Collection[int] | None = None
+) -> None:
+    """Read the data file ``entry`` of the checkpoint location ``store`` and check its chunks
+    against the manifest (every chunk, or the chunk indices in ``only``), ``threads`` chunks at a
+    time (blake3 and the reads release the GIL), each thread with one reused buffer.
 
     Raises:
         CorruptCheckpointError: a chunk that does not match (file and byte range).
         CheckpointError: the file cannot be read.
     """
-    pieces = list(_pieces(entry, chunk_size))
+    pieces = [p for p in _pieces(entry, chunk_size) if only is None or p[0] in only]
     buffers: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
     for _ in range(max(1, min(threads, len(pieces)))):
         buffers.put(_buffer(chunk_size, entry.size))

@@ -8,14 +8,15 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    persistent tier, newest first (or just the step asked for).
 2. *One candidate at a time* (:func:`_attempt`): the commit record comes from the first node
    whose record validates, else from the persistent tier. Each rank plans its load as
-   ``dcp.load`` will and so knows which data files it reads. It checks those in its node's
-   copy, hashing every chunk; a missing or damaged file is named in a warning and fetched into
+   ``dcp.load`` will and so knows which data files, and which hash chunks of them, it reads. It
+   checks those chunks in its node's copy (of another rank's file often only the first, where
+   the small replicated values lie); a missing or damaged file is named in a warning and fetched into
    the node's copy from the next tier: a replica (or any copy) on another node, sent over the
    group and checked chunk by chunk on arrival, else the persistent tier, checked the same way.
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
 3. *Load.* Every node's copy now holds what its ranks read (and its commit record, rewritten
-   where it was missing), every file of it checked chunk by chunk moments ago: ``dcp.load``
+   where it was missing), every chunk a rank reads checked moments ago: ``dcp.load``
    reads it through ``CheckpointReader`` (the manager's ``_restore_tiers``).
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...dcp.needed_files import files_read_by
+from ...dcp.needed_files import chunks_read_by
 from ...errors import CheckpointError, CheckpointNotFoundError, as_checkpoint_error
 from ...format.commit_record import COMMITTED, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -190,8 +191,11 @@ def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: 
     return data if isinstance(data, bytes) else f"its persistent commit record is unusable: {data}"
 
 
-def _check_local(store: Store, s: int, manifest: Manifest, files: set[str], verify: bool) -> tuple[set[str], list[str]]:
-    """The files of ``files`` this node's copy of ``s`` lacks or holds damaged, and warnings."""
+def _check_local(
+    store: Store, s: int, manifest: Manifest, files: dict[str, set[int]], verify: bool
+) -> tuple[set[str], list[str]]:
+    """The files of ``files`` this node's copy of ``s`` lacks, or holds with a damaged chunk
+    among those this rank reads (``files``: name -> chunk indices), and warnings."""
     step_store = store_of(store, s)
     missing, notes = set(), []
     for name in sorted(files):
@@ -204,7 +208,7 @@ def _check_local(store: Store, s: int, manifest: Manifest, files: set[str], veri
             continue
         if verify:
             try:
-                check_file(step_store, entry, manifest.chunk_size)
+                check_file(step_store, entry, manifest.chunk_size, only=files[name])
             except CheckpointError as e:
                 missing.add(name)
                 notes.append(str(e))
@@ -239,10 +243,10 @@ def _attempt(
         return data
     where = tier.step_uri(s)
     manifest = parse_manifest(data, location=where)
-    plan, need, missing, notes, local_err = None, set(), set(), [], None
+    plan, need, missing, notes, local_err = None, {}, set(), [], None
     try:
         plan = plan_for(manifest, where)
-        need = files_read_by(dest_of(plan), manifest)
+        need = chunks_read_by(dest_of(plan), manifest)
         missing, notes = _check_local(tier.store, s, manifest, need, verify)
     except Exception as e:  # noqa: BLE001 - DCP's planner raises plain errors; every rank raises
         local_err = as_checkpoint_error(e, f"planning the restore of step {s}")
