@@ -13,6 +13,11 @@ One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recip
   ``tm-crc`` the same with the integrity scheme of our store (bodies unsigned, a CRC-32 header
   per part, checked by the server), i.e. the same work per byte. The best of the three is the
   ceiling;
+- ``raw``: the server's limit for these requests: the same bytes as 8 MiB objects, PUT by 16
+  threads with their CRC-32 headers computed before the clock starts and bodies unsigned, then
+  GET back by 16 threads into one preallocated buffer. No client can do less per byte, so a
+  method's ratio to ``raw`` is what is left to gain on the client; what ``raw`` itself takes is
+  the server (and the loopback) on this machine;
 - ``fsspec``: torch's ``FsspecWriter`` (``thread_count=4``) / ``FsspecReader`` over s3fs;
 - ``s3tc``: s3torchconnector's ``S3StorageWriter`` (``thread_count=4``) / ``S3StorageReader``, when
   it is installed (``pip install "s3torchconnector[dcp]"``).
@@ -68,7 +73,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 MiB = 1 << 20
-ALL_METHODS = ("ours", "tm-default", "tm-tuned", "tm-crc", "fsspec", "s3tc")
+ALL_METHODS = ("ours", "tm-default", "tm-tuned", "tm-crc", "fsspec", "s3tc", "raw")
 TM_METHODS = ("tm-default", "tm-tuned", "tm-crc")
 
 
@@ -185,6 +190,57 @@ def transfer_manager(env: Env, bucket: str, prefix: str, tuned: bool, crc: bool 
     return save, load
 
 
+def raw_requests(env: Env, bucket: str, prefix: str):
+    """The ``raw`` method (module doc): every per-byte client cost moved out of the timed part."""
+    import base64
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3", endpoint_url=env.url, region_name="us-east-1",
+        config=Config(max_pool_connections=32, request_checksum_calculation="when_required",
+                      response_checksum_validation="when_required",
+                      s3={"addressing_style": "path", "payload_signing_enabled": False}),
+    )  # fmt: skip
+    part = 8 * MiB
+    bodies = [env.raw[o : o + part] for o in range(0, len(env.raw), part)]
+    crcs = [base64.b64encode(zlib.crc32(b).to_bytes(4, "big")).decode() for b in bodies]
+    keys = [f"{prefix}/p{i:05d}" for i in range(len(bodies))]
+
+    def put(i: int) -> None:
+        client.put_object(Bucket=bucket, Key=keys[i], Body=bodies[i], ChecksumCRC32=crcs[i])
+
+    def save() -> None:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(put, range(len(bodies))))
+
+    def load() -> Any:
+        out = bytearray(len(env.raw))
+        view = memoryview(out)
+
+        def get(i: int) -> None:
+            body = client.get_object(Bucket=bucket, Key=keys[i])["Body"]
+            o, n = i * part, len(bodies[i])
+            while n:
+                got = body.readinto(view[o : o + n]) if hasattr(body, "readinto") else None
+                if got is None:
+                    chunk = body.read(n)
+                    view[o : o + len(chunk)] = chunk
+                    got = len(chunk)
+                if not got:
+                    raise SystemExit(f"raw: {keys[i]} ended early")
+                o, n = o + got, n - got
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(get, range(len(bodies))))
+        return out
+
+    return save, load
+
+
 def fsspec_peer(env: Env, bucket: str, prefix: str):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -290,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "tm-crc": lambda: transfer_manager(env, bucket, prefix, tuned=True, crc=True),
                     "fsspec": lambda: fsspec_peer(env, bucket, prefix),
                     "s3tc": lambda: s3tc_peer(env, bucket, prefix),
+                    "raw": lambda: raw_requests(env, bucket, prefix),
                 }[m]
                 save, load = factory()
                 res = results.setdefault(m, {"save": Phase(), "load": Phase()})
@@ -332,7 +389,7 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
         for p in ("save", "load"):
             ours_v = rows["ours"][p]["mib_s"]
             ratios[p] = {
-                ref: ours_v / rows[ref][p]["mib_s"] for ref in (*TM_METHODS, "fsspec", "s3tc") if ref in rows
+                ref: ours_v / rows[ref][p]["mib_s"] for ref in (*TM_METHODS, "fsspec", "s3tc", "raw") if ref in rows
             }
             if ceiling[p]:
                 ratios[p]["ceiling"] = ours_v / ceiling[p]
@@ -344,7 +401,7 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
             mine = results["ours"][p].seconds
             per_repeat[p] = {
                 ref: statistics.median(theirs / ours_t for ours_t, theirs in zip(mine, results[ref][p].seconds))
-                for ref in (*TM_METHODS, "fsspec", "s3tc")
+                for ref in (*TM_METHODS, "fsspec", "s3tc", "raw")
                 if ref in results
             }
             best_tm = [min(ts) for ts in zip(*(results[m][p].seconds for m in TM_METHODS if m in results))]
