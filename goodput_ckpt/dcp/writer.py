@@ -195,6 +195,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
+            if getattr(plan, "usable", True) is False:
+                raise CheckpointError(_PLAN_CACHING)
             self._store.prepare()
         except BaseException:
             self._release()
@@ -301,6 +303,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     # -- every rank: layout, hashing, writing ------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         check_byte_order()
+        if getattr(planner, "_enable_plan_caching", False):
+            raise CheckpointError(_PLAN_CACHING)
         assignment = plan.storage_data
         if not isinstance(assignment, _RankAssignment):
             raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
@@ -354,6 +358,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         publish_manifest(self._store, manifest, replace=self.overwrite)
         remove_stale_files_after_commit(self._store, set(manifest.files))
 
+
+
+#: torch's save-plan caching hands a rank whose plan did not change the cached final plan of the
+#: previous save, with that save's assignment: its file names. Written again under the same names,
+#: an overwrite would replace the committed checkpoint's files before the new one commits.
+_PLAN_CACHING = (
+    "CheckpointWriter does not support a save planner with enable_plan_caching=True: a rank whose "
+    "plan did not change would be handed the previous save's file names. Use a planner without plan caching"
+)
 
 
 class _BytesSource:

@@ -84,3 +84,27 @@ def test_small_replicas_lie_together_at_the_start_of_the_lowest_ranks_file(tmp_p
             small.append(e if e.kind == "object" else e.chunks[0])
     assert len(small) == 7 and all(c.file.startswith("rank00000-") for c in small)
     assert max(c.offset + c.length for c in small) <= min(c.offset for c in shards) < 64 << 10
+
+
+def test_the_writer_refuses_torchs_plan_caching(tmp_path) -> None:
+    """With enable_plan_caching a rank whose plan did not change gets the previous save's final
+    plan, file names included: refused before anything is written, on the first save already."""
+    import inspect
+
+    import pytest
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from goodput_ckpt import CheckpointError, CheckpointWriter
+
+    if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner).parameters:
+        pytest.skip("this torch has no save-plan caching")
+    state = {"w": torch.arange(8.0)}
+    dcp.save(state, storage_writer=CheckpointWriter(tmp_path / "ok"), no_dist=True)
+    with pytest.raises(CheckpointException) as info:  # dcp.save wraps each rank's error
+        dcp.save(state, storage_writer=CheckpointWriter(tmp_path / "cached"), planner=DefaultSavePlanner(enable_plan_caching=True), no_dist=True)
+    (failure,) = info.value.failures.values()
+    err = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback) in torch 2.13
+    assert isinstance(err, CheckpointError) and "enable_plan_caching" in str(err)
+    assert not any((tmp_path / "cached").glob("*.bin"))  # nothing written
