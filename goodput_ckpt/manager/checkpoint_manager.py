@@ -395,12 +395,23 @@ class CheckpointManager:
         sources: dict[str, int] | None = None,
     ) -> None:  # fmt: skip
         """Every rank: load ``plan`` through ``reader``, apply it, record it, report its notes."""
+        self._read(plan, reader, f"loading step {step} from {uri}")
+        self._apply(step, uri, plan, reader, started, t0, sources)
+
+    def _read(self, plan: Any, reader: CheckpointReader, what: str) -> None:
+        """Every rank: ``dcp.load`` of ``plan`` through ``reader`` (the destination only)."""
         try:
             dcp.load(
                 plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=self._pg is None
             )  # fmt: skip
         except (Exception, CheckpointException) as e:
-            raise as_checkpoint_error(e, f"loading step {step} from {uri}")
+            raise as_checkpoint_error(e, what)
+
+    def _apply(
+        self, step: int, uri: str, plan: Any, reader: CheckpointReader, started: float, t0: float,
+        sources: dict[str, int] | None,
+    ) -> None:  # fmt: skip
+        """Every rank, after :meth:`_read`: apply ``plan``, record the restore, report its notes."""
         share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
         apply_restore(plan)
         loader_states = None
@@ -415,27 +426,32 @@ class CheckpointManager:
         )
         for note in plan.notes:
             logger.warning("restore of step %d: %s", step, note)
-            warnings.warn(f"restore of step {step}: {note}", stacklevel=3)
+            warnings.warn(f"restore of step {step}: {note}", stacklevel=4)
         logger.info("restored step %d from %s", step, uri)
 
     def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
         """Two tiers: agree on a step every rank can rebuild, fetch what is missing from the next
-        tier, then load from this node's copy (:mod:`.tiers.restore`)."""
+        tier, and load from this node's copy, each chunk checked as it is read
+        (:mod:`.tiers.restore`)."""
         assert self._tiers is not None
         started, t0 = time.time(), time.perf_counter()
+        readers: list[CheckpointReader] = []
+
+        def load(plan: Any, where: str) -> None:
+            reader = CheckpointReader(
+                where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True
+            )  # fmt: skip
+            readers.append(reader)
+            self._read(plan, reader, f"loading {where}")
+
         found = self._tiers.restore(
             step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),
-            dest_of=lambda plan: plan.dest, agree_of=_share_agreement,
+            dest_of=lambda plan: plan.dest, load=load, agree_of=_share_agreement,
         )  # fmt: skip
         if found is None:
             return None
         choice, plan = found
-        uri = self._tiers.step_uri(choice.step)
-        # Every file this rank reads was checked chunk by chunk during the restore (on this
-        # node's disk, or on arrival from another tier) moments ago: hashing it again as it is
-        # read would double the restore's CPU cost for nothing (with verify=False, nothing was).
-        reader = CheckpointReader(uri, verify=False, thread_count=self.config.thread_count, process_group=self._pg, partial=True)
-        self._load(choice.step, uri, plan, reader, started, t0, sources=choice.sources)
+        self._apply(choice.step, self._tiers.step_uri(choice.step), plan, readers[-1], started, t0, choice.sources)
         return choice.step
 
     def _agree_on_latest(self) -> int | None:

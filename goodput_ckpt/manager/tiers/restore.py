@@ -8,16 +8,19 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    persistent tier, newest first (or just the step asked for).
 2. *One candidate at a time* (:func:`_attempt`): the commit record comes from the first node
    whose record validates, else from the persistent tier. Each rank plans its load as
-   ``dcp.load`` will and so knows which data files, and which hash chunks of them, it reads. It
-   checks those chunks in its node's copy (of another rank's file often only the first, where
-   the small replicated values lie); a missing or damaged file is named in a warning and fetched into
-   the node's copy from the next tier: a replica (or any copy) on another node, sent over the
+   ``dcp.load`` will and so knows which data files, and which hash chunks of them, it reads.
+   A file its node's copy lacks, or holds at another size, is named in a warning and fetched
+   into that copy from the next tier: a replica (or any copy) on another node, sent over the
    group and checked chunk by chunk on arrival, else the persistent tier, checked the same way.
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
-3. *Load.* Every node's copy now holds what its ranks read (and its commit record, rewritten
-   where it was missing), every chunk a rank reads checked moments ago: ``dcp.load``
-   reads it through ``CheckpointReader`` (the manager's ``_restore_tiers``).
+3. *Load, in one pass.* Every node's copy now holds a file of the right size for each one its
+   ranks read (and its commit record, rewritten where it was missing). ``load`` reads them
+   through ``CheckpointReader``, which checks each chunk as it reads it: the bytes are read and
+   hashed once. When some rank finds a damaged chunk, every rank checks all the chunks it reads
+   in its node's copy (so that every damaged file is found at once), those files come from
+   the next tier as in step 2, and every rank loads again; a step whose damaged files have no
+   intact copy anywhere is passed for the next candidate, as in step 2.
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
 only passes a step that cannot be rebuilt) and incomplete ones.
@@ -34,7 +37,14 @@ from typing import Any
 import torch.distributed as dist
 
 from ...dcp.needed_files import chunks_read_by
-from ...errors import CheckpointError, CheckpointNotFoundError, as_checkpoint_error
+from ...errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    as_checkpoint_error,
+    find_checkpoint_error,
+)
 from ...format.commit_record import COMMITTED, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ...storage import open_store
@@ -101,6 +111,7 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
+    load: Callable[[Any, str], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
@@ -113,10 +124,14 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
+        load: ``load(plan, where)``: every rank together, load ``plan`` from the checkpoint
+            location ``where`` (this node's copy), checking every chunk read when verifying;
+            raises :class:`CheckpointError`.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
 
     Returns:
-        ``(choice, plan)``, or ``None`` when ``step`` is ``None`` and no tier holds a step.
+        ``(choice, plan)`` with ``plan`` loaded, or ``None`` when ``step`` is ``None`` and no
+        tier holds a step.
 
     Raises:
         CheckpointError: no candidate can be rebuilt (each one's reason is in the message), or
@@ -153,7 +168,7 @@ def restore_tiers(
     reasons = []
     for s in candidates:
         outcome = _attempt(
-            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of, agree_of=agree_of,
+            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of, load=load, agree_of=agree_of,
             persistent_options=persistent_options,
         )  # fmt: skip
         if isinstance(outcome, str):
@@ -231,11 +246,12 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
+    load: Callable[[Any, str], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
-    """Try to rebuild ``s`` on every node (module doc, step 2): the choice and this rank's plan,
-    or why ``s`` cannot be rebuilt (the same answer on every rank)."""
+    """Try to rebuild and load ``s`` on every node (module doc, steps 2 and 3): the choice and
+    this rank's plan, or why ``s`` cannot be rebuilt (the same answer on every rank)."""
     layout, pg = tier.layout, tier.pg
     here = nodes.get(layout.node, {}).get(s, {})
     data = _record(tier, persistent, s, MANIFEST_NAME in here, persisted)
@@ -247,14 +263,86 @@ def _attempt(
     try:
         plan = plan_for(manifest, where)
         need = chunks_read_by(dest_of(plan), manifest)
-        missing, notes = _check_local(tier.store, s, manifest, need, verify)
+        # Sizes only: the load itself checks every chunk it reads (one pass over the bytes).
+        missing, notes = _check_local(tier.store, s, manifest, need, verify=False)
     except Exception as e:  # noqa: BLE001 - DCP's planner raises plain errors; every rank raises
         local_err = as_checkpoint_error(e, f"planning the restore of step {s}")
     agree = None if agree_of is None or plan is None else agree_of(plan)
     raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
+    _warn_unusable(s, layout.node, notes)
+    arrived = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
+    if isinstance(arrived, str):
+        return arrived
+    here_store = store_of(tier.store, s)
+    if layout.rank in layout.ranks_of(layout.node)[:1]:
+        if read_commit_record(here_store, count_files=False).status != COMMITTED:
+            here_store.prepare()
+            here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+    if pg is not None:
+        dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
+    damaged = _load_checked(load, plan, where, pg, layout.world_size)
+    if damaged:
+        # Some rank read a chunk that does not match the manifest (or a file cut short since
+        # the size check). Check every chunk this rank reads, so that every damaged file is
+        # found at once, fetch those from the next tier (checked on arrival) and load again.
+        missing, notes = _check_local(tier.store, s, manifest, need, verify=verify)
+        _warn_unusable(s, layout.node, notes)
+        again = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
+        if isinstance(again, str):
+            return again
+        arrived.update(again)
+        err = None
+        try:
+            load(plan, where)
+        except CheckpointError as e:
+            err = e
+        raise_if_any_rank_failed(pg, layout.world_size, err)
+    # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
+    node_arrivals = {n: t for r, got in enumerate(_gather(pg, layout.world_size, arrived)) if layout.node_of(r) == layout.node for n, t in got.items()}
+    sources: dict[str, int] = {}
+    for name in need:
+        tier_name = node_arrivals.get(name, LOCAL)
+        sources[tier_name] = sources.get(tier_name, 0) + 1
+    return TierRestore(s, manifest, sources), plan
+
+
+def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
     for note in notes:
-        logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, layout.node, note)
-        warnings.warn(f"restore of step {s}: node {layout.node}'s local copy: {note}; using the next tier", stacklevel=4)
+        logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, node, note)
+        warnings.warn(f"restore of step {s}: node {node}'s local copy: {note}; using the next tier", stacklevel=4)
+
+
+def _load_checked(load: Callable[[Any, str], None], plan: Any, where: str, pg: dist.ProcessGroup | None, world_size: int) -> bool:
+    """Load ``plan`` from this node's copy; ``True`` when some rank found a damaged or short
+    file there (every rank answers the same). Any other failure raises on every rank."""
+    err: CheckpointError | None = None
+    try:
+        load(plan, where)
+    except CheckpointError as e:
+        err = e
+    found = find_checkpoint_error(err) if err is not None else None
+    damaged = isinstance(found, (CorruptCheckpointError, IncompleteCheckpointError))
+    if any(_gather(pg, world_size, damaged)):
+        return True
+    raise_if_any_rank_failed(pg, world_size, err)
+    return False
+
+
+def _mend(
+    tier: LocalTier,
+    persistent: Store | None,
+    s: int,
+    manifest: Manifest,
+    nodes: dict[int, dict[int, dict[str, int]]],
+    missing: set[str],
+    persisted: bool,
+    persistent_options: dict[str, Any] | None,
+) -> dict[str, str] | str:
+    """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
+    damaged) into its node's copy: from another node's copy over the group, else the persistent
+    tier, each checked on arrival. Collective. Returns what arrived from which tier
+    (file -> tier), or why ``s`` cannot be rebuilt (the same answer on every rank)."""
+    layout, pg = tier.layout, tier.pg
     reports = _gather(pg, layout.world_size, sorted(missing))
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
     if why is not None:
@@ -288,23 +376,11 @@ def _attempt(
                 arrived[name] = PERSISTENT
             except CheckpointError as e:
                 errors.append(f"{name} from the persistent tier: {e}")
-    outcomes = _gather(pg, layout.world_size, (errors[0] if errors else None, arrived))
-    bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+    outcomes = _gather(pg, layout.world_size, errors[0] if errors else None)
+    bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if bad:
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
-    # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
-    node_arrivals = {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
-    sources: dict[str, int] = {}
-    for name in need:
-        tier_name = node_arrivals.get(name, LOCAL)
-        sources[tier_name] = sources.get(tier_name, 0) + 1
-    if layout.rank in layout.ranks_of(layout.node)[:1]:
-        if read_commit_record(here_store, count_files=False).status != COMMITTED:
-            here_store.prepare()
-            here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
-    if pg is not None:
-        dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
-    return TierRestore(s, manifest, sources), plan
+    return arrived
 
 
 def _route(
