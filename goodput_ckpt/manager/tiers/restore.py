@@ -298,7 +298,7 @@ def _attempt(
             err = e
         raise_if_any_rank_failed(pg, layout.world_size, err)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
-    node_arrivals = {n: t for r, got in enumerate(_gather(pg, layout.world_size, arrived)) if layout.node_of(r) == layout.node for n, t in got.items()}
+    node_arrivals = arrived
     sources: dict[str, int] = {}
     for name in need:
         tier_name = node_arrivals.get(name, LOCAL)
@@ -341,7 +341,7 @@ def _mend(
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
     damaged) into its node's copy: from another node's copy over the group, else the persistent
     tier, each checked on arrival. Collective. Returns what arrived from which tier
-    (file -> tier), or why ``s`` cannot be rebuilt (the same answer on every rank)."""
+    to this rank's node, by any of its ranks (file -> tier), or why ``s`` cannot be rebuilt (the same answer on every rank)."""
     layout, pg = tier.layout, tier.pg
     reports = _gather(pg, layout.world_size, sorted(missing))
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
@@ -376,11 +376,12 @@ def _mend(
                 arrived[name] = PERSISTENT
             except CheckpointError as e:
                 errors.append(f"{name} from the persistent tier: {e}")
-    outcomes = _gather(pg, layout.world_size, errors[0] if errors else None)
-    bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    outcomes = _gather(pg, layout.world_size, (errors[0] if errors else None, arrived))
+    bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if bad:
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
-    return arrived
+    # One gather carries both: what arrived on this rank's node, by any of its ranks.
+    return {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
 
 
 def _route(
