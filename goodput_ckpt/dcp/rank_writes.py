@@ -22,7 +22,7 @@ import numpy as np
 
 from ..format.manifest import FileEntry
 
-__all__ = ["FILE", "LENGTH", "NDIM", "OBJECT", "OFFSET", "RankWrites", "Written", "from_table", "rank_writes"]
+__all__ = ["FILE", "LENGTH", "NDIM", "OBJECT", "OFFSET", "RankWrites", "Written", "from_table", "layout_of", "rank_writes"]
 
 #: One written item: key, chunk offsets (``None`` for an object), file index in the rank's
 #: ``files``, byte offset, length.
@@ -86,7 +86,12 @@ def from_table(files: Sequence[FileEntry], keys: Sequence[str], table: np.ndarra
     blob = json.dumps(list(keys), separators=(",", ":")).encode()
     keys_digest = hashlib.blake2b(blob, digest_size=16).digest()
     table = np.ascontiguousarray(table, dtype=np.int64)
+    return RankWrites(tuple(files), blob, keys_digest, table, layout_of(keys_digest, table))
+
+
+def layout_of(keys_digest: bytes, table: np.ndarray) -> bytes:
+    """:attr:`RankWrites.layout` for these keys and this table."""
     h = hashlib.blake2b(keys_digest, digest_size=16)
     h.update(repr(table.shape).encode())
-    h.update(table.tobytes())
-    return RankWrites(tuple(files), blob, keys_digest, table, h.digest())
+    h.update(np.ascontiguousarray(table, dtype=np.int64).tobytes())
+    return h.digest()
