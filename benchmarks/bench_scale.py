@@ -24,6 +24,10 @@ phase:
   ``create_read_items_for_chunk_list``, what ``DefaultLoadPlanner`` runs, for v1 and for
   ``torch.plan``), and the storage lookup of each read.
 
+With ``--mesh fsdp`` and neither ``v1`` nor ``torch`` among ``--methods``, the inputs come from
+:func:`simulate_compact` (numpy tables, DCP's chunk lists made only if walked), so 16,384 ranks fit
+in memory; otherwise from :func:`simulate` (every chunk a Python object, about 1 GB per million).
+
 Side by side, torch DCP's ``.metadata``: the same ``Metadata`` with ``_StorageInfo`` storage data,
 ``pickle.dumps`` (what ``FileSystemWriter.finish`` writes) and ``pickle.loads`` (what every
 rank's ``read_metadata`` does).

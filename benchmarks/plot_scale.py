@@ -2,7 +2,8 @@
 of ranks W, log-log, with the 1 s goal line. Writes a PNG (matplotlib) and prints the medians as
 a markdown table, so docs/scale.md's figures come from the same files.
 
-Run: ``.venv/bin/python benchmarks/plot_scale.py a.json b.json --png docs/scale.png``.
+Run: ``.venv/bin/python benchmarks/plot_scale.py torch.json ours.json --png docs/scale.png`` (later
+files win where both measured a phase at the same W).
 """
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ PHASES = {  # phase -> legend (what docs/scale.md calls it)
 
 
 def load_rows(paths: list[str]) -> list[dict]:
-    rows = [r for p in paths for r in json.load(open(p))["rows"]]
-    return sorted(rows, key=lambda r: (r["model"], r["mesh"], r["world"]))
+    """One row per (model, mesh, W): the files' phases merged, a later file's winning (so torch's
+    phases can come from a run at small W and ours from a run over every W)."""
+    merged: dict[tuple, dict] = {}
+    for p in paths:
+        with open(p) as f:
+            for r in json.load(f)["rows"]:
+                key = (r["model"], r["mesh"], r["world"])
+                if key in merged:
+                    merged[key]["phases"].update(r["phases"])
+                else:
+                    merged[key] = {**r, "phases": dict(r["phases"])}
+    return [merged[k] for k in sorted(merged)]
 
 
 def table(rows: list[dict]) -> str:
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
 
-        fig, ax = plt.subplots(figsize=(8, 5.5))
+        fig, ax = plt.subplots(figsize=(11, 5.5))
         for ph, label in PHASES.items():
             pts = [(r["world"], r["phases"][ph]) for r in rows if ph in r["phases"]]
             if not pts:
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylabel("seconds (median, bars: min-max)")
         r0 = rows[0]
         ax.set_title(f"Commit record cost against W: {r0['model']} {r0['mesh']}, {r0['tensors']:,} tensors")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.grid(True, which="both", alpha=0.3)
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
