@@ -157,3 +157,10 @@ def test_a_chunk_no_rank_wrote_is_an_error():
     md.state_dict_metadata["y"] = BytesStorageMetadata()
     with pytest.raises(CheckpointError, match="no rank wrote"):
         build(md, results)
+
+
+def test_ranks_whose_tables_have_other_widths():
+    # ranks 0-1 hold a 2-D and a 1-D tensor (tables with 2 offset columns), ranks 2-3 only the
+    # 1-D one (1 column): the 1-D tensor's rows come from both groups, padded to one width
+    items = check(4, {"w": ((2, 3), fsdp((2, 3), 4)), "b": ((12,), fsdp((12,), 4))})
+    assert isinstance(items["b"].chunks, GridChunks) and isinstance(items["w"].chunks, GridChunks)
