@@ -24,6 +24,10 @@ phase:
   ``create_read_items_for_chunk_list``, what ``DefaultLoadPlanner`` runs, for v1 and for
   ``torch.plan``), and the storage lookup of each read.
 
+With ``--mesh fsdp`` and neither ``v1`` nor ``torch`` among ``--methods``, the inputs come from
+:func:`simulate_compact` (numpy tables, DCP's chunk lists made only if walked), so 16,384 ranks fit
+in memory; otherwise from :func:`simulate` (every chunk a Python object, about 1 GB per million).
+
 Side by side, torch DCP's ``.metadata``: the same ``Metadata`` with ``_StorageInfo`` storage data,
 ``pickle.dumps`` (what ``FileSystemWriter.finish`` writes) and ``pickle.loads`` (what every
 rank's ``read_metadata`` does).
@@ -67,7 +71,10 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, RankWrites, build_manifest, forget_layouts, layout_digest
+import numpy as np
+
+from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts
+from goodput_ckpt.dcp.rank_writes import RankWrites, from_table, layout_of
 from goodput_ckpt.dcp.load_planner import tensor_read_items
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
@@ -192,12 +199,105 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
         size = ends[rank]
         hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
         files = (FileEntry(name, size, hashes),) if items else ()  # a rank without items writes no file
-        written = tuple((index.fqn, tuple(index.offset), 0, off, length) for index, off, length, _ in items)
-        writes = RankWrites(files, written, layout_digest(written, [sizes for *_, sizes in items]))
+        writes = from_table(files, [index.fqn for index, *_ in items], _table(items))
         results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=writes)])
     md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
     torch_md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=torch_storage)
     return Simulated(md, results, torch_md, local, count, world)
+
+
+class _LazyChunks(list):
+    """DCP's chunk list of one FSDP tensor, made only if something walks it: the commit build
+    counts it (``len``) and walks it only for tensors it lists explicitly, so at 16,384 ranks the
+    simulation need not hold 35 M ``ChunkStorageMetadata`` (torch's own coordinator does)."""
+
+    def __init__(self, t: Tensor, world: int) -> None:
+        super().__init__()
+        self._t, self._world, self._n = t, world, len(_split(t.shape[0], world))
+
+    def _made(self) -> list[ChunkStorageMetadata]:
+        if not super().__len__() and self._n:
+            super().extend(ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in shard(self._t, self._world, "fsdp"))
+        return self
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return list.__iter__(self._made())
+
+    def __getitem__(self, k):  # type: ignore[no-untyped-def]
+        return list.__getitem__(self._made(), k)
+
+
+def simulate_compact(model: str, world: int, plan_rank: int) -> Simulated:
+    """:func:`simulate` for FSDP without per-chunk Python objects (ours only, any W): each rank's
+    ``RankWrites`` table is made with numpy, tensor by tensor across the ranks, and DCP's chunk
+    lists are :class:`_LazyChunks`. Same records as :func:`simulate` (``--check-compact``)."""
+    tensors = model_tensors(model)
+    held = np.array([len(_split(t.shape[0], world)) for t in tensors])  # ranks 0 .. held-1 hold t
+    ends = np.zeros(world, dtype=np.int64)
+    cols = np.zeros((len(tensors), world, 8), dtype=np.int64)  # a row per (tensor, rank): RankWrites columns, D = 2
+    sd_md: dict[str, TensorStorageMetadata] = {}
+    for i, t in enumerate(tensors):
+        k, rest = held[i], t.shape[1:]
+        c = -(-t.shape[0] // world)
+        o0 = np.arange(k, dtype=np.int64) * c
+        n0 = np.minimum(c, t.shape[0] - o0)
+        length = n0 * math.prod(rest) * DTYPE_SIZES[t.dtype]
+        off = -(-ends[:k] // ALIGNMENT) * ALIGNMENT
+        ends[:k] = off + length
+        row = cols[i, :k]
+        row[:, 1], row[:, 2], row[:, 3], row[:, 4], row[:, 6] = off, length, len(t.shape), o0, n0
+        if rest:
+            row[:, 7] = rest[0]
+        props = TensorProperties(dtype=getattr(torch, t.dtype))
+        sd_md[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.shape), chunks=_LazyChunks(t, world))
+    keys_by_count: dict[int, tuple[bytes, bytes, np.ndarray]] = {}
+    results: list[list[WriteResult]] = []
+    for rank in range(world):
+        mask = held > rank
+        n = int(mask.sum())
+        if n not in keys_by_count:  # ranks holding the same number of tensors hold the same ones
+            proto = from_table((), [t.fqn for t, m in zip(tensors, mask) if m], np.zeros((n, 8), dtype=np.int64))
+            keys_by_count[n] = (proto.keys, proto.keys_digest, mask)
+        blob, digest, _ = keys_by_count[n]
+        table = np.ascontiguousarray(cols[mask, rank])
+        size = int(ends[rank])
+        name = f"rank{rank:05d}-00.0123456789ab.bin"
+        hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
+        files = (FileEntry(name, size, hashes),) if n else ()
+        writes = RankWrites(files, blob, digest, table, layout_of(digest, table))
+        results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=writes)])
+    del cols
+    local: dict[int, list[tuple[str, ChunkStorageMetadata]]] = {plan_rank: []}
+    for t, k in zip(tensors, held):
+        if plan_rank < k:
+            c = -(-t.shape[0] // world)
+            o0 = plan_rank * c
+            box = ChunkStorageMetadata(offsets=torch.Size((o0,) + (0,) * (len(t.shape) - 1)), sizes=torch.Size((min(c, t.shape[0] - o0),) + t.shape[1:]))
+            local[plan_rank].append((t.fqn, box))
+    md = Metadata(state_dict_metadata=sd_md, planner_data={t.fqn: (t.fqn,) for t in tensors})
+    return Simulated(md, results, md, local, int(held.sum()), world)
+
+
+def _table(items: list[tuple[MetadataIndex, int, int, tuple[int, ...]]]) -> np.ndarray:
+    """A rank's ``RankWrites`` table (what ``rank_writes`` builds on a real rank), made with numpy
+    per dimension count: the rows of its items (one file), in item order."""
+    dims = max((len(sz) for *_, sz in items), default=0)
+    table = np.zeros((len(items), 4 + 2 * dims), dtype=np.int64)
+    if not items:
+        return table
+    table[:, 1] = [off for _, off, _, _ in items]
+    table[:, 2] = [n for _, _, n, _ in items]
+    nd = np.array([len(sz) for *_, sz in items])
+    table[:, 3] = nd
+    for d in range(1, dims + 1):
+        rows = np.flatnonzero(nd == d)
+        if len(rows):
+            table[rows, 4 : 4 + d] = [tuple(items[i][0].offset) for i in rows]
+            table[rows, 4 + dims : 4 + dims + d] = [items[i][3] for i in rows]
+    return table
 
 
 @dataclass
@@ -306,7 +406,8 @@ def measure(
 ) -> dict[str, Any]:
     plan_rank = world // 2
     t0 = time.perf_counter()
-    sim = simulate(model, world, mesh, plan_rank)
+    compact = mesh == "fsdp" and "torch" not in methods and "v1" not in methods
+    sim = simulate_compact(model, world, plan_rank) if compact else simulate(model, world, mesh, plan_rank)
     setup = time.perf_counter() - t0
     timings: dict[str, Phase] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
@@ -322,7 +423,7 @@ def measure(
                     torch_side(sim, plan_rank, traced, timings)
     row: dict[str, Any] = {
         "model": model, "mesh": mesh, "world": world, "tensors": len(sim.metadata.state_dict_metadata),
-        "chunks": sim.chunks, "setup_s": round(setup, 2), "phases": {},
+        "chunks": sim.chunks, "setup_s": round(setup, 2), "simulation": "compact" if compact else "full", "phases": {},
     }  # fmt: skip
     for ph in timings.values():
         s = sorted(ph.seconds)

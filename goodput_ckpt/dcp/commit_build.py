@@ -5,10 +5,8 @@ results: the one code path that ``CheckpointWriter.finish`` runs and that
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,42 +15,16 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .._version import __version__
 from ..errors import CheckpointError
-from ..format.dcp_metadata import StoredRange, encode_planner_data, encode_storage_meta, items_from_dcp
+from ..format.dcp_metadata import encode_planner_data, encode_storage_meta
 from ..format.grid import GridChunks
-from ..format.manifest import FORMAT_VERSION, FileEntry, Manifest, ObjectEntry, TensorEntry
+from ..format.manifest import FORMAT_VERSION, Manifest, ObjectEntry, TensorEntry
+from .item_entries import items_from_ranks
+from .rank_writes import RankWrites, Written, rank_writes
 
-__all__ = ["RANK_WRITES_KEY", "RankWrites", "build_manifest", "forget_layouts", "layout_digest"]
+__all__ = ["RANK_WRITES_KEY", "RankWrites", "Written", "build_manifest", "forget_layouts", "rank_writes"]
 
 #: The index of the one ``WriteResult`` each rank returns (its ``storage_data`` a :class:`RankWrites`).
 RANK_WRITES_KEY = "__goodput_ckpt_rank_writes__"
-
-#: One written item: key, chunk offsets (``None`` for an object), file index in the rank's
-#: ``files``, byte offset, length.
-Written = tuple[str, tuple[int, ...] | None, int, int, int]
-
-
-@dataclass(frozen=True)
-class RankWrites:
-    """One rank's write results as a single value: its files (names and chunk digests, in file
-    order) and where each item lies.
-
-    Why one value per rank, not one ``WriteResult`` per item: DCP gathers every rank's results on
-    the coordinator, ranks x tensors of them (2.2 M for a 70B state at 1,024 ranks), as pickled
-    dataclasses. Plain tuples cost a fraction of that, and ``layout`` lets the coordinator skip
-    them entirely when the layout has not changed since the last save (:func:`build_manifest`).
-    """
-
-    files: tuple[FileEntry, ...]
-    items: tuple[Written, ...]
-    layout: bytes  # layout_digest of the items: equal between two saves exactly when the layout is
-
-
-def layout_digest(items: Sequence[Written], sizes: Sequence[tuple[int, ...] | None]) -> bytes:
-    """A digest of where a rank's items lie (file indices, not names) and of their chunk sizes:
-    everything of a save's item entries that is not a file name. O(the rank's items)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr([(*it, sz) for it, sz in zip(items, sizes)]).encode())
-    return h.digest()
 
 
 class _LastLayout:
@@ -102,9 +74,10 @@ def build_manifest(
     """The manifest of a save: its files (in rank order) and its items (in DCP's order), in
     format ``version`` (v2: regular shardings as grids; 1 is kept for comparisons and fixtures).
 
-    When every rank's layout digest and every tensor's shape, dtype and flags equal the previous
-    build's, the item entries are that build's with the new file names: O(ranks + tensors)
-    instead of O(ranks x tensors) (plans do not change between the saves of a training run).
+    The first build of a run costs O(ranks + tensors) in Python plus O(ranks x tensors) in numpy
+    (:func:`~.item_entries.items_from_ranks`). When every rank's layout digest and every tensor's
+    shape, dtype and flags equal the previous build's, the item entries are that build's with the
+    new file names: O(ranks + tensors) in all (plans do not change between the saves of a run).
 
     Raises:
         CheckpointError: a result was not written by :class:`~goodput_ckpt.CheckpointWriter`,
@@ -116,12 +89,7 @@ def build_manifest(
     key = (version, tuple(rw.layout for rw in ranks), _tensor_signature(metadata))
     items = _last_layout.get(key, names)
     if items is None:
-        locations: dict[tuple[str, Any], StoredRange] = {}
-        for rw in ranks:
-            rank_names = [f.path for f in rw.files]
-            for fqn, offsets, file, offset, length in rw.items:
-                locations[fqn, offsets] = StoredRange(rank_names[file], offset, length)
-        items = items_from_dcp(metadata, locations, names if version >= 2 else None)
+        items = items_from_ranks(metadata, ranks, names, grids=version >= 2)
         _last_layout.put(key, items, names)
     return Manifest(
         version=version,

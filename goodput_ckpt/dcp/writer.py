@@ -55,7 +55,7 @@ from ..format.dcp_metadata import dtype_name
 from ..format.manifest import DTYPE_SIZES
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
-from .commit_build import RANK_WRITES_KEY, RankWrites, build_manifest, layout_digest
+from .commit_build import RANK_WRITES_KEY, build_manifest, rank_writes
 from .hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
@@ -326,8 +326,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             (items[p.item].index.fqn, _offsets(items[p.item]), p.file, p.offset, p.length) for p in placements
         )
         boxes = [None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements]
-        rank_writes = RankWrites(tuple(entries), written, layout_digest(written, boxes))
-        return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=rank_writes)]
+        writes = rank_writes(tuple(entries), written, boxes)
+        return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
 
     def _resolve(self, item: WriteItem, planner: SavePlanner) -> Any:
         key = item.index.fqn

@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointError
-from .grid import GridChunks, grid_from_chunks
+from .grid import GridChunks
 from .manifest import DTYPE_SIZES, ChunkEntry, Manifest, ObjectEntry, TensorEntry
 
-__all__ = ["StoredRange", "dtype_name", "grid_of", "items_from_dcp", "to_dcp_metadata", "torch_dtype"]
+__all__ = ["StoredRange", "dtype_name", "grid_of", "to_dcp_metadata", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -59,45 +59,6 @@ def torch_dtype(name: str, key: str = "") -> torch.dtype:
             key=key or None,
         )
     return dt
-
-
-def items_from_dcp(
-    metadata: Metadata, locations: dict[tuple[str, Sequence[int] | None], StoredRange], names: Sequence[str] | None = None
-) -> dict[str, TensorEntry | ObjectEntry]:
-    """Manifest items for DCP's global ``metadata`` and the gathered write locations.
-
-    ``locations`` is keyed by ``(fqn, offsets)`` (``offsets`` is ``None`` for an object): a plain
-    tuple hashes in C, where ``MetadataIndex``, a Python dataclass, costs a Python call per chunk,
-    and there are ranks x tensors of them.
-
-    With ``names`` (the manifest's files, in order), a tensor whose chunks form a grid is
-    stored as one :class:`~.grid.GridChunks` (format v2); without, every chunk is listed (v1).
-    """
-    items: dict[str, TensorEntry | ObjectEntry] = {}
-    file_index = {n: i for i, n in enumerate(names)} if names is not None else {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            loc = locations[fqn, None]
-            items[fqn] = ObjectEntry(fqn, "torch.save", loc.file, loc.offset, loc.length)
-            continue
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"item {fqn!r} has unsupported metadata {type(md).__name__}", key=fqn)
-        if md.properties.layout not in (None, torch.strided):
-            raise CheckpointError(
-                f"tensor {fqn!r} has layout {md.properties.layout}; only dense (strided) tensors "
-                "can be saved",
-                key=fqn,
-            )
-        dtype = dtype_name(md.properties.dtype, fqn)
-        boxes = []
-        for ch in md.chunks:
-            loc = locations[fqn, ch.offsets]
-            boxes.append((tuple(ch.offsets), tuple(ch.sizes), loc.file, loc.offset, loc.length))
-        shape = tuple(md.size)
-        grid = grid_from_chunks(shape, DTYPE_SIZES[dtype], boxes, file_index, names) if names is not None else None
-        chunks = grid if grid is not None else tuple(ChunkEntry(*b) for b in boxes)
-        items[fqn] = TensorEntry(fqn, dtype, shape, chunks, bool(md.properties.requires_grad))
-    return items
 
 
 def encode_planner_data(planner_data: Any) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 from .schema import ALIGNMENT, MAX_FILE_BYTES, ChunkEntry
 
-__all__ = ["GridChunks", "GridError", "Span", "check_spans", "grid_from_chunks", "parse_grid"]
+__all__ = ["GridChunks", "GridError", "Span", "check_spans", "parse_grid"]
 
 #: Grid cells one manifest may describe in all: the span check touches each cell's file once
 #: (a C-speed slice), about 10 ns a cell; 2**27 cells is 16,384 ranks x 8,192 tensors.
@@ -118,50 +118,6 @@ class GridChunks(Sequence[ChunkEntry]):
 
     def to_json(self) -> dict[str, Any]:
         return {"block": list(self.block), "runs": [list(r) for r in self.runs]}
-
-
-def grid_from_chunks(
-    shape: tuple[int, ...], esize: int, chunks: Sequence[tuple[Sequence[int], Sequence[int], str, int, int]],
-    file_index: dict[str, int], names: Sequence[str],
-) -> GridChunks | None:  # fmt: skip
-    """The grid form of ``chunks`` (offsets, sizes, file, offset, length), or ``None`` when they
-    are not a grid (then the entry stays explicit). Chunks without elements hold no bytes and
-    are left out. O(chunks)."""
-    if not shape or 0 in shape:
-        return None
-    full = [c for c in chunks if c[4] and all(c[1])]
-    if not full:
-        return None
-    block = tuple(max(c[1][d] for c in full) for d in range(len(shape)))
-    counts = _counts(shape, block)
-    cells = math.prod(counts)
-    if cells != len(full):
-        return None
-    where: list[tuple[int, int] | None] = [None] * cells
-    for offsets, sizes, file, offset, length in full:
-        cell = 0
-        for d, (o, s) in enumerate(zip(offsets, sizes)):
-            i, rem = divmod(o, block[d])
-            if rem or s != min(block[d], shape[d] - o):
-                return None
-            cell = cell * counts[d] + i
-        if where[cell] is not None or length != math.prod(sizes) * esize:
-            return None
-        where[cell] = (file_index[file], offset)
-    runs: list[list[int]] = []
-    for cell, (f, offset) in enumerate(where):  # type: ignore[misc]
-        if runs:
-            r = runs[-1]
-            step = f - r[1] if r[0] == 1 else r[2]
-            if (
-                offset == r[3] and step > 0 and f == r[1] + step * r[0]
-                and _uniform(shape, block, counts, cell - r[0], r[0] + 1)
-            ):  # fmt: skip
-                r[0] += 1
-                r[2] = step
-                continue
-        runs.append([1, f, 1, offset])
-    return GridChunks(shape, block, esize, tuple(tuple(r) for r in runs), names)  # type: ignore[misc]
 
 
 def _edge_cells(a: int, b: int, stride: int, count: int) -> int:

@@ -1,0 +1,100 @@
+"""Find the grid (format v2) behind one tensor's saved chunks, given as arrays.
+
+Why arrays: the coordinator of a save builds the commit record from every rank's chunks, ranks x
+tensors of them (2.2 M for a 70B state with AdamW at 1,024 ranks, 35 M at 16,384). Walked as
+Python tuples that took 13 s at 1,024 ranks. Here a
+tensor's chunks are columns of integers and every check is one array operation, so the Python work
+is a few dozen calls per tensor (plus one step per run of the result, a handful for real
+shardings); the per-chunk work runs in numpy.
+
+It decides exactly as the per-chunk detector it replaced did, and returns the same runs (a test
+compares them on random and hostile layouts): chunks without elements are left out; the rest must
+be the cells of one grid, each exactly once, each of the size torch's chunk rule gives it, each
+holding ``prod(sizes) * esize`` bytes; runs are formed greedily in row-major cell order. Anything
+else returns ``None``, and the caller lists the chunks explicitly (whose tiling the parser then
+checks). A grid's tiling holds by construction, so a wrongly detected grid would store the wrong
+bytes for some cell with nothing left to notice it: every condition above is checked on every
+chunk. No torch here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .grid import GridChunks
+
+__all__ = ["grid_from_rows"]
+
+
+def grid_from_rows(
+    shape: tuple[int, ...],
+    esize: int,
+    files: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    box_offsets: np.ndarray,
+    box_sizes: np.ndarray,
+    names: Sequence[str],
+) -> GridChunks | None:
+    """The grid form of a tensor's chunks, or ``None`` when they are not a grid.
+
+    Args:
+        shape, esize: the tensor's shape and element size.
+        files, offsets, lengths: per chunk (int64, length n): index into ``names``, byte offset,
+            byte length.
+        box_offsets, box_sizes: per chunk (int64, n x len(shape)): where the chunk lies.
+        names: the manifest's files, in order.
+    """
+    dims = len(shape)
+    if not dims or 0 in shape or box_offsets.ndim != 2 or box_offsets.shape[1] != dims:
+        return None
+    full = (lengths > 0) & (box_sizes > 0).all(axis=1)
+    if not full.all():
+        files, offsets, lengths = files[full], offsets[full], lengths[full]
+        box_offsets, box_sizes = box_offsets[full], box_sizes[full]
+    n = len(files)
+    if not n:
+        return None
+    block = tuple(int(b) for b in box_sizes.max(axis=0))
+    if any(b > s for b, s in zip(block, shape)):
+        return None
+    counts = tuple(-(-s // b) for s, b in zip(shape, block))
+    if math.prod(counts) != n:  # Python ints: no overflow however large the counts
+        return None
+    block_a, shape_a = np.array(block, dtype=np.int64), np.array(shape, dtype=np.int64)
+    index, rem = np.divmod(box_offsets, block_a)
+    if rem.any() or (box_offsets < 0).any() or (index >= np.array(counts, dtype=np.int64)).any():
+        return None
+    if (box_sizes != np.minimum(block_a, shape_a - box_offsets)).any():
+        return None
+    if (lengths != box_sizes.prod(axis=1) * esize).any():  # numel of a chunk of a real tensor: < 2**63
+        return None
+    cell = np.ravel_multi_index(tuple(index.T), counts) if dims > 1 else index[:, 0]
+    order = np.argsort(cell, kind="stable")
+    if not (cell[order] == np.arange(n)).all():  # n cells in range, all distinct: each cell once
+        return None
+    f, o, sizes = files[order], offsets[order], box_sizes[order]
+    step = f[1:] - f[:-1]
+    # Cell k+1 may follow cell k in a run: same byte offset, the same sizes (a run holds one byte
+    # length), a later file.
+    link = (o[1:] == o[:-1]) & (sizes[1:] == sizes[:-1]).all(axis=1) & (step > 0)
+    # Once a run has two cells its step is fixed: cell k+1 (k >= 1) extends a run that holds
+    # cell k - 1 and k exactly when link[k] and step[k] == step[k - 1]; otherwise it breaks.
+    breaks = (np.flatnonzero(~(link[1:] & (step[1:] == step[:-1]))) + 1).tolist()
+    link_l = link.tolist()
+    runs: list[tuple[int, int, int, int]] = []
+    s = 0
+    while s < n:
+        if s == n - 1 or not link_l[s]:
+            runs.append((1, int(f[s]), 1, int(o[s])))
+            s += 1
+            continue
+        j = bisect.bisect_left(breaks, s + 1)
+        e = breaks[j] if j < len(breaks) else n - 1
+        runs.append((e - s + 1, int(f[s]), int(step[s]), int(o[s])))
+        s = e + 1
+    return GridChunks(shape, block, esize, tuple(runs), names)

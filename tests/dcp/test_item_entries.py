@@ -1,0 +1,166 @@
+"""The coordinator's item entries from every rank's compact RankWrites (dcp/item_entries.py):
+for uneven last shards, FSDP x TP grids, tensors saved by some ranks only, ranks without a
+shard, objects and irregular shardings, the v2 entries (grids where the chunks are one) hold
+exactly the chunks each rank wrote, where it wrote them, and irregular layouts fall back to
+explicit chunks. Real multi-rank saves of the same path are in test_scale.py and
+test_commit_reuse.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts, rank_writes
+from goodput_ckpt.errors import CheckpointError
+from goodput_ckpt.format.grid import GridChunks
+from goodput_ckpt.format.manifest import ALIGNMENT, ChunkEntry, FileEntry, parse_manifest
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    c = -(-n // parts)
+    return [(o, min(c, n - o)) for o in range(0, n, c)]
+
+
+def fsdp(shape: tuple[int, ...], world: int) -> list[Box]:
+    rest = shape[1:]
+    return [((o,) + (0,) * len(rest), (n,) + rest, r) for r, (o, n) in enumerate(split(shape[0], world))]
+
+
+def save(world: int, tensors: dict[str, tuple[tuple[int, ...], list[Box]]], objects: dict[str, list[int]] | None = None):
+    """Metadata and results as DCP hands them to finish, each rank's items laid out in one file
+    (objects first, as the writer does), and where every chunk went."""
+    ends = [0] * world
+    per_rank: list[list] = [[] for _ in range(world)]
+    sd_md: dict = {}
+    where: dict = {}
+
+    def place(rank: int, length: int) -> int:
+        off = -(-ends[rank] // ALIGNMENT) * ALIGNMENT
+        ends[rank] = off + length
+        return off
+
+    for key, ranks in (objects or {}).items():
+        sd_md[key] = BytesStorageMetadata()
+        for r in ranks:
+            off = place(r, 100 + r)
+            per_rank[r].append(((key, None, 0, off, 100 + r), None))
+            where[key] = (r, off, 100 + r)  # the last rank's, as DCP keeps one
+    for key, (shape, boxes) in tensors.items():
+        chunks = []
+        for offsets, sizes, r in boxes:
+            n = math.prod(sizes) * 4
+            off = place(r, n)
+            per_rank[r].append(((key, offsets, 0, off, n), sizes))
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            where[key, offsets] = (r, off, n)
+        sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)
+    results = []
+    for r, items in enumerate(per_rank):
+        files = (FileEntry(f"rank{r}.bin", ends[r], ("0" * 64,) * -(-ends[r] // (1 << 20))),) if items else ()
+        rw = rank_writes(files, [w for w, _ in items], [s for _, s in items])
+        results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=ends[r], storage_data=rw)])
+    return Metadata(state_dict_metadata=sd_md), results, where
+
+
+def build(md, results, version=2):
+    forget_layouts()
+    return build_manifest(md, results, chunk_size=1 << 20, created_at="", user_metadata={}, version=version)
+
+
+def check(world, tensors, objects=None):
+    """Both formats hold every chunk where its rank wrote it; the v2 record parses. Returns the
+    v2 items."""
+    md, results, where = save(world, tensors, objects)
+    for version in (1, 2):
+        m = build(md, results, version)
+        for key, e in m.items.items():
+            if e.kind == "object":
+                r, off, n = where[key]
+                assert (e.file, e.offset, e.length) == (f"rank{r}.bin", off, n)
+                continue
+            got = sorted(e.chunks, key=lambda c: c.offsets)
+            want = sorted(
+                (ChunkEntry(o, s, f"rank{where[key, o][0]}.bin", where[key, o][1], where[key, o][2]) for o, s, _ in tensors[key][1]),
+                key=lambda c: c.offsets,
+            )
+            assert [c for c in got if c.length] == [c for c in want if c.length], key
+        parse_manifest(m.to_json())  # every check a reader makes, spans and tiling included
+    return m.items
+
+
+def test_fsdp_uneven_last_shards_are_grids():
+    tensors = {f"t{i}": ((10 + i, 3), fsdp((10 + i, 3), 4)) for i in range(6)}
+    items = check(4, tensors)
+    assert all(isinstance(e.chunks, GridChunks) for e in items.values())
+    assert any(len(e.chunks.runs) > 1 for e in items.values())  # the short last rank shifted offsets
+
+
+def test_fsdp_x_tp_two_dimensional_grid():
+    dp, tp = 3, 4
+    boxes = [((o0, o1), (n0, n1), i * tp + j) for i, (o0, n0) in enumerate(split(9, dp)) for j, (o1, n1) in enumerate(split(10, tp))]
+    items = check(dp * tp, {"w": ((9, 10), boxes), "b": ((12,), fsdp((12,), 12))})
+    assert isinstance(items["w"].chunks, GridChunks) and items["w"].chunks.block == (3, 3)
+
+
+def test_a_tensor_saved_by_some_ranks_only_and_ranks_without_shards():
+    # a norm saved by the first TP rank of each of 2 FSDP groups (ranks 0 and 4); a 2-row tensor
+    # on 8 ranks: ranks 2-7 hold no shard of it; rank 7 holds nothing at all
+    norm = [((0,), (4,), 0), ((4,), (4,), 4)]
+    items = check(8, {"norm": ((8,), norm), "small": ((2, 5), fsdp((2, 5), 2)), "w": ((14, 2), fsdp((14, 2), 7))})
+    assert all(isinstance(e.chunks, GridChunks) for e in items.values())
+    assert items["norm"].chunks.runs == ((2, 0, 4, 0),)  # cell k in file 4 k
+
+
+def test_empty_chunks_of_ranks_past_the_end_are_left_out():
+    boxes = fsdp((3, 2), 3) + [((3, 0), (0, 2), 3)]  # torch's empty chunk on rank 3
+    items = check(4, {"w": ((3, 2), boxes)})
+    assert isinstance(items["w"].chunks, GridChunks) and len(items["w"].chunks) == 3
+
+
+def test_irregular_shardings_fall_back_to_explicit_chunks():
+    # strided TP-then-FSDP blocks of uneven sizes, and a column split at different rows
+    strided = [((0,), (3,), 0), ((3,), (2,), 1), ((5,), (3,), 2), ((8,), (2,), 3)]
+    stair = [((0, 0), (3, 1), 0), ((3, 0), (5, 1), 1), ((0, 1), (5, 1), 2), ((5, 1), (3, 1), 3)]
+    items = check(4, {"s": ((10,), strided), "st": ((8, 2), stair), "g": ((8,), fsdp((8,), 4))})
+    assert not isinstance(items["s"].chunks, GridChunks)
+    assert not isinstance(items["st"].chunks, GridChunks)
+    assert isinstance(items["g"].chunks, GridChunks)
+
+
+def test_objects_and_mixed_key_lists():
+    # rank 0 also holds objects: its key list differs from the others', so ranks form two groups
+    tensors = {"a": ((8, 3), fsdp((8, 3), 4)), "b": ((5,), fsdp((5,), 4))}
+    items = check(4, tensors, {"step": [0], "rng.rank2": [2], "shared": [1, 3]})
+    assert items["shared"].file == "rank3.bin"
+    assert list(items) == ["step", "rng.rank2", "shared", "a", "b"]  # DCP's order
+
+
+def test_a_chunk_no_rank_wrote_is_an_error():
+    md, results, _ = save(2, {"w": ((4,), fsdp((4,), 2))})
+    md.state_dict_metadata["w"].chunks.append(ChunkStorageMetadata(offsets=torch.Size((4,)), sizes=torch.Size((1,))))
+    with pytest.raises(CheckpointError, match="no rank wrote"):
+        build(md, results)
+    md, results, _ = save(2, {"w": ((4,), fsdp((4,), 2))}, {"x": [0]})
+    md.state_dict_metadata["y"] = BytesStorageMetadata()
+    with pytest.raises(CheckpointError, match="no rank wrote"):
+        build(md, results)
+
+
+def test_ranks_whose_tables_have_other_widths():
+    # ranks 0-1 hold a 2-D and a 1-D tensor (tables with 2 offset columns), ranks 2-3 only the
+    # 1-D one (1 column): the 1-D tensor's rows come from both groups, padded to one width
+    items = check(4, {"w": ((2, 3), fsdp((2, 3), 4)), "b": ((12,), fsdp((12,), 4))})
+    assert isinstance(items["b"].chunks, GridChunks) and isinstance(items["w"].chunks, GridChunks)
