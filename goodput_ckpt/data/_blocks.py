@@ -52,8 +52,11 @@ class BlockPool:
 
     def __init__(self, rows: int, seq_len: int, dtype: Any, keep: int) -> None:
         self._rows, self._seq_len, self._dtype, self._keep = rows, seq_len, np.dtype(dtype), keep
-        self._idle = _SPARE.setdefault((rows, seq_len, self._dtype.str), [])  # (buffer, its storage's count when only the pool holds it)
-        self._pending: deque[tuple[torch.Tensor, int, int]] = deque()  # (buffer, count, checks left)
+        spare = _SPARE.setdefault((rows, seq_len, self._dtype.str), ([], deque()))
+        self._idle: list[tuple[torch.Tensor, int]] = spare[0]  # (buffer, its storage's count when only the pool holds it)
+        # (buffer, count, checks left); shared, so that a block still viewed when its stream
+        # ended is reused by a later stream once let go
+        self._pending: deque[tuple[torch.Tensor, int, int]] = spare[1]
         self.allocated = 0  # buffers this pool created (for tests and benchmarks)
 
     def _new(self) -> tuple[torch.Tensor, int]:
@@ -75,29 +78,25 @@ class BlockPool:
 
     def give(self, buf: torch.Tensor, count: int) -> None:
         """Release a buffer taken earlier; it is reused once nothing else views it."""
-        self._pending.append((buf, count, _GRACE))
-
-    def close(self) -> None:
-        """Last chance for released buffers to go idle (the rest are left to their holders)."""
-        self._sweep()
-        self._pending.clear()
+        with _SPARE_LOCK:
+            self._pending.append((buf, count, _GRACE))
 
     def _sweep(self) -> None:
-        for _ in range(len(self._pending)):
-            buf, count, left = self._pending.popleft()
-            if _count(buf) == count and not buf.is_shared():
-                with _SPARE_LOCK:
+        with _SPARE_LOCK:
+            for _ in range(len(self._pending)):
+                buf, count, left = self._pending.popleft()
+                if _count(buf) == count and not buf.is_shared():
                     if len(self._idle) < self._keep:
                         self._idle.append((buf, count))
-            elif left > 1 and not buf.is_shared():
-                self._pending.append((buf, count, left - 1))
-            # else: still viewed (or in shared memory): its holders keep it; the pool forgets it
+                elif left > 1 and not buf.is_shared():
+                    self._pending.append((buf, count, left - 1))
+                # else: still viewed (or in shared memory): its holders keep it; the pool forgets it
 
 
-#: Idle buffers of this process by (rows, seq_len, dtype), shared by the streams it iterates
-#: (one after another, or interleaved in one loop); ``_SPARE_LOCK`` because a loader may iterate
-#: streams from more than one thread.
-_SPARE: dict[tuple[int, int, str], list[tuple[torch.Tensor, int]]] = {}
+#: Idle and released buffers of this process by (rows, seq_len, dtype), shared by the streams it
+#: iterates (one after another, or interleaved in one loop); ``_SPARE_LOCK`` because a loader
+#: may iterate streams from more than one thread.
+_SPARE: dict[tuple[int, int, str], tuple[list[tuple[torch.Tensor, int]], deque[tuple[torch.Tensor, int, int]]]] = {}
 _SPARE_LOCK = threading.Lock()
 
 
@@ -117,7 +116,8 @@ def read_blocks(
     seq_bytes: int,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(shard, first sequence, rows)`` for each ``(shard, first sequence, count)`` task in
-    order, with up to ``read_ahead`` reads in flight whatever shard they belong to.
+    order, with up to ``read_ahead`` reads in flight whatever shard they belong to (``pool`` an
+    :class:`InlineReads` and ``read_ahead`` 1: each block read when it is asked for).
 
     ``rows`` is a view of a pooled buffer; it is given back to the pool when the next block is
     requested (so the caller must be done with it, except for views it yielded onward: see the
@@ -160,7 +160,20 @@ def read_blocks(
             blocks.give(*current)  # the next stream (epoch, stretch) reuses it
         for _, _, _, buf, _ in ahead:
             blocks.give(*buf)  # its read was cancelled or has finished (above)
-        blocks.close()
+
+
+class InlineReads:
+    """An executor that runs each read at once in the calling thread (``read_ahead=0``): for a
+    local disk, whose kernel readahead already overlaps the device with the consumer, a hand-off
+    to a helper thread per block costs more than it hides (docs/benchmarks.md)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # raised again by result(), where the stream takes the block
+            fut.set_exception(e)
+        return fut
 
 
 def _read(src: Any, buf: torch.Tensor, offset: int, k: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import CheckpointError, TopologyChangeError
 from ..storage import open_store
-from ._blocks import BlockPool, read_blocks
+from ._blocks import BlockPool, InlineReads, read_blocks
 from ._marked import find_marked
 
 __all__ = ["TokenStream"]
@@ -59,7 +60,8 @@ class TokenStream(IterableDataset):
     here would cost more than the read), except batches that span blocks or shards (copied).
 
     The next ``read_ahead`` blocks are read by helper threads while one is consumed, across shard
-    boundaries, so the reads overlap each other and the training loop's use of the data. Blocks
+    boundaries, so the reads overlap each other and the training loop's use of the data (remote
+    stores; a local disk's own readahead does that there). Blocks
     are read into a pool of reused buffers; a buffer is refilled only once no yielded tensor views
     it any more, so tensors a caller keeps never change (a kept one costs a new buffer instead).
 
@@ -74,11 +76,15 @@ class TokenStream(IterableDataset):
         block: sequences per read request (default: 8 MiB worth, rounded down to a multiple of
             ``batch_size``; measured on S3, 2 MiB requests reach half the throughput of one
             streaming read and 8 MiB about all of it).
-        read_ahead: blocks read ahead by helper threads (requests in flight, per reader): an object
-            store needs several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it
-            and 4 0.81x). Memory is about ``read_ahead + 3`` blocks per reader (88 MiB at the
-            defaults): the reads in flight, the block consumed, blocks waiting for their last
-            views to be dropped, plus any block whose views the caller keeps.
+        read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
+            8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
+            several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
+            0.81x); a local disk does its own readahead, and there a hand-off to a helper thread
+            per block measured slower than reading in the consumer's thread (0: each block is
+            read when it is reached, no threads). Memory is about ``read_ahead + 3`` blocks per
+            reader (88 MiB at 8): the reads in flight, the block consumed, blocks waiting for
+            their last views to be dropped; plus any block whose views the caller keeps. Idle
+            buffers (up to ``read_ahead + 2``) stay with the process for the next stream.
         storage_options: options of ``open_store``.
         num_replicas, rank: default to the default process group's (or 1 and 0 without one).
     """
@@ -92,7 +98,7 @@ class TokenStream(IterableDataset):
         dtype: str = "uint16",
         batch_size: int | None = None,
         block: int | None = None,
-        read_ahead: int = 8,
+        read_ahead: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -107,8 +113,8 @@ class TokenStream(IterableDataset):
             block = max(1, (8 << 20) // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
             if batch_size is not None:
                 block = max(batch_size, block // batch_size * batch_size)  # batches stay views
-        if block < 1 or read_ahead < 1 or not shards:
-            raise ValueError("block and read_ahead must be positive and shards non-empty")
+        if block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
+            raise ValueError("block must be positive, read_ahead not negative and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
@@ -154,12 +160,15 @@ class TokenStream(IterableDataset):
             for i in mine
             for p in range(self._progress.get(i, self._base[i]), lengths[i], self.block)
         )
-        pool = BlockPool(self.block, self.seq_len, _DTYPES[self.dtype], keep=self.read_ahead + 1)
+        ahead = self.read_ahead
+        if ahead is None:
+            ahead = 0 if store.traits.kind == "local" else 8
+        pool = BlockPool(self.block, self.seq_len, _DTYPES[self.dtype], keep=ahead + 2)
         # One helper thread per read in flight, per iterator (never on self: the dataset is
-        # pickled into workers).
-        with ThreadPoolExecutor(self.read_ahead, thread_name_prefix="token-read") as threads:
+        # pickled into workers); none with read_ahead=0.
+        with ThreadPoolExecutor(ahead, thread_name_prefix="token-read") if ahead else nullcontext(InlineReads()) as threads:
             blocks = read_blocks(
-                threads, pool, tasks, lambda i: store.open_source(self.shards[i]), self.read_ahead, self._seq_bytes
+                threads, pool, tasks, lambda i: store.open_source(self.shards[i]), max(ahead, 1), self._seq_bytes
             )
             try:
                 if self.batch_size is None:
@@ -198,19 +207,26 @@ class TokenStream(IterableDataset):
         have = 0
         for i, pos, rows in blocks:
             n, a = rows.shape[0], 0
-            while a < n:
-                if not parts and n - a >= size:
-                    progress[i] = pos + a + size
-                    yield rows[a : a + size]
-                    a += size
-                    continue
-                take = min(size - have, n - a)
-                parts.append(rows[a : a + take])
-                marks.append((i, pos + a + take))
-                have, a = have + take, a + take
+            if parts:  # complete the batch begun in an earlier block (or shard)
+                a = min(size - have, n)
+                parts.append(rows[:a])
+                marks.append((i, pos + a))
+                have += a
                 if have == size:
                     have = 0
                     yield joined()
+            if a < n:
+                full = (n - a) // size
+                # split: one call for all the views (slicing one by one costs ~1 us each)
+                for j, piece in enumerate(rows[a:].split(size) if a else rows.split(size)):
+                    if j < full:
+                        progress[i] = pos + a + (j + 1) * size
+                        yield piece
+                    else:  # the block's tail: the start of the next batch
+                        parts.append(piece)
+                        marks.append((i, pos + n))
+                        have = n - a - full * size
+                piece = None
             rows = None  # the pool may refill the block once the caller lets go too
         if parts:
             yield joined()

@@ -141,13 +141,13 @@ def _check_rows(batches, expect) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("batch,block", [(4, None), (3, 4), (5, 2), (1, 7)])
-def test_batched_pass_reads_every_sequence_once_and_keeps_kept_batches(tmp_path, batch, block):
+@pytest.mark.parametrize("batch,block,ahead", [(4, None, 2), (3, 4, 2), (5, 2, 0), (1, 7, 2), (3, 4, None)])
+def test_batched_pass_reads_every_sequence_once_and_keeps_kept_batches(tmp_path, batch, block, ahead):
     """Every batch is kept (list) while the stream goes on reusing buffers: none may change.
     Blocks not a multiple of the batch and shard ends make batches that span blocks/shards."""
     names, total = _shards(tmp_path)
     expect = _rows_of(tmp_path, names)
-    ds = TokenStream(str(tmp_path), names, seq_len=SEQ, batch_size=batch, block=block, read_ahead=2)
+    ds = TokenStream(str(tmp_path), names, seq_len=SEQ, batch_size=batch, block=block, read_ahead=ahead)
     batches = list(ds)
     assert all(b.shape == (batch, SEQ) for b in batches[:-1]) and 1 <= len(batches[-1]) <= batch
     assert sorted(_check_rows(batches, expect)) == list(range(total))
@@ -157,8 +157,9 @@ def test_sequences_are_not_overwritten_while_held(tmp_path):
     """Per-sequence mode over reused buffers: views held by the caller keep their data."""
     names, total = _shards(tmp_path)
     expect = _rows_of(tmp_path, names)
-    held = list(TokenStream(str(tmp_path), names, seq_len=SEQ, block=2, read_ahead=1))
-    assert sorted(_check_rows(held, expect)) == list(range(total))
+    for ahead in (0, 1):
+        held = list(TokenStream(str(tmp_path), names, seq_len=SEQ, block=2, read_ahead=ahead))
+        assert sorted(_check_rows(held, expect)) == list(range(total))
 
 
 def test_read_ahead_into_the_next_shard_is_not_counted(tmp_path):
