@@ -85,7 +85,7 @@ class BlockPool:
         with _SPARE_LOCK:
             for _ in range(len(self._pending)):
                 buf, count, left = self._pending.popleft()
-                if _count(buf) == count and not buf.is_shared():
+                if _use_count is not None and _count(buf) == count and not buf.is_shared():
                     if len(self._idle) < self._keep:
                         self._idle.append((buf, count))
                 elif left > 1 and not buf.is_shared():
@@ -101,7 +101,8 @@ _SPARE_LOCK = threading.Lock()
 
 
 def _count(buf: torch.Tensor) -> int:
-    """The storage's reference count, or -1 (never equal to a saved count) without the API."""
+    """The storage's reference count (views included), or -1 without the API (then
+    :meth:`BlockPool._sweep` reuses nothing)."""
     if _use_count is None:
         return -1
     return _use_count(buf.untyped_storage()._cdata)
@@ -164,8 +165,8 @@ def read_blocks(
 
 class InlineReads:
     """An executor that runs each read at once in the calling thread (``read_ahead=0``): for a
-    local disk, whose kernel readahead already overlaps the device with the consumer, a hand-off
-    to a helper thread per block costs more than it hides (docs/benchmarks.md)."""
+    local disk, whose kernel readahead already overlaps the device with the consumer, helper
+    threads measured no faster (docs/benchmarks.md) and cost threads."""
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         fut: Future = Future()

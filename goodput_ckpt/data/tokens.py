@@ -6,7 +6,7 @@ Shards are read through this project's storage layer (``open_store``: local disk
 volume, ``s3://`` with ranged reads and retries), ``block`` sequences per request, up to
 ``read_ahead`` requests in flight across shard boundaries, into reused buffers (:mod:`._blocks`).
 It yields one tensor per sequence, or with ``batch_size`` one ``(batch_size, seq_len)`` tensor
-per batch: at 8 KiB sequences the Python cost of one item per sequence (about 2 us) is more than
+per batch: at 8 KiB sequences the Python cost of one item per sequence (about 1 us) is more than
 reading the sequence from the page cache, so a loader that batches should take whole batches
 (``DataLoader(stream, batch_size=None)``).
 
@@ -79,9 +79,9 @@ class TokenStream(IterableDataset):
         read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
             8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
             several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
-            0.81x); a local disk does its own readahead, and there a hand-off to a helper thread
-            per block measured slower than reading in the consumer's thread (0: each block is
-            read when it is reached, no threads). Memory is about ``read_ahead + 3`` blocks per
+            0.81x); a local disk does its own readahead, and there helper threads measured no
+            faster than reading in the consumer's thread (0: each block is read when it is
+            reached, no threads; docs/benchmarks.md). Memory is about ``read_ahead + 3`` blocks per
             reader (88 MiB at 8): the reads in flight, the block consumed, blocks waiting for
             their last views to be dropped; plus any block whose views the caller keeps. Idle
             buffers (up to ``read_ahead + 2``) stay with the process for the next stream.

@@ -70,3 +70,12 @@ def test_a_pass_that_drops_its_items_reuses_a_bounded_number_of_buffers(tmp_path
         assert n == (150 if batch is None else 50)
     assert pools[0].allocated <= 2 + 3, "read_ahead + the block consumed + those pending release"
     assert pools[1].allocated == 0, "the next stream takes the first one's idle (and released) buffers"
+
+
+def test_without_the_reference_count_api_nothing_is_reused(monkeypatch):
+    """A torch without ``_storage_Use_Count``: buffers are never handed out twice (slower, safe)."""
+    monkeypatch.setattr(_blocks, "_use_count", None)
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    pool.give(*buf)
+    assert all(pool.take()[0] is not buf[0] for _ in range(_blocks._GRACE + 2))
