@@ -111,55 +111,52 @@ def _count(buf: torch.Tensor) -> int:
 def read_blocks(
     pool: ThreadPoolExecutor,
     blocks: BlockPool,
-    tasks: Iterable[tuple[int, int, int]],
+    tasks: Iterable[tuple[int, int, int, bool]],
     open_source: Callable[[int], Any],
     read_ahead: int,
     seq_bytes: int,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Yield ``(shard, first sequence, rows)`` for each ``(shard, first sequence, count)`` task in
-    order, with up to ``read_ahead`` reads in flight whatever shard they belong to (``pool`` an
+    """Yield ``(shard, first sequence, rows)`` for each ``(shard, first sequence, count, last)``
+    task in order (``last``: the shard's final block), with up to ``read_ahead`` reads in flight whatever shard they belong to (``pool`` an
     :class:`InlineReads` and ``read_ahead`` 1: each block read when it is asked for).
 
     ``rows`` is a view of a pooled buffer; it is given back to the pool when the next block is
     requested (so the caller must be done with it, except for views it yielded onward: see the
     module docstring). A shard's source is opened at its first read and closed once its last
-    block was handed over, or when the generator is closed.
+    block was handed over (once per shard, whatever ``read_ahead``), or when the generator is
+    closed.
     """
     it = iter(tasks)
-    ahead: deque[tuple[int, int, int, tuple[torch.Tensor, int], Future]] = deque()
+    ahead: deque[tuple[int, int, int, bool, tuple[torch.Tensor, int], Future]] = deque()
     sources: dict[int, Any] = {}
-    left: dict[int, int] = {}  # blocks of each open shard not yet handed over
     current: tuple[torch.Tensor, int] | None = None
     try:
         while True:
             while len(ahead) < read_ahead and (task := next(it, None)) is not None:
-                shard, pos, k = task
+                shard, pos, k, last = task
                 if shard not in sources:
                     sources[shard] = open_source(shard)
-                left[shard] = left.get(shard, 0) + 1
                 buf = blocks.take()
-                ahead.append((shard, pos, k, buf, pool.submit(_read, sources[shard], buf[0], pos * seq_bytes, k)))
+                ahead.append((shard, pos, k, last, buf, pool.submit(_read, sources[shard], buf[0], pos * seq_bytes, k)))
             if not ahead:
                 return
-            shard, pos, k, buf, fut = ahead.popleft()
+            shard, pos, k, last, buf, fut = ahead.popleft()
             fut.result()
-            left[shard] -= 1
-            if not left[shard]:
-                del left[shard]
+            if last:
                 sources.pop(shard).close()
             if current is not None:
                 blocks.give(*current)
             current = buf
             yield shard, pos, buf[0][:k]
     finally:
-        for _, _, _, _, fut in ahead:
+        for *_, fut in ahead:
             if not fut.cancel():
                 fut.exception()  # let a running read finish before closing its source
         for src in sources.values():
             src.close()
         if current is not None:
             blocks.give(*current)  # the next stream (epoch, stretch) reuses it
-        for _, _, _, buf, _ in ahead:
+        for *_, buf, _ in ahead:
             blocks.give(*buf)  # its read was cancelled or has finished (above)
 
 

@@ -156,7 +156,7 @@ class TokenStream(IterableDataset):
         # The start of each shard is read when its first block is queued (ahead of consumption):
         # a shard's count moves only while it is consumed, which is after all its blocks are queued.
         tasks = (
-            (i, p, min(self.block, lengths[i] - p))
+            (i, p, min(self.block, lengths[i] - p), p + self.block >= lengths[i])
             for i in mine
             for p in range(self._progress.get(i, self._base[i]), lengths[i], self.block)
         )

@@ -79,3 +79,30 @@ def test_without_the_reference_count_api_nothing_is_reused(monkeypatch):
     buf = pool.take()
     pool.give(*buf)
     assert all(pool.take()[0] is not buf[0] for _ in range(_blocks._GRACE + 2))
+
+
+def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
+    """Blocks of one shard share its source, opened at the first read (it was reopened for every
+    block when fewer than a shard's blocks were in flight)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
+
+    from goodput_ckpt.storage import open_store
+
+    store = open_store(str(tmp_path), {})
+    for k in range(3):
+        (tmp_path / f"s{k}.bin").write_bytes(np.arange(10 * SEQ, dtype=np.uint16).tobytes())
+    for ahead in (0, 1, 3):
+        opened, sources = [], []
+
+        def open_source(i):
+            opened.append(i)
+            sources.append(store.open_source(f"s{i}.bin"))
+            return sources[-1]
+
+        tasks = [(i, p, min(4, 10 - p), p + 4 >= 10) for i in range(3) for p in range(0, 10, 4)]
+        pool = BlockPool(4, SEQ, np.uint16, keep=4)
+        with ThreadPoolExecutor(ahead) if ahead else nullcontext(_blocks.InlineReads()) as threads:
+            got = [(i, p, rows.shape[0]) for i, p, rows in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
+        assert got == [t[:3] for t in tasks]
+        assert opened == [0, 1, 2], f"read_ahead={ahead}: each shard opened once"
