@@ -3,7 +3,12 @@
 LLM pretraining reads packed token shards: flat files of ``uint16`` or ``uint32`` tokens, cut
 here into sequences of ``seq_len`` tokens (a shard's trailing partial sequence is not read).
 Shards are read through this project's storage layer (``open_store``: local disk, a mounted
-volume, ``s3://`` with ranged reads and retries), ``block`` sequences per request.
+volume, ``s3://`` with ranged reads and retries), ``block`` sequences per request, up to
+``read_ahead`` requests in flight across shard boundaries, into reused buffers (:mod:`._blocks`).
+It yields one tensor per sequence, or with ``batch_size`` one ``(batch_size, seq_len)`` tensor
+per batch: at 8 KiB sequences the Python cost of one item per sequence (about 1 us) is more than
+reading the sequence from the page cache, so a loader that batches should take whole batches
+(``DataLoader(stream, batch_size=None)``).
 
 **Who reads what.** Shards still unfinished at the start of a stretch are dealt round-robin over
 the (rank, worker) pairs of the current topology; each pair reads its shards one after another,
@@ -25,8 +30,8 @@ snapshots lag, and an elastic restore would read a few sequences again.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -36,6 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import CheckpointError, TopologyChangeError
 from ..storage import open_store
+from ._blocks import BlockPool, InlineReads, read_blocks
 from ._marked import find_marked
 
 __all__ = ["TokenStream"]
@@ -47,22 +53,38 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 class TokenStream(IterableDataset):
     """Sequences of ``seq_len`` tokens from ``shards`` (names under ``root``), as ``torch.uint16``
-    or ``torch.uint32`` tensors: views of the block read, no copy (convert on the device, e.g.
-    ``batch.to(device).long()``; a conversion here would cost more than the read).
+    or ``torch.uint32`` tensors: one ``(seq_len,)`` tensor per sequence, or with ``batch_size``
+    one ``(batch_size, seq_len)`` tensor per batch (use it with ``DataLoader(batch_size=None)``:
+    the Python cost of one item is then paid per batch, not per sequence). Items are views of the
+    block read, no copy (convert on the device, e.g. ``batch.to(device).long()``; a conversion
+    here would cost more than the read), except batches that span blocks or shards (copied).
 
-    The next ``read_ahead`` blocks of a shard are read by helper threads while this one is
-    consumed, so the reads overlap each other and the training loop's use of the data.
+    The next ``read_ahead`` blocks are read by helper threads while one is consumed, across shard
+    boundaries, so the reads overlap each other and the training loop's use of the data (remote
+    stores; a local disk's own readahead does that there). Blocks
+    are read into a pool of reused buffers; a buffer is refilled only once no yielded tensor views
+    it any more, so tensors a caller keeps never change (a kept one costs a new buffer instead).
 
     Args:
         root: the location of the shards (a path, ``s3://bucket/prefix``, a volume path).
         shards: shard file names under ``root``, in a fixed order every rank agrees on.
         seq_len: tokens per sequence.
         dtype: ``"uint16"`` or ``"uint32"`` (little-endian).
-        block: sequences per read request (default: 8 MiB worth; measured on S3, 2 MiB requests
-            reach half the throughput of one streaming read and 8 MiB about all of it).
-        read_ahead: blocks read ahead by helper threads (requests in flight, per reader): an object
-            store needs several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it
-            and 4 0.81x); memory is ``read_ahead + 1`` blocks per reader (72 MiB at the defaults).
+        batch_size: yield ``(batch_size, seq_len)`` batches instead of sequences; the last batch
+            of a reader's stretch may be shorter (nothing is dropped). The saved state counts
+            sequences, so it resumes exactly under any batch size, world size or worker count.
+        block: sequences per read request (default: 8 MiB worth, rounded down to a multiple of
+            ``batch_size``; measured on S3, 2 MiB requests reach half the throughput of one
+            streaming read and 8 MiB about all of it).
+        read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
+            8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
+            several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
+            0.81x); a local disk does its own readahead, and there helper threads measured no
+            faster than reading in the consumer's thread (0: each block is read when it is
+            reached, no threads; docs/benchmarks.md). Memory is about ``read_ahead + 3`` blocks per
+            reader (88 MiB at 8): the reads in flight, the block consumed, blocks waiting for
+            their last views to be dropped; plus any block whose views the caller keeps. Idle
+            buffers (up to ``read_ahead + 2``) stay with the process for the next stream.
         storage_options: options of ``open_store``.
         num_replicas, rank: default to the default process group's (or 1 and 0 without one).
     """
@@ -74,8 +96,9 @@ class TokenStream(IterableDataset):
         *,
         seq_len: int,
         dtype: str = "uint16",
+        batch_size: int | None = None,
         block: int | None = None,
-        read_ahead: int = 8,
+        read_ahead: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -84,16 +107,20 @@ class TokenStream(IterableDataset):
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be positive or None, got {batch_size}")
         if block is None:
             block = max(1, (8 << 20) // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
-        if block < 1 or read_ahead < 1 or not shards:
-            raise ValueError("block and read_ahead must be positive and shards non-empty")
+            if batch_size is not None:
+                block = max(batch_size, block // batch_size * batch_size)  # batches stay views
+        if block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
+            raise ValueError("block must be positive, read_ahead not negative and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.root, self.shards, self.seq_len, self.dtype, self.block = str(root), list(shards), seq_len, dtype, block
-        self.read_ahead = read_ahead
+        self.read_ahead, self.batch_size = read_ahead, batch_size
         self.storage_options = dict(storage_options or {})
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self._seq_bytes = seq_len * np.dtype(_DTYPES[dtype]).itemsize
@@ -125,35 +152,84 @@ class TokenStream(IterableDataset):
         self._slot = (self.rank, worker, self.num_replicas, workers)
         store = open_store(self.root, self.storage_options)
         lengths = self.lengths()
-        # One helper thread per iterator (never on self: the dataset is pickled into workers).
-        with ThreadPoolExecutor(self.read_ahead, thread_name_prefix="token-read") as pool:
-            for i in self._mine(self.rank, worker, self.num_replicas, workers):
-                self._progress.setdefault(i, self._base[i])
-                src = store.open_source(self.shards[i])
-                ahead: deque = deque()
-                try:
-                    blocks = deque((p, min(self.block, lengths[i] - p)) for p in range(self._progress[i], lengths[i], self.block))
-                    while blocks or ahead:
-                        while blocks and len(ahead) < self.read_ahead:
-                            pos, k = blocks.popleft()
-                            ahead.append((pos, pool.submit(self._read, src, pos, k)))
-                        pos, fut = ahead.popleft()
-                        seqs = fut.result()
-                        progress = self._progress
-                        for j, seq in enumerate(seqs.unbind(0), pos + 1):  # views; unbind is cheaper than indexing
-                            progress[i] = j  # before the yield: the state counts it
-                            yield seq
-                finally:
-                    for _, fut in ahead:
-                        if not fut.cancel():
-                            fut.exception()  # let a running read finish before closing its source
-                    src.close()
+        mine = self._mine(self.rank, worker, self.num_replicas, workers)
+        # The start of each shard is read when its first block is queued (ahead of consumption):
+        # a shard's count moves only while it is consumed, which is after all its blocks are queued.
+        tasks = (
+            (i, p, min(self.block, lengths[i] - p), p + self.block >= lengths[i])
+            for i in mine
+            for p in range(self._progress.get(i, self._base[i]), lengths[i], self.block)
+        )
+        ahead = self.read_ahead
+        if ahead is None:
+            ahead = 0 if store.traits.kind == "local" else 8
+        pool = BlockPool(self.block, self.seq_len, _DTYPES[self.dtype], keep=ahead + 2)
+        # One helper thread per read in flight, per iterator (never on self: the dataset is
+        # pickled into workers); none with read_ahead=0.
+        with ThreadPoolExecutor(ahead, thread_name_prefix="token-read") if ahead else nullcontext(InlineReads()) as threads:
+            blocks = read_blocks(
+                threads, pool, tasks, lambda i: store.open_source(self.shards[i]), max(ahead, 1), self._seq_bytes
+            )
+            try:
+                if self.batch_size is None:
+                    yield from self._sequences(blocks)
+                else:
+                    yield from self._batches(blocks, self.batch_size)
+            finally:
+                blocks.close()
 
-    def _read(self, src: Any, pos: int, k: int) -> torch.Tensor:
-        """Sequences ``pos .. pos + k`` of a shard, as a (k, seq_len) tensor."""
-        buf = np.empty((k, self.seq_len), dtype=_DTYPES[self.dtype])
-        src.read_into(pos * self._seq_bytes, [memoryview(buf).cast("B")])
-        return torch.from_numpy(buf)
+    def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        """One ``(seq_len,)`` view per sequence; the count moves before each yield (the state
+        taken after a yield counts that sequence)."""
+        progress = self._progress
+        for i, pos, rows in blocks:
+            for j, seq in enumerate(rows.unbind(0), pos + 1):  # views; unbind is cheaper than indexing
+                progress[i] = j
+                yield seq
+            seq = rows = None  # the pool may refill the block once the caller lets go too
+
+    def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor]], size: int) -> Iterator[torch.Tensor]:
+        """``(size, seq_len)`` batches: a view where the batch lies in one block, a copy where it
+        spans blocks or shards; the last one of this reader's stretch may be shorter (nothing
+        is dropped). Every shard a batch takes from has its count moved before the yield."""
+        progress = self._progress
+        parts: list[torch.Tensor] = []
+        marks: list[tuple[int, int]] = []  # (shard, its count once the part is consumed), per part
+
+        def joined() -> torch.Tensor:
+            batch = torch.cat(parts)  # a copy: no view of the pool's buffers survives in it
+            for s, c in marks:
+                progress[s] = c
+            parts.clear()
+            marks.clear()
+            return batch
+
+        have = 0
+        for i, pos, rows in blocks:
+            n, a = rows.shape[0], 0
+            if parts:  # complete the batch begun in an earlier block (or shard)
+                a = min(size - have, n)
+                parts.append(rows[:a])
+                marks.append((i, pos + a))
+                have += a
+                if have == size:
+                    have = 0
+                    yield joined()
+            if a < n:
+                full = (n - a) // size
+                # split: one call for all the views (slicing one by one costs ~1 us each)
+                for j, piece in enumerate(rows[a:].split(size) if a else rows.split(size)):
+                    if j < full:
+                        progress[i] = pos + a + (j + 1) * size
+                        yield piece
+                    else:  # the block's tail: the start of the next batch
+                        parts.append(piece)
+                        marks.append((i, pos + n))
+                        have = n - a - full * size
+                piece = None
+            rows = None  # the pool may refill the block once the caller lets go too
+        if parts:
+            yield joined()
 
     # -- state -------------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:

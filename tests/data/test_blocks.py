@@ -1,0 +1,108 @@
+"""The block pool behind TokenStream: buffers are reused, but never while something views them.
+
+Real files on local disk; the pool's ``allocated`` counter tells how many buffers a pass created."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from goodput_ckpt.data import _blocks
+from goodput_ckpt.data._blocks import BlockPool
+
+SEQ = 16
+
+
+def test_a_buffer_is_reused_only_once_nothing_views_it():
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    view = buf[0][1]  # a yielded sequence the caller still holds
+    pool.give(*buf)
+    assert pool.take()[0] is not buf[0], "still viewed: not handed out again"
+    del view
+    pool.give(*pool.take())  # sweeps: buf is free now
+    taken = {id(pool.take()[0]) for _ in range(2)}
+    assert id(buf[0]) in taken
+
+
+def test_a_buffer_viewed_past_the_grace_period_is_left_to_its_holder():
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    buf[0].fill_(7)
+    kept = buf[0][:2]
+    pool.give(*buf)
+    for _ in range(_blocks._GRACE + 2):
+        other = pool.take()
+        other[0].fill_(9)  # what a read into a reused buffer would do
+        pool.give(*other)
+    assert all(pool.take()[0] is not buf[0] for _ in range(4))
+    assert bool((kept == 7).all()), "the held view kept its data"
+
+
+def test_a_buffer_moved_to_shared_memory_is_never_reused():
+    """A DataLoader worker moves a sent view's storage to shared memory in place: the main
+    process maps those pages, so refilling the buffer would change a batch it holds."""
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    buf[0][:1].share_memory_()  # what pickling a view into a worker queue does
+    pool.give(*buf)
+    for _ in range(_blocks._GRACE + 2):
+        assert pool.take()[0] is not buf[0]
+
+
+def test_a_pass_that_drops_its_items_reuses_a_bounded_number_of_buffers(tmp_path, monkeypatch):
+    from goodput_ckpt.data import TokenStream
+
+    names = []
+    for k in range(3):
+        (tmp_path / f"s{k}.bin").write_bytes(np.arange(50 * SEQ, dtype=np.uint16).tobytes())
+        names.append(f"s{k}.bin")
+    pools: list[BlockPool] = []
+    init = BlockPool.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        pools.append(self)
+
+    monkeypatch.setattr(BlockPool, "__init__", record)
+    monkeypatch.setattr(_blocks, "_SPARE", {})  # start with no idle buffers in this process
+    for batch in (None, 3):
+        n = sum(1 for _ in TokenStream(str(tmp_path), names, seq_len=SEQ, batch_size=batch, block=5, read_ahead=2))
+        assert n == (150 if batch is None else 50)
+    assert pools[0].allocated <= 2 + 3, "read_ahead + the block consumed + those pending release"
+    assert pools[1].allocated == 0, "the next stream takes the first one's idle (and released) buffers"
+
+
+def test_without_the_reference_count_api_nothing_is_reused(monkeypatch):
+    """A torch without ``_storage_Use_Count``: buffers are never handed out twice (slower, safe)."""
+    monkeypatch.setattr(_blocks, "_use_count", None)
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    pool.give(*buf)
+    assert all(pool.take()[0] is not buf[0] for _ in range(_blocks._GRACE + 2))
+
+
+def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
+    """Blocks of one shard share its source, opened at the first read (it was reopened for every
+    block when fewer than a shard's blocks were in flight)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
+
+    from goodput_ckpt.storage import open_store
+
+    store = open_store(str(tmp_path), {})
+    for k in range(3):
+        (tmp_path / f"s{k}.bin").write_bytes(np.arange(10 * SEQ, dtype=np.uint16).tobytes())
+    for ahead in (0, 1, 3):
+        opened, sources = [], []
+
+        def open_source(i):
+            opened.append(i)
+            sources.append(store.open_source(f"s{i}.bin"))
+            return sources[-1]
+
+        tasks = [(i, p, min(4, 10 - p), p + 4 >= 10) for i in range(3) for p in range(0, 10, 4)]
+        pool = BlockPool(4, SEQ, np.uint16, keep=4)
+        with ThreadPoolExecutor(ahead) if ahead else nullcontext(_blocks.InlineReads()) as threads:
+            got = [(i, p, rows.shape[0]) for i, p, rows in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
+        assert got == [t[:3] for t in tasks]
+        assert opened == [0, 1, 2], f"read_ahead={ahead}: each shard opened once"
