@@ -69,6 +69,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="512MiB")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", default="ours,ours-nohash,raw",
+                   help="also ours-t8 (thread_count=8) and ours-mc32 (max_concurrency=32)")
     a = p.parse_args()
     os.environ.update(s3_env())
     wrap(wr.CheckpointWriter, "_clear_or_refuse_existing", "clear0", "clear1")
@@ -83,7 +85,8 @@ def main() -> int:
     env = Env(server.url, f"http://127.0.0.1:{server.master_port}", "", st.nested, st.nbytes, raw)
     opts = {"endpoint_url": env.url, "addressing_style": "path", "region": "us-east-1"}
     out: dict[str, list[float]] = defaultdict(list)
-    methods = ["ours", "ours-nohash", "raw"]
+    methods = a.methods.split(",")
+    variants = {"ours": {}, "ours-nohash": {}, "ours-t8": {"thread_count": 8}, "ours-mc32": {"max_concurrency": 32}}
     orders = []
     load0 = os.getloadavg()
     try:
@@ -91,7 +94,7 @@ def main() -> int:
 
         boto3.client("s3", endpoint_url=env.url, region_name="us-east-1").create_bucket(Bucket="probe")
         for rep in range(a.repeats):
-            order = methods[rep % 3:] + methods[: rep % 3]
+            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
             orders.append(order)
             for m in order:
                 prefix = f"{m}-{rep}"
@@ -100,7 +103,7 @@ def main() -> int:
                     save, _ = raw_requests(env, "probe", prefix)
                 else:
                     def save(m=m, prefix=prefix):
-                        w = CheckpointWriter(f"s3://probe/{prefix}", **opts)
+                        w = CheckpointWriter(f"s3://probe/{prefix}", **opts, **variants[m])
                         if m == "ours-nohash":
                             with no_save_hashing():
                                 dcp.save(st.nested, storage_writer=w, no_dist=True)
@@ -127,7 +130,7 @@ def main() -> int:
     print("order: " + " | ".join(", ".join(o) for o in orders))
     for k, v in out.items():
         print(f"{k:<28} {min(v):7.3f} {statistics.median(v):7.3f} {max(v):7.3f}  (min/median/max s)")
-    for ref in ("raw", "ours-nohash"):
+    for ref in [x for x in methods if x != "ours"]:
         r = [b / a_ for a_, b in zip(out["ours total"], out[f"{ref} total"])]
         print(f"ours vs {ref}: {min(r):.2f}/{statistics.median(r):.2f}/{max(r):.2f}x (per-repeat, min/median/max)")
     return 0
