@@ -21,6 +21,10 @@ cold-cache load throughput of:
 Rules, the same for every method:
 - GB/s = payload bytes (the sum of tensor sizes, identical for all methods) / wall seconds,
   with GB = 1e9 bytes, so every ratio is a ratio of times.
+- Every timed save comes right after an untimed warm-up save of the same method into a sibling
+  directory, deleted just before the clock starts: ``goodput_ckpt/tools/_bench_save.py``, the
+  rule ``goodput-ckpt bench`` shares. Without it a save's time depended on how long memory had
+  sat free before it (see Noise below), and the two tools disagreed (issue 21).
 - Saves include durability: every data file is fsynced before the clock stops. FileSystemWriter
   (sync_files=True by default) and CheckpointWriter fsync themselves; for torch.save and
   safetensors the benchmark fsyncs the file. The benchmark fsyncs the directory after every save.
@@ -38,7 +42,9 @@ others used during the measurement ("others"). On this VM a second effect, invis
 gauge, dominates: memory that sat free for a few seconds is handed back to the host (virtio
 balloon free-page reporting), and touching it again (the page cache of a save, a load's
 allocations) can cost 1-2 s of CPU per GiB instead of 0.25 s. It slows random repeats of every
-method by 2-4x; the best repeat approximates the cost without it.
+method by 2-4x; the warm-up save before every timed save keeps the timed save's memory from
+being handed back (a save after 8 s of idle memory took 3-5x longer: docs/benchmarks.md), and
+the best repeat approximates the cost without it.
 
 Run: ``.venv/bin/python benchmarks/bench_local.py --size 2GiB --repeats 2 --json bench.json``.
 """
@@ -65,6 +71,7 @@ import torch.distributed.checkpoint as dcp
 
 # The synthetic state is the library's, so `goodput-ckpt bench` measures the same one.
 from goodput_ckpt.cli._output import parse_size
+from goodput_ckpt.tools._bench_save import timed_save
 from goodput_ckpt.tools._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -393,11 +400,18 @@ def timed(fn: Callable[[], Any]) -> tuple[Sample, Any]:
 def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]], check: bool,
                reverse_loads: bool = False, quiet: float = 0.0) -> dict[str, Any]:
     d = tempfile.mkdtemp(prefix=m.name.replace(".", "_") + "-", dir=base)
+    warm = d + "-warm"
     info: dict[str, Any] = {}
     try:
         os.sync()
         wait_quiet(quiet, ctx.dev)
-        s, _ = timed(lambda: (m.save(ctx, d), fsync_path(d)))
+
+        def save(where: str) -> None:
+            os.makedirs(where, exist_ok=True)
+            m.save(ctx, where)
+            fsync_path(where)
+
+        s = timed_save(save, d, warm=warm, remove=shutil.rmtree, clock=lambda fn: timed(fn)[0])
         samples.setdefault(f"save:{m.name}", []).append(s)
         info["files"], info["disk_bytes"] = tree_files(d)
         loads = list(reversed(m.loads)) if reverse_loads else list(m.loads)
@@ -414,6 +428,7 @@ def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]],
             del out
     finally:
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(warm, ignore_errors=True)
         os.sync()
     return info
 

@@ -396,21 +396,23 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
     # The same ratios per repeat (methods of one repeat ran minutes apart at most), then their
     # median: steadier than a ratio of medians on a machine shared with other work.
     per_repeat: dict[str, Any] = {}
+    spread: dict[str, Any] = {}  # the same per-repeat ratios: (min, median, max)
     if "ours" in results:
         for p in ("save", "load"):
             mine = results["ours"][p].seconds
-            per_repeat[p] = {
-                ref: statistics.median(theirs / ours_t for ours_t, theirs in zip(mine, results[ref][p].seconds))
-                for ref in (*TM_METHODS, "fsspec", "s3tc", "raw")
-                if ref in results
-            }
+            theirs_by_ref = {ref: results[ref][p].seconds for ref in (*TM_METHODS, "fsspec", "s3tc", "raw") if ref in results}
             best_tm = [min(ts) for ts in zip(*(results[m][p].seconds for m in TM_METHODS if m in results))]
             if best_tm:
-                per_repeat[p]["ceiling"] = statistics.median(t / o for o, t in zip(mine, best_tm))
+                theirs_by_ref["ceiling"] = best_tm
+            spread[p] = {}
+            for ref, theirs in theirs_by_ref.items():
+                r = [t / o for o, t in zip(mine, theirs)]
+                spread[p][ref] = (min(r), statistics.median(r), max(r))
+            per_repeat[p] = {ref: v[1] for ref, v in spread[p].items()}
     return {
         "payload_bytes": nbytes, "repeats": args.repeats, "python": platform.python_version(),
         "torch": torch.__version__, "cpus": os.cpu_count(), "results": rows, "ratios_of_ours": ratios,
-        "median_ratio_per_repeat": per_repeat,
+        "median_ratio_per_repeat": per_repeat, "ratio_per_repeat_spread": spread,
     }  # fmt: skip
 
 
@@ -437,8 +439,9 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{m:<15}{cells[0]}{cells[1]}")
     for p, refs in report["ratios_of_ours"].items():
         print(f"ours {p}: " + ", ".join(f"{v:.2f}x {k}" for k, v in refs.items()))
-    for p, refs in report["median_ratio_per_repeat"].items():
-        print(f"ours {p}, median of per-repeat ratios: " + ", ".join(f"{v:.2f}x {k}" for k, v in refs.items()))
+    for p, refs in report.get("ratio_per_repeat_spread", {}).items():
+        print(f"ours {p}, per-repeat ratios min/median/max: "
+              + ", ".join(f"{lo:.2f}/{med:.2f}/{hi:.2f}x {k}" for k, (lo, med, hi) in refs.items()))
 
 
 def main() -> None:

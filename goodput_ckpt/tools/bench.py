@@ -14,7 +14,9 @@ and for each of them:
 1. **stall**: how long ``dcp.async_save`` blocks the caller (both writers stage the state into
    fresh CPU memory, then write in a background thread); the save is then waited for, outside
    the measurement, and deleted;
-2. **save**: a synchronous ``dcp.save``, until the checkpoint is durable;
+2. **save**: a synchronous ``dcp.save``, until the checkpoint is durable, timed right after an
+   untimed warm-up save of the same state that is deleted first (:mod:`._bench_save`: the rule
+   ``benchmarks/bench_local.py`` shares, so that both time a save in the same memory condition);
 3. **load**: ``dcp.load`` of that checkpoint into a preallocated state (as when resuming into a
    live model), after evicting its files from the page cache (local and volume paths;
    ``posix_fadvise``, no root needed) so the bytes come from storage;
@@ -44,6 +46,7 @@ from typing import Any
 from ..errors import CheckpointError, CorruptCheckpointError
 from ._bench_methods import BenchMethod, goodput_method, is_save_or_load_failure, torch_method, wait_durable
 from ._bench_report import BENCH_SCHEMA, GB, SAMPLES, BenchReport, MethodResult
+from ._bench_save import timed_save
 from ._bench_scratch import Scratch
 from ._common import require_positive
 
@@ -152,8 +155,8 @@ def _measure_or_give_up(m: BenchMethod, res: MethodResult, state, dest, scratch:
         res.reason = f"n/a: {m.describe_writer} failed here: {type(e).__name__}: {str(e)[:300]}"
         for s in SAMPLES:
             getattr(res, s).clear()
-        scratch.remove(f"{m.name}-{rep}-async")
-        scratch.remove(f"{m.name}-{rep}")
+        for suffix in ("-async", "-warm", ""):
+            scratch.remove(f"{m.name}-{rep}{suffix}")
         say(f"{where}: {res.reason}")
         return
     say(f"{where}: {_summary_line(res)}")
@@ -181,11 +184,14 @@ def _measure(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, r
         scratch.remove(name + "-async")
 
         location = scratch.uri(name)
-        writer = m.writer(location)
-        t0 = time.perf_counter()
-        dcp.save(state.nested, storage_writer=writer, no_dist=True)
-        wait_durable(writer)
-        res.save_s.append(time.perf_counter() - t0)
+
+        def save(where: str) -> None:
+            writer = m.writer(where)
+            dcp.save(state.nested, storage_writer=writer, no_dist=True)
+            wait_durable(writer)
+
+        warm = name + "-warm"
+        res.save_s.append(timed_save(save, location, warm=scratch.uri(warm), remove=lambda _u: scratch.remove(warm)))
         res.files, res.stored_bytes = scratch.stored(name)
 
         if check:
