@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._warn import warn_user
 from ..dcp.load_planner import GridLoadPlanner
 from ..dcp.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
@@ -426,7 +426,7 @@ class CheckpointManager:
         )
         for note in plan.notes:
             logger.warning("restore of step %d: %s", step, note)
-            warnings.warn(f"restore of step {step}: {note}", stacklevel=4)
+            warn_user(f"restore of step {step}: {note}")
         logger.info("restored step %d from %s", step, uri)
 
     def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:

@@ -230,6 +230,33 @@ def test_one_process_two_tiers(tmp_path):
     assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
 
 
+def test_one_process_damaged_local_copy_warns_at_the_callers_line(tmp_path):
+    """Same-size damage in the local copy is found by the load itself; the file comes from the
+    persistent tier, and the warning names it and points at the line that called restore."""
+    import torch
+
+    model, opt = tiers_job.make(0)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2, keep_last=2) as mgr:
+        for step in range(4):
+            tiers_job.train(model, opt, step)
+            mgr.save(step, model=model, optimizer=opt)
+    (bad,) = (tmp_path / "local" / "step_00000003").glob("*.bin")
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    fresh, fresh_opt = tiers_job.make(0)
+    torch.nn.init.zeros_(fresh[0].weight)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2) as mgr:
+        with pytest.warns(UserWarning, match=bad.name) as caught:
+            assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
+        assert mgr.timeline[-1]["sources"] == {"persistent": 1}
+    named = [w for w in caught if bad.name in str(w.message)]
+    assert {Path(w.filename).name for w in named} == {Path(__file__).name}
+    # the damaged range is named with the tensors it hits
+    assert all("padding only" not in str(w.message) and "Affected keys: " in str(w.message) for w in named), named
+    assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
+
+
 def test_ls_shows_tiers(saved):
     from goodput_ckpt.tools.ls import list_checkpoints
 

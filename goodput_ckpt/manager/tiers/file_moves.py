@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CheckpointError
-from ...format.commit_record import checksum_error
+from ...format.commit_record import KeyIndex, checksum_error
 from ...format.schema import FileEntry
 from ...storage.base import Store
 
@@ -40,18 +40,20 @@ def _pieces(entry: FileEntry, chunk_size: int) -> Iterator[tuple[int, int, int]]
         yield index, offset, min(chunk_size, entry.size - offset)
 
 
-def _check(entry: FileEntry, index: int, offset: int, view: memoryview, where: str) -> None:
+def _check(entry: FileEntry, index: int, offset: int, view: memoryview, where: str, keys: KeyIndex | None) -> None:
     if index >= len(entry.chunks) or blake3.blake3(view).hexdigest() != entry.chunks[index]:
-        raise checksum_error(where, entry.path, offset, offset + view.nbytes, index, [])
+        end = offset + view.nbytes
+        raise checksum_error(where, entry.path, offset, end, index, keys.keys(entry.path, offset, end) if keys else [])
 
 
 def _buffer(chunk_size: int, size: int) -> torch.Tensor:
     return torch.empty(max(1, min(chunk_size, size)), dtype=torch.uint8)
 
 
-def copy_file(src: Store, dst: Store, entry: FileEntry, chunk_size: int) -> None:
+def copy_file(src: Store, dst: Store, entry: FileEntry, chunk_size: int, *, keys: KeyIndex | None = None) -> None:
     """Copy the data file ``entry`` from the checkpoint location ``src`` to ``dst``, each chunk
-    checked against the manifest before it is written.
+    checked against the manifest before it is written (``keys``: the manifest's key index, so
+    that a mismatch names the tensors it hits).
 
     Raises:
         CorruptCheckpointError: a chunk of the source does not match the manifest (nothing of
@@ -66,7 +68,7 @@ def copy_file(src: Store, dst: Store, entry: FileEntry, chunk_size: int) -> None
             for index, offset, length in _pieces(entry, chunk_size):
                 view = memoryview(buf.numpy())[:length]
                 source.read_into(offset, [view])
-                _check(entry, index, offset, view, src.uri)
+                _check(entry, index, offset, view, src.uri, keys)
                 sink.write_at(offset, [view])
             sink.close()
         except BaseException:
@@ -77,11 +79,18 @@ def copy_file(src: Store, dst: Store, entry: FileEntry, chunk_size: int) -> None
 
 
 def check_file(
-    store: Store, entry: FileEntry, chunk_size: int, *, threads: int = 4, only: Collection[int] | None = None
+    store: Store,
+    entry: FileEntry,
+    chunk_size: int,
+    *,
+    threads: int = 4,
+    only: Collection[int] | None = None,
+    keys: KeyIndex | None = None,
 ) -> None:
     """Read the data file ``entry`` of the checkpoint location ``store`` and check its chunks
     against the manifest (every chunk, or the chunk indices in ``only``), ``threads`` chunks at a
-    time (blake3 and the reads release the GIL), each thread with one reused buffer.
+    time (blake3 and the reads release the GIL), each thread with one reused buffer. ``keys``:
+    the manifest's key index, so that a mismatch names the tensors it hits.
 
     Raises:
         CorruptCheckpointError: a chunk that does not match (file and byte range).
@@ -99,7 +108,7 @@ def check_file(
         try:
             view = memoryview(buf.numpy())[:length]
             source.read_into(offset, [view])
-            _check(entry, index, offset, view, store.uri)
+            _check(entry, index, offset, view, store.uri, keys)
         finally:
             buffers.put(buf)
 
@@ -153,7 +162,9 @@ def _send(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup) -> N
             source.close()
 
 
-def _receive(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup, where: str) -> CheckpointError | None:
+def _receive(
+    store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup, where: str, keys: KeyIndex | None
+) -> CheckpointError | None:
     """Receive ``move`` into ``store``; the first bad chunk aborts the file but the rest is still
     received (the sender goes on sending). Returns the failure, or ``None``."""
     buf = _buffer(chunk_size, move.entry.size)
@@ -170,7 +181,7 @@ def _receive(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup, w
             continue
         view = memoryview(piece.numpy())
         try:
-            _check(move.entry, index, offset, view, where)
+            _check(move.entry, index, offset, view, where, keys)
             assert sink is not None
             sink.write_at(offset, [view])
         except CheckpointError as e:
@@ -185,11 +196,19 @@ def _receive(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup, w
 
 
 def run_moves(
-    moves: Sequence[Move], *, rank: int, store: Store, chunk_size: int, pg: dist.ProcessGroup, sender_uri: str
+    moves: Sequence[Move],
+    *,
+    rank: int,
+    store: Store,
+    chunk_size: int,
+    pg: dist.ProcessGroup,
+    sender_uri: str,
+    keys: KeyIndex | None = None,
 ) -> dict[str, CheckpointError]:
     """Do this rank's part of ``moves`` (the same list, in the same order, on every rank): send
     the files it is the source of from ``store``, receive those it is the destination of into
-    ``store``. ``sender_uri`` names the sending tier in errors ({rank} is the sender's rank).
+    ``store``. ``sender_uri`` names the sending tier in errors ({rank} is the sender's rank), and
+    ``keys`` (the manifest's key index) the tensors a bad chunk hits.
 
     Returns:
         The files this rank failed to receive, with why (a checksum mismatch names the file,
@@ -200,7 +219,7 @@ def run_moves(
         if move.src == rank:
             _send(store, move, chunk_size, pg)
         elif move.dst == rank:
-            err = _receive(store, move, chunk_size, pg, sender_uri.format(rank=move.src))
+            err = _receive(store, move, chunk_size, pg, sender_uri.format(rank=move.src), keys)
             if err is not None:
                 failed[move.name] = err
     return failed

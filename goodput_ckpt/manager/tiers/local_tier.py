@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ...dcp.hashed_write import data_file_rank, remove_stale_files
 from ...errors import CheckpointError, as_checkpoint_error
+from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ...storage import open_store
 from ...storage.base import Store
@@ -188,7 +189,7 @@ class LocalTier:
         assert self.pg is not None  # replicas need another node, hence a group
         failed = run_moves(
             moves, rank=self.layout.rank, store=self.step_store(step), chunk_size=manifest.chunk_size, pg=self.pg,
-            sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)",
+            sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)", keys=KeyIndex(manifest),
         )  # fmt: skip
         if failed:
             name, first = next(iter(failed.items()))

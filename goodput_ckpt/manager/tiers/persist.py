@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ...dcp.hashed_write import clear_or_refuse_existing, data_file_rank, durable_future
 from ...errors import CheckpointError, as_checkpoint_error
+from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest
 from ...storage import open_store
 from ...storage.base import Store
@@ -122,9 +123,10 @@ class Persister:
             raise_if_any_rank_failed(self.pg, self.world_size, self._clear(dst))
             dst.prepare()
             src = open_store(child_uri(self.local.uri, step_dir_name(job.step)), {})
+            keys = KeyIndex(job.manifest)
             for entry in job.manifest.files.values():
                 if data_file_rank(entry.path) == self.rank:
-                    copy_file(src, dst, entry, job.manifest.chunk_size)
+                    copy_file(src, dst, entry, job.manifest.chunk_size, keys=keys)
                     nbytes += entry.size
             durable_future(dst).result()
             raise_if_any_rank_failed(self.pg, self.world_size, None)

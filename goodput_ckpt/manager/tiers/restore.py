@@ -29,13 +29,13 @@ only passes a step that cannot be rebuilt) and incomplete ones.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from ..._warn import warn_user
 from ...dcp.needed_files import chunks_read_by
 from ...errors import (
     CheckpointError,
@@ -45,7 +45,7 @@ from ...errors import (
     as_checkpoint_error,
     find_checkpoint_error,
 )
-from ...format.commit_record import COMMITTED, read_commit_record
+from ...format.commit_record import COMMITTED, KeyIndex, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ...storage import open_store
 from ...storage.base import Store
@@ -213,6 +213,7 @@ def _check_local(
     among those this rank reads (``files``: name -> chunk indices), and warnings."""
     step_store = store_of(store, s)
     missing, notes = set(), []
+    keys = KeyIndex(manifest)
     for name in sorted(files):
         entry = manifest.files[name]
         size = step_store.size(name)
@@ -223,7 +224,7 @@ def _check_local(
             continue
         if verify:
             try:
-                check_file(step_store, entry, manifest.chunk_size, only=files[name])
+                check_file(step_store, entry, manifest.chunk_size, only=files[name], keys=keys)
             except CheckpointError as e:
                 missing.add(name)
                 notes.append(str(e))
@@ -291,17 +292,11 @@ def _attempt(
         if isinstance(again, str):
             return again
         arrived.update(again)
-        err = None
-        try:
-            load(plan, where)
-        except CheckpointError as e:
-            err = e
-        raise_if_any_rank_failed(pg, layout.world_size, err)
+        _load_checked(load, plan, where, pg, layout.world_size, repairable=False)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
-    node_arrivals = arrived
     sources: dict[str, int] = {}
     for name in need:
-        tier_name = node_arrivals.get(name, LOCAL)
+        tier_name = arrived.get(name, LOCAL)
         sources[tier_name] = sources.get(tier_name, 0) + 1
     return TierRestore(s, manifest, sources), plan
 
@@ -309,21 +304,31 @@ def _attempt(
 def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
     for note in notes:
         logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, node, note)
-        warnings.warn(f"restore of step {s}: node {node}'s local copy: {note}; using the next tier", stacklevel=4)
+        warn_user(f"restore of step {s}: node {node}'s local copy: {note}; using the next tier")
 
 
-def _load_checked(load: Callable[[Any, str], None], plan: Any, where: str, pg: dist.ProcessGroup | None, world_size: int) -> bool:
-    """Load ``plan`` from this node's copy; ``True`` when some rank found a damaged or short
-    file there (every rank answers the same). Any other failure raises on every rank."""
+def _load_checked(
+    load: Callable[[Any, str], None],
+    plan: Any,
+    where: str,
+    pg: dist.ProcessGroup | None,
+    world_size: int,
+    *,
+    repairable: bool = True,
+) -> bool:
+    """Load ``plan`` from this node's copy; ``True`` when ``repairable`` and some rank found a
+    damaged or short file there (every rank answers the same). Any other failure, and any
+    failure at all once the copy was repaired, raises on every rank."""
     err: CheckpointError | None = None
     try:
         load(plan, where)
     except CheckpointError as e:
         err = e
-    found = find_checkpoint_error(err) if err is not None else None
-    damaged = isinstance(found, (CorruptCheckpointError, IncompleteCheckpointError))
-    if any(_gather(pg, world_size, damaged)):
-        return True
+    if repairable:
+        found = find_checkpoint_error(err) if err is not None else None
+        damaged = isinstance(found, (CorruptCheckpointError, IncompleteCheckpointError))
+        if any(_gather(pg, world_size, damaged)):
+            return True
     raise_if_any_rank_failed(pg, world_size, err)
     return False
 
@@ -349,12 +354,13 @@ def _mend(
         return why
     failed: dict[str, CheckpointError] = {}
     here_store = store_of(tier.store, s)
+    keys = KeyIndex(manifest)
     if plan_moves or fetch:
         here_store.prepare()  # a lost node's directory is made again
     if plan_moves and pg is not None:
         failed = run_moves(
             plan_moves, rank=layout.rank, store=here_store, chunk_size=manifest.chunk_size, pg=pg,
-            sender_uri=f"the local copy of step {s} on the node of rank {{rank}}",
+            sender_uri=f"the local copy of step {s} on the node of rank {{rank}}", keys=keys,
         )  # fmt: skip
     arrived = {m.name: REPLICA for m in plan_moves if m.dst == layout.rank and m.name not in failed}
     for name, err in failed.items():
@@ -372,7 +378,7 @@ def _mend(
         src = store_of(persistent, s, persistent_options)
         for name in want:
             try:
-                copy_file(src, here_store, manifest.files[name], manifest.chunk_size)
+                copy_file(src, here_store, manifest.files[name], manifest.chunk_size, keys=keys)
                 arrived[name] = PERSISTENT
             except CheckpointError as e:
                 errors.append(f"{name} from the persistent tier: {e}")
