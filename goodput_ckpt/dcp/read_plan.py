@@ -11,6 +11,7 @@ then cut at chunk boundaries into tasks of about ``task_bytes`` for the thread p
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +68,16 @@ def _batches(requests: list[Request]) -> list[list[Request]]:
 
 
 def plan_tasks(
-    requests: list[Request], *, chunk_size: int, verify: bool, file_sizes: dict[str, int], task_bytes: int
+    requests: list[Request],
+    *,
+    chunk_size: int,
+    verify: bool,
+    file_sizes: dict[str, int],
+    task_bytes: int,
+    unverified: Collection[str] = frozenset(),
 ) -> list[Task]:
-    """Group ``requests`` into read tasks (see module docstring). Sets ``Request.pending``."""
+    """Group ``requests`` into read tasks (see module docstring). Sets ``Request.pending``.
+    ``unverified``: files read as if ``verify`` were false (their chunks were already checked)."""
     by_file: dict[str, list[Request]] = {}
     for r in requests:
         if r.end > r.start:
@@ -78,15 +86,16 @@ def plan_tasks(
     tasks: list[Task] = []
     for file, reqs in sorted(by_file.items()):
         size = file_sizes[file]
+        verify_file = verify and file not in unverified
         for batch in _batches(reqs):
             # Windows: [lo, hi) ranges to read, each with its requests.
             windows: list[tuple[int, int, list[Request]]] = []
             for r in batch:
                 lo, hi = r.start, r.end
-                if verify:
+                if verify_file:
                     lo = lo // chunk_size * chunk_size
                     hi = min(size, math.ceil(hi / chunk_size) * chunk_size)
-                if windows and lo <= windows[-1][1] + (0 if verify else COALESCE_GAP):
+                if windows and lo <= windows[-1][1] + (0 if verify_file else COALESCE_GAP):
                     w = windows[-1]
                     windows[-1] = (w[0], max(w[1], hi), w[2] + [r])
                 else:
@@ -96,7 +105,7 @@ def plan_tasks(
                 cut = lo
                 while cut < hi:
                     # Task boundaries fall on chunk boundaries, so no chunk is split across tasks.
-                    nxt = min(hi, (cut // chunk_size + task_chunks) * chunk_size) if verify else min(hi, cut + step)
+                    nxt = min(hi, (cut // chunk_size + task_chunks) * chunk_size) if verify_file else min(hi, cut + step)
                     tasks.append(_make_task(file, cut, nxt, wreqs))
                     cut = nxt
     return tasks

@@ -20,6 +20,7 @@ import io
 import math
 import os
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,10 @@ class CheckpointReader(StorageReader):
         partial: the location may hold only some of the files its manifest lists (a node's
             copy of a two-tier checkpoint, which holds what that node's ranks read): files are
             not checked up front, and a missing one is an error only when read.
+        checked_files: data files (names as in the manifest) whose every chunk the caller has
+            just checked against this manifest, such as files a two-tier restore fetched and
+            checked on arrival: read without hashing them again. Every other file is verified
+            as ``verify`` says.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -112,6 +117,7 @@ class CheckpointReader(StorageReader):
         process_group: Any = None,
         share_manifest: bool | None = None,
         partial: bool = False,
+        checked_files: Collection[str] = (),
         **options: Any,
     ) -> None:
         super().__init__()
@@ -123,6 +129,7 @@ class CheckpointReader(StorageReader):
         self.process_group = process_group
         self.share_manifest = share_manifest
         self.partial = bool(partial)
+        self.checked_files = frozenset(checked_files)
         self._options = dict(options)
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
@@ -164,6 +171,7 @@ class CheckpointReader(StorageReader):
         if checkpoint_id is not None:
             self.checkpoint_id = redact(os.fspath(checkpoint_id))
             self._store = open_store(checkpoint_id, self._options)
+            self.checked_files = frozenset()  # they were checked at the old location
         self._manifest = None
         self._preloaded = False
         self._storage_data = {}
@@ -228,7 +236,11 @@ class CheckpointReader(StorageReader):
             if req is not None:
                 requests.append(req)
         file_sizes = {f.path: f.size for f in manifest.files.values()}
-        tasks = plan_tasks(requests, chunk_size=manifest.chunk_size, verify=self.verify, file_sizes=file_sizes, task_bytes=TASK_BYTES)
+        checked = self.checked_files
+        tasks = plan_tasks(
+            requests, chunk_size=manifest.chunk_size, verify=self.verify, file_sizes=file_sizes, task_bytes=TASK_BYTES,
+            unverified=checked,
+        )  # fmt: skip
         sources: dict[str, FileSource] = {}
         alloc_lock = threading.Lock()
 
@@ -257,7 +269,7 @@ class CheckpointReader(StorageReader):
                 jobs,
                 threads=self.thread_count,
                 read=lambda t: self._read_task(t, sources[t.file], manifest, alloc_lock),
-                verify=(lambda t, bufs: self._verify(t, bufs, manifest)) if self.verify else None,
+                verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest)) if self.verify else None,
                 job_done=job_done,
             )
             self.keys_read.update(item.storage_index.fqn for item in plan.items)

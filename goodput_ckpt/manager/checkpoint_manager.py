@@ -437,9 +437,10 @@ class CheckpointManager:
         started, t0 = time.time(), time.perf_counter()
         readers: list[CheckpointReader] = []
 
-        def load(plan: Any, where: str) -> None:
+        def load(plan: Any, where: str, checked: set[str]) -> None:
             reader = CheckpointReader(
-                where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True
+                where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True,
+                checked_files=checked,
             )  # fmt: skip
             readers.append(reader)
             self._read(plan, reader, f"loading {where}")

@@ -95,3 +95,33 @@ def test_dcp_load_of_an_uncommitted_save_gives_the_typed_error_back(tmp_path):
         dcp.load({"w": torch.empty(2)}, storage_reader=CheckpointReader(str(tmp_path / "x")), no_dist=True)
     err = find_checkpoint_error(e.value)
     assert isinstance(err, IncompleteCheckpointError) and err.path == str(tmp_path / "x"), repr(e.value)
+
+
+@pytest.mark.parametrize("volume", [True, False])
+def test_checked_files_are_read_without_hashing_and_the_others_still_are(runs, volume):
+    """``checked_files`` (files a two-tier restore checked on arrival) are read unhashed, and
+    exactly: a damaged one loads its damaged bytes, while damage in any other file still fails
+    the load by name."""
+    loc, manifest = runs
+    checked, other = sorted(manifest.files)[:2]
+    at = TASK + 11
+    for name in (checked, other):
+        data = bytearray((loc / name).read_bytes())
+        data[at] ^= 0x10
+        (loc / name).write_bytes(bytes(data))
+    dest = zeros_like(_state())
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, checked_files={checked}))
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CorruptCheckpointError) and other in str(err) and checked not in str(err), err
+    # Restore the other file: now only the checked file is damaged, and the load does not notice.
+    data = bytearray((loc / other).read_bytes())
+    data[at] ^= 0x10
+    (loc / other).write_bytes(bytes(data))
+    dest = zeros_like(_state())
+    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, checked_files={checked}))
+    want = _state()
+    differ = [k for k in want if not torch.equal(dest[k], want[k])]
+    assert len(differ) == 1, differ  # the damaged bytes landed, unhashed: one tensor differs, by one byte
+    with pytest.raises(CheckpointException):
+        _load(loc)  # without checked_files the same file fails the load

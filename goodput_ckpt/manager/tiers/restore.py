@@ -111,7 +111,7 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str], None],
+    load: Callable[[Any, str, set[str]], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
@@ -124,9 +124,10 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
-        load: ``load(plan, where)``: every rank together, load ``plan`` from the checkpoint
-            location ``where`` (this node's copy), checking every chunk read when verifying;
-            raises :class:`CheckpointError`.
+        load: ``load(plan, where, checked)``: every rank together, load ``plan`` from the
+            checkpoint location ``where`` (this node's copy), checking every chunk read when
+            verifying, except in the files of ``checked``, whose chunks were checked just before
+            (on arrival from another tier); raises :class:`CheckpointError`.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
 
     Returns:
@@ -247,7 +248,7 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str], None],
+    load: Callable[[Any, str, set[str]], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
@@ -281,7 +282,8 @@ def _attempt(
             here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
     if pg is not None:
         dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
-    damaged = _load_checked(load, plan, where, pg, layout.world_size)
+    # What arrived was checked on arrival: the load does not hash it again.
+    damaged = _load_checked(load, plan, where, set(arrived), pg, layout.world_size)
     if damaged:
         # Some rank read a chunk that does not match the manifest (or a file cut short since
         # the size check). Check every chunk this rank reads, so that every damaged file is
@@ -292,7 +294,8 @@ def _attempt(
         if isinstance(again, str):
             return again
         arrived.update(again)
-        _load_checked(load, plan, where, pg, layout.world_size, repairable=False)
+        # Every chunk this rank reads has now been checked, here or on arrival (when verifying).
+        _load_checked(load, plan, where, set(need), pg, layout.world_size, repairable=False)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
     sources: dict[str, int] = {}
     for name in need:
@@ -308,20 +311,22 @@ def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
 
 
 def _load_checked(
-    load: Callable[[Any, str], None],
+    load: Callable[[Any, str, set[str]], None],
     plan: Any,
     where: str,
+    checked: set[str],
     pg: dist.ProcessGroup | None,
     world_size: int,
     *,
     repairable: bool = True,
 ) -> bool:
-    """Load ``plan`` from this node's copy; ``True`` when ``repairable`` and some rank found a
-    damaged or short file there (every rank answers the same). Any other failure, and any
-    failure at all once the copy was repaired, raises on every rank."""
+    """Load ``plan`` from this node's copy (``checked``: files not to hash again); ``True``
+    when ``repairable`` and some rank found a damaged or short file there (every rank answers
+    the same). Any other failure, and any failure at all once the copy was repaired, raises on
+    every rank."""
     err: CheckpointError | None = None
     try:
-        load(plan, where)
+        load(plan, where, checked)
     except CheckpointError as e:
         err = e
     if repairable:
