@@ -53,7 +53,7 @@ class _Rows:
                 keys = ranks[members[0]].key_list()
             except ValueError as e:
                 raise CheckpointError(f"CheckpointWriter.finish got results it did not write: {e}") from e
-            stack = np.stack(tables, axis=2)  # items x columns x members
+            stack = _stacked(tables)  # items x columns x members
             stack[:, FILE, :] += bases[members]  # rank-local file index -> the manifest's
             g = len(self.stacks)
             self.stacks.append(stack)
@@ -75,6 +75,22 @@ class _Rows:
         if not cols:
             return np.zeros((width, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(cols, axis=1), np.concatenate(ranks)
+
+
+#: Members transposed at a time by :func:`_stacked`: their rows of one (item, column) are
+#: written as one 2 KB run, and the temporary holds this many tables, not all of them.
+_STACK_BLOCK = 256
+
+
+def _stacked(tables: Sequence[np.ndarray]) -> np.ndarray:
+    """``np.stack(tables, axis=2)``, a block of members at a time: stacking along the last axis
+    writes every element with a stride of a whole member (a cache miss each; 0.5 s for a 70B
+    state at 4,096 ranks), and stacking member-major then transposing all at once doubles the
+    peak memory (1.1 GB more at 16,384 ranks)."""
+    out = np.empty(tables[0].shape + (len(tables),), dtype=np.int64)
+    for s in range(0, len(tables), _STACK_BLOCK):
+        out[:, :, s : s + _STACK_BLOCK] = np.stack(tables[s : s + _STACK_BLOCK], axis=0).transpose(1, 2, 0)
+    return out
 
 
 def _widen(cols: np.ndarray, width: int) -> np.ndarray:

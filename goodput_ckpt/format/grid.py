@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from .schema import ALIGNMENT, MAX_FILE_BYTES, ChunkEntry
 
 __all__ = ["GridChunks", "GridError", "Span", "check_spans", "parse_grid"]
@@ -209,27 +211,41 @@ def check_spans(spans: list[Span], names: Sequence[str], sizes: Sequence[int]) -
 
     Spans are swept in offset order; for each file the end of the last range is kept, so a range
     overlaps another exactly when it starts before that end. A span's files are an arithmetic
-    progression, checked and updated as one list slice: O(spans log spans) comparisons plus one
-    C-speed step per (span, file).
+    progression, checked and updated as one strided slice of int64 arrays (a grid's run covers up
+    to one file per rank: 16,384 at a time, where Python's ``max`` over a list slice cost 10 ns a
+    file): O(spans log spans) comparisons plus one C-speed step per (span, file). A span of one
+    file (v1's chunks, objects) takes the scalar path, the same comparisons on single elements.
 
     Raises:
         GridError: two ranges overlap, or one runs past the end of its file (names the keys).
     """
-    ends = [0] * len(names)
-    owner = [""] * len(names)
+    ends = np.zeros(len(names), dtype=np.int64)  # offsets and lengths are at most 2**50: no overflow
+    limit = np.asarray(sizes, dtype=np.int64)
+    owner = np.full(len(names), -1, dtype=np.int64)  # the span that ends last in each file
     spans.sort(key=lambda s: s[0])
-    for offset, length, first, step, count, key in spans:
+    for i, (offset, length, first, step, count, key) in enumerate(spans):
         if not length:
             continue
-        sl = slice(first, first + step * (count - 1) + 1, step)
         end = offset + length
-        if max(ends[sl]) > offset:
-            f = next(f for f in range(first, sl.stop, step) if ends[f] > offset)
-            raise GridError(f"items {owner[f]!r} and {key!r} overlap in {names[f]!r} at byte {offset}", f"{owner[f]}, {key}")
-        if min(sizes[sl]) < end:
-            f = next(f for f in range(first, sl.stop, step) if sizes[f] < end)
-            raise GridError(
-                f"item {key!r}: byte range [{offset}, {end}) lies beyond the end of {names[f]!r} ({sizes[f]} bytes)", key
-            )
-        ends[sl] = [end] * count
-        owner[sl] = [key] * count
+        if count == 1:
+            if ends.item(first) > offset:
+                _overlap(spans, names, owner, first, offset, key)
+            if limit.item(first) < end:
+                _beyond(names, limit, first, offset, end, key)
+            ends[first], owner[first] = end, i
+            continue
+        sl = slice(first, first + step * (count - 1) + 1, step)
+        if ends[sl].max() > offset:
+            _overlap(spans, names, owner, first + step * int(np.argmax(ends[sl] > offset)), offset, key)
+        if limit[sl].min() < end:
+            _beyond(names, limit, first + step * int(np.argmax(limit[sl] < end)), offset, end, key)
+        ends[sl], owner[sl] = end, i
+
+
+def _overlap(spans: list[Span], names: Sequence[str], owner: np.ndarray, f: int, offset: int, key: str) -> None:
+    other = spans[int(owner[f])][5]
+    raise GridError(f"items {other!r} and {key!r} overlap in {names[f]!r} at byte {offset}", f"{other}, {key}")
+
+
+def _beyond(names: Sequence[str], limit: np.ndarray, f: int, offset: int, end: int, key: str) -> None:
+    raise GridError(f"item {key!r}: byte range [{offset}, {end}) lies beyond the end of {names[f]!r} ({int(limit[f])} bytes)", key)

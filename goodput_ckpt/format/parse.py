@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -49,7 +48,9 @@ from .tiling import TilingBudget, TilingError, check_tiling
 
 __all__ = ["parse_manifest"]
 
-_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+#: What a chunk digest is made of: 64 of these (lowercase hex).
+_HEX_DIGITS = b"0123456789abcdef"
+_DIGEST_LEN = 64
 
 
 class _Bad(Exception):
@@ -164,10 +165,29 @@ def _parse_files(doc: dict, chunk_size: int) -> dict[str, FileEntry]:
                 f"(expected {math.ceil(size / chunk_size)})",
                 file=path,
             )
-        if not all(isinstance(h, str) and _HEX64.match(h) for h in chunks):
-            raise _Bad(f"file {path!r}: chunk hashes must be 64 lowercase hex digits", file=path)
+        if not _hex_digests(chunks):
+            raise _Bad(f"file {path!r}: chunk hashes must be {_DIGEST_LEN} lowercase hex digits", file=path)
         files[path] = FileEntry(path, size, tuple(chunks))
     return files
+
+
+def _hex_digests(chunks: list[Any]) -> bool:
+    """Whether every element of ``chunks`` is a string of 64 lowercase hex digits.
+
+    Checked on the whole list at once, at C speed: a 405B state's record holds about 480 k digests,
+    and a regular expression per digest took 0.3 s of its parse (ten times this). ``join`` refuses
+    a non-string, the lengths come from one ``map``, and deleting every hex digit from the joined
+    ASCII bytes must leave nothing.
+    """
+    try:
+        joined = "".join(chunks)
+    except TypeError:
+        return False
+    return (
+        set(map(len, chunks)) <= {_DIGEST_LEN}
+        and joined.isascii()
+        and not joined.encode("ascii").translate(None, _HEX_DIGITS)
+    )
 
 
 class _Ranges:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import blake3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -83,3 +84,9 @@ def test_newer_version_is_named_whether_or_not_sealed_like_v1(sealed):
     with pytest.raises(CheckpointError, match="reads versions 1, 2") as info:
         parse_manifest(raw)
     assert not isinstance(info.value, CorruptCheckpointError) and info.value.version == 3
+
+
+@pytest.mark.parametrize("body", [b'{"a":1}', b'{"a":[1,2]}  \n', b'{"k":"' + b"ab" * 50_000 + b'"}'])
+def test_seal_is_the_blake3_of_everything_before_the_digest_member(body):
+    head = body.rstrip()[:-1]
+    assert seal_manifest(body) == head + b',"digest":"' + blake3.blake3(head).hexdigest().encode() + b'"}'

@@ -257,6 +257,12 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("hash_uppercase", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "A" * 64), d)[1], msg="64 lowercase hex")
     add("hash_short", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "ab"), d)[1], msg="64 lowercase hex")
     add("hash_not_string", lambda d: (d["files"][F1]["chunks"].__setitem__(0, 0), d)[1], msg="64 lowercase hex")
+    # (the digests are checked as one joined string: lengths that add up must still be refused one by one)
+    add("hash_long_and_short", lambda d: (d["files"][F0]["chunks"].__setitem__(slice(0, 2), ["a" * 63, "a" * 65]), d)[1],
+        msg="64 lowercase hex")  # fmt: skip
+    add("hash_non_ascii", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "\u00e9" * 64), d)[1], msg="64 lowercase hex")
+    add("hash_nul", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "\u0000" * 64), d)[1], msg="64 lowercase hex")
+    add("hash_list", lambda d: (d["files"][F1]["chunks"].__setitem__(0, ["0" * 64]), d)[1], msg="64 lowercase hex")
     # -- structure -----------------------------------------------------------------------------
     add("files_not_object", set_(["files"], [F0, F1]), msg="wrong type")
     add("file_entry_not_object", set_(["files", F1], 32), msg="is invalid")
