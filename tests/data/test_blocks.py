@@ -106,3 +106,40 @@ def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
             got = [(i, p, rows.shape[0]) for i, p, rows in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
         assert got == [t[:3] for t in tasks]
         assert opened == [0, 1, 2], f"read_ahead={ahead}: each shard opened once"
+
+
+def test_a_local_stream_alternates_two_small_buffers(tmp_path, monkeypatch):
+    """On a local disk the default block is 2 MiB and, when the caller drops its items, two
+    buffers alternate: 4 MiB that stay in the CPU cache (two alternating 8 MiB buffers made the
+    page-cache copy 0.84x of one reused buffer; docs/benchmarks.md)."""
+    from goodput_ckpt.data import TokenStream
+
+    seq = 1024  # uint16: 2 KiB sequences, 1024 per 2 MiB block
+    names = []
+    for k in range(2):
+        (tmp_path / f"s{k}.bin").write_bytes(np.zeros(2500 * seq, np.uint16).tobytes())
+        names.append(f"s{k}.bin")
+    pools: list[BlockPool] = []
+    init = BlockPool.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        pools.append(self)
+
+    taken: list[int] = []
+    take = BlockPool.take
+
+    def record_take(self):
+        buf = take(self)
+        taken.append(id(buf))
+        return buf
+
+    monkeypatch.setattr(BlockPool, "__init__", record)
+    monkeypatch.setattr(BlockPool, "take", record_take)
+    monkeypatch.setattr(_blocks, "_SPARE", {})
+    for batch in (None, 32):
+        taken.clear()
+        n = sum(item.shape[0] if batch else 1 for item in TokenStream(str(tmp_path), names, seq_len=seq, batch_size=batch))
+        assert n == 5000
+        assert pools[-1]._rows * seq * 2 == 2 << 20, "2 MiB blocks"
+        assert len(taken) == 6 and len(set(taken)) == 2, "two buffers alternate"
