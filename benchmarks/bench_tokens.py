@@ -7,8 +7,7 @@ rotating order per repeat:
   ``GetObject`` per file read in 8 MiB pieces (S3, boto3): what a loader that does nothing but
   read would cost;
 - ``seq``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
-  Python, ``--seq-len`` tokens each, read in blocks of the stream's default (2 MiB locally, 8 MiB
-  on S3) through ``open_store``,
+  Python, ``--seq-len`` tokens each, read in blocks of 8 MiB through ``open_store``,
   ``--read-ahead`` blocks in flight (default: the stream's, 0 locally and 8 on S3);
 - ``batch``: the same stream with ``batch_size=--batch-size``: one ``(batch, seq_len)`` tensor
   per item;
@@ -247,7 +246,7 @@ def main(argv: list[str]) -> int:
             targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
-            f"block {a.block or 'the default (2 MiB local, 8 MiB S3)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}",
+            f"block {a.block or 'the default (8 MiB)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}",
             flush=True,
         )
         try:

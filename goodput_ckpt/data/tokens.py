@@ -48,15 +48,12 @@ __all__ = ["TokenStream"]
 MARK = "goodput_token_stream"
 VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-#: Default bytes per read block on a local disk. Reads from the page cache are memory copies whose
-#: speed depends on the destination staying in the CPU cache: two alternating buffers (the pool's
-#: cycle, as the caller still holds the last item of a block when the next is read) of 8 MiB
-#: cost 0.84x of one reused buffer on the development machine (32 MiB L3), of 2 MiB none
-#: measurable (docs/benchmarks.md).
-_LOCAL_BLOCK_BYTES = 2 << 20
-#: Default bytes per read request elsewhere: on S3, 2 MiB requests reached half the throughput of
-#: one streaming read and 8 MiB about all of it.
-_REMOTE_BLOCK_BYTES = 8 << 20
+#: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
+#: streaming read and 8 MiB about all of it. On a local disk 2 MiB blocks were slower too (0.82x
+#: of the plain read against 0.88x, batched): each block costs about 10 us of Python, and the two
+#: 8 MiB buffers the pool alternates cost a plain read only 0.98-1.00x of one reused buffer on a
+#: quiet machine (docs/benchmarks.md).
+_BLOCK_BYTES = 8 << 20
 
 
 class TokenStream(IterableDataset):
@@ -81,17 +78,16 @@ class TokenStream(IterableDataset):
         batch_size: yield ``(batch_size, seq_len)`` batches instead of sequences; the last batch
             of a reader's stretch may be shorter (nothing is dropped). The saved state counts
             sequences, so it resumes exactly under any batch size, world size or worker count.
-        block: sequences per read request (default: 2 MiB worth on a local disk, 8 MiB
-            elsewhere, rounded down to a multiple of ``batch_size``; locally, a larger block's
-            buffers fall out of the CPU cache and the page-cache copy slows down; on S3, 2 MiB
-            requests reach half the throughput of one streaming read and 8 MiB about all of it).
+        block: sequences per read request (default: 8 MiB worth, rounded down to a multiple of
+            ``batch_size``; measured on S3, 2 MiB requests reach half the throughput of one
+            streaming read and 8 MiB about all of it; locally 2 MiB was slower too).
         read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
             8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
             several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
             0.81x); a local disk does its own readahead, and there helper threads measured no
             faster than reading in the consumer's thread (0: each block is read when it is
             reached, no threads; docs/benchmarks.md). Memory is about ``read_ahead + 3`` blocks per
-            reader (88 MiB at 8 MiB blocks): the reads in flight, the block consumed, blocks waiting for
+            reader (88 MiB at 8): the reads in flight, the block consumed, blocks waiting for
             their last views to be dropped; plus any block whose views the caller keeps. Idle
             buffers (up to ``read_ahead + 2``) stay with the process for the next stream.
         storage_options: options of ``open_store``.
@@ -118,7 +114,11 @@ class TokenStream(IterableDataset):
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive or None, got {batch_size}")
-        if block is not None and block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
+        if block is None:
+            block = max(1, _BLOCK_BYTES // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
+            if batch_size is not None:
+                block = max(batch_size, block // batch_size * batch_size)  # batches stay views
+        if block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
             raise ValueError("block must be positive, read_ahead not negative and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -137,16 +137,6 @@ class TokenStream(IterableDataset):
         # items, the iterator over them). Its count is taken from the iterator when the state is
         # asked for, instead of being stored before every yield (a dict store per sequence).
         self._live: tuple[int, int, int, int, Iterator[torch.Tensor]] | None = None
-
-    def _block_rows(self, kind: str) -> int:
-        """Sequences per read: ``block``, or the default for a store of this ``kind``."""
-        if self.block is not None:
-            return self.block
-        size = _LOCAL_BLOCK_BYTES if kind == "local" else _REMOTE_BLOCK_BYTES
-        block = max(1, size // self._seq_bytes)
-        if self.batch_size is not None:
-            block = max(self.batch_size, block // self.batch_size * self.batch_size)  # batches stay views
-        return block
 
     def lengths(self, store: Any = None) -> list[int]:
         """Sequences in each shard (its size // sequence bytes); ``store``: this stream's, if
@@ -173,7 +163,7 @@ class TokenStream(IterableDataset):
         store = open_store(self.root, self.storage_options)
         lengths = self.lengths(store)
         mine = self._mine(self.rank, worker, self.num_replicas, workers, lengths)
-        block = self._block_rows(store.traits.kind)
+        block = self.block
         # The start of each shard is read when its first block is queued (ahead of consumption):
         # a shard's count moves only while it is consumed, which is after all its blocks are queued.
         tasks = (
