@@ -50,7 +50,7 @@ VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
 #: streaming read and 8 MiB about all of it. On a local disk 2 MiB blocks were slower too (0.82x
-#: of the plain read against 0.88x, batched): each block costs about 10 us of Python, and the two
+#: of the plain read against 0.88x, batched): each block costs about 10-15 us of Python, and the two
 #: 8 MiB buffers the pool alternates cost a plain read only 0.98-1.00x of one reused buffer on a
 #: quiet machine (docs/benchmarks.md).
 _BLOCK_BYTES = 8 << 20
@@ -142,7 +142,7 @@ class TokenStream(IterableDataset):
         """Sequences in each shard (its size // sequence bytes); ``store``: this stream's, if
         already open."""
         if self._lengths is None:
-            store = store or open_store(self.root, self.storage_options)
+            store = open_store(self.root, self.storage_options) if store is None else store
             sizes = [store.size(s) for s in self.shards]
             missing = [s for s, n in zip(self.shards, sizes) if n is None]
             if missing:
