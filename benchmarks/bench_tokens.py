@@ -11,6 +11,8 @@ rotating order per repeat:
   ``--read-ahead`` blocks in flight (default: the stream's, 0 locally and 8 on S3);
 - ``batch``: the same stream with ``batch_size=--batch-size``: one ``(batch, seq_len)`` tensor
   per item;
+- ``plain2`` (``--plain2``, local): the plain read alternating two 8 MiB buffers (what the
+  stream did with 8 MiB blocks: the caller holds the last item of a block when the next is read);
 - ``loader``: the batched stream through ``StatefulDataLoader(batch_size=None, num_workers=0)``,
   as a training loop takes it (the loader's own cost per item included).
 
@@ -32,6 +34,7 @@ Run: ``PYTHONPATH=. .venv/bin/python benchmarks/bench_tokens.py --size 512MiB --
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import sys
@@ -76,13 +79,23 @@ def _stream_seconds(
     return time.perf_counter() - t0, n * 2
 
 
-def _plain_local(root: Path, names: list[str]) -> tuple[float, int]:
-    buf = bytearray(PIECE)
-    t0, total = time.perf_counter(), 0
+#: The plain read's buffers: page-aligned (anonymous mmap) and reused across passes. A
+#: ``bytearray`` lands wherever malloc puts it; 16 bytes off a 32-byte boundary, the kernel's copy
+#: out of the page cache measured 2.4x slower on this machine's AMD EPYC, which made the baseline
+#: vary between processes. Two of them for ``plain2``.
+_PLAIN_BUFS = [memoryview(mmap.mmap(-1, PIECE)) for _ in range(2)]
+
+
+def _plain_local(root: Path, names: list[str], nbufs: int = 1) -> tuple[float, int]:
+    """Each file start to end in 8 MiB ``readinto`` calls, into one reused buffer (``nbufs`` 2:
+    alternating between two, as a stream must when the caller holds the last block's items)."""
+    bufs = _PLAIN_BUFS[:nbufs]
+    t0, total, k = time.perf_counter(), 0, 0
     for name in names:
         with open(root / name, "rb", buffering=0) as f:
-            while (got := f.readinto(buf)) > 0:
+            while (got := f.readinto(bufs[k % nbufs])) > 0:
                 total += got
+                k += 1
     return time.perf_counter() - t0, total
 
 
@@ -145,13 +158,13 @@ def _time(label: str, methods: dict, repeats: int, mib: float, total: int, seq_l
             t, nbytes = methods[name]()
             assert nbytes == total, (name, nbytes, total)
             secs[name].append(t)
-        order.append("".join(n[0] for n in rotated))
+        order.append("".join("P" if n == "plain2" else n[0] for n in rotated))
     load1 = os.getloadavg()
     plain = statistics.median(secs["plain"])
     floor = _iteration_floor(total // (seq_len * 2), seq_len)
     print(
         f"{label}: {mib:.0f} MiB, seq_len {seq_len}: plain {mib / plain:.0f} MiB/s (median); "
-        f"order {' '.join(order)} (p plain, s seq, b batch, l loader); load average "
+        f"order {' '.join(order)} (p plain, P plain2, s seq, b batch, l loader); load average "
         f"{load0[0]:.2f} before, {load1[0]:.2f} after, on {os.cpu_count()} CPUs",
         flush=True,
     )
@@ -182,6 +195,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
     ap.add_argument("--no-local", action="store_true", help="skip the local targets")
     ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both", help="local files: evicted before each pass, cached, or both")
+    ap.add_argument("--plain2", action="store_true", help="local: also a plain read alternating two 8 MiB buffers")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one pass per stream method instead of timing")
     a = ap.parse_args(argv)
     per = _size(a.size) // a.shards // (a.seq_len * 2) * (a.seq_len * 2)
@@ -194,18 +208,20 @@ def main(argv: list[str]) -> int:
         for name in names:
             (root / name).write_bytes(rng.integers(0, 50257, per // 2, dtype=np.uint16).tobytes())
 
-        def methods(plain, src: str, opts: dict, evict: bool) -> dict:
+        def methods(plain, src: str, opts: dict, evict: bool | None) -> dict:
             def cold(fn):
                 def run():
-                    if evict:
+                    if evict:  # None: not a local target
                         for name in names:
                             evict_page_cache(str(root / name))
                     return fn()
 
                 return run
 
+            extra = {"plain2": cold(lambda: _plain_local(root, names, 2))} if a.plain2 and evict is not None else {}
             return {
                 "plain": cold(plain),
+                **extra,
                 "seq": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, None, block=a.block)),
                 "batch": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, block=a.block)),
                 "loader": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, True, a.block)),
@@ -227,7 +243,7 @@ def main(argv: list[str]) -> int:
             for name in names:
                 client.upload_file(str(root / name), "tokens", f"shards/{name}")
             opts = {"endpoint_url": server.url, "addressing_style": "path", "region": "us-east-1"}
-            targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, False)))
+            targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
             f"block {a.block or 'the default (8 MiB)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}",

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import CheckpointError, TopologyChangeError
 from ..storage import open_store
-from ._blocks import BlockPool, InlineReads, read_blocks
+from ._blocks import BlockPool, read_blocks
 from ._marked import find_marked
 
 __all__ = ["TokenStream"]
@@ -49,6 +48,12 @@ __all__ = ["TokenStream"]
 MARK = "goodput_token_stream"
 VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+#: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
+#: streaming read and 8 MiB about all of it. On a local disk 2 MiB blocks were slower too (0.82x
+#: of the plain read against 0.88x, batched): each block costs about 10-15 us of Python, and the two
+#: 8 MiB buffers the pool alternates cost a plain read only 0.98-1.00x of one reused buffer on a
+#: quiet machine (docs/benchmarks.md).
+_BLOCK_BYTES = 8 << 20
 
 
 class TokenStream(IterableDataset):
@@ -75,7 +80,7 @@ class TokenStream(IterableDataset):
             sequences, so it resumes exactly under any batch size, world size or worker count.
         block: sequences per read request (default: 8 MiB worth, rounded down to a multiple of
             ``batch_size``; measured on S3, 2 MiB requests reach half the throughput of one
-            streaming read and 8 MiB about all of it).
+            streaming read and 8 MiB about all of it; locally 2 MiB was slower too).
         read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
             8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
             several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
@@ -110,7 +115,7 @@ class TokenStream(IterableDataset):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive or None, got {batch_size}")
         if block is None:
-            block = max(1, (8 << 20) // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
+            block = max(1, _BLOCK_BYTES // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
             if batch_size is not None:
                 block = max(batch_size, block // batch_size * batch_size)  # batches stay views
         if block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
@@ -128,11 +133,16 @@ class TokenStream(IterableDataset):
         self._base = [0] * len(self.shards)  # per-shard sequences consumed when this stretch began
         self._progress: dict[int, int] = {}  # this reader's own shards: sequences consumed
         self._slot = (self.rank, 0, self.num_replicas, 1)
+        # The block being yielded from: (shard, its count before the block, sequences per item,
+        # items, the iterator over them). Its count is taken from the iterator when the state is
+        # asked for, instead of being stored before every yield (a dict store per sequence).
+        self._live: tuple[int, int, int, int, Iterator[torch.Tensor]] | None = None
 
-    def lengths(self) -> list[int]:
-        """Sequences in each shard (its size // sequence bytes)."""
+    def lengths(self, store: Any = None) -> list[int]:
+        """Sequences in each shard (its size // sequence bytes); ``store``: this stream's, if
+        already open."""
         if self._lengths is None:
-            store = open_store(self.root, self.storage_options)
+            store = open_store(self.root, self.storage_options) if store is None else store
             sizes = [store.size(s) for s in self.shards]
             missing = [s for s, n in zip(self.shards, sizes) if n is None]
             if missing:
@@ -140,9 +150,9 @@ class TokenStream(IterableDataset):
             self._lengths = [n // self._seq_bytes for n in sizes]
         return self._lengths
 
-    def _mine(self, rank: int, worker: int, ranks: int, workers: int) -> list[int]:
+    def _mine(self, rank: int, worker: int, ranks: int, workers: int, lengths: list[int]) -> list[int]:
         """The unfinished shards of this stretch that (rank, worker) reads, in order."""
-        todo = [i for i, n in enumerate(self.lengths()) if self._base[i] < n]
+        todo = [i for i, n in enumerate(lengths) if self._base[i] < n]
         slot, slots = rank * workers + worker, ranks * workers
         return todo[slot::slots]
 
@@ -151,42 +161,58 @@ class TokenStream(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self._slot = (self.rank, worker, self.num_replicas, workers)
         store = open_store(self.root, self.storage_options)
-        lengths = self.lengths()
-        mine = self._mine(self.rank, worker, self.num_replicas, workers)
+        lengths = self.lengths(store)
+        mine = self._mine(self.rank, worker, self.num_replicas, workers, lengths)
+        block = self.block
         # The start of each shard is read when its first block is queued (ahead of consumption):
         # a shard's count moves only while it is consumed, which is after all its blocks are queued.
         tasks = (
-            (i, p, min(self.block, lengths[i] - p), p + self.block >= lengths[i])
+            (i, p, min(block, lengths[i] - p), p + block >= lengths[i])
             for i in mine
-            for p in range(self._progress.get(i, self._base[i]), lengths[i], self.block)
+            for p in range(self._progress.get(i, self._base[i]), lengths[i], block)
         )
         ahead = self.read_ahead
         if ahead is None:
             ahead = 0 if store.traits.kind == "local" else 8
-        pool = BlockPool(self.block, self.seq_len, _DTYPES[self.dtype], keep=ahead + 2)
+        pool = BlockPool(block, self.seq_len, _DTYPES[self.dtype], keep=ahead + 2)
         # One helper thread per read in flight, per iterator (never on self: the dataset is
         # pickled into workers); none with read_ahead=0.
-        with ThreadPoolExecutor(ahead, thread_name_prefix="token-read") if ahead else nullcontext(InlineReads()) as threads:
-            blocks = read_blocks(
-                threads, pool, tasks, lambda i: store.open_source(self.shards[i]), max(ahead, 1), self._seq_bytes
-            )
-            try:
-                if self.batch_size is None:
-                    yield from self._sequences(blocks)
-                else:
-                    yield from self._batches(blocks, self.batch_size)
-            finally:
-                blocks.close()
+        threads = ThreadPoolExecutor(ahead, thread_name_prefix="token-read") if ahead else None
+        blocks = read_blocks(threads, pool, tasks, lambda i: store.open_source(self.shards[i]), ahead, self._seq_bytes)
+        try:
+            if self.batch_size is None:
+                yield from self._sequences(blocks)
+            else:
+                yield from self._batches(blocks, self.batch_size)
+        finally:
+            self._settle()
+            blocks.close()
+            if threads is not None:
+                threads.shutdown()
+
+    def _settle(self) -> None:
+        """Fold the count of the block being yielded from into ``_progress``."""
+        if self._live is not None:
+            i, start, step, n, it = self._live
+            self._live = None
+            self._progress[i] = start + (n - it.__length_hint__()) * step
+
+    def _yield_views(self, i: int, start: int, step: int, views: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
+        """Yield ``views`` (``step`` sequences each, from sequence ``start`` of shard ``i``) with
+        no Python per item: ``yield from`` a tuple iterator, whose remaining length tells how
+        many were yielded (the state taken after a yield counts that item, as before)."""
+        it = iter(views)
+        self._live = (i, start, step, len(views), it)
+        yield from it
+        self._live = None
+        self._progress[i] = start + len(views) * step
 
     def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor]]) -> Iterator[torch.Tensor]:
         """One ``(seq_len,)`` view per sequence; the count moves before each yield (the state
         taken after a yield counts that sequence)."""
-        progress = self._progress
         for i, pos, rows in blocks:
-            for j, seq in enumerate(rows.unbind(0), pos + 1):  # views; unbind is cheaper than indexing
-                progress[i] = j
-                yield seq
-            seq = rows = None  # the pool may refill the block once the caller lets go too
+            yield from self._yield_views(i, pos, 1, rows.unbind(0))  # views; unbind is cheaper than indexing
+            rows = None  # the pool may refill the block once the caller lets go too
 
     def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor]], size: int) -> Iterator[torch.Tensor]:
         """``(size, seq_len)`` batches: a view where the batch lies in one block, a copy where it
@@ -217,16 +243,16 @@ class TokenStream(IterableDataset):
                     yield joined()
             if a < n:
                 full = (n - a) // size
-                # split: one call for all the views (slicing one by one costs ~1 us each)
-                for j, piece in enumerate(rows[a:].split(size) if a else rows.split(size)):
-                    if j < full:
-                        progress[i] = pos + a + (j + 1) * size
-                        yield piece
-                    else:  # the block's tail: the start of the next batch
-                        parts.append(piece)
-                        marks.append((i, pos + n))
-                        have = n - a - full * size
-                piece = None
+                if full:
+                    # one view + unbind for all the batches (slicing one by one costs ~1 us each)
+                    body = rows if a == 0 and full * size == n else rows.narrow(0, a, full * size)
+                    yield from self._yield_views(i, pos + a, size, body.view(full, size, -1).unbind(0))
+                    body = None
+                rest = n - a - full * size
+                if rest:  # the block's tail: the start of the next batch
+                    parts.append(rows.narrow(0, n - rest, rest))
+                    marks.append((i, pos + n))
+                    have = rest
             rows = None  # the pool may refill the block once the caller lets go too
         if parts:
             yield joined()
@@ -236,18 +262,32 @@ class TokenStream(IterableDataset):
         return {"shards": list(self.shards), "seq_len": self.seq_len, "dtype": self.dtype}
 
     def state_dict(self) -> dict[str, Any]:
+        progress = dict(self._progress)
+        if self._live is not None:
+            i, start, step, n, it = self._live
+            progress[i] = start + (n - it.__length_hint__()) * step
         return {
             MARK: VERSION,
             **self._identity(),
             "slot": list(self._slot),
             "base": list(self._base),
-            "progress": {str(i): c for i, c in self._progress.items()},
+            "progress": {str(i): c for i, c in progress.items()},
         }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (into loader workers) without the block being yielded from: its count is
+        folded in, its views are not sent."""
+        state = self.__dict__.copy()
+        if self._live is not None:
+            state["_progress"] = {int(k): v for k, v in self.state_dict()["progress"].items()}
+            state["_live"] = None
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Same-topology restore (through the loader, inside each worker)."""
         self._check(state, "the dataloader state")
         self._base, self._progress = self._counts(state, "the dataloader state")
+        self._live = None
 
     def _check(self, state: dict, where: str) -> None:
         if state.get(MARK) != VERSION:
@@ -298,7 +338,7 @@ class TokenStream(IterableDataset):
                 consumed[i] = max(consumed[i], c)
             for i, c in progress.items():
                 consumed[i] = max(consumed[i], c)
-        self._base, self._progress = consumed, {}
+        self._base, self._progress, self._live = consumed, {}, None
         lengths = self.lengths()
         done = sum(min(c, n) for c, n in zip(consumed, lengths))
         return (

@@ -15,26 +15,26 @@ SEQ = 16
 def test_a_buffer_is_reused_only_once_nothing_views_it():
     pool = BlockPool(4, SEQ, np.uint16, keep=4)
     buf = pool.take()
-    view = buf[0][1]  # a yielded sequence the caller still holds
-    pool.give(*buf)
-    assert pool.take()[0] is not buf[0], "still viewed: not handed out again"
+    view = buf.rows[1]  # a yielded sequence the caller still holds
+    pool.give(buf)
+    assert pool.take().rows is not buf.rows, "still viewed: not handed out again"
     del view
-    pool.give(*pool.take())  # sweeps: buf is free now
-    taken = {id(pool.take()[0]) for _ in range(2)}
-    assert id(buf[0]) in taken
+    pool.give(pool.take())  # sweeps: buf is free now
+    taken = {id(pool.take()) for _ in range(2)}
+    assert id(buf) in taken
 
 
 def test_a_buffer_viewed_past_the_grace_period_is_left_to_its_holder():
     pool = BlockPool(4, SEQ, np.uint16, keep=4)
     buf = pool.take()
-    buf[0].fill_(7)
-    kept = buf[0][:2]
-    pool.give(*buf)
+    buf.rows.fill_(7)
+    kept = buf.rows[:2]
+    pool.give(buf)
     for _ in range(_blocks._GRACE + 2):
         other = pool.take()
-        other[0].fill_(9)  # what a read into a reused buffer would do
-        pool.give(*other)
-    assert all(pool.take()[0] is not buf[0] for _ in range(4))
+        other.rows.fill_(9)  # what a read into a reused buffer would do
+        pool.give(other)
+    assert all(pool.take().rows is not buf.rows for _ in range(4))
     assert bool((kept == 7).all()), "the held view kept its data"
 
 
@@ -43,10 +43,10 @@ def test_a_buffer_moved_to_shared_memory_is_never_reused():
     process maps those pages, so refilling the buffer would change a batch it holds."""
     pool = BlockPool(4, SEQ, np.uint16, keep=4)
     buf = pool.take()
-    buf[0][:1].share_memory_()  # what pickling a view into a worker queue does
-    pool.give(*buf)
+    buf.rows[:1].share_memory_()  # what pickling a view into a worker queue does
+    pool.give(buf)
     for _ in range(_blocks._GRACE + 2):
-        assert pool.take()[0] is not buf[0]
+        assert pool.take().rows is not buf.rows
 
 
 def test_a_pass_that_drops_its_items_reuses_a_bounded_number_of_buffers(tmp_path, monkeypatch):
@@ -77,8 +77,8 @@ def test_without_the_reference_count_api_nothing_is_reused(monkeypatch):
     monkeypatch.setattr(_blocks, "_use_count", None)
     pool = BlockPool(4, SEQ, np.uint16, keep=4)
     buf = pool.take()
-    pool.give(*buf)
-    assert all(pool.take()[0] is not buf[0] for _ in range(_blocks._GRACE + 2))
+    pool.give(buf)
+    assert all(pool.take().rows is not buf.rows for _ in range(_blocks._GRACE + 2))
 
 
 def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
@@ -102,7 +102,44 @@ def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
 
         tasks = [(i, p, min(4, 10 - p), p + 4 >= 10) for i in range(3) for p in range(0, 10, 4)]
         pool = BlockPool(4, SEQ, np.uint16, keep=4)
-        with ThreadPoolExecutor(ahead) if ahead else nullcontext(_blocks.InlineReads()) as threads:
+        with ThreadPoolExecutor(ahead) if ahead else nullcontext() as threads:
             got = [(i, p, rows.shape[0]) for i, p, rows in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
         assert got == [t[:3] for t in tasks]
         assert opened == [0, 1, 2], f"read_ahead={ahead}: each shard opened once"
+
+
+def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
+    """Read in the consumer's thread (a local disk), a stream whose caller drops its items
+    alternates two 8 MiB buffers: each block's buffer is taken before the one consumed is given
+    back (the caller still holds its last item), and that one is free again at the next take."""
+    from goodput_ckpt.data import TokenStream
+
+    seq = 4096  # uint16: 8 KiB sequences, 1024 per 8 MiB block
+    names = []
+    for k in range(2):
+        (tmp_path / f"s{k}.bin").write_bytes(np.zeros(1100 * seq, np.uint16).tobytes())
+        names.append(f"s{k}.bin")
+    pools: list[BlockPool] = []
+    init = BlockPool.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        pools.append(self)
+
+    taken: list[int] = []
+    take = BlockPool.take
+
+    def record_take(self):
+        buf = take(self)
+        taken.append(id(buf))
+        return buf
+
+    monkeypatch.setattr(BlockPool, "__init__", record)
+    monkeypatch.setattr(BlockPool, "take", record_take)
+    monkeypatch.setattr(_blocks, "_SPARE", {})
+    for batch in (None, 32):
+        taken.clear()
+        n = sum(item.shape[0] if batch else 1 for item in TokenStream(str(tmp_path), names, seq_len=seq, batch_size=batch))
+        assert n == 2200
+        assert pools[-1]._rows * seq * 2 == 8 << 20, "8 MiB blocks"
+        assert len(taken) == 4 and len(set(taken)) == 2, "two buffers alternate"

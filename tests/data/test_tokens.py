@@ -250,3 +250,35 @@ def test_batch_size_is_checked(tmp_path):
     names, _ = _shards(tmp_path)
     with pytest.raises(ValueError, match="batch_size"):
         TokenStream(str(tmp_path), names, seq_len=SEQ, batch_size=0)
+
+
+@pytest.mark.parametrize("batch", [None, 3])
+def test_the_state_counts_exactly_what_was_yielded_after_every_item(tmp_path, batch):
+    """The count of the block being yielded from is taken from its iterator when the state is
+    asked for: after every item it holds, per shard, exactly the sequences yielded so far (a
+    batch that spans shards counts in each)."""
+    names, total = _shards(tmp_path)
+    ds = TokenStream(str(tmp_path), names, seq_len=SEQ, batch_size=batch, block=4, read_ahead=0)
+    starts = np.cumsum([0, *LENGTHS])
+    seen: dict[str, int] = {}
+    for item in ds:
+        for gid in (int(item[0]),) if batch is None else (int(r[0]) for r in item):
+            shard = int(np.searchsorted(starts, gid, side="right")) - 1
+            seen[str(shard)] = seen.get(str(shard), 0) + 1
+        assert ds.state_dict()["progress"] == seen
+    assert sum(seen.values()) == total
+
+
+def test_a_stream_pickled_mid_block_carries_its_count_not_its_views(tmp_path):
+    import pickle
+
+    names, _ = _shards(tmp_path)
+    ds = TokenStream(str(tmp_path), names, seq_len=SEQ, block=4, read_ahead=0)
+    it = iter(ds)
+    for _ in range(7):  # shard 0 (5 sequences) and 2 of shard 1, mid-block
+        next(it)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._live is None
+    assert copy.state_dict()["progress"] == ds.state_dict()["progress"] == {"0": 5, "1": 2}
+    it.close()
+    assert ds.state_dict()["progress"] == {"0": 5, "1": 2}, "closing mid-block keeps the count"
