@@ -40,6 +40,8 @@ class MethodResult:
         stall_s: how long ``dcp.async_save`` blocked the caller.
         async_total_s: ``dcp.async_save`` until its future completed.
         verify_s: :func:`~goodput_ckpt.tools.verify_checkpoint`.
+        save_cpu_s: this process's CPU seconds in each timed save (page faults show here).
+        save_other_cpus: CPUs other processes kept busy during each timed save (a noise gauge).
     """
 
     name: str
@@ -56,6 +58,8 @@ class MethodResult:
     stall_s: list[float] = field(default_factory=list)
     async_total_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
+    save_cpu_s: list[float] = field(default_factory=list)
+    save_other_cpus: list[float] = field(default_factory=list)
 
     @property
     def available(self) -> bool:
@@ -180,7 +184,8 @@ class BenchReport:
             raise ValueError(f"not a goodput-ckpt bench report (schema {BENCH_SCHEMA!r} expected, got {got!r})")
         try:
             methods = [
-                MethodResult(**{f.name: m[f.name] for f in fields(MethodResult) if f.name not in SAMPLES},
+                MethodResult(**{f.name: m[f.name] for f in fields(MethodResult) if f.name not in SAMPLES and
+                                (f.name in m or f.name not in _ADDED)},
                              **{s: list(m["samples"][s]) for s in SAMPLES})
                 for m in doc["methods"]
             ]  # fmt: skip
@@ -191,7 +196,7 @@ class BenchReport:
 
 
 #: Keys added to the schema later: a report without them (an older one) still reads.
-_ADDED = ("quiet", "order", "loadavg")
+_ADDED = ("quiet", "order", "loadavg", "save_cpu_s", "save_other_cpus")
 
 
 def _method_json(m: MethodResult) -> dict[str, Any]:

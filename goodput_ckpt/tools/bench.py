@@ -198,7 +198,7 @@ def _give_up_on_failure(m: BenchMethod, res: MethodResult, scratch: Scratch, rep
         if m.name == "goodput" or not is_save_or_load_failure(e):
             raise
         res.reason = f"n/a: {m.describe_writer} failed here: {type(e).__name__}: {str(e)[:300]}"
-        for s in SAMPLES:
+        for s in (*SAMPLES, "save_cpu_s", "save_other_cpus"):
             getattr(res, s).clear()
         for suffix in ("-async", "-warm", ""):
             scratch.remove(f"{m.name}-{rep}{suffix}")
@@ -250,6 +250,8 @@ def _save_load(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch,
                             remove=lambda u: scratch.remove(names[u]), evict=lambda u: scratch.evict(names[u]),
                             quiet=quiet, dev=_device(scratch), keep=keep, between=stored)  # fmt: skip
     res.save_s.append(got.save.wall)
+    res.save_cpu_s.append(got.save.cpu)
+    res.save_other_cpus.append(got.save.other)
     res.load_s.append(got.loads["load"].wall)
     if "verify" in got.loads:
         res.verify_s.append(got.loads["verify"].wall)

@@ -88,6 +88,8 @@ def test_json_round_trip_and_stable_keys(local_run):
     assert m["median"]["stall_s"] == m["stall_s_median"] == m["samples"]["stall_s"][0]
     for added in ("quiet", "order", "loadavg"):  # an older report, without the keys added since, still reads
         del doc[added]
+    for m in doc["methods"]:
+        del m["save_cpu_s"], m["save_other_cpus"]
     assert BenchReport.from_json(doc).order == []
     with pytest.raises(ValueError, match="not a goodput-ckpt bench report"):
         BenchReport.from_json({"schema": "something/else"})
@@ -108,6 +110,7 @@ def test_two_repeats_rotate_and_ratios_are_per_repeat(tmp_path):
                      ["[1/2] goodput", "stall"], ["[1/2] torch", "stall"],
                      ["[2/2] torch", "stall"], ["[2/2] goodput", "stall"]]  # fmt: skip
     ours, theirs = r.methods
+    assert len(ours.save_cpu_s) == len(theirs.save_other_cpus) == 2 and min(ours.save_cpu_s) > 0
     sp = r.ratio_spreads
     assert sp["save_gbps"].per_repeat == tuple(t / o for o, t in zip(ours.save_s, theirs.save_s))
     assert sp["load_gbps"].per_repeat == tuple(t / o for o, t in zip(ours.load_s, theirs.load_s))
