@@ -73,7 +73,9 @@ import torch.distributed.checkpoint as dcp
 
 # The synthetic state is the library's, so `goodput-ckpt bench` measures the same one.
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_measure import DEFAULT_QUIET, Load, Sample, ratio_spread, run_rotation, save_and_load
+from goodput_ckpt.tools._bench_measure import (  # noqa: F401 - wait_quiet, _busy_seconds: sweep_local, bench_tiers
+    DEFAULT_QUIET, Load, Sample, _busy_seconds, ratio_spread, run_rotation, save_and_load, wait_quiet)
+from goodput_ckpt.tools._bench_measure import measure as timed  # noqa: F401 - sweep_local's name for it
 from goodput_ckpt.tools._bench_scratch import evict_page_cache
 from goodput_ckpt.tools._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
 
@@ -86,6 +88,18 @@ ALL_METHODS = ("raw", "ours", "ours-nohash", "fsw-default", "fsw-t4", "torch.sav
 
 
 # -- the environment ------------------------------------------------------------------------------
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False when not permitted (bench_volume, sweep_local;
+    this script's loads evict only the checkpoint's files, as ``goodput-ckpt bench`` does)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

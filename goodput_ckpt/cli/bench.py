@@ -101,8 +101,10 @@ def render(report, out: Output) -> None:
     out.print(f"state:   {human_bytes(report.size_bytes)} ({report.size_bytes / 1e9:.3f} GB) in {report.tensors} tensors; "
               f"median of {report.repeats} repeat{'s' if report.repeats != 1 else ''}; {cache}")  # fmt: skip
     out.print(f"where:   {report.root} ({report.backend}); {where}")
-    out.print("GB = 1e9 bytes. SAVE s: a synchronous dcp.save, until durable, right after a warm-up save.\nSTALL s: how long dcp.async_save\n"
-              "blocks the caller. ours/torch: above 1 is faster for GB/s, below 1 is a shorter stall.")  # fmt: skip
+    out.print("GB = 1e9 bytes. SAVE s: a synchronous dcp.save, until durable, right after a warm-up save.\n"
+              "STALL s: how long dcp.async_save blocks the caller (measured after every save and load).\n"
+              "ours/torch: above 1 is faster for GB/s, below 1 is a shorter stall; the table's row is the ratio\n"
+              "of the medians, 'per repeat' the ratio within each repeat.")  # fmt: skip
 
 
 COMMAND = Command(
