@@ -28,9 +28,11 @@ Rules, the same for every method:
 - Saves include durability: every data file is fsynced before the clock stops. FileSystemWriter
   (sync_files=True by default) and CheckpointWriter fsync themselves; for torch.save and
   safetensors the benchmark fsyncs the file. The benchmark fsyncs the directory after every save.
-- Loads start with a cold page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``) when the
-  process may write that file (root); the output says whether it could. DCP loads go into a
-  preallocated, already-touched destination dict (as when resuming into a live model);
+- The measurement procedure is ``goodput_ckpt/tools/_bench_measure.py``, the one
+  ``goodput-ckpt bench`` runs: rotating order, quiet wait, warm-up, eviction, per-repeat ratios.
+- Loads start with a cold page cache: the checkpoint's files are evicted before each load
+  (``posix_fadvise(DONTNEED)``, no root, nothing else's cache; a whole-machine ``drop_caches``
+  also freed memory that the next steps then faulted back in). DCP loads go into a preallocated, already-touched destination dict (as when resuming into a live model);
   torch.load, safetensors and the raw read allocate what they return, as they always do.
 - Methods run round-robin within each repeat, the start rotating per repeat, and files are
   deleted after each method. Each figure is the median over ``--repeats``; the fastest repeat
@@ -71,7 +73,10 @@ import torch.distributed.checkpoint as dcp
 
 # The synthetic state is the library's, so `goodput-ckpt bench` measures the same one.
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_save import timed_save
+from goodput_ckpt.tools._bench_measure import (  # noqa: F401 - wait_quiet, _busy_seconds: sweep_local, bench_tiers
+    DEFAULT_QUIET, Load, Sample, _busy_seconds, ratio_spread, run_rotation, save_and_load, wait_quiet)
+from goodput_ckpt.tools._bench_measure import measure as timed  # noqa: F401 - sweep_local's name for it
+from goodput_ckpt.tools._bench_scratch import evict_page_cache
 from goodput_ckpt.tools._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -84,7 +89,8 @@ ALL_METHODS = ("raw", "ours", "ours-nohash", "fsw-default", "fsw-t4", "torch.sav
 
 # -- the environment ------------------------------------------------------------------------------
 def drop_caches() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False when not permitted."""
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False when not permitted (bench_volume, sweep_local;
+    this script's loads evict only the checkpoint's files, as ``goodput-ckpt bench`` does)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -330,127 +336,59 @@ METHODS: dict[str, Method] = {
 }
 
 
-# -- the runner -----------------------------------------------------------------------------------
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (all CPUs, from /proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + v[4]  # idle + iowait
-    return (sum(v[:8]) - idle) / _TICK
-
-
-def _disk_busy_seconds(dev: int | None) -> float | None:
-    """Seconds the block device ``dev`` (an ``st_dev``) has been busy (/proc/diskstats io_ticks)."""
-    if dev is None:
-        return None
-    try:
-        with open("/proc/diskstats") as f:
-            for line in f:
-                v = line.split()
-                if int(v[0]) == os.major(dev) and int(v[1]) == os.minor(dev):
-                    return int(v[12]) / 1000
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def wait_quiet(max_wait: float, dev: int | None = None, cpu_threshold: float = 0.25,
-               disk_threshold: float = 0.10, window: float = 0.5) -> float:
-    """Wait until other processes use under ``cpu_threshold`` CPUs and keep the disk ``dev``
-    busy under ``disk_threshold`` of the time, over ``window`` seconds.
-
-    The machine is shared: a neighbour's test or benchmark can halve our throughput for
-    seconds. This process is idle while it waits, so all activity seen here is someone else's.
-    Returns the seconds waited (at least ``max_wait`` means it gave up and measures anyway).
-    """
-    t0 = time.perf_counter()
-    while max_wait > 0:
-        b0, c0, w0, d0 = _busy_seconds(), time.process_time(), time.perf_counter(), _disk_busy_seconds(dev)
-        time.sleep(window)
-        dt = time.perf_counter() - w0
-        other = (_busy_seconds() - b0 - (time.process_time() - c0)) / dt
-        d1 = _disk_busy_seconds(dev)
-        disk = (d1 - d0) / dt if d0 is not None and d1 is not None else 0.0
-        waited = time.perf_counter() - t0
-        if (other < cpu_threshold and disk < disk_threshold) or waited >= max_wait:
-            return waited
-    return 0.0
-
-
-@dataclass
-class Sample:
-    wall: float
-    cpu: float  # this process's CPU seconds
-    other: float  # CPUs (cores) used by other processes during the measurement, on average
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Sample, Any]:
-    b0 = _busy_seconds()
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    out = fn()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    other = max(0.0, (_busy_seconds() - b0 - cpu) / wall)
-    return Sample(wall, cpu, other), out
-
-
+# -- the runner: the shared procedure (goodput_ckpt/tools/_bench_measure.py) -----------------------
 def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]], check: bool,
-               reverse_loads: bool = False, quiet: float = 0.0) -> dict[str, Any]:
+               reverse_loads: bool = False, quiet: float = DEFAULT_QUIET) -> dict[str, Any]:
+    """One method, one repeat, by the procedure ``goodput-ckpt bench`` runs (save_and_load)."""
     d = tempfile.mkdtemp(prefix=m.name.replace(".", "_") + "-", dir=base)
-    warm = d + "-warm"
     info: dict[str, Any] = {}
-    try:
-        os.sync()
-        wait_quiet(quiet, ctx.dev)
 
-        def save(where: str) -> None:
-            os.makedirs(where, exist_ok=True)
-            m.save(ctx, where)
-            fsync_path(where)
+    def save(where: str) -> None:
+        os.makedirs(where, exist_ok=True)
+        m.save(ctx, where)
+        fsync_path(where)
 
-        s = timed_save(save, d, warm=warm, remove=shutil.rmtree, clock=lambda fn: timed(fn)[0])
-        samples.setdefault(f"save:{m.name}", []).append(s)
-        info["files"], info["disk_bytes"] = tree_files(d)
-        loads = list(reversed(m.loads)) if reverse_loads else list(m.loads)
-        for name, load in loads:
-            wait_quiet(quiet, ctx.dev)
-            info["cold"] = drop_caches()
-            s, out = timed(lambda: load(ctx, d))
-            samples.setdefault(f"load:{name}", []).append(s)
+    def after(name: str) -> Callable[[Any], None]:
+        def check_and_reset(out: Any) -> None:
             if check and out is not None and not flat_equal(ctx.state.flat, flatten(out)):
                 raise SystemExit(f"{name}: loaded values differ from the saved state")
             if out is ctx.dest:
                 for t in flatten(ctx.dest).values():
                     t.zero_()  # the next load must really write every byte
-            del out
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.rmtree(warm, ignore_errors=True)
-        os.sync()
+
+        return check_and_reset
+
+    def files(where: str) -> None:
+        info["files"], info["disk_bytes"] = tree_files(where)
+
+    loads = [Load(name, lambda where, load=load: load(ctx, where), after(name)) for name, load in m.loads]
+    got = save_and_load(save, loads[::-1] if reverse_loads else loads, target=d, warm=d + "-warm",
+                        remove=lambda p: shutil.rmtree(p, ignore_errors=True), evict=evict_page_cache,
+                        quiet=quiet, dev=ctx.dev, between=files)  # fmt: skip
+    samples.setdefault(f"save:{m.name}", []).append(got.save)
+    for name, sample in got.loads.items():
+        samples.setdefault(f"load:{name}", []).append(sample)
+    info["cold"] = all(got.cold) if got.cold else None
     return info
 
 
 def run(state: State, methods: list[str], repeats: int, base: str, writer_kw: dict | None = None,
-        reader_kw: dict | None = None, check: bool = True, quiet: float = 20.0,
+        reader_kw: dict | None = None, check: bool = True, quiet: float = DEFAULT_QUIET,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     ctx = Ctx(state, empty_like_nested(state.nested), torch.zeros(state.nbytes, dtype=torch.uint8),
               dict(writer_kw or {}), dict(reader_kw or {}), os.stat(base).st_dev)
     samples: dict[str, list[Sample]] = {}
     infos: dict[str, Any] = {}
-    cold = drop_caches()
-    order: list[list[str]] = []
     load0 = os.getloadavg()
-    for rep in range(repeats):
-        k = rep % len(methods)
-        order.append(methods[k:] + methods[:k])
-        for name in order[-1]:
-            t0 = time.perf_counter()
-            infos[name] = run_method(METHODS[name], ctx, base, samples, check and rep == 0,
-                                     reverse_loads=rep % 2 == 1, quiet=quiet)
-            log(f"  repeat {rep + 1}/{repeats} {name:<12} {time.perf_counter() - t0:6.1f} s")
+
+    def one(name: str, rep: int) -> None:
+        t0 = time.perf_counter()
+        infos[name] = run_method(METHODS[name], ctx, base, samples, check and rep == 0,
+                                 reverse_loads=rep % 2 == 1, quiet=quiet)
+        log(f"  repeat {rep + 1}/{repeats} {name:<12} {time.perf_counter() - t0:6.1f} s")
+
+    order = run_rotation(methods, repeats, one)
+    cold = all(i.get("cold") for i in infos.values() if i.get("cold") is not None)
     results = {}
     for key, ss in samples.items():
         wall = statistics.median(s.wall for s in ss)
@@ -474,12 +412,18 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
         r = res.get(key)
         return r[stat] if r else None
 
+    def spread(a: str, b: str) -> str:
+        """a's speed over b's per repeat, min / median / max (the shared ratio_spread)."""
+        sp = ratio_spread(res[a]["seconds"], res[b]["seconds"])
+        return "-" if sp is None else sp.text()
+
     def ratio(a: str, b: str, target: float, kind: str = "min") -> dict[str, Any] | None:
         x, y = g(a), g(b)
         if x is None or y is None:
             return None
         v = x / y
-        return {"value": v, "target": target, "kind": kind, "ok": v >= target, "of": f"{a} / {b}"}
+        return {"value": v, "target": target, "kind": kind, "ok": v >= target, "of": f"{a} / {b}",
+                "per_repeat": spread(a, b)}
 
     def overhead(hashed: str, plain: str, limit: float) -> dict[str, Any] | None:
         x, y = g(hashed), g(plain)
@@ -487,7 +431,7 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
             return None
         v = 1 - x / y
         return {"value": v, "target": limit, "kind": "max", "ok": v <= limit,
-                "of": f"1 - {hashed} / {plain} (throughput lost to hashing)"}
+                "of": f"1 - {hashed} / {plain} (throughput lost to hashing)", "per_repeat": spread(hashed, plain)}
 
     out = {
         "save vs raw write+fsync": ratio("save:ours", "save:raw", 0.9),
@@ -506,7 +450,8 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
                        ("(disk limit) raw-par4 vs raw sequential read", "load:raw-par4", "load:raw")):
         x, y = g(a), g(b)
         if x is not None and y is not None:
-            out[name] = {"value": x / y, "target": None, "kind": "info", "ok": True, "of": f"{a} / {b}"}
+            out[name] = {"value": x / y, "target": None, "kind": "info", "ok": True, "of": f"{a} / {b}",
+                         "per_repeat": spread(a, b)}
     return out
 
 
@@ -563,9 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-threads", type=int, help="CheckpointWriter thread_count")
     p.add_argument("--files-per-rank", type=int, help="CheckpointWriter files_per_rank")
     p.add_argument("--read-threads", type=int, help="CheckpointReader thread_count")
-    p.add_argument("--quiet", type=float, default=20.0,
+    p.add_argument("--quiet", type=float, default=DEFAULT_QUIET,
                    help="before each measurement wait up to this many seconds for other processes to "
-                        "leave the CPUs and the disk idle (the machine is shared); 0 disables")
+                        f"leave the CPUs and the disk idle (the machine is shared; default {DEFAULT_QUIET:g}, "
+                        "as goodput-ckpt bench); 0 disables")
     p.add_argument("--no-check", action="store_true", help="skip comparing loaded values with the source")
     a = p.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]
@@ -612,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     rep["ratios_best"] = ratios(rep["results"], "best_gbps")
     print()
     print(f"payload {state.nbytes / GB:.3f} GB; median of {a.repeats}; GB = 1e9 bytes; "
-          f"loads {'COLD (page cache dropped before each)' if rep['cold_cache'] else 'WARM (could not drop caches: not root?)'}")
+          f"loads {'COLD (files evicted from the page cache before each)' if rep['cold_cache'] else 'WARM (could not evict: no posix_fadvise)'}; "
+          f"quiet wait up to {a.quiet:g} s before each step")
     print(f"ours: {rep['config']['writer']} {rep['config']['reader']}")
     print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(rep["order"])))
     la = rep["loadavg"]
@@ -620,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
           f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {os.cpu_count()} CPUs")
     print(table(rep))
     print()
-    print(f"{'target':<44}{'median':>8}{'best':>8}")
+    print(f"{'target':<44}{'median':>8}{'best':>8}{'per repeat min / median / max':>32}")
     for name, r in rep["ratios"].items():
         b = rep["ratios_best"][name]
         cmp = ">=" if r["kind"] == "min" else "<="
@@ -633,8 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             tgt = "no target"
         else:
             tgt = f"target {cmp} " + (f"{r['target'] * 100:.0f}%" if r["kind"] == "max" else f"{r['target']}x")
-        print(f"{name:<44}{shown(r):>8}{shown(b):>8}   {tgt}  [{r['of']}]")
-    print("(! = target missed; median: ratio of medians; best: ratio of the fastest repeats)")
+        print(f"{name:<44}{shown(r):>8}{shown(b):>8}{r['per_repeat']:>32}   {tgt}  [{r['of']}]")
+    print("(! = target missed; median: ratio of medians; best: ratio of the fastest repeats; per repeat: the speed\n"
+          "ratio within each repeat, as goodput-ckpt bench prints it; for the overheads, the hashed/plain speed)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=2)

@@ -18,6 +18,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads of goodput's writer, reader and verify")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="thread_count of torch's writer (default: torch's default, 1)")  # fmt: skip
+    p.add_argument("--quiet", type=float, default=None, metavar="SECONDS",
+                   help="before each timed step wait at most this long for other processes to leave the CPUs "
+                        "and the disk idle (default 10; 0: do not wait)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="leave the last repeat's checkpoints in place")
     p.add_argument("--plot", metavar="PATH", help="also draw a bar chart (PNG) here; needs matplotlib: "
                    "pip install 'goodput-ckpt[plot]'")  # fmt: skip
@@ -38,6 +41,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     report = bench(
         args.uri, size=args.size, repeats=args.repeats, thread_count=args.threads,
         torch_thread_count=args.torch_threads, keep=args.keep,
+        **({} if args.quiet is None else {"quiet": args.quiet}),
         progress=None if args.no_progress else out.warn, **args.options,
     )  # fmt: skip
     if args.plot:
@@ -80,6 +84,14 @@ def render(report, out: Output) -> None:
     out.print()
     for m in report.methods:
         out.print(f"{m.name + ':':<9}{m.writer} / {m.reader}" + (f": {m.reason}" if m.reason else ""))
+    spreads = [f"{k.split('_')[0]} {r.text()}" for k, r in report.ratio_spreads.items() if r is not None]
+    if spreads:
+        out.print(f"per repeat: ours/torch min / median / max: {', '.join(spreads)}")
+    if report.order:
+        out.print("order:   " + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(report.order)))
+    if report.loadavg:
+        out.print("load avg: " + " -> ".join("/".join(f"{x:.1f}" for x in la) for la in report.loadavg)
+                  + f" (1/5/15 min, start -> end; {report.host.get('cpus')} CPUs)")  # fmt: skip
     cache = {
         True: "loads and verify read from storage (page cache evicted)",
         False: "page cache NOT evicted (no posix_fadvise here): loads may be served from memory",
@@ -89,8 +101,10 @@ def render(report, out: Output) -> None:
     out.print(f"state:   {human_bytes(report.size_bytes)} ({report.size_bytes / 1e9:.3f} GB) in {report.tensors} tensors; "
               f"median of {report.repeats} repeat{'s' if report.repeats != 1 else ''}; {cache}")  # fmt: skip
     out.print(f"where:   {report.root} ({report.backend}); {where}")
-    out.print("GB = 1e9 bytes. SAVE s: a synchronous dcp.save, until durable, right after a warm-up save.\nSTALL s: how long dcp.async_save\n"
-              "blocks the caller. ours/torch: above 1 is faster for GB/s, below 1 is a shorter stall.")  # fmt: skip
+    out.print("GB = 1e9 bytes. SAVE s: a synchronous dcp.save, until durable, right after a warm-up save.\n"
+              "STALL s: how long dcp.async_save blocks the caller (measured after every save and load).\n"
+              "ours/torch: above 1 is faster for GB/s, below 1 is a shorter stall; the table's row is the ratio\n"
+              "of the medians, 'per repeat' the ratio within each repeat.")  # fmt: skip
 
 
 COMMAND = Command(

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ._bench_measure import RatioSpread, ratio_spread
+
 __all__ = ["BENCH_SCHEMA", "GB", "SAMPLES", "BenchReport", "MethodResult"]
 
 #: The ``schema`` of :meth:`BenchReport.to_json`; a reader (``plan --from-bench``) checks it.
@@ -38,6 +40,8 @@ class MethodResult:
         stall_s: how long ``dcp.async_save`` blocked the caller.
         async_total_s: ``dcp.async_save`` until its future completed.
         verify_s: :func:`~goodput_ckpt.tools.verify_checkpoint`.
+        save_cpu_s: this process's CPU seconds in each timed save (page faults show here).
+        save_other_cpus: CPUs other processes kept busy during each timed save (a noise gauge).
     """
 
     name: str
@@ -54,6 +58,8 @@ class MethodResult:
     stall_s: list[float] = field(default_factory=list)
     async_total_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
+    save_cpu_s: list[float] = field(default_factory=list)
+    save_other_cpus: list[float] = field(default_factory=list)
 
     @property
     def available(self) -> bool:
@@ -94,6 +100,11 @@ class BenchReport:
             for remote storage (no local cache to evict).
         kept: checkpoints left in place (``keep=True``).
         seconds: the whole run, state building and clean-up included.
+        quiet: the most seconds each step waited for a quiet machine (``None``: a report from
+            before it was recorded).
+        order: the order the methods ran in, per repeat (saves and loads; the stall pass after
+            them ran in the same order).
+        loadavg: the 1/5/15-minute load average at the start and at the end.
     """
 
     uri: str
@@ -111,6 +122,9 @@ class BenchReport:
     methods: list[MethodResult]
     kept: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    quiet: float | None = None
+    order: list[list[str]] = field(default_factory=list)
+    loadavg: list[list[float]] = field(default_factory=list)
 
     def method(self, name: str) -> MethodResult:
         for m in self.methods:
@@ -132,6 +146,19 @@ class BenchReport:
             "stall_s": ratio(ours.median("stall_s"), theirs.median("stall_s")),
         }
 
+    @property
+    def ratio_spreads(self) -> dict[str, RatioSpread | None]:
+        """The same ratios as :attr:`ratios`, per repeat (min / median / max; ``stall_s`` is
+        goodput's stall over torch's, below 1 shorter); ``None`` where a method has no samples."""
+        ours, theirs = self.method("goodput"), self.method("torch")
+        out: dict[str, RatioSpread | None] = {}
+        for key, sample in (("save_gbps", "save_s"), ("load_gbps", "load_s")):
+            a, b = getattr(ours, sample), getattr(theirs, sample)
+            out[key] = ratio_spread(a, b) if len(a) == len(b) else None
+        a, b = theirs.stall_s, ours.stall_s  # a ratio of times, not of speeds
+        out["stall_s"] = ratio_spread(a, b) if len(a) == len(b) else None
+        return out
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready document with stable keys (GB = 1e9 bytes, times in seconds)."""
         doc: dict[str, Any] = {"schema": BENCH_SCHEMA, "gb": GB}
@@ -140,6 +167,9 @@ class BenchReport:
                 doc[f.name] = getattr(self, f.name)
         doc["methods"] = [_method_json(m) for m in self.methods]
         doc["ratios"] = self.ratios
+        doc["ratio_spread"] = {k: None if r is None else {"min": r.min, "median": r.median, "max": r.max,
+                                                          "per_repeat": list(r.per_repeat)}
+                               for k, r in self.ratio_spreads.items()}  # fmt: skip
         return doc
 
     @classmethod
@@ -154,13 +184,19 @@ class BenchReport:
             raise ValueError(f"not a goodput-ckpt bench report (schema {BENCH_SCHEMA!r} expected, got {got!r})")
         try:
             methods = [
-                MethodResult(**{f.name: m[f.name] for f in fields(MethodResult) if f.name not in SAMPLES},
+                MethodResult(**{f.name: m[f.name] for f in fields(MethodResult) if f.name not in SAMPLES and
+                                (f.name in m or f.name not in _ADDED)},
                              **{s: list(m["samples"][s]) for s in SAMPLES})
                 for m in doc["methods"]
             ]  # fmt: skip
-            return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name != "methods"}, methods=methods)
+            return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name != "methods" and
+                          (f.name in doc or f.name not in _ADDED)}, methods=methods)  # fmt: skip
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed bench report: {type(e).__name__}: {e}") from None
+
+
+#: Keys added to the schema later: a report without them (an older one) still reads.
+_ADDED = ("quiet", "order", "loadavg", "save_cpu_s", "save_other_cpus")
 
 
 def _method_json(m: MethodResult) -> dict[str, Any]:

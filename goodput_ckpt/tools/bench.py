@@ -9,25 +9,31 @@ measures, for two methods side by side:
   ``FsspecWriter`` / ``FsspecReader`` for URLs (which need the fsspec driver, e.g. ``s3fs``;
   without it the method is reported as ``n/a`` with the reason).
 
-and for each of them:
+by one procedure, :mod:`._bench_measure`, the one ``benchmarks/bench_local.py`` runs too, so
+that the same methods give the same ratios in both. Each repeat runs the methods in rotating
+order (with two, they alternate which goes first); before each timed step it waits up to
+``quiet`` seconds for a quiet machine. For each method:
 
-1. **stall**: how long ``dcp.async_save`` blocks the caller (both writers stage the state into
-   fresh CPU memory, then write in a background thread); the save is then waited for, outside
-   the measurement, and deleted;
-2. **save**: a synchronous ``dcp.save``, until the checkpoint is durable, timed right after an
-   untimed warm-up save of the same state that is deleted first (:mod:`._bench_save`: the rule
-   ``benchmarks/bench_local.py`` shares, so that both time a save in the same memory condition);
-3. **load**: ``dcp.load`` of that checkpoint into a preallocated state (as when resuming into a
+1. **save**: a synchronous ``dcp.save``, until the checkpoint is durable, timed right after an
+   untimed warm-up save of the same state that is deleted first (:mod:`._bench_save`);
+2. **load**: ``dcp.load`` of that checkpoint into a preallocated state (as when resuming into a
    live model), after evicting its files from the page cache (local and volume paths;
    ``posix_fadvise``, no root needed) so the bytes come from storage;
-4. **verify** (``goodput`` only; torch's format has no checksums): :func:`verify_checkpoint` of
+3. **verify** (``goodput`` only; torch's format has no checksums): :func:`verify_checkpoint` of
    the same checkpoint, page cache evicted again.
 
-The first repeat also checks that every loaded tensor equals the saved one. The methods
-alternate which goes first from one repeat to the next. GB/s is the state's payload (the sum of
-tensor sizes, the same for both methods; GB = 1e9 bytes) over wall seconds, except verify, which
-is the bytes hashed (the checkpoint's files) over wall seconds. Each figure is the median of the
-repeats; every sample is kept in the report.
+Then, in a pass of its own after every save and load (so that no async save's staging copy
+precedes a timed save, which the script has no counterpart of), for each repeat and method:
+
+4. **stall**: how long ``dcp.async_save`` blocks the caller (both writers stage the state into
+   fresh CPU memory, then write in a background thread); the save is then waited for, outside
+   the measurement, and deleted.
+
+The first repeat also checks that every loaded tensor equals the saved one. GB/s is the state's
+payload (the sum of tensor sizes, the same for both methods; GB = 1e9 bytes) over wall seconds,
+except verify, which is the bytes hashed (the checkpoint's files) over wall seconds. Each figure
+is the median of the repeats; every sample is kept in the report, and the ratios goodput/torch
+are also given per repeat (min / median / max, :func:`._bench_measure.ratio_spread`).
 
 Everything is written under one fresh ``goodput-bench-*`` directory or prefix
 (:mod:`._bench_scratch`), removed at the end unless ``keep=True`` (then the last repeat's
@@ -46,7 +52,7 @@ from typing import Any
 from ..errors import CheckpointError, CorruptCheckpointError
 from ._bench_methods import BenchMethod, goodput_method, is_save_or_load_failure, torch_method, wait_durable
 from ._bench_report import BENCH_SCHEMA, GB, SAMPLES, BenchReport, MethodResult
-from ._bench_save import timed_save
+from ._bench_measure import DEFAULT_QUIET, Load, run_rotation, save_and_load, wait_quiet
 from ._bench_scratch import Scratch
 from ._common import require_positive
 
@@ -69,6 +75,7 @@ def bench(
     torch_thread_count: int | None = None,
     keep: bool = False,
     seed: int = 0,
+    quiet: float = DEFAULT_QUIET,
     progress: Callable[[str], None] | None = None,
     **options: Any,
 ) -> BenchReport:
@@ -85,6 +92,9 @@ def bench(
         torch_thread_count: ``thread_count`` of torch's writer (default: torch's, 1).
         keep: leave the last repeat's checkpoints in place (listed in ``kept``).
         seed: the synthetic state's seed.
+        quiet: before each timed step, wait at most this many seconds for other processes to
+            leave the CPUs and the disk idle (0: do not wait); the default is
+            ``benchmarks/bench_local.py``'s too.
         progress: called with one line of text as each step starts and ends.
         **options: backend options for goodput's stores (``-o KEY=VALUE``). For S3 the
             endpoint, region and addressing style are also given to torch's ``FsspecWriter``.
@@ -99,6 +109,8 @@ def bench(
     for name, value in (("size", size), ("repeats", repeats), ("thread_count", thread_count),
                         ("torch_thread_count", torch_thread_count)):  # fmt: skip
         require_positive(name, value)
+    if not quiet >= 0:
+        raise ValueError(f"quiet must be 0 or more seconds, got {quiet}")
     if size < MIN_SIZE:
         raise ValueError(f"size must be at least {MIN_SIZE >> 20} MiB, got {size} bytes")
     _check_memory(size)
@@ -106,7 +118,7 @@ def bench(
     t_start = time.perf_counter()
     scratch = Scratch(uri, options)
     try:
-        scratch.check_room(size, 2 if keep else 1)  # one checkpoint at a time; two kept at the end
+        scratch.check_room(size, 3 if keep else 1)  # one at a time; with keep, two kept and the stall's
         from ._bench_state import empty_like_nested, make_state
 
         t0 = time.perf_counter()
@@ -121,18 +133,32 @@ def bench(
                          verify_reason=None if m.verify else "n/a: no checksums")
             for m in methods
         ]  # fmt: skip
+        by_name = {m.name: (m, r) for m, r in zip(methods, results)}
+        last = repeats - 1
         colds: list[bool | None] = []
-        for rep in range(repeats):
-            for m, res in list(zip(methods, results))[:: 1 if rep % 2 == 0 else -1]:
-                if res.available:
-                    keep_this = keep and rep == repeats - 1
-                    _measure_or_give_up(m, res, state, dest, scratch, rep, repeats, keep=keep_this, colds=colds, say=say)
+        load0 = os.getloadavg()
+
+        def save_load(name: str, rep: int) -> None:
+            m, res = by_name[name]
+            if res.available:
+                _save_load_or_give_up(m, res, state, dest, scratch, rep, repeats, keep=keep and rep == last,
+                                      quiet=quiet, colds=colds, say=say)  # fmt: skip
+
+        def stall(name: str, rep: int) -> None:
+            m, res = by_name[name]
+            if res.available:
+                _stall_or_give_up(m, res, state, scratch, rep, repeats, quiet=quiet, say=say)
+
+        names = [m.name for m in methods]
+        order = run_rotation(names, repeats, save_load)  # the procedure bench_local.py runs too
+        run_rotation(names, repeats, stall)  # after every timed save, so that no staging copy precedes one
         report = BenchReport(
             uri=os.getcwd() if uri is None else os.fspath(uri), root=scratch.root, backend=scratch.backend,
             size_bytes=state.nbytes, requested_bytes=size, tensors=len(state.flat), repeats=repeats, seed=seed,
             thread_count=thread_count, torch_thread_count=torch_thread_count,
             cold_cache=None if not colds or None in colds else all(colds), host=_host(), methods=results,
             kept=[scratch.uri(f"{r.name}-{repeats - 1}") for r in results if keep and r.available],
+            quiet=quiet, order=order, loadavg=[list(load0), list(os.getloadavg())],
         )  # fmt: skip
     finally:
         if not keep:
@@ -142,87 +168,127 @@ def bench(
     return report
 
 
-def _measure_or_give_up(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, repeats: int, *,
-                        keep: bool, colds: list, say: Callable[[str], None]) -> None:  # fmt: skip
-    """:func:`_measure`; a failure of torch's method makes it ``n/a`` (goodput's is raised)."""
+def _save_load_or_give_up(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, repeats: int, *,
+                          keep: bool, quiet: float, colds: list, say: Callable[[str], None]) -> None:  # fmt: skip
+    """:func:`_save_load`; a failure of torch's method makes it ``n/a`` (goodput's is raised)."""
     where = f"[{rep + 1}/{repeats}] {m.name}"
-    say(f"{where}: stall, save, load" + (", verify" if m.verify else ""))
-    try:
-        _measure(m, res, state, dest, scratch, rep, check=rep == 0, keep=keep, colds=colds)
-    except BaseException as e:
-        if m.name == "goodput" or not is_save_or_load_failure(e):
-            raise
-        res.reason = f"n/a: {m.describe_writer} failed here: {type(e).__name__}: {str(e)[:300]}"
-        for s in SAMPLES:
-            getattr(res, s).clear()
-        for suffix in ("-async", "-warm", ""):
-            scratch.remove(f"{m.name}-{rep}{suffix}")
-        say(f"{where}: {res.reason}")
+    say(f"{where}: save, load" + (", verify" if m.verify else ""))
+    if _give_up_on_failure(m, res, scratch, rep, where, say, lambda: _save_load(
+            m, res, state, dest, scratch, rep, check=rep == 0, keep=keep, quiet=quiet, colds=colds)):  # fmt: skip
         return
     say(f"{where}: {_summary_line(res)}")
 
 
-def _measure(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, *, check: bool, keep: bool,
-             colds: list) -> None:  # fmt: skip
-    """One repeat of one method: stall (async save), save, load, verify; appends the samples."""
+def _stall_or_give_up(m: BenchMethod, res: MethodResult, state, scratch: Scratch, rep: int, repeats: int, *,
+                      quiet: float, say: Callable[[str], None]) -> None:  # fmt: skip
+    """:func:`_stall`; a failure of torch's method makes it ``n/a`` (goodput's is raised)."""
+    where = f"[{rep + 1}/{repeats}] {m.name}"
+    say(f"{where}: stall")
+    if _give_up_on_failure(m, res, scratch, rep, where, say, lambda: _stall(m, res, state, scratch, rep, quiet=quiet)):
+        return
+    say(f"{where}: stall {res.stall_s[-1]:.3f} s (async save done after {res.async_total_s[-1]:.3f} s)")
+
+
+def _give_up_on_failure(m: BenchMethod, res: MethodResult, scratch: Scratch, rep: int, where: str,
+                        say: Callable[[str], None], step: Callable[[], None]) -> bool:  # fmt: skip
+    """Run ``step``; True when torch's method failed and is now ``n/a`` (goodput's failure is raised)."""
+    try:
+        step()
+    except BaseException as e:
+        if m.name == "goodput" or not is_save_or_load_failure(e):
+            raise
+        res.reason = f"n/a: {m.describe_writer} failed here: {type(e).__name__}: {str(e)[:300]}"
+        for s in (*SAMPLES, "save_cpu_s", "save_other_cpus"):
+            getattr(res, s).clear()
+        for suffix in ("-async", "-warm", ""):
+            scratch.remove(f"{m.name}-{rep}{suffix}")
+        say(f"{where}: {res.reason}")
+        return True
+    return False
+
+
+def _save_load(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, *, check: bool, keep: bool,
+               quiet: float, colds: list) -> None:  # fmt: skip
+    """One repeat of one method: save, load, verify, by the shared procedure; appends the samples."""
     import torch.distributed.checkpoint as dcp
 
     from ._bench_state import flat_equal, flatten
 
     name = f"{m.name}-{rep}"
+    names = {scratch.uri(n): n for n in (name, name + "-warm")}
+    location = scratch.uri(name)
+
+    def save(where: str) -> None:
+        writer = m.writer(where)
+        dcp.save(state.nested, storage_writer=writer, no_dist=True)
+        wait_durable(writer)
+
+    def stored(_where: str) -> None:
+        res.files, res.stored_bytes = scratch.stored(name)
+
+    def load(where: str) -> None:
+        dcp.load(dest, storage_reader=m.reader(where), no_dist=True)
+
+    def after_load(_: None) -> None:
+        flat = flatten(dest)
+        if check and not flat_equal(state.flat, flat):
+            raise CheckpointError(f"bench: the state loaded from {location} differs from the one saved", path=location)
+        for t in flat.values():
+            t.zero_()  # the next load must write every byte (a load that skips bytes cannot pass the check)
+
+    def after_verify(report) -> None:
+        if not report.ok:
+            problems = "; ".join(p.message for p in report.problems[:3])
+            raise CorruptCheckpointError(f"bench: verify of {location} failed: {problems}", path=location)
+        res.verify_bytes = report.bytes_hashed
+
+    loads = [Load("load", load, after_load)] + ([Load("verify", m.verify, after_verify)] if m.verify else [])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", category=FutureWarning)
-        writer = m.writer(scratch.uri(name + "-async"))
+        got = save_and_load(save, loads, target=location, warm=scratch.uri(name + "-warm"),
+                            remove=lambda u: scratch.remove(names[u]), evict=lambda u: scratch.evict(names[u]),
+                            quiet=quiet, dev=_device(scratch), keep=keep, between=stored)  # fmt: skip
+    res.save_s.append(got.save.wall)
+    res.save_cpu_s.append(got.save.cpu)
+    res.save_other_cpus.append(got.save.other)
+    res.load_s.append(got.loads["load"].wall)
+    if "verify" in got.loads:
+        res.verify_s.append(got.loads["verify"].wall)
+    colds.extend(got.cold)
+
+
+def _stall(m: BenchMethod, res: MethodResult, state, scratch: Scratch, rep: int, *, quiet: float) -> None:
+    """How long ``dcp.async_save`` blocks the caller (it stages into fresh memory); then waited for and deleted."""
+    import torch.distributed.checkpoint as dcp
+
+    name = f"{m.name}-{rep}-async"
+    wait_quiet(quiet, _device(scratch))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        writer = m.writer(scratch.uri(name))
         t0 = time.perf_counter()
         fut = dcp.async_save(state.nested, storage_writer=writer, no_dist=True)
         res.stall_s.append(time.perf_counter() - t0)
         fut.result()
         wait_durable(writer)
         res.async_total_s.append(time.perf_counter() - t0)
-        del fut, writer  # the staged copy goes before the next measurement
-        scratch.remove(name + "-async")
+    del fut, writer  # the staged copy goes before the next measurement
+    scratch.remove(name)
+    os.sync()
 
-        location = scratch.uri(name)
 
-        def save(where: str) -> None:
-            writer = m.writer(where)
-            dcp.save(state.nested, storage_writer=writer, no_dist=True)
-            wait_durable(writer)
-
-        warm = name + "-warm"
-        res.save_s.append(timed_save(save, location, warm=scratch.uri(warm), remove=lambda _u: scratch.remove(warm)))
-        res.files, res.stored_bytes = scratch.stored(name)
-
-        if check:
-            for t in flatten(dest).values():
-                t.zero_()  # so that a load that skips bytes cannot pass the check
-        colds.append(scratch.evict(name))
-        reader = m.reader(location)
-        t0 = time.perf_counter()
-        dcp.load(dest, storage_reader=reader, no_dist=True)
-        res.load_s.append(time.perf_counter() - t0)
-    if check and not flat_equal(state.flat, flatten(dest)):
-        raise CheckpointError(f"bench: the state loaded from {location} differs from the one saved", path=location)
-    if m.verify is not None:
-        colds.append(scratch.evict(name))
-        t0 = time.perf_counter()
-        report = m.verify(location)
-        res.verify_s.append(time.perf_counter() - t0)
-        if not report.ok:
-            problems = "; ".join(p.message for p in report.problems[:3])
-            raise CorruptCheckpointError(f"bench: verify of {location} failed: {problems}", path=location)
-        res.verify_bytes = report.bytes_hashed
-    if not keep:
-        scratch.remove(name)
+def _device(scratch: Scratch) -> int | None:
+    """The ``st_dev`` of a local scratch root (whose disk :func:`wait_quiet` watches), else ``None``."""
+    return os.stat(scratch.path).st_dev if scratch.path is not None else None
 
 
 def _summary_line(r: MethodResult) -> str:
     def last_gbps(nbytes: int, xs: list[float]) -> str:
         return f"{nbytes / xs[-1] / GB:.2f} GB/s" if xs and xs[-1] > 0 else "-"
 
-    line = (f"save {last_gbps(r.payload_bytes, r.save_s)}, stall {r.stall_s[-1]:.3f} s, "
-            f"load {last_gbps(r.payload_bytes, r.load_s)}")  # fmt: skip
+    line = f"save {last_gbps(r.payload_bytes, r.save_s)}, load {last_gbps(r.payload_bytes, r.load_s)}"
     return line + (f", verify {last_gbps(r.verify_bytes, r.verify_s)}" if r.verify_s else "")
 
 

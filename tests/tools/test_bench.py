@@ -38,7 +38,7 @@ def local_run(tmp_path_factory):
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        report = bench(size=SIZE, repeats=1, progress=lines.append)
+        report = bench(size=SIZE, repeats=1, progress=lines.append, quiet=0)
     finally:
         os.chdir(old)
     return report, lines, cwd
@@ -79,17 +79,45 @@ def test_json_round_trip_and_stable_keys(local_run):
     assert set(doc) == {
         "schema", "gb", "uri", "root", "backend", "size_bytes", "requested_bytes", "tensors", "repeats", "seed",
         "thread_count", "torch_thread_count", "cold_cache", "host", "methods", "kept", "seconds", "ratios",
+        "quiet", "order", "loadavg", "ratio_spread",
     }  # fmt: skip
     m = doc["methods"][0]
     assert set(m["samples"]) == set(m["median"]) == set(SAMPLES)
     assert {"name", "writer", "reader", "available", "reason", "save_gbps", "load_gbps", "verify_gbps",
             "stall_s_median", "files", "stored_bytes", "verify_bytes", "payload_bytes"} <= set(m)  # fmt: skip
     assert m["median"]["stall_s"] == m["stall_s_median"] == m["samples"]["stall_s"][0]
+    for added in ("quiet", "order", "loadavg"):  # an older report, without the keys added since, still reads
+        del doc[added]
+    for m in doc["methods"]:
+        del m["save_cpu_s"], m["save_other_cpus"]
+    assert BenchReport.from_json(doc).order == []
     with pytest.raises(ValueError, match="not a goodput-ckpt bench report"):
         BenchReport.from_json({"schema": "something/else"})
     del doc["methods"][0]["samples"]
     with pytest.raises(ValueError, match="malformed"):
         BenchReport.from_json(doc)
+
+
+def test_two_repeats_rotate_and_ratios_are_per_repeat(tmp_path):
+    """The shared procedure: the order alternates, saves come before every stall, and the
+    per-repeat ratios pair each repeat's samples (tools/_bench_measure.py)."""
+    lines: list[str] = []
+    r = bench(tmp_path, size=SIZE, repeats=2, quiet=0, progress=lines.append)
+    assert r.order == [["goodput", "torch"], ["torch", "goodput"]] and r.quiet == 0 and len(r.loadavg) == 2
+    steps = [line.split(": ", 1) for line in lines if line.startswith("[") and line.endswith(("verify", "load", "stall"))]
+    assert steps == [["[1/2] goodput", "save, load, verify"], ["[1/2] torch", "save, load"],
+                     ["[2/2] torch", "save, load"], ["[2/2] goodput", "save, load, verify"],
+                     ["[1/2] goodput", "stall"], ["[1/2] torch", "stall"],
+                     ["[2/2] torch", "stall"], ["[2/2] goodput", "stall"]]  # fmt: skip
+    ours, theirs = r.methods
+    assert len(ours.save_cpu_s) == len(theirs.save_other_cpus) == 2 and min(ours.save_cpu_s) > 0
+    sp = r.ratio_spreads
+    assert sp["save_gbps"].per_repeat == tuple(t / o for o, t in zip(ours.save_s, theirs.save_s))
+    assert sp["load_gbps"].per_repeat == tuple(t / o for o, t in zip(ours.load_s, theirs.load_s))
+    assert sp["stall_s"].per_repeat == tuple(o / t for o, t in zip(ours.stall_s, theirs.stall_s))
+    doc = r.to_json()["ratio_spread"]["save_gbps"]
+    assert (doc["min"], doc["median"], doc["max"]) == (sp["save_gbps"].min, sp["save_gbps"].median, sp["save_gbps"].max)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_plot_is_a_png(local_run, tmp_path):
@@ -104,21 +132,22 @@ def test_plot_is_a_png(local_run, tmp_path):
 
 
 def test_keep_leaves_the_last_checkpoints(tmp_path):
-    r = bench(tmp_path / "new" / "dir", size=SIZE, repeats=1, keep=True)
+    r = bench(tmp_path / "new" / "dir", size=SIZE, repeats=1, keep=True, quiet=0)
     assert len(r.kept) == 2 and all(Path(k).is_dir() for k in r.kept)
     assert sorted(p.name for p in Path(r.root).iterdir()) == ["goodput-0", "torch-0"]  # the rest removed
     assert verify_checkpoint(r.kept[0]).ok and (Path(r.kept[1]) / ".metadata").is_file()
 
 
 def test_volume_mode_is_reported(tmp_path):
-    r = bench(tmp_path, size=SIZE, repeats=1, volume=True)  # the volume store, forced on a local path
+    r = bench(tmp_path, size=SIZE, repeats=1, volume=True, quiet=0)  # the volume store, forced on a local path
     assert r.backend == "volume" and all(m.available for m in r.methods) and r.methods[0].verify_s
     assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_table_json_and_plot(tmp_path):
-    code, out, err = run("bench", tmp_path / "t", "--size", "8MiB", "--repeats", "1")
+    code, out, err = run("bench", tmp_path / "t", "--size", "8MiB", "--repeats", "1", "--quiet", "0")
     assert code == 0, err
+    assert "per repeat: ours/torch min / median / max: save " in out and "order:   1: goodput, torch" in out
     head, *rows = out.splitlines()
     assert head.split() == ["METHOD", "SAVE", "GB/s", "LOAD", "GB/s", "SAVE", "s", "STALL", "s", "VERIFY", "GB/s"]
     assert rows[0].startswith("goodput ") and rows[1].startswith("torch ") and rows[2].startswith("ours/torch ")
@@ -127,7 +156,7 @@ def test_cli_table_json_and_plot(tmp_path):
     assert "[1/1] goodput: save" in err and not (tmp_path / "t").exists()
 
     png = tmp_path / "out.png"
-    code, out, err = run("bench", tmp_path / "j", "--size", "8MiB", "--repeats", "1", "--json", "--no-progress",
+    code, out, err = run("bench", tmp_path / "j", "--size", "8MiB", "--repeats", "1", "--json", "--no-progress", "--quiet", "0",
                          "--plot", png)  # fmt: skip
     assert code == 0 and err == ""
     doc = json.loads(out)
@@ -153,6 +182,7 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path, monkeypatch):
         (("--size", "1.5XB"), "invalid size"),
         (("--size", "1MiB"), "at least 4 MiB"),
         (("--repeats", "0"), "repeats must be a positive integer"),
+        (("--quiet", "-1"), "quiet must be 0 or more"),
         (("-o", "no_such_option=1"), "unknown option"),
     ],
 )
@@ -194,7 +224,7 @@ S3_OPTIONS = ("-o", "addressing_style=path", "-o", "region=us-east-1")
 def test_s3_bench_against_moto(moto_url, bucket):
     client, name = bucket
     r = bench(f"s3://{name}/scratch", size=SIZE, repeats=1, endpoint_url=moto_url, addressing_style="path",
-              region="us-east-1")  # fmt: skip
+              region="us-east-1", quiet=0)  # fmt: skip
     assert r.backend == "s3" and r.cold_cache is None and r.root.startswith(f"s3://{name}/scratch/goodput-bench-")
     ours, theirs = r.methods
     assert ours.available and ours.save_gbps > 0 and ours.load_gbps > 0 and ours.verify_gbps > 0
@@ -216,7 +246,7 @@ def test_s3_without_s3fs_reports_torch_as_na(moto_url, bucket, monkeypatch):
 
     monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
     client, name = bucket
-    code, out, err = run("bench", f"s3://{name}", "--size", "8MiB", "--repeats", "1", "-o", f"endpoint_url={moto_url}",
+    code, out, err = run("bench", f"s3://{name}", "--size", "8MiB", "--repeats", "1", "--quiet", "0", "-o", f"endpoint_url={moto_url}",
                          *S3_OPTIONS)  # fmt: skip
     assert code == 0, err
     rows = out.splitlines()
