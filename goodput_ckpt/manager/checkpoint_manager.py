@@ -34,12 +34,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._warn import warn_user
 from ..dcp.load_planner import GridLoadPlanner
 from ..dcp.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
-from ..errors import CheckpointError, as_checkpoint_error
+from ..errors import CheckpointError, as_checkpoint_error, warn_user
 from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
 from ..state.bundle import DATALOADER
 from ..state.loader_share import share_key, share_loader_states

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..._warn import warn_user
 from ...dcp.needed_files import chunks_read_by
 from ...errors import (
     CheckpointError,
@@ -44,6 +43,7 @@ from ...errors import (
     IncompleteCheckpointError,
     as_checkpoint_error,
     find_checkpoint_error,
+    warn_user,
 )
 from ...format.commit_record import COMMITTED, KeyIndex, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
