@@ -18,9 +18,12 @@ One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recip
    local directories deleted: every file comes from S3, is checked chunk by chunk and written
    to the local tier, then loaded from it), and ``s3-one-tier`` (the one-tier manager's
    restore, read straight from S3); ``local-noverify`` is ``local`` with ``verify=False`` (no
-   hash checked before or during the load: what the checks cost). Before each restore the
-   local directories are reset to the state the saves left (hard links: the local store never
-   writes a file in place).
+   hash checked before or during the load: what the checks cost). ``bytes-local`` and
+   ``bytes-s3`` are not restores: each rank reads its own data file of the step into a
+   buffer, from its node's local copy or from S3 (ranged GETs on 8 threads), and nothing
+   else; their ratio is the most a local restore can gain over an S3 one on this machine from
+   the bytes alone. Before each restore the local directories are reset to the state the
+   saves left (hard links: the local store never writes a file in place).
 
 Rules:
 - A restore's time is the timeline's ``seconds`` of its slowest rank (agreement, checks,
@@ -72,7 +75,10 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 MiB = 1 << 20
 WORLD, LOCAL_WORLD = 4, 2
-METHODS = ("local", "replica", "persistent", "s3-one-tier", "local-noverify")
+METHODS = ("local", "replica", "persistent", "s3-one-tier", "local-noverify", "bytes-local", "bytes-s3")
+#: Not restores: each rank only reads its own data file of the restored step, from the local
+#: tier or from S3, with nothing else (the limit any restore from that tier has here).
+BYTES_ONLY = ("bytes-local", "bytes-s3")
 BASELINE = "persistent"
 BUCKET = "bench"
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -194,6 +200,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
                 _reset_local(base, method)
                 quiet_s = wait_quiet(cfg["quiet"])
             dist.barrier()
+            if method in BYTES_ONLY:
+                restores[method] = _bytes_only(method, cfg, rep, last, rank, pids, quiet_s)
+                continue
             fresh, fresh_opt = _make(cfg, seed=1000 + rep)
             if method == "s3-one-tier":
                 mgr = CheckpointManager(f"s3://{BUCKET}/one{rep}", keep_last=2, timeline=False, **opts)
@@ -230,6 +239,65 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         dist.barrier()
     if rank == 0:
         Path(cfg["base"], "results.json").write_text(json.dumps(reps))
+
+
+def _bytes_only(method: str, cfg: dict[str, Any], rep: int, step: int, rank: int, pids: list[int], quiet_s: float) -> dict[str, Any]:
+    """Every rank reads its own data file of ``step`` into a buffer, from its node's local copy
+    (``bytes-local``: one sequential ``readinto``) or from S3 (``bytes-s3``: 8 MiB ranged GETs on
+    8 threads, boto3 with no checksums): the bytes of a restore and nothing else, no hashing,
+    no planning, no collective. The time of the slowest rank, as for a restore."""
+    import boto3
+    from botocore.config import Config
+
+    from goodput_ckpt.manager.step_layout import step_dir_name
+
+    node_dir = Path(cfg["base"], f"rep{rep}", "local", f"node{rank // LOCAL_WORLD}", step_dir_name(step))
+    (path,) = node_dir.glob(f"rank{rank:05d}-*.bin")
+    size = path.stat().st_size
+    buf = bytearray(size)
+    view = memoryview(buf)
+    client = None
+    if method == "bytes-s3":
+        client = boto3.client(
+            "s3", endpoint_url=cfg["s3_options"]["endpoint_url"], region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, max_pool_connections=16,
+                          request_checksum_calculation="when_required", response_checksum_validation="when_required"),
+        )  # fmt: skip
+    key = f"tiers{rep}/{step_dir_name(step)}/{path.name}"
+    part = 8 * MiB
+
+    def get(o: int) -> None:
+        body = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={o}-{min(size, o + part) - 1}")["Body"]
+        at = o
+        for chunk in body.iter_chunks(1 << 20):
+            view[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        if at != min(size, o + part):
+            raise SystemExit(f"bytes-s3: {key} range at {o} ended early")
+
+    dist.barrier()
+    busy0, ours0, t0 = _busy_seconds(), _pid_cpu(pids), time.perf_counter()
+    if client is None:
+        with open(path, "rb", buffering=0) as f:
+            if f.readinto(view) != size:
+                raise SystemExit(f"bytes-local: {path} ended early")
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(get, range(0, size, part)))
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    wall = time.perf_counter() - t0
+    busy, ours = (_busy_seconds() - busy0) / wall, (_pid_cpu(pids) - ours0) / wall
+    same = buf == path.read_bytes()  # untimed: what arrived is the file
+    per_rank = _gather({"seconds": seconds, "same": same, "bytes": size})
+    return {
+        "seconds": max(r["seconds"] for r in per_rank), "wall_s": wall, "rank_seconds": [r["seconds"] for r in per_rank],
+        "sources": [None] * len(per_rank), "same": all(r["same"] for r in per_rank),
+        "machine_cpus": busy, "our_cpus": ours, "other_cpus": max(0.0, busy - ours), "quiet_wait_s": quiet_s,
+        "bytes": sum(r["bytes"] for r in per_rank),
+    }  # fmt: skip
 
 
 def _gather(value: Any) -> list[Any]:
@@ -271,6 +339,8 @@ def _check_sources(method: str, sources: list[dict[str, int]]) -> None:
         "replica": all(t == {"local"} for t in tiers[:LOCAL_WORLD]) and all("replica" in t and "persistent" not in t for t in tiers[LOCAL_WORLD:]),
         "persistent": all(t == {"persistent"} for t in tiers),
         "s3-one-tier": all(not t for t in tiers),
+        "bytes-local": True,
+        "bytes-s3": True,
     }[method]  # fmt: skip
     if not ok:
         raise SystemExit(f"{method}: the restore read from {sources}, not from the tiers this scenario tests")
@@ -295,6 +365,11 @@ def summarize(reps: list[dict[str, Any]], args: argparse.Namespace, nbytes: int)
     if BASELINE in args.methods:
         for m in args.methods:
             speedup[m] = _stats([rep["restores"][BASELINE]["seconds"] / rep["restores"][m]["seconds"] for rep in reps])
+    # The limit of this machine: how much faster the bytes alone come from the local tier than
+    # from S3, per repeat (no restore can beat it by more than its own fixed costs allow).
+    limit = {}
+    if set(BYTES_ONLY) <= set(args.methods):
+        limit = _stats([rep["restores"]["bytes-s3"]["seconds"] / rep["restores"]["bytes-local"]["seconds"] for rep in reps])
     local_saves, persists, one_saves = [], [], []
     for rep in reps:
         two = rep["timeline"]["two_tier"]
@@ -310,7 +385,7 @@ def summarize(reps: list[dict[str, Any]], args: argparse.Namespace, nbytes: int)
         "payload_bytes": nbytes, "state": args.state, "world_size": WORLD, "nodes": WORLD // LOCAL_WORLD, "repeats": args.repeats,
         "saves_per_repeat": args.saves, "persist_every": args.persist_every, "interval_s": args.interval, "python": platform.python_version(),
         "torch": torch.__version__, "cpus": os.cpu_count(), "restore": restores,
-        "restore_speedup_vs_persistent": speedup, "save": saves, "order": [rep["order"] for rep in reps],
+        "restore_speedup_vs_persistent": speedup, "bytes_s3_vs_local": limit, "save": saves, "order": [rep["order"] for rep in reps],
         "restored_step": reps[0]["step"] if reps else None,
         "busy": [{m: {k: rep["restores"][m][k] for k in ("machine_cpus", "our_cpus", "other_cpus", "quiet_wait_s")}
                   for m in rep["order"]} for rep in reps],
@@ -385,6 +460,9 @@ def print_table(report: dict[str, Any]) -> None:
         sp = report["restore_speedup_vs_persistent"].get(m, {})
         src = " ".join(",".join(f"{k}={v}" for k, v in sorted((s or {"s3": "-"}).items())) for s in r["sources"])
         print(f"{m:<13}{_cell(r['seconds'], '{:.3f}'):>22}{r['mib_s']:>7.0f}{_cell(sp):>24}{_cell(r['other_cpus']):>20}  {src}")
+    if report["bytes_s3_vs_local"]:
+        print(f"bytes only (each rank reads its own data file, nothing else): S3 takes {_cell(report['bytes_s3_vs_local'])}x "
+              "the local tier's time")
     s = report["save"]
     print("per save, slowest rank, seconds (first save of each manager left out):")
     for k in ("stall_s", "wait_s", "write_s", "replicate_s", "durable_s"):

@@ -40,6 +40,9 @@ def test_tiny_run_measures_every_tier(tmp_path, capsys):
     assert [set(s) for s in restore["replica"]["sources"]] == [{"local"}] * 2 + [{"replica"}] * 2
     assert all(set(s) == {"persistent"} for s in restore["persistent"]["sources"])
     assert restore["s3-one-tier"]["sources"] == [None] * 4
+    for m in bench_tiers.BYTES_ONLY:  # each rank's own file: the whole step's data, once
+        assert restore[m]["sources"] == [None] * 4
+    assert report["bytes_s3_vs_local"]["median"] > 0
     speedup = report["restore_speedup_vs_persistent"]
     assert speedup["persistent"]["median"] == pytest.approx(1.0)
     want = restore["persistent"]["seconds"]["median"] / restore["local"]["seconds"]["median"]
@@ -49,4 +52,5 @@ def test_tiny_run_measures_every_tier(tmp_path, capsys):
     assert saves["persist"]["seconds"]["median"] > 0 and saves["persist"]["bytes"] >= 2 << 20
     assert saves["s3-one-tier"]["write_s"]["median"] > 0
     text = capsys.readouterr().out
-    assert "order: repeat 1: local, replica, persistent, s3-one-tier, local-noverify" in text and "load average" in text
+    assert "order: repeat 1: local, replica, persistent, s3-one-tier, local-noverify, bytes-local, bytes-s3" in text
+    assert "load average" in text and "bytes only" in text
