@@ -397,11 +397,18 @@ class CheckpointManager:
         self._read(plan, reader, f"loading step {step} from {uri}")
         self._apply(step, uri, plan, reader, started, t0, sources)
 
-    def _read(self, plan: Any, reader: CheckpointReader, what: str) -> None:
-        """Every rank: ``dcp.load`` of ``plan`` through ``reader`` (the destination only)."""
+    def _read(self, plan: Any, reader: CheckpointReader, what: str, *, local: bool = False) -> None:
+        """Every rank: ``dcp.load`` of ``plan`` through ``reader`` (the destination only).
+
+        ``local``: each rank loads on its own, with none of ``dcp.load``'s collectives (its plan
+        gather and scatter, which ``GridLoadPlanner`` leaves empty anyway). For a caller that
+        gathers every rank's outcome itself right after, as the two-tier restore does; without
+        that gather, a rank's failure would not reach the others.
+        """
         try:
             dcp.load(
-                plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=self._pg is None
+                plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg,
+                no_dist=self._pg is None or local,
             )  # fmt: skip
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, what)
@@ -442,7 +449,8 @@ class CheckpointManager:
                 checked_files=checked,
             )  # fmt: skip
             readers.append(reader)
-            self._read(plan, reader, f"loading {where}")
+            # Local: restore_tiers gathers every rank's outcome right after (_load_checked).
+            self._read(plan, reader, f"loading {where}", local=True)
 
         found = self._tiers.restore(
             step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),

@@ -5,6 +5,8 @@ directory)."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -62,6 +64,40 @@ def save_steps(rank: int, world: int, root: str, local: str, steps: int, opts: d
     Path(out, f"digest-rank{rank}.json").write_text(json.dumps(digest(model, opt)))
 
 
+#: The collectives the package and DCP call through ``torch.distributed`` (object and barrier).
+_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
+                "all_gather", "broadcast", "all_reduce", "all_to_all")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _counting_collectives():
+    """Count the calls of each ``torch.distributed`` collective made while inside (the public
+    functions, patched on the module: each call a rank makes, not the ones they make inside)."""
+    counts: collections.Counter[str] = collections.Counter()
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+    depth = [0]
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                counts[name] += 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str, width: int = 64) -> None:
     """Restore the newest step a two-tier manager can rebuild; write it, its digest and the
     restore's timeline record."""
@@ -71,7 +107,8 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
     with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
         warnings.simplefilter("always")
         try:
-            step = mgr.restore(model=model, optimizer=opt)
+            with _counting_collectives() as collectives:
+                step = mgr.restore(model=model, optimizer=opt)
         except CheckpointError as e:
             step, error = None, str(e)
         record = [r for r in mgr.timeline if r["event"] == "restore"]
@@ -80,6 +117,7 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
         json.dumps({
             "step": step, "error": error, "digest": digest(model, opt), "record": record[-1] if record else None,
             "warnings": [str(w.message) for w in caught if "restore of step" in str(w.message)],
+            "collectives": dict(collectives),
         })
     )
 

@@ -124,10 +124,12 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
-        load: ``load(plan, where, checked)``: every rank together, load ``plan`` from the
-            checkpoint location ``where`` (this node's copy), checking every chunk read when
-            verifying, except in the files of ``checked``, whose chunks were checked just before
-            (on arrival from another tier); raises :class:`CheckpointError`.
+        load: ``load(plan, where, checked)``: load this rank's ``plan`` from the checkpoint
+            location ``where`` (this node's copy), checking every chunk read when verifying,
+            except in the files of ``checked``, whose chunks were checked just before (on
+            arrival from another tier); raises :class:`CheckpointError`. Every rank calls it at
+            the same point, and every rank's outcome is gathered right after, so it need not
+            be collective.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
 
     Returns:
@@ -147,12 +149,14 @@ def restore_tiers(
             persisted = scan_steps(persistent).complete
         except CheckpointError as e:
             listing_error = str(e)
-    persisted, listing_error = _broadcast(pg, (persisted, listing_error), 0)
+    mine = _inventory(tier.store) if layout.rank in layout.ranks_of(layout.node)[:1] else None
+    # One gather carries both: each node's inventory and the coordinator's persistent listing.
+    gathered = _gather(pg, layout.world_size, (mine, (persisted, listing_error) if layout.rank == 0 else None))
+    persisted, listing_error = gathered[0][1]
     if listing_error is not None:
         raise CheckpointError(f"listing the persistent tier failed on the coordinator: {listing_error}")
-    mine = _inventory(tier.store) if layout.rank in layout.ranks_of(layout.node)[:1] else None
     nodes: dict[int, dict[int, dict[str, int]]] = {}
-    for rank, inv in enumerate(_gather(pg, layout.world_size, mine)):
+    for rank, (inv, _) in enumerate(gathered):
         if inv is not None:
             nodes[layout.node_of(rank)] = inv
     recorded = {s for inv in nodes.values() for s, files in inv.items() if MANIFEST_NAME in files}
@@ -272,15 +276,20 @@ def _attempt(
     agree = None if agree_of is None or plan is None else agree_of(plan)
     raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
     _warn_unusable(s, layout.node, notes)
-    arrived = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
-    if isinstance(arrived, str):
-        return arrived
     here_store = store_of(tier.store, s)
-    if layout.rank in layout.ranks_of(layout.node)[:1]:
-        if read_commit_record(here_store, count_files=False).status != COMMITTED:
-            here_store.prepare()
-            here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
-    if pg is not None:
+    # A node's first rank rewrites the commit record where its node's copy lacks a valid one;
+    # whether any does rides on _mend's gather, so an intact restore pays no barrier for it.
+    rewrite = layout.rank in layout.ranks_of(layout.node)[:1] and (
+        read_commit_record(here_store, count_files=False).status != COMMITTED
+    )
+    mended = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options, rewrite=rewrite)
+    if isinstance(mended, str):
+        return mended
+    arrived, any_rewrite = mended
+    if rewrite:
+        here_store.prepare()
+        here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+    if any_rewrite and pg is not None:
         dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
     # What arrived was checked on arrival: the load does not hash it again.
     damaged = _load_checked(load, plan, where, set(arrived), pg, layout.world_size)
@@ -293,7 +302,7 @@ def _attempt(
         again = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
         if isinstance(again, str):
             return again
-        arrived.update(again)
+        arrived.update(again[0])
         # Every chunk this rank reads has now been checked, here or on arrival (when verifying).
         _load_checked(load, plan, where, set(need), pg, layout.world_size, repairable=False)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
@@ -329,12 +338,17 @@ def _load_checked(
         load(plan, where, checked)
     except CheckpointError as e:
         err = e
-    if repairable:
-        found = find_checkpoint_error(err) if err is not None else None
-        damaged = isinstance(found, (CorruptCheckpointError, IncompleteCheckpointError))
-        if any(_gather(pg, world_size, damaged)):
-            return True
-    raise_if_any_rank_failed(pg, world_size, err)
+    found = find_checkpoint_error(err) if err is not None else None
+    damaged = repairable and isinstance(found, (CorruptCheckpointError, IncompleteCheckpointError))
+    # One gather: whether some rank found damage (then every rank repairs), else any error.
+    outcomes = _gather(pg, world_size, (damaged, None if err is None else str(err)))
+    if any(d for d, _ in outcomes):
+        return True
+    if err is not None:
+        raise err
+    for rank, (_, msg) in enumerate(outcomes):
+        if msg is not None:
+            raise CheckpointError(f"restore failed on rank {rank}: {msg}")
     return False
 
 
@@ -347,13 +361,21 @@ def _mend(
     missing: set[str],
     persisted: bool,
     persistent_options: dict[str, Any] | None,
-) -> dict[str, str] | str:
+    *,
+    rewrite: bool = False,
+) -> tuple[dict[str, str], bool] | str:
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
     damaged) into its node's copy: from another node's copy over the group, else the persistent
-    tier, each checked on arrival. Collective. Returns what arrived from which tier
-    to this rank's node, by any of its ranks (file -> tier), or why ``s`` cannot be rebuilt (the same answer on every rank)."""
+    tier, each checked on arrival. Collective. Returns what arrived from which tier to this
+    rank's node, by any of its ranks (file -> tier), and whether any rank passed ``rewrite``
+    (its node's commit record is to be rewritten); or why ``s`` cannot be rebuilt (the same
+    answer on every rank)."""
     layout, pg = tier.layout, tier.pg
-    reports = _gather(pg, layout.world_size, sorted(missing))
+    gathered = _gather(pg, layout.world_size, (sorted(missing), rewrite))
+    reports = [names for names, _ in gathered]
+    any_rewrite = any(flag for _, flag in gathered)
+    if not any(reports):
+        return {}, any_rewrite  # nothing to fetch anywhere: no second gather
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
     if why is not None:
         return why
@@ -392,7 +414,8 @@ def _mend(
     if bad:
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
     # One gather carries both: what arrived on this rank's node, by any of its ranks.
-    return {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
+    got_here = {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
+    return got_here, any_rewrite
 
 
 def _route(
