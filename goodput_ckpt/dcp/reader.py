@@ -99,6 +99,9 @@ class CheckpointReader(StorageReader):
             just checked against this manifest, such as files a two-tier restore fetched and
             checked on arrival: read without hashing them again. Every other file is verified
             as ``verify`` says.
+        manifest: this location's manifest, already read and parsed by the caller (a two-tier
+            restore has it from the commit record every rank agreed on): the first load uses it
+            instead of reading and parsing it again on every rank.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -118,6 +121,7 @@ class CheckpointReader(StorageReader):
         share_manifest: bool | None = None,
         partial: bool = False,
         checked_files: Collection[str] = (),
+        manifest: Manifest | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -134,8 +138,9 @@ class CheckpointReader(StorageReader):
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
         self._store: Store = open_store(uri, self._options)
-        self._manifest: Manifest | None = None
-        self._preloaded = False  # _manifest came from shared_manifest() and no load used it yet
+        self._manifest: Manifest | None = manifest
+        # _manifest came from shared_manifest() or the caller, and no load used it yet
+        self._preloaded = manifest is not None
         self._storage_data: dict[Any, StoredRange] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
         self._key_index: tuple[Manifest, KeyIndex] | None = None

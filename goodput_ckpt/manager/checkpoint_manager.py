@@ -443,10 +443,10 @@ class CheckpointManager:
         started, t0 = time.time(), time.perf_counter()
         readers: list[CheckpointReader] = []
 
-        def load(plan: Any, where: str, checked: set[str]) -> None:
+        def load(plan: Any, where: str, checked: set[str], manifest: Any) -> None:
             reader = CheckpointReader(
                 where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True,
-                checked_files=checked,
+                checked_files=checked, manifest=manifest,
             )  # fmt: skip
             readers.append(reader)
             # Local: restore_tiers gathers every rank's outcome right after (_load_checked).

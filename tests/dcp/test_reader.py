@@ -125,3 +125,23 @@ def test_checked_files_are_read_without_hashing_and_the_others_still_are(runs, v
     assert len(differ) == 1, differ  # the damaged bytes landed, unhashed: one tensor differs, by one byte
     with pytest.raises(CheckpointException):
         _load(loc)  # without checked_files the same file fails the load
+
+
+def test_a_manifest_the_caller_read_is_used_instead_of_reading_it_again(runs):
+    """``manifest=`` (a two-tier restore has the agreed commit record parsed): the load reads no
+    manifest, and still checks every chunk against the one it was given."""
+    loc, manifest = runs
+    (loc / MANIFEST_NAME).rename(loc / "elsewhere.json")  # a load that read it would fail
+    want = _state()
+    got = _load(loc, manifest=manifest, partial=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(CheckpointException):
+        _load(loc, partial=True)  # without it, the missing record fails the load
+    name = sorted(manifest.files)[0]
+    data = bytearray((loc / name).read_bytes())
+    data[TASK + 11] ^= 0x10
+    (loc / name).write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as info:
+        _load(loc, manifest=manifest, partial=True)
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CorruptCheckpointError) and name in str(err), err

@@ -16,8 +16,9 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    together: no rank ever restores a different step from the others.
 3. *Load, in one pass.* Every node's copy now holds a file of the right size for each one its
    ranks read (and its commit record, rewritten where it was missing). ``load`` reads them
-   through ``CheckpointReader``, which checks each chunk as it reads it: the bytes are read and
-   hashed once. When some rank finds a damaged chunk, every rank checks all the chunks it reads
+   through ``CheckpointReader``, given the agreed record already parsed, which checks each
+   chunk as it reads it: the bytes are read and hashed once. Each rank loads on its own, and
+   one gather then tells every rank every outcome. When some rank finds a damaged chunk, every rank checks all the chunks it reads
    in its node's copy (so that every damaged file is found at once), those files come from
    the next tier as in step 2, and every rank loads again; a step whose damaged files have no
    intact copy anywhere is passed for the next candidate, as in step 2.
@@ -111,7 +112,7 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str]], None],
+    load: Callable[[Any, str, set[str], Manifest], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
@@ -124,10 +125,11 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
-        load: ``load(plan, where, checked)``: load this rank's ``plan`` from the checkpoint
-            location ``where`` (this node's copy), checking every chunk read when verifying,
-            except in the files of ``checked``, whose chunks were checked just before (on
-            arrival from another tier); raises :class:`CheckpointError`. Every rank calls it at
+        load: ``load(plan, where, checked, manifest)``: load this rank's ``plan`` from the
+            checkpoint location ``where`` (this node's copy, whose commit record is
+            ``manifest``), checking every chunk read when verifying, except in the files of
+            ``checked``, whose chunks were checked just before (on arrival from another tier);
+            raises :class:`CheckpointError`. Every rank calls it at
             the same point, and every rank's outcome is gathered right after, so it need not
             be collective.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
@@ -187,13 +189,15 @@ def restore_tiers(
     raise CheckpointError("no checkpoint can be rebuilt from any tier: " + "; ".join(reasons))
 
 
-def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: bool, persisted: bool) -> bytes | str:
+def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: bool, persisted: bool) -> tuple[bytes | str, bool]:
     """The commit record of ``s`` on every rank: from the first node whose copy validates, else
-    the persistent tier; or why there is none."""
+    the persistent tier; or why there is none. And, on a node's first rank, whether its node's
+    copy holds a valid record (``False`` on the other ranks): only first ranks check, once per
+    node."""
     layout, pg = tier.layout, tier.pg
     name = step_dir_name(s)
     valid = False
-    if on_record_nodes:
+    if on_record_nodes and layout.rank in layout.ranks_of(layout.node)[:1]:
         valid = read_commit_record(tier.store, name, count_files=False).status == COMMITTED
     flags = _gather(pg, layout.world_size, valid)
     src = flags.index(True) if True in flags else None
@@ -201,14 +205,15 @@ def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: 
     if src is not None:
         if layout.rank == src:
             data = tier.store.read_small(f"{name}/{MANIFEST_NAME}")
-        return _broadcast(pg, data, src) or f"its commit record vanished on node {layout.node_of(src)}"
+        data = _broadcast(pg, data, src)
+        return data or f"its commit record vanished on node {layout.node_of(src)}", valid
     if not persisted or persistent is None:
-        return "no node holds a valid commit record and it was never persisted"
+        return "no node holds a valid commit record and it was never persisted", valid
     if layout.rank == 0:
         rec = read_commit_record(persistent, name, count_files=False)
         data = persistent.read_small(f"{name}/{MANIFEST_NAME}") if rec.status == COMMITTED else rec.message
     data = _broadcast(pg, data, 0)
-    return data if isinstance(data, bytes) else f"its persistent commit record is unusable: {data}"
+    return (data if isinstance(data, bytes) else f"its persistent commit record is unusable: {data}"), valid
 
 
 def _check_local(
@@ -252,7 +257,7 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str]], None],
+    load: Callable[[Any, str, set[str], Manifest], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
@@ -260,7 +265,7 @@ def _attempt(
     this rank's plan, or why ``s`` cannot be rebuilt (the same answer on every rank)."""
     layout, pg = tier.layout, tier.pg
     here = nodes.get(layout.node, {}).get(s, {})
-    data = _record(tier, persistent, s, MANIFEST_NAME in here, persisted)
+    data, record_here = _record(tier, persistent, s, MANIFEST_NAME in here, persisted)
     if isinstance(data, str):
         return data
     where = tier.step_uri(s)
@@ -276,23 +281,17 @@ def _attempt(
     agree = None if agree_of is None or plan is None else agree_of(plan)
     raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
     _warn_unusable(s, layout.node, notes)
-    here_store = store_of(tier.store, s)
-    # A node's first rank rewrites the commit record where its node's copy lacks a valid one;
-    # whether any does rides on _mend's gather, so an intact restore pays no barrier for it.
-    rewrite = layout.rank in layout.ranks_of(layout.node)[:1] and (
-        read_commit_record(here_store, count_files=False).status != COMMITTED
-    )
-    mended = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options, rewrite=rewrite)
-    if isinstance(mended, str):
-        return mended
-    arrived, any_rewrite = mended
-    if rewrite:
+    arrived = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
+    if isinstance(arrived, str):
+        return arrived
+    if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here:
+        # The node's copy is now complete but for its commit record: write the agreed one. No
+        # rank waits for it: the load below is given the parsed record and reads none.
+        here_store = store_of(tier.store, s)
         here_store.prepare()
         here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
-    if any_rewrite and pg is not None:
-        dist.barrier(group=pg)  # every node's record is in place before any rank reads its own
     # What arrived was checked on arrival: the load does not hash it again.
-    damaged = _load_checked(load, plan, where, set(arrived), pg, layout.world_size)
+    damaged = _load_checked(load, plan, where, set(arrived), manifest, pg, layout.world_size)
     if damaged:
         # Some rank read a chunk that does not match the manifest (or a file cut short since
         # the size check). Check every chunk this rank reads, so that every damaged file is
@@ -302,9 +301,9 @@ def _attempt(
         again = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
         if isinstance(again, str):
             return again
-        arrived.update(again[0])
+        arrived.update(again)
         # Every chunk this rank reads has now been checked, here or on arrival (when verifying).
-        _load_checked(load, plan, where, set(need), pg, layout.world_size, repairable=False)
+        _load_checked(load, plan, where, set(need), manifest, pg, layout.world_size, repairable=False)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
     sources: dict[str, int] = {}
     for name in need:
@@ -320,10 +319,11 @@ def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
 
 
 def _load_checked(
-    load: Callable[[Any, str, set[str]], None],
+    load: Callable[[Any, str, set[str], Manifest], None],
     plan: Any,
     where: str,
     checked: set[str],
+    manifest: Manifest,
     pg: dist.ProcessGroup | None,
     world_size: int,
     *,
@@ -335,7 +335,7 @@ def _load_checked(
     every rank."""
     err: CheckpointError | None = None
     try:
-        load(plan, where, checked)
+        load(plan, where, checked, manifest)
     except CheckpointError as e:
         err = e
     found = find_checkpoint_error(err) if err is not None else None
@@ -361,21 +361,16 @@ def _mend(
     missing: set[str],
     persisted: bool,
     persistent_options: dict[str, Any] | None,
-    *,
-    rewrite: bool = False,
-) -> tuple[dict[str, str], bool] | str:
+) -> dict[str, str] | str:
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
     damaged) into its node's copy: from another node's copy over the group, else the persistent
     tier, each checked on arrival. Collective. Returns what arrived from which tier to this
-    rank's node, by any of its ranks (file -> tier), and whether any rank passed ``rewrite``
-    (its node's commit record is to be rewritten); or why ``s`` cannot be rebuilt (the same
+    rank's node, by any of its ranks (file -> tier), or why ``s`` cannot be rebuilt (the same
     answer on every rank)."""
     layout, pg = tier.layout, tier.pg
-    gathered = _gather(pg, layout.world_size, (sorted(missing), rewrite))
-    reports = [names for names, _ in gathered]
-    any_rewrite = any(flag for _, flag in gathered)
+    reports = _gather(pg, layout.world_size, sorted(missing))
     if not any(reports):
-        return {}, any_rewrite  # nothing to fetch anywhere: no second gather
+        return {}  # nothing to fetch anywhere: no second gather
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
     if why is not None:
         return why
@@ -414,8 +409,7 @@ def _mend(
     if bad:
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
     # One gather carries both: what arrived on this rank's node, by any of its ranks.
-    got_here = {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
-    return got_here, any_rewrite
+    return {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
 
 
 def _route(
