@@ -1,0 +1,66 @@
+"""Peer moves of data files (a replica's way between nodes): multi-chunk files cross two real
+gloo ranks and arrive byte for byte, a damaged chunk fails its file by name and byte range with
+nothing of it left, and the ranks stay in step for the next move."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from helpers.dist import run_ranks
+
+from goodput_ckpt import CheckpointWriter
+from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
+
+CHUNK = 4096
+DAMAGED_CHUNK = 3
+
+
+def _worker(rank: int, world: int, base: str) -> None:
+    from goodput_ckpt.format.commit_record import KeyIndex
+    from goodput_ckpt.manager.tiers.file_moves import Move, run_moves
+    from goodput_ckpt.storage import open_store
+
+    manifest = parse_manifest(Path(base, "full", MANIFEST_NAME).read_bytes())
+    a, b, c = sorted(manifest.files)
+    moves = [Move(0, 1, manifest.files[a]), Move(0, 1, manifest.files[b]), Move(1, 0, manifest.files[c])]
+    failed = run_moves(
+        moves, rank=rank, store=open_store(str(Path(base, f"rank{rank}"))), chunk_size=manifest.chunk_size,
+        pg=dist.group.WORLD, sender_uri="the copy of rank {rank}", keys=KeyIndex(manifest),
+    )  # fmt: skip
+    Path(base, f"failed{rank}.json").write_text(json.dumps({k: [str(v), list(v.byte_range)] for k, v in failed.items()}))
+
+
+def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    g = torch.Generator().manual_seed(0)
+    # 3 files of about 10.5 chunks each: several chunks in flight, a short last one.
+    state = {f"t{i}": torch.randn(10 * CHUNK // 4 + 100, generator=g) for i in range(3)}
+    dcp.save(state, storage_writer=CheckpointWriter(full, chunk_size=CHUNK, files_per_rank=3), no_dist=True)
+    manifest = parse_manifest((full / MANIFEST_NAME).read_bytes())
+    a, b, c = sorted(manifest.files)
+    assert all(manifest.files[n].size > 10 * CHUNK for n in (a, b, c))
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank1").mkdir()
+    for name in (a, b):
+        shutil.copy(full / name, tmp_path / "rank0" / name)
+    shutil.copy(full / c, tmp_path / "rank1" / c)
+    damaged = bytearray((tmp_path / "rank0" / b).read_bytes())
+    damaged[DAMAGED_CHUNK * CHUNK + 7] ^= 0x01  # the sender's copy of b, in its chunk 3
+    (tmp_path / "rank0" / b).write_bytes(bytes(damaged))
+
+    run_ranks(_worker, 2, str(tmp_path), report_dir=tmp_path / "report")
+
+    assert (tmp_path / "rank1" / a).read_bytes() == (full / a).read_bytes()
+    assert (tmp_path / "rank0" / c).read_bytes() == (full / c).read_bytes()  # after the failed move: still in step
+    assert not (tmp_path / "rank1" / b).exists()  # nothing of a damaged file is left
+    failed0 = json.loads((tmp_path / "failed0.json").read_text())
+    failed1 = json.loads((tmp_path / "failed1.json").read_text())
+    assert failed0 == {} and list(failed1) == [b]
+    message, byte_range = failed1[b]
+    assert byte_range == [DAMAGED_CHUNK * CHUNK, (DAMAGED_CHUNK + 1) * CHUNK], message
+    assert b in message and "the copy of rank 0" in message, message
