@@ -21,7 +21,13 @@ from ..storage.base import Store
 from .retention import clean_before_restore
 from .staging.confirmed_writer import ConfirmedWriter
 
-__all__ = ["agree_on_latest", "fail_on_every_rank", "open_group", "raise_if_any_rank_failed"]
+__all__ = ["NO_DIST_WARNING", "agree_on_latest", "fail_on_every_rank", "open_group", "raise_if_any_rank_failed"]
+
+
+#: torch's warning when ``dcp.save``/``dcp.load`` run with ``no_dist=True``: it assumes a missing
+#: process group, while the manager passes ``no_dist`` on purpose (one process, or a two-tier
+#: load that gathers every rank's outcome itself).
+NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 
 
 def open_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
@@ -36,7 +42,7 @@ def open_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGro
         return dist.new_group(backend="gloo"), True
     # Without a process group the manager passes no_dist=True on purpose; torch still
     # warns on every save and load that it "assumes a single process". Silence just that.
-    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+    warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
     return None, False
 
 

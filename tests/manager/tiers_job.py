@@ -118,6 +118,7 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
             "step": step, "error": error, "digest": digest(model, opt), "record": record[-1] if record else None,
             "warnings": [str(w.message) for w in caught if "restore of step" in str(w.message)],
             "collectives": dict(collectives),
+            "torch_warnings": [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)],
         })
     )
 
