@@ -399,12 +399,14 @@ class CheckpointManager:
         self._apply(step, uri, plan, reader, started, t0, sources)
 
     def _read(self, plan: Any, reader: CheckpointReader, what: str, *, local: bool = False) -> None:
-        """Every rank: ``dcp.load`` of ``plan`` through ``reader`` (the destination only).
+        """``dcp.load`` of ``plan`` through ``reader`` (the destination only): every rank together,
+        over the manager's group.
 
-        ``local``: each rank loads on its own, with none of ``dcp.load``'s collectives (its plan
-        gather and scatter, which ``GridLoadPlanner`` leaves empty anyway). For a caller that
-        gathers every rank's outcome itself right after, as the two-tier restore does; without
-        that gather, a rank's failure would not reach the others.
+        ``local``: each rank loads on its own, with none of ``dcp.load``'s collectives (the plan
+        gather and scatter, which ``GridLoadPlanner`` leaves empty for a v2 checkpoint, and the
+        read phase's gather). For a caller that gathers every rank's outcome itself right after,
+        as the two-tier restore does; without that gather, a rank's failure would not reach the
+        others.
         """
         no_dist = self._pg is None or local
         try:

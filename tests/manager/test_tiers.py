@@ -294,3 +294,26 @@ def test_timeline_records_each_tier(saved):
     persists = [r for r in records if r["event"] == "persist"]
     assert sorted((r["step"], r["rank"]) for r in persists) == [(s, r) for s in (2, 5) for r in range(WORLD)]
     assert all(r["ok"] and r["bytes"] > 0 and r["seconds"] > 0 for r in persists)
+
+
+def test_local_copy_that_cannot_be_committed_does_not_fail_the_restore(tmp_path):
+    """A node's copy holds the data but its commit record cannot be written back (here a
+    directory stands where the record goes): the restore still loads the step from that copy,
+    with the agreed record, and a warning says the copy stays uncommitted."""
+    import torch
+
+    model, opt = tiers_job.make(0)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2, keep_last=2) as mgr:
+        for step in range(4):
+            tiers_job.train(model, opt, step)
+            mgr.save(step, model=model, optimizer=opt)
+    record = tmp_path / "local" / "step_00000003" / "manifest.json"
+    record.unlink()
+    record.mkdir()  # not a file: writing the record there fails
+    fresh, fresh_opt = tiers_job.make(0)
+    torch.nn.init.zeros_(fresh[0].weight)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2) as mgr:
+        with pytest.warns(UserWarning, match="could not be committed"):
+            assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
+        assert mgr.timeline[-1]["sources"] == {"local": 1}
+    assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)

@@ -15,10 +15,11 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
 3. *Load, in one pass.* Every node's copy now holds a file of the right size for each one its
-   ranks read (and its commit record, rewritten where it was missing). ``load`` reads them
-   through ``CheckpointReader``, given the agreed record already parsed, which checks each
-   chunk as it reads it: the bytes are read and hashed once. Each rank loads on its own, and
-   one gather then tells every rank every outcome. When some rank finds a damaged chunk, every rank checks all the chunks it reads
+   ranks read (and its commit record, rewritten where it was missing or invalid). ``load``
+   reads them through ``CheckpointReader``, given the agreed record already parsed, which
+   checks each chunk as it reads it: the bytes are read and hashed once. Each rank loads on
+   its own, and one gather then tells every rank every outcome. When some rank finds a
+   damaged chunk, every rank checks all the chunks it reads
    in its node's copy (so that every damaged file is found at once), those files come from
    the next tier as in step 2, and every rank loads again; a step whose damaged files have no
    intact copy anywhere is passed for the next candidate, as in step 2.
@@ -286,10 +287,17 @@ def _attempt(
         return arrived
     if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here:
         # The node's copy is now complete but for its commit record: write the agreed one. No
-        # rank waits for it: the load below is given the parsed record and reads none.
-        here_store = store_of(tier.store, s)
-        here_store.prepare()
-        here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+        # rank waits for it: the load below is given the parsed record and reads none. So a
+        # failed write does not fail the restore (this rank leaving now would leave the others
+        # waiting in the load's gather): the copy just stays uncommitted, as a warning says.
+        try:
+            here_store = store_of(tier.store, s)
+            here_store.prepare()
+            here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+        except CheckpointError as e:
+            logger.warning("restore of step %d: node %d's local copy keeps no commit record: %s", s, layout.node, e)
+            warn_user(f"restore of step {s}: node {layout.node}'s local copy could not be committed ({e}); "
+                      "the restore goes on, and that copy will not count as a local checkpoint")  # fmt: skip
     # What arrived was checked on arrival: the load does not hash it again.
     damaged = _load_checked(load, plan, where, set(arrived), manifest, pg, layout.world_size)
     if damaged:
