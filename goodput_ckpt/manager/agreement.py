@@ -21,7 +21,14 @@ from ..storage.base import Store
 from .retention import clean_before_restore
 from .staging.confirmed_writer import ConfirmedWriter
 
-__all__ = ["NO_DIST_WARNING", "agree_on_latest", "fail_on_every_rank", "open_group", "raise_if_any_rank_failed"]
+__all__ = [
+    "NO_DIST_WARNING",
+    "agree_on_latest",
+    "fail_on_every_rank",
+    "open_group",
+    "raise_first_failure",
+    "raise_if_any_rank_failed",
+]
 
 
 #: torch's warning when ``dcp.save``/``dcp.load`` run with ``no_dist=True``: it assumes a missing
@@ -86,6 +93,16 @@ def agree_on_latest(
     return choice[0]
 
 
+def raise_first_failure(local_err: CheckpointError | None, messages: list[str | None]) -> None:
+    """After a gather of every rank's error message (``None``: that rank succeeded): raise this
+    rank's own error, else the first other rank's, the same way on every rank."""
+    if local_err is not None:
+        raise local_err
+    for rank, msg in enumerate(messages):
+        if msg is not None:
+            raise CheckpointError(f"restore failed on rank {rank}: {msg}")
+
+
 def raise_if_any_rank_failed(
     pg: dist.ProcessGroup | None,
     world_size: int,
@@ -108,11 +125,7 @@ def raise_if_any_rank_failed(
     mine = None if agree is None else agree[1]
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (None if local_err is None else str(local_err), mine), group=pg)
-    if local_err is not None:
-        raise local_err
-    for rank, (msg, _) in enumerate(gathered):
-        if msg is not None:
-            raise CheckpointError(f"restore failed on rank {rank}: {msg}")
+    raise_first_failure(local_err, [msg for msg, _ in gathered])
     if agree is not None:
         for rank, (_, value) in enumerate(gathered):
             if value != gathered[0][1]:

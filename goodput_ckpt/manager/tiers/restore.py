@@ -19,10 +19,10 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    reads them through ``CheckpointReader``, given the agreed record already parsed, which
    checks each chunk as it reads it: the bytes are read and hashed once. Each rank loads on
    its own, and one gather then tells every rank every outcome. When some rank finds a
-   damaged chunk, every rank checks all the chunks it reads
-   in its node's copy (so that every damaged file is found at once), those files come from
-   the next tier as in step 2, and every rank loads again; a step whose damaged files have no
-   intact copy anywhere is passed for the next candidate, as in step 2.
+   damaged chunk, every rank checks all the chunks it reads in its node's copy (so that every
+   damaged file is found at once), those files come from the next tier as in step 2, and
+   every rank loads again; a step whose damaged files have no intact copy anywhere is passed
+   for the next candidate, as in step 2.
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
 only passes a step that cannot be rebuilt) and incomplete ones.
@@ -53,7 +53,7 @@ from ...storage import open_store
 from ...storage.base import Store
 from ..retention import apply_retention, clean_before_restore, delete_step, scan_steps
 from ..step_layout import child_uri, list_step_dirs, step_dir_name
-from ..agreement import raise_if_any_rank_failed
+from ..agreement import raise_first_failure, raise_if_any_rank_failed
 from .file_moves import Move, check_file, copy_file, run_moves
 from .local_tier import LocalTier
 
@@ -352,11 +352,7 @@ def _load_checked(
     outcomes = _gather(pg, world_size, (damaged, None if err is None else str(err)))
     if any(d for d, _ in outcomes):
         return True
-    if err is not None:
-        raise err
-    for rank, (_, msg) in enumerate(outcomes):
-        if msg is not None:
-            raise CheckpointError(f"restore failed on rank {rank}: {msg}")
+    raise_first_failure(err, [msg for _, msg in outcomes])
     return False
 
 
