@@ -95,6 +95,7 @@ def test_nothing_lost_restores_newest_from_local(saved, tmp_path):
         # records (the load is given the agreed one), the load's outcome in one gather, and the
         # load itself runs without dcp.load's plan gather and scatter. 14 before.
         assert sum(r["collectives"].values()) <= 6, r["collectives"]
+        assert r["collectives"].get("all_gather_object", 0) >= 3, r["collectives"]  # the counting saw them
         assert r["torch_warnings"] == []  # the per-rank load is deliberate: torch's warning is not shown
 
 
