@@ -213,11 +213,15 @@ def raw_requests(env: Env, bucket: str, prefix: str):
     part = 8 * MiB
     bodies = [env.raw[o : o + part] for o in range(0, len(env.raw), part)]
     crcs = [base64.b64encode(zlib.crc32(b).to_bytes(4, "big")).decode() for b in bodies]
-    keys = [f"{prefix}/p{i:05d}" for i in range(len(bodies))]
+
+    def key(where: str, i: int) -> str:
+        return f"{where}/p{i:05d}"
+
+    keys = [key(prefix, i) for i in range(len(bodies))]
 
     def save(where: str = prefix) -> None:
         def put(i: int) -> None:
-            client.put_object(Bucket=bucket, Key=f"{where}/p{i:05d}", Body=bodies[i], ChecksumCRC32=crcs[i])
+            client.put_object(Bucket=bucket, Key=key(where, i), Body=bodies[i], ChecksumCRC32=crcs[i])
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(put, range(len(bodies))))

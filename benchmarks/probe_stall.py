@@ -29,14 +29,13 @@ import time
 import warnings
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
-from goodput_ckpt import CheckpointWriter
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_methods import wait_durable
+from goodput_ckpt.tools._bench_methods import goodput_method, torch_method, wait_durable
 from goodput_ckpt.tools._bench_state import make_state
 
-WRITERS = {"ours": CheckpointWriter, "torch": FileSystemWriter}
+#: The writers ``goodput-ckpt bench`` times, at its defaults (the same factories).
+WRITERS = {"ours": goodput_method(None, {}).writer, "torch": torch_method(None, {}, None).writer}
 
 
 def main(argv: list[str] | None = None) -> int:
