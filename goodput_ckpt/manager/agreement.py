@@ -24,6 +24,7 @@ from .staging.confirmed_writer import ConfirmedWriter
 __all__ = [
     "NO_DIST_WARNING",
     "agree_on_latest",
+    "deliberate_no_dist",
     "fail_on_every_rank",
     "open_group",
     "raise_first_failure",
@@ -37,6 +38,23 @@ __all__ = [
 NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 
 
+def deliberate_no_dist(no_dist: bool) -> bool:
+    """``no_dist``, for a ``dcp.save``/``dcp.load`` the manager runs with it on purpose; when it
+    is set, torch's :data:`NO_DIST_WARNING` (which would wrongly tell the user that their
+    process group is missing) is silenced first.
+
+    The one place the manager silences it. The filter is process-wide and narrow (that one
+    message): ``warnings.catch_warnings`` would scope it, but it swaps the whole filter list
+    and back, which is not safe while another thread (an async save's, or the user's) touches
+    warnings, and the manager calls this from its save thread too. Calling it again moves the
+    filter to the front, so a broader filter a caller added since (``simplefilter("always")``)
+    does not bring the warning back.
+    """
+    if no_dist:
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+    return no_dist
+
+
 def open_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
     """The group a manager checkpoints over, and whether the manager created it (and must
     destroy it): ``process_group`` when given, else a new gloo group over all ranks when
@@ -47,9 +65,6 @@ def open_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGro
         # Async saves run collectives from a background thread; on their own group they
         # never interleave with the training loop's collectives on the default group.
         return dist.new_group(backend="gloo"), True
-    # Without a process group the manager passes no_dist=True on purpose; torch still
-    # warns on every save and load that it "assumes a single process". Silence just that.
-    warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
     return None, False
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,7 +43,7 @@ from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_
 from ..state.bundle import DATALOADER
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
-from .agreement import NO_DIST_WARNING, agree_on_latest, fail_on_every_rank, open_group, raise_if_any_rank_failed
+from .agreement import agree_on_latest, deliberate_no_dist, fail_on_every_rank, open_group, raise_if_any_rank_failed
 from .config import ManagerConfig
 from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
@@ -408,14 +407,11 @@ class CheckpointManager:
         as the two-tier restore does; without that gather, a rank's failure would not reach the
         others.
         """
-        no_dist = self._pg is None or local
+        no_dist = deliberate_no_dist(self._pg is None or local)
         try:
-            with warnings.catch_warnings():
-                if no_dist:  # our choice, not a missing process group: torch's warning would mislead
-                    warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
-                dcp.load(
-                    plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=no_dist
-                )  # fmt: skip
+            dcp.load(
+                plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=no_dist
+            )  # fmt: skip
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, what)
 

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -112,6 +113,25 @@ def test_async_save_holds_the_state_of_its_step(tmp_path):
         assert torch.equal(opt2.state_dict()["state"][0][k], v), k
     assert sched2.state_dict() == want[2]
     mgr.close()
+
+
+def test_one_process_saves_and_restores_show_no_missing_process_group_warning(tmp_path):
+    """Without a process group the manager passes ``no_dist`` on purpose, from the caller's thread
+    (sync save, restore) and from its save thread (async save): torch's "torch.distributed is
+    disabled" warning would tell the user something is wrong. Only that message is silenced."""
+    model, opt, sched = _make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # what a user debugging warnings does; ours must still hold
+        with CheckpointManager(tmp_path, async_save=True) as mgr:
+            mgr.save(1, model=model, optimizer=opt)
+            mgr.wait()
+        with CheckpointManager(tmp_path, async_save=False) as mgr:
+            mgr.save(2, model=model, optimizer=opt)
+            assert mgr.restore(model=model, optimizer=opt) == 2
+        warnings.warn("a user's own warning", UserWarning, stacklevel=1)
+    shown = [str(w.message) for w in caught]
+    assert not [m for m in shown if "torch.distributed is disabled" in m], shown
+    assert "a user's own warning" in shown
 
 
 def test_staging_buffers_are_reused_across_saves(tmp_path):
