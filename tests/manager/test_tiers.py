@@ -46,9 +46,9 @@ def _scenario(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "persist", tmp_path / "local"
 
 
-def _restore(tmp_path: Path, persist: Path, local: Path) -> list[dict]:
+def _restore(tmp_path: Path, persist: Path, local: Path, fault: tuple[int, str] | None = None) -> list[dict]:
     run_ranks(
-        tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path),
+        tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path), 64, fault,
         report_dir=tmp_path / "report",
     )  # fmt: skip
     return [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
@@ -113,6 +113,32 @@ def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
             assert set(r["record"]["sources"]) == {"local"}
     # the lost node's copy is rebuilt and committed again
     assert (local / "node1" / "step_00000006" / "manifest.json").exists()
+
+
+def test_unreadable_local_tier_on_one_node_reads_from_the_replicas(saved, tmp_path):
+    """Listing node 1's local directory raises an OSError (a disk error, not one of ours) on the
+    rank that lists it, before the first collective: that rank must not leave the others
+    waiting. Node 1's steps count as absent from the inventory, with a warning; each file its
+    ranks read is still taken from its copy when that file is there and intact (here: all)."""
+    persist, local = _scenario(saved, tmp_path)
+    results = _restore(tmp_path, persist, local, fault=(2, "inventory"))
+    want = tiers_job.reference_digest(7)
+    for r in results:
+        assert r["error"] is None and r["step"] == 6, r["error"]
+        assert r["digest"] == want
+    assert any("node 1's local tier cannot be read" in w and "Input/output error" in w for w in results[2]["warnings"])
+
+
+def test_a_load_that_raises_a_foreign_error_fails_every_rank_with_its_reason(saved, tmp_path):
+    """One rank's load raises a plain RuntimeError (not a CheckpointError): every rank raises a
+    CheckpointError that names that rank and the cause, instead of that rank leaving alone."""
+    persist, local = _scenario(saved, tmp_path)
+    results = _restore(tmp_path, persist, local, fault=(3, "reader"))
+    for rank, r in enumerate(results):
+        assert r["step"] is None and r["error"] is not None
+        assert "reader exploded" in r["error"], r["error"]
+        if rank != 3:
+            assert "rank 3" in r["error"], r["error"]
 
 
 def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):

@@ -98,9 +98,33 @@ def _counting_collectives():
             setattr(dist, name, fn)
 
 
-def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str, width: int = 64) -> None:
+def _fail_with(exc: BaseException):
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return fail
+
+
+#: Faults one rank can be given (``restore_step(fault=(rank, name))``): what a disk or a library
+#: can raise that is not a ``CheckpointError``, at a step that rank takes alone.
+FAULTS = {
+    "inventory": ("goodput_ckpt.manager.tiers.restore", "_inventory", OSError(5, "Input/output error")),
+    "reader": ("goodput_ckpt.manager.checkpoint_manager", "CheckpointReader", RuntimeError("reader exploded")),
+}
+
+
+def restore_step(
+    rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str, width: int = 64,
+    fault: tuple[int, str] | None = None,
+) -> None:  # fmt: skip
     """Restore the newest step a two-tier manager can rebuild; write it, its digest and the
-    restore's timeline record."""
+    restore's timeline record. ``fault``: ``(rank, name)``, that rank raises one of
+    :data:`FAULTS` (patched in its own process)."""
+    if fault is not None and fault[0] == rank:
+        import importlib
+
+        module, attr, exc = FAULTS[fault[1]]
+        setattr(importlib.import_module(module), attr, _fail_with(exc))
     model, opt = make(rank, width)
     torch.manual_seed(123 + rank)  # restore must overwrite whatever this leaves
     error = None
@@ -116,7 +140,7 @@ def restore_step(rank: int, world: int, root: str, local: str, opts: dict[str, A
     Path(out, f"restored-rank{rank}.json").write_text(
         json.dumps({
             "step": step, "error": error, "digest": digest(model, opt), "record": record[-1] if record else None,
-            "warnings": [str(w.message) for w in caught if "restore of step" in str(w.message)],
+            "warnings": [str(w.message) for w in caught if "restore of step" in str(w.message) or "local tier" in str(w.message)],
             "collectives": dict(collectives),
             "torch_warnings": [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)],
         })

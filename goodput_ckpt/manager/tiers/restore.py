@@ -26,6 +26,11 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
 only passes a step that cannot be rebuilt) and incomplete ones.
+
+What one rank does alone between two collectives (list, read a record, make a directory, load)
+must not raise out of the restore, whatever it raises: that rank would leave while the others
+wait for it in the next collective. Such steps go through :func:`_or_error`, and their failure
+travels to every rank on the next collective, which decides for all.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -71,6 +76,18 @@ class TierRestore:
     step: int
     manifest: Manifest
     sources: dict[str, int] = field(default_factory=dict)  # tier -> data files this rank read from it
+
+
+_T = TypeVar("_T")
+
+
+def _or_error(what: str, fn: Callable[[], _T]) -> _T | CheckpointError:
+    """``fn()``, or why it failed (any exception, as a :class:`CheckpointError` saying ``what``
+    failed): for what one rank does alone before a collective it must still join (module doc)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a store may raise OSError and friends, not only ours
+        return as_checkpoint_error(e, what)
 
 
 def _gather(pg: dist.ProcessGroup | None, world_size: int, value: Any) -> list[Any]:
@@ -147,12 +164,25 @@ def restore_tiers(
     persisted: list[int] = []
     listing_error = None
     if layout.rank == 0 and persistent is not None:
-        try:
+
+        def listing() -> list[int]:
             clean_before_restore(persistent, keep_last=keep_last)
-            persisted = scan_steps(persistent).complete
-        except CheckpointError as e:
-            listing_error = str(e)
-    mine = _inventory(tier.store) if layout.rank in layout.ranks_of(layout.node)[:1] else None
+            return scan_steps(persistent).complete
+
+        listed = _or_error(f"listing {persistent.uri}", listing)
+        if isinstance(listed, CheckpointError):
+            listing_error = str(listed)
+        else:
+            persisted = listed
+    mine = None
+    if layout.rank in layout.ranks_of(layout.node)[:1]:
+        listed_here = _or_error(f"listing {tier.uri}", lambda: _inventory(tier.store))
+        if isinstance(listed_here, CheckpointError):
+            # This node's copies are unusable, not the restore: its ranks take their files
+            # from the other tiers, as for a lost node.
+            _warn_unusable_tier(layout.node, listed_here)
+            listed_here = {}
+        mine = listed_here
     # One gather carries both: each node's inventory and the coordinator's persistent listing.
     gathered = _gather(pg, layout.world_size, (mine, (persisted, listing_error) if layout.rank == 0 else None))
     persisted, listing_error = gathered[0][1]
@@ -199,20 +229,31 @@ def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: 
     name = step_dir_name(s)
     valid = False
     if on_record_nodes and layout.rank in layout.ranks_of(layout.node)[:1]:
-        valid = read_commit_record(tier.store, name, count_files=False).status == COMMITTED
+        checked = _or_error(
+            f"reading {tier.uri}/{name}/{MANIFEST_NAME}", lambda: read_commit_record(tier.store, name, count_files=False)
+        )  # fmt: skip
+        valid = not isinstance(checked, CheckpointError) and checked.status == COMMITTED
     flags = _gather(pg, layout.world_size, valid)
     src = flags.index(True) if True in flags else None
     data: Any = None
     if src is not None:
         if layout.rank == src:
-            data = tier.store.read_small(f"{name}/{MANIFEST_NAME}")
+            data = _or_error(f"reading {name}/{MANIFEST_NAME}", lambda: tier.store.read_small(f"{name}/{MANIFEST_NAME}"))
+            data = str(data) if isinstance(data, CheckpointError) else data
         data = _broadcast(pg, data, src)
-        return data or f"its commit record vanished on node {layout.node_of(src)}", valid
+        if isinstance(data, bytes):
+            return data, valid
+        return f"its commit record on node {layout.node_of(src)} could not be read: {data or 'it vanished'}", valid
     if not persisted or persistent is None:
         return "no node holds a valid commit record and it was never persisted", valid
     if layout.rank == 0:
-        rec = read_commit_record(persistent, name, count_files=False)
-        data = persistent.read_small(f"{name}/{MANIFEST_NAME}") if rec.status == COMMITTED else rec.message
+
+        def persistent_record() -> bytes | str:
+            rec = read_commit_record(persistent, name, count_files=False)
+            return persistent.read_small(f"{name}/{MANIFEST_NAME}") if rec.status == COMMITTED else rec.message
+
+        data = _or_error(f"reading {persistent.uri}/{name}/{MANIFEST_NAME}", persistent_record)
+        data = str(data) if isinstance(data, CheckpointError) else data
     data = _broadcast(pg, data, 0)
     return (data if isinstance(data, bytes) else f"its persistent commit record is unusable: {data}"), valid
 
@@ -290,11 +331,14 @@ def _attempt(
         # rank waits for it: the load below is given the parsed record and reads none. So a
         # failed write does not fail the restore (this rank leaving now would leave the others
         # waiting in the load's gather): the copy just stays uncommitted, as a warning says.
-        try:
+
+        def commit_here() -> None:
             here_store = store_of(tier.store, s)
             here_store.prepare()
             here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
-        except CheckpointError as e:
+
+        e = _or_error(f"committing node {layout.node}'s copy of step {s}", commit_here)
+        if e is not None:
             logger.warning("restore of step %d: node %d's local copy keeps no commit record: %s", s, layout.node, e)
             warn_user(f"restore of step {s}: node {layout.node}'s local copy could not be committed ({e}); "
                       "the restore goes on, and that copy will not count as a local checkpoint")  # fmt: skip
@@ -320,6 +364,11 @@ def _attempt(
     return TierRestore(s, manifest, sources), plan
 
 
+def _warn_unusable_tier(node: int, err: CheckpointError) -> None:
+    logger.warning("node %d's local tier cannot be read, its ranks use the other tiers: %s", node, err)
+    warn_user(f"node {node}'s local tier cannot be read ({err}); its ranks use the other tiers")
+
+
 def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
     for note in notes:
         logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, node, note)
@@ -342,10 +391,9 @@ def _load_checked(
     the same). Any other failure, and any failure at all once the copy was repaired, raises on
     every rank."""
     err: CheckpointError | None = None
-    try:
-        load(plan, where, checked, manifest)
-    except CheckpointError as e:
-        err = e
+    loaded = _or_error(f"loading {where}", lambda: load(plan, where, checked, manifest))
+    if isinstance(loaded, CheckpointError):
+        err = loaded
     found = find_checkpoint_error(err) if err is not None else None
     damaged = repairable and isinstance(found, (CorruptCheckpointError, IncompleteCheckpointError))
     # One gather: whether some rank found damage (then every rank repairs), else any error.
@@ -381,8 +429,11 @@ def _mend(
     failed: dict[str, CheckpointError] = {}
     here_store = store_of(tier.store, s)
     keys = KeyIndex(manifest)
-    if plan_moves or fetch:
-        here_store.prepare()  # a lost node's directory is made again
+    made = None
+    if any(m.dst == layout.rank for m in plan_moves) or fetch.get(layout.rank):
+        # A lost node's directory is made again. If it cannot be, this rank still takes part
+        # in the moves (it may send too; what it receives fails to land) and fetches nothing.
+        made = _or_error(f"making {here_store.uri}", here_store.prepare)
     if plan_moves and pg is not None:
         failed = run_moves(
             plan_moves, rank=layout.rank, store=here_store, chunk_size=manifest.chunk_size, pg=pg,
@@ -393,7 +444,9 @@ def _mend(
         logger.warning("restore of step %d: a replica of %s was not usable, using the next tier: %s", s, name, err)
     want = sorted(set(fetch.get(layout.rank, [])) | set(failed))
     errors = []
-    if want and not persisted:
+    if isinstance(made, CheckpointError):
+        errors.append(str(made))
+    elif want and not persisted:
         name, first = next(iter(failed.items()))
         errors.append(
             f"{len(failed)} file(s) could not be received from another node and step {s} was never persisted; "
@@ -401,13 +454,16 @@ def _mend(
         )
     elif want:
         assert persistent is not None
-        src = store_of(persistent, s, persistent_options)
+        src = _or_error(f"opening {persistent.uri}", lambda: store_of(persistent, s, persistent_options))
         for name in want:
-            try:
-                copy_file(src, here_store, manifest.files[name], manifest.chunk_size, keys=keys)
+            got = src if isinstance(src, CheckpointError) else _or_error(
+                f"copying {name} of step {s} from {persistent.uri}",
+                lambda n=name: copy_file(src, here_store, manifest.files[n], manifest.chunk_size, keys=keys),
+            )  # fmt: skip
+            if isinstance(got, CheckpointError):
+                errors.append(f"{name} from the persistent tier: {got}")
+            else:
                 arrived[name] = PERSISTENT
-            except CheckpointError as e:
-                errors.append(f"{name} from the persistent tier: {e}")
     outcomes = _gather(pg, layout.world_size, (errors[0] if errors else None, arrived))
     bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if bad:
@@ -466,5 +522,5 @@ def _drop_after(tier: LocalTier, s: int, keep_last: int | None) -> None:
             if step > s:
                 delete_step(tier.store, step, names)
         apply_retention(tier.store, committed=s, keep_last=keep_last)
-    except CheckpointError as e:
+    except Exception as e:  # noqa: BLE001 - best effort, after the last collective
         logger.warning("cleaning %s after the restore failed: %s", tier.uri, e)
