@@ -30,6 +30,7 @@ import blake3
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..storage.base import Store
 from .parse import parse_manifest
+from .seal import seal_of
 from .schema import MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, TensorEntry
 
 __all__ = [
@@ -138,6 +139,8 @@ class CommitRecord:
         record_bytes: the record's size (0 when missing).
         foreign: what the location is instead, when it is a layout of another tool or a
             manager root (``missing`` only; :func:`foreign_layout_message`).
+        digest: the record's own digest (``committed`` only; :func:`.seal.seal_of`): equal
+            digests, the same record.
     """
 
     status: str
@@ -147,6 +150,7 @@ class CommitRecord:
     file_count: int = 0
     record_bytes: int = 0
     foreign: str | None = None
+    digest: str | None = None
 
     @property
     def message(self) -> str:
@@ -215,7 +219,7 @@ def read_commit_record(
         return CommitRecord(CORRUPT, uri, error=e, record_bytes=len(data))
     except CheckpointError as e:  # parse_manifest raises the base class only for a version
         return CommitRecord(UNSUPPORTED, uri, error=e, record_bytes=len(data))
-    return CommitRecord(COMMITTED, uri, manifest=manifest, record_bytes=len(data))
+    return CommitRecord(COMMITTED, uri, manifest=manifest, record_bytes=len(data), digest=seal_of(data))
 
 
 # -- which keys own a byte range -------------------------------------------------------------

@@ -13,7 +13,7 @@ import blake3
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["check_seal", "refuse_damaged_version", "seal_manifest"]
+__all__ = ["check_seal", "refuse_damaged_version", "seal_manifest", "seal_of"]
 
 _DIGEST_MEMBER = b',"digest":"'
 
@@ -45,6 +45,16 @@ def _read_seal(data: bytes) -> tuple[int, bool] | None:
         return None
     recorded = text[start + len(_DIGEST_MEMBER) : -2]
     return start, recorded == blake3.blake3(text[:start]).hexdigest().encode()
+
+
+def seal_of(data: bytes) -> str | None:
+    """The digest a sealed manifest's raw bytes record (``None``: none), without checking it.
+
+    It names the record: two sealed records with the same digest are the same bytes, so
+    comparing 64 characters tells whether two copies hold the same commit record.
+    """
+    seal = _read_seal(data)
+    return None if seal is None else data.rstrip()[seal[0] + len(_DIGEST_MEMBER) : -2].decode()
 
 
 def check_seal(data: bytes, where_file: str) -> None:

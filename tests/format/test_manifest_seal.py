@@ -90,3 +90,18 @@ def test_newer_version_is_named_whether_or_not_sealed_like_v1(sealed):
 def test_seal_is_the_blake3_of_everything_before_the_digest_member(body):
     head = body.rstrip()[:-1]
     assert seal_manifest(body) == head + b',"digest":"' + blake3.blake3(head).hexdigest().encode() + b'"}'
+
+
+def test_seal_of_names_a_record_by_its_digest(saved):
+    """``seal_of`` reads the recorded digest (what tells two copies of a record apart), and the
+    committed record reports it; an unsealed body has none."""
+    from goodput_ckpt.format.commit_record import COMMITTED, read_commit_record
+    from goodput_ckpt.format.seal import seal_of
+    from goodput_ckpt.storage import open_store
+
+    raw = (saved / MANIFEST_NAME).read_bytes()
+    assert seal_of(raw) == json.loads(raw)["digest"]
+    assert seal_of(seal_manifest(b'{"a":1}')) == blake3.blake3(b'{"a":1').hexdigest()
+    assert seal_of(b'{"a":1}') is None
+    rec = read_commit_record(open_store(str(saved), {}))
+    assert rec.status == COMMITTED and rec.digest == json.loads(raw)["digest"]

@@ -141,6 +141,23 @@ def test_a_load_that_raises_a_foreign_error_fails_every_rank_with_its_reason(sav
             assert "rank 3" in r["error"], r["error"]
 
 
+def test_a_node_holding_another_valid_record_of_the_step_gets_the_agreed_one(saved, tmp_path):
+    """Node 1's step 6 holds a valid commit record that is not node 0's (here step 5's record,
+    sealed and whole): the restore loads with node 0's record and writes it over node 1's, so
+    the copy on disk never pairs one save's record with another's data files."""
+    persist, local = _scenario(saved, tmp_path)
+    record = local / "node1" / "step_00000006" / "manifest.json"
+    shutil.copyfile(local / "node1" / "step_00000005" / "manifest.json", record)
+    agreed = (local / "node0" / "step_00000006" / "manifest.json").read_bytes()
+    assert record.read_bytes() != agreed
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(7)
+    for r in results:
+        assert r["error"] is None and r["step"] == 6, r["error"]
+        assert r["digest"] == want
+    assert record.read_bytes() == agreed
+
+
 def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):
     persist, local = _scenario(saved, tmp_path)
     (bad,) = (local / "node0" / "step_00000006").glob("rank00000-*.bin")

@@ -15,7 +15,7 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
 3. *Load, in one pass.* Every node's copy now holds a file of the right size for each one its
-   ranks read (and its commit record, rewritten where it was missing or invalid). ``load``
+   ranks read (and its commit record, rewritten where it was missing, invalid or another valid one). ``load``
    reads them through ``CheckpointReader``, given the agreed record already parsed, which
    checks each chunk as it reads it: the bytes are read and hashed once. Each rank loads on
    its own, and one gather then tells every rank every outcome. When some rank finds a
@@ -223,18 +223,22 @@ def restore_tiers(
 def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: bool, persisted: bool) -> tuple[bytes | str, bool]:
     """The commit record of ``s`` on every rank: from the first node whose copy validates, else
     the persistent tier; or why there is none. And, on a node's first rank, whether its node's
-    copy holds a valid record (``False`` on the other ranks): only first ranks check, once per
-    node."""
+    copy holds that very record (``False`` on the other ranks): only first ranks check, once per
+    node. A node holding another valid record of the same step number (a save of ``s`` made
+    again after a failure, say) counts as holding none, so its record is rewritten with the
+    agreed one instead of staying beside data files that now follow the agreed one."""
     layout, pg = tier.layout, tier.pg
     name = step_dir_name(s)
-    valid = False
+    mine = None  # the digest of this node's valid record
     if on_record_nodes and layout.rank in layout.ranks_of(layout.node)[:1]:
         checked = _or_error(
             f"reading {tier.uri}/{name}/{MANIFEST_NAME}", lambda: read_commit_record(tier.store, name, count_files=False)
         )  # fmt: skip
-        valid = not isinstance(checked, CheckpointError) and checked.status == COMMITTED
-    flags = _gather(pg, layout.world_size, valid)
-    src = flags.index(True) if True in flags else None
+        if not isinstance(checked, CheckpointError) and checked.status == COMMITTED:
+            mine = checked.digest
+    digests = _gather(pg, layout.world_size, mine)
+    src = next((rank for rank, d in enumerate(digests) if d is not None), None)
+    valid = mine is not None and src is not None and mine == digests[src]
     data: Any = None
     if src is not None:
         if layout.rank == src:
