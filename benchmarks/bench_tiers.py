@@ -15,9 +15,9 @@ One run starts one SeaweedFS server (``weed server -s3`` on 127.0.0.1, the recip
    rotating order, each followed by a bit-for-bit check against the state that was saved:
    ``local`` (both nodes' local directories intact), ``replica`` (node 1's directory deleted:
    its ranks' files come from their replicas on node 0, over the group), ``persistent`` (both
-   local directories deleted: every file comes from S3, is checked chunk by chunk and written
-   to the local tier, then loaded from it), and ``s3-one-tier`` (the one-tier manager's
-   restore, read straight from S3); ``local-noverify`` is ``local`` with ``verify=False`` (no
+   local directories deleted: every file is loaded straight from S3, each chunk checked as it
+   is read), and ``s3-one-tier`` (the one-tier manager's restore, also read straight from S3:
+   the difference is the two-tier restore's own inventory and agreement); ``local-noverify`` is ``local`` with ``verify=False`` (no
    hash checked before or during the load: what the checks cost). ``bytes-local`` and
    ``bytes-s3`` are not restores: each rank reads its own data file of the step into a
    buffer, from its node's local copy or from S3 (ranged GETs on 8 threads), and nothing

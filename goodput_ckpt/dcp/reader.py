@@ -20,7 +20,7 @@ import io
 import math
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,11 @@ class CheckpointReader(StorageReader):
         manifest: this location's manifest, already read and parsed by the caller (a two-tier
             restore has it from the commit record every rank agreed on): the first load uses it
             instead of reading and parsing it again on every rank.
+        read_from: data files (names as in the manifest) to read from another store holding
+            the same checkpoint, rather than from ``uri``: a two-tier restore reads the files
+            its node's copy lacks straight from the persistent tier. Those files are always
+            verified (``verify=False`` then applies to the other files only), and errors name
+            the store they came from.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -122,6 +127,7 @@ class CheckpointReader(StorageReader):
         partial: bool = False,
         checked_files: Collection[str] = (),
         manifest: Manifest | None = None,
+        read_from: Mapping[str, Store] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -134,6 +140,7 @@ class CheckpointReader(StorageReader):
         self.share_manifest = share_manifest
         self.partial = bool(partial)
         self.checked_files = frozenset(checked_files)
+        self.read_from: dict[str, Store] = dict(read_from or {})
         self._options = dict(options)
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
@@ -177,6 +184,7 @@ class CheckpointReader(StorageReader):
             self.checkpoint_id = redact(os.fspath(checkpoint_id))
             self._store = open_store(checkpoint_id, self._options)
             self.checked_files = frozenset()  # they were checked at the old location
+            self.read_from = {}  # they held the old checkpoint
         self._manifest = None
         self._preloaded = False
         self._storage_data = {}
@@ -241,9 +249,13 @@ class CheckpointReader(StorageReader):
             if req is not None:
                 requests.append(req)
         file_sizes = {f.path: f.size for f in manifest.files.values()}
-        checked = self.checked_files
+        read_from = self.read_from
+        # What is not hashed: the files the caller checked, and without ``verify`` every file
+        # read from this location, but never one read from another store.
+        verify = self.verify or bool(read_from)
+        checked = (self.checked_files if self.verify else frozenset(file_sizes)) - read_from.keys()
         tasks = plan_tasks(
-            requests, chunk_size=manifest.chunk_size, verify=self.verify, file_sizes=file_sizes, task_bytes=TASK_BYTES,
+            requests, chunk_size=manifest.chunk_size, verify=verify, file_sizes=file_sizes, task_bytes=TASK_BYTES,
             unverified=checked,
         )  # fmt: skip
         sources: dict[str, FileSource] = {}
@@ -260,7 +272,7 @@ class CheckpointReader(StorageReader):
         try:
             for name in sorted({t.file for t in tasks}):
                 try:
-                    sources[name] = self._store.open_source(name)
+                    sources[name] = read_from.get(name, self._store).open_source(name)
                 except IncompleteCheckpointError as e:  # listed in a committed manifest: corrupt
                     size = manifest.files[name].size
                     raise short_read_error(e, self._keys(manifest).joined(name, 0, size), (0, size)) from e
@@ -274,7 +286,7 @@ class CheckpointReader(StorageReader):
                 jobs,
                 threads=self.thread_count,
                 read=lambda t: self._read_task(t, sources[t.file], manifest, alloc_lock),
-                verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest)) if self.verify else None,
+                verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest)) if verify else None,
                 job_done=job_done,
             )
             self.keys_read.update(item.storage_index.fqn for item in plan.items)
@@ -364,7 +376,8 @@ class CheckpointReader(StorageReader):
         bad = bad_chunks(manifest.files[task.file], cs, task.start, bufs)
         if bad:
             lo, hi = bad[0] * cs, min(task.end, (bad[0] + 1) * cs)
-            raise checksum_error(self._store.uri, task.file, lo, hi, bad[0], self._keys(manifest).keys(task.file, lo, hi))
+            store = self.read_from.get(task.file, self._store)
+            raise checksum_error(store.uri, task.file, lo, hi, bad[0], self._keys(manifest).keys(task.file, lo, hi))
 
     def _finish(self, req: Request, planner: LoadPlanner) -> None:
         job = req.item

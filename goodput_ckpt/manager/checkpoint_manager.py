@@ -445,10 +445,10 @@ class CheckpointManager:
         started, t0 = time.time(), time.perf_counter()
         readers: list[CheckpointReader] = []
 
-        def load(plan: Any, where: str, checked: set[str], manifest: Any) -> None:
+        def load(plan: Any, where: str, checked: set[str], manifest: Any, read_from: dict[str, Any]) -> None:
             reader = CheckpointReader(
                 where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True,
-                checked_files=checked, manifest=manifest,
+                checked_files=checked, manifest=manifest, read_from=read_from,
             )  # fmt: skip
             readers.append(reader)
             # Local: restore_tiers gathers every rank's outcome right after (_load_checked).

@@ -145,3 +145,39 @@ def test_a_manifest_the_caller_read_is_used_instead_of_reading_it_again(runs):
         _load(loc, manifest=manifest, partial=True)
     err = find_checkpoint_error(info.value)
     assert isinstance(err, CorruptCheckpointError) and name in str(err), err
+
+
+def test_files_read_from_another_store_come_from_it_and_are_always_verified(runs, tmp_path):
+    """``read_from`` (a two-tier restore reads the files its node's copy lacks from the
+    persistent tier): those files are read from the given store and loaded exactly, even when
+    missing from the location; they are hashed even with ``verify=False``, and a damaged one
+    is named at the store it came from. The location's own files follow ``verify``."""
+    import shutil
+
+    from goodput_ckpt.storage import open_store
+
+    loc, manifest = runs
+    other = tmp_path / "other"
+    shutil.copytree(loc, other)
+    moved, kept = sorted(manifest.files)[:2]
+    (loc / moved).unlink()  # only the other store has it
+    want = _state()
+    elsewhere = {moved: open_store(str(other), {})}
+    got = _load(loc, manifest=manifest, partial=True, read_from=elsewhere)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(CheckpointException):
+        _load(loc, manifest=manifest, partial=True)  # without read_from the missing file fails it
+    for path in (other / moved, loc / kept):
+        data = bytearray(path.read_bytes())
+        data[TASK + 11] ^= 0x10
+        path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as info:
+        _load(loc, manifest=manifest, partial=True, read_from=elsewhere, verify=False)
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CorruptCheckpointError) and str(other / moved) in str(err), err
+    # The location's own damaged file, unverified, loads its damaged bytes once the other is good.
+    data = bytearray((other / moved).read_bytes())
+    data[TASK + 11] ^= 0x10
+    (other / moved).write_bytes(bytes(data))
+    got = _load(loc, manifest=manifest, partial=True, read_from=elsewhere, verify=False)
+    assert sum(not torch.equal(got[k], want[k]) for k in want) == 1

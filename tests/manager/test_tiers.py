@@ -201,6 +201,25 @@ def test_both_local_tiers_lost_restore_newest_persistent(saved, tmp_path):
         assert r["error"] is None and r["step"] == 5
         assert r["digest"] == want
         assert set(r["record"]["sources"]) == {"persistent"}
+    # read straight from the persistent tier (checked as read), not copied to the local tier first
+    assert not list(local.rglob("*.bin")), list(local.rglob("*.bin"))
+
+
+def test_damaged_persistent_file_read_directly_passes_to_an_older_step(saved, tmp_path):
+    """Both local tiers lost, and rank 2's file of persistent step 5 damaged: the load, reading
+    it straight from the persistent tier, finds the mismatch; step 5 has no intact copy, so
+    every rank restores the older persisted step 2, and says why step 5 was passed."""
+    persist, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local)
+    (bad,) = (persist / "step_00000005").glob("rank00002-*.bin")
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 3] ^= 0x04
+    bad.write_bytes(bytes(raw))
+    results = _restore(tmp_path, persist, local)
+    want = tiers_job.reference_digest(3)
+    for r in results:
+        assert r["error"] is None and r["step"] == 2, r["error"]
+        assert r["digest"] == want
 
 
 def test_damaged_replica_is_not_used(saved, tmp_path):

@@ -9,20 +9,23 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
 2. *One candidate at a time* (:func:`_attempt`): the commit record comes from the first node
    whose record validates, else from the persistent tier. Each rank plans its load as
    ``dcp.load`` will and so knows which data files, and which hash chunks of them, it reads.
-   A file its node's copy lacks, or holds at another size, is named in a warning and fetched
-   into that copy from the next tier: a replica (or any copy) on another node, sent over the
-   group and checked chunk by chunk on arrival, else the persistent tier, checked the same way.
+   A file its node's copy lacks, or holds at another size, is named in a warning and taken
+   from the next tier: a replica (or any copy) on another node, sent over the group into that
+   copy and checked chunk by chunk on arrival, else the persistent tier, which the load reads
+   it from directly (step 3).
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
 3. *Load, in one pass.* Every node's copy now holds a file of the right size for each one its
-   ranks read (and its commit record, rewritten where it was missing, invalid or another valid one). ``load``
-   reads them through ``CheckpointReader``, given the agreed record already parsed, which
-   checks each chunk as it reads it: the bytes are read and hashed once. Each rank loads on
+   ranks read, but those the persistent tier gives. ``load`` reads them through
+   ``CheckpointReader`` (those from the persistent tier there), given the agreed record already
+   parsed, which checks each chunk as it reads it: the bytes are read and hashed once. Each rank loads on
    its own, and one gather then tells every rank every outcome. When some rank finds a
    damaged chunk, every rank checks all the chunks it reads in its node's copy (so that every
-   damaged file is found at once), those files come from the next tier as in step 2, and
-   every rank loads again; a step whose damaged files have no intact copy anywhere is passed
-   for the next candidate, as in step 2.
+   damaged file is found at once), those files are fetched into the node's copy from the next
+   tier (from the persistent tier too this time, checked on arrival), and every rank loads
+   again; a step whose damaged files have no intact copy anywhere is passed
+   for the next candidate, as in step 2. Last, a node's first rank writes the agreed commit
+   record into its node's copy where that copy is now whole but held none (or another one).
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
 only passes a step that cannot be rebuilt) and incomplete ones.
@@ -130,7 +133,7 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str], Manifest], None],
+    load: Callable[[Any, str, set[str], Manifest, dict[str, Store]], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
@@ -143,11 +146,13 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
-        load: ``load(plan, where, checked, manifest)``: load this rank's ``plan`` from the
-            checkpoint location ``where`` (this node's copy, whose commit record is
-            ``manifest``), checking every chunk read when verifying, except in the files of
-            ``checked``, whose chunks were checked just before (on arrival from another tier);
-            raises :class:`CheckpointError`. Every rank calls it at
+        load: ``load(plan, where, checked, manifest, read_from)``: load this rank's ``plan``
+            from the checkpoint location ``where`` (this node's copy, whose commit record is
+            ``manifest``), but the files of ``read_from`` from the store it maps them to (the
+            persistent tier's copy of the step), checking every chunk read when verifying,
+            except in the files of ``checked``, whose chunks were checked just before (on
+            arrival from another node), and always in the files of ``read_from``; raises
+            :class:`CheckpointError`. Every rank calls it at
             the same point, and every rank's outcome is gathered right after, so it need not
             be collective.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
@@ -303,7 +308,7 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str], Manifest], None],
+    load: Callable[[Any, str, set[str], Manifest, dict[str, Store]], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
@@ -327,45 +332,71 @@ def _attempt(
     agree = None if agree_of is None or plan is None else agree_of(plan)
     raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
     _warn_unusable(s, layout.node, notes)
-    arrived = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
+    # Files no other node holds are read straight from the persistent tier by the load (and
+    # checked as they are read), not copied into this node's copy first: that copy would cost
+    # a write and a read of every byte before the load (a persistent restore took 2-2.5x a
+    # one-tier one). They stay out of the node's copy; the next save makes a new local step.
+    arrived = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options, direct=True)
     if isinstance(arrived, str):
         return arrived
-    if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here:
-        # The node's copy is now complete but for its commit record: write the agreed one. No
-        # rank waits for it: the load below is given the parsed record and reads none. So a
-        # failed write does not fail the restore (this rank leaving now would leave the others
-        # waiting in the load's gather): the copy just stays uncommitted, as a warning says.
+    direct = {name for name, tier_name in arrived.items() if tier_name == PERSISTENT}
 
-        def commit_here() -> None:
-            here_store = store_of(tier.store, s)
-            here_store.prepare()
-            here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+    def read_from() -> dict[str, Store]:
+        if not direct:
+            return {}
+        assert persistent is not None
+        step_store = store_of(persistent, s, persistent_options)
+        return dict.fromkeys(direct, step_store)
 
-        e = _or_error(f"committing node {layout.node}'s copy of step {s}", commit_here)
-        if e is not None:
-            logger.warning("restore of step %d: node %d's local copy keeps no commit record: %s", s, layout.node, e)
-            warn_user(f"restore of step {s}: node {layout.node}'s local copy could not be committed ({e}); "
-                      "the restore goes on, and that copy will not count as a local checkpoint")  # fmt: skip
-    # What arrived was checked on arrival: the load does not hash it again.
-    damaged = _load_checked(load, plan, where, set(arrived), manifest, pg, layout.world_size)
+    # What arrived from a replica was checked on arrival: the load does not hash it again.
+    replicas = {name for name, tier_name in arrived.items() if tier_name == REPLICA}
+    damaged = _load_checked(load, plan, where, replicas, manifest, read_from, pg, layout.world_size)
     if damaged:
         # Some rank read a chunk that does not match the manifest (or a file cut short since
         # the size check). Check every chunk this rank reads, so that every damaged file is
-        # found at once, fetch those from the next tier (checked on arrival) and load again.
+        # found at once, fetch those from the next tier into this node's copy (checked on
+        # arrival; a file read straight from the persistent tier above counts as missing here,
+        # so it is fetched too, and a damaged one fails the step as any bad fetch does) and
+        # load again, from this node's copy alone.
         missing, notes = _check_local(tier.store, s, manifest, need, verify=verify)
         _warn_unusable(s, layout.node, notes)
         again = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
         if isinstance(again, str):
             return again
         arrived.update(again)
+        direct = set()
         # Every chunk this rank reads has now been checked, here or on arrival (when verifying).
-        _load_checked(load, plan, where, set(need), manifest, pg, layout.world_size, repairable=False)
+        _load_checked(load, plan, where, set(need), manifest, dict, pg, layout.world_size, repairable=False)
+    if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here and not direct:
+        _commit_node_copy(tier, s, data)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
     sources: dict[str, int] = {}
     for name in need:
         tier_name = arrived.get(name, LOCAL)
         sources[tier_name] = sources.get(tier_name, 0) + 1
     return TierRestore(s, manifest, sources), plan
+
+
+def _commit_node_copy(tier: LocalTier, s: int, data: bytes) -> None:
+    """This node's first rank, after the load: its node's copy of ``s`` holds every file its
+    ranks read but no commit record of its own (or another one): write the agreed record.
+
+    No rank waits for it (the load was given the parsed record), so a failed write does not
+    fail the restore: raising here would fail it on this rank alone. The copy then just stays
+    uncommitted, as a warning says.
+    """
+    layout = tier.layout
+
+    def commit_here() -> None:
+        here_store = store_of(tier.store, s)
+        here_store.prepare()
+        here_store.put_commit_record(MANIFEST_NAME, data, replace=True)
+
+    e = _or_error(f"committing node {layout.node}'s copy of step {s}", commit_here)
+    if e is not None:
+        logger.warning("restore of step %d: node %d's local copy keeps no commit record: %s", s, layout.node, e)
+        warn_user(f"restore of step {s}: node {layout.node}'s local copy could not be committed ({e}); "
+                  "the restore goes on, and that copy will not count as a local checkpoint")  # fmt: skip
 
 
 def _warn_unusable_tier(node: int, err: CheckpointError) -> None:
@@ -380,22 +411,24 @@ def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
 
 
 def _load_checked(
-    load: Callable[[Any, str, set[str], Manifest], None],
+    load: Callable[[Any, str, set[str], Manifest, dict[str, Store]], None],
     plan: Any,
     where: str,
     checked: set[str],
     manifest: Manifest,
+    read_from: Callable[[], dict[str, Store]],
     pg: dist.ProcessGroup | None,
     world_size: int,
     *,
     repairable: bool = True,
 ) -> bool:
-    """Load ``plan`` from this node's copy (``checked``: files not to hash again); ``True``
-    when ``repairable`` and some rank found a damaged or short file there (every rank answers
-    the same). Any other failure, and any failure at all once the copy was repaired, raises on
-    every rank."""
+    """Load ``plan`` from this node's copy (``checked``: files not to hash again; ``read_from()``:
+    the files to read from another tier, and its store, opened here so that a failure to open
+    it counts as this rank's load failing); ``True`` when ``repairable`` and some rank found a
+    damaged or short file (every rank answers the same). Any other failure, and any failure at
+    all once the copy was repaired, raises on every rank."""
     err: CheckpointError | None = None
-    loaded = _or_error(f"loading {where}", lambda: load(plan, where, checked, manifest))
+    loaded = _or_error(f"loading {where}", lambda: load(plan, where, checked, manifest, read_from()))
     if isinstance(loaded, CheckpointError):
         err = loaded
     found = find_checkpoint_error(err) if err is not None else None
@@ -417,12 +450,17 @@ def _mend(
     missing: set[str],
     persisted: bool,
     persistent_options: dict[str, Any] | None,
+    *,
+    direct: bool = False,
 ) -> dict[str, str] | str:
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
     damaged) into its node's copy: from another node's copy over the group, else the persistent
     tier, each checked on arrival. Collective. Returns what arrived from which tier to this
     rank's node, by any of its ranks (file -> tier), or why ``s`` cannot be rebuilt (the same
-    answer on every rank)."""
+    answer on every rank).
+
+    ``direct``: the files the persistent tier must give are not copied; they count as arrived
+    from it, and the load reads them there (checking them as it reads)."""
     layout, pg = tier.layout, tier.pg
     reports = _gather(pg, layout.world_size, sorted(missing))
     if not any(reports):
@@ -434,7 +472,7 @@ def _mend(
     here_store = store_of(tier.store, s)
     keys = KeyIndex(manifest)
     made = None
-    if any(m.dst == layout.rank for m in plan_moves) or fetch.get(layout.rank):
+    if any(m.dst == layout.rank for m in plan_moves) or (fetch.get(layout.rank) and not direct):
         # A lost node's directory is made again. If it cannot be, this rank still takes part
         # in the moves (it may send too; what it receives fails to land) and fetches nothing.
         made = _or_error(f"making {here_store.uri}", here_store.prepare)
@@ -448,14 +486,16 @@ def _mend(
         logger.warning("restore of step %d: a replica of %s was not usable, using the next tier: %s", s, name, err)
     want = sorted(set(fetch.get(layout.rank, [])) | set(failed))
     errors = []
-    if isinstance(made, CheckpointError):
-        errors.append(str(made))
-    elif want and not persisted:
+    if want and not persisted:
         name, first = next(iter(failed.items()))
         errors.append(
             f"{len(failed)} file(s) could not be received from another node and step {s} was never persisted; "
             f"first, {name}: {first}"
         )
+    elif want and direct:
+        arrived.update(dict.fromkeys(want, PERSISTENT))
+    elif isinstance(made, CheckpointError):
+        errors.append(str(made))
     elif want:
         assert persistent is not None
         src = _or_error(f"opening {persistent.uri}", lambda: store_of(persistent, s, persistent_options))
