@@ -36,7 +36,7 @@ from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..format.grid import GridChunks
 from ..storage import FileSource, Store, is_supported_uri, open_store
-from ..storage.base import redact
+from ..storage.base import FileOrigin, redact
 from .manifest_load import load_manifest
 from .manifest_share import load_shared
 from .read_plan import Request, Task, plan_tasks, sequential_lanes
@@ -102,11 +102,11 @@ class CheckpointReader(StorageReader):
         manifest: this location's manifest, already read and parsed by the caller (a two-tier
             restore has it from the commit record every rank agreed on): the first load uses it
             instead of reading and parsing it again on every rank.
-        read_from: data files (names as in the manifest) to read from another store holding
-            the same checkpoint, rather than from ``uri``: a two-tier restore reads the files
-            its node's copy lacks straight from the persistent tier. Those files are always
-            verified (``verify=False`` then applies to the other files only), and errors name
-            the store they came from.
+        read_from: data files (names as in the manifest) to read from elsewhere than ``uri``:
+            a two-tier restore reads the files its node's copy lacks straight from the
+            persistent tier, or from the copies it received from another node. Those files are
+            verified even with ``verify=False`` (which then applies to ``uri``'s files only),
+            unless named in ``checked_files``; errors name where they came from.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -127,7 +127,7 @@ class CheckpointReader(StorageReader):
         partial: bool = False,
         checked_files: Collection[str] = (),
         manifest: Manifest | None = None,
-        read_from: Mapping[str, Store] | None = None,
+        read_from: Mapping[str, FileOrigin] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -140,7 +140,7 @@ class CheckpointReader(StorageReader):
         self.share_manifest = share_manifest
         self.partial = bool(partial)
         self.checked_files = frozenset(checked_files)
-        self.read_from: dict[str, Store] = dict(read_from or {})
+        self.read_from: dict[str, FileOrigin] = dict(read_from or {})
         self._options = dict(options)
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
@@ -250,10 +250,10 @@ class CheckpointReader(StorageReader):
                 requests.append(req)
         file_sizes = {f.path: f.size for f in manifest.files.values()}
         read_from = self.read_from
-        # What is not hashed: the files the caller checked, and without ``verify`` every file
-        # read from this location, but never one read from another store.
-        verify = self.verify or bool(read_from)
-        checked = (self.checked_files if self.verify else frozenset(file_sizes)) - read_from.keys()
+        # What is not hashed: the files the caller checked, and without ``verify`` the files
+        # read from this location; a file read from elsewhere only when the caller checked it.
+        checked = self.checked_files | (frozenset() if self.verify else frozenset(file_sizes) - read_from.keys())
+        verify = self.verify or bool(read_from.keys() - self.checked_files)
         tasks = plan_tasks(
             requests, chunk_size=manifest.chunk_size, verify=verify, file_sizes=file_sizes, task_bytes=TASK_BYTES,
             unverified=checked,

@@ -451,8 +451,12 @@ class CheckpointManager:
                 checked_files=checked, manifest=manifest, read_from=read_from,
             )  # fmt: skip
             readers.append(reader)
-            # Local: restore_tiers gathers every rank's outcome right after (_load_checked).
-            self._read(plan, reader, f"loading {where}", local=True)
+            try:
+                # Local: restore_tiers gathers every rank's outcome right after (_load_checked).
+                self._read(plan, reader, f"loading {where}", local=True)
+            finally:
+                reader.read_from = {}  # files received into memory are freed with the restore's
+
 
         found = self._tiers.restore(
             step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),

@@ -60,6 +60,7 @@ __all__ = [
     "SMALL_FILE_LIMIT",
     "BackgroundCommit",
     "Buffer",
+    "FileOrigin",
     "FileSink",
     "FileSource",
     "StaleUploads",
@@ -155,6 +156,17 @@ class FileSource(Protocol):
 
     def close(self) -> None:
         """Release the handle. Idempotent."""
+
+
+class FileOrigin(Protocol):
+    """Where data files can be opened for reading: every :class:`Store`, and what is not a
+    location at all (a two-tier restore's files received from another node, held in memory)."""
+
+    #: Human-readable origin for messages. Never contains credentials.
+    uri: str
+
+    def open_source(self, name: str) -> FileSource:
+        """Open the data file ``name`` for ranged reads (see :meth:`Store.open_source`)."""
 
 
 @runtime_checkable

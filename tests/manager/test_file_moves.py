@@ -20,22 +20,31 @@ CHUNK = 4096
 DAMAGED_CHUNK = 3
 
 
-def _worker(rank: int, world: int, base: str) -> None:
+def _worker(rank: int, world: int, base: str, in_memory: bool = False) -> None:
     from goodput_ckpt.format.commit_record import KeyIndex
-    from goodput_ckpt.manager.tiers.file_moves import Move, run_moves
+    from goodput_ckpt.manager.tiers.file_moves import Move, ReceivedFiles, run_moves
     from goodput_ckpt.storage import open_store
 
     manifest = parse_manifest(Path(base, "full", MANIFEST_NAME).read_bytes())
     a, b, c = sorted(manifest.files)
     moves = [Move(0, 1, manifest.files[a]), Move(0, 1, manifest.files[b]), Move(1, 0, manifest.files[c])]
+    into = ReceivedFiles("received") if in_memory else None
     failed = run_moves(
         moves, rank=rank, store=open_store(str(Path(base, f"rank{rank}"))), chunk_size=manifest.chunk_size,
-        pg=dist.group.WORLD, sender_uri="the copy of rank {rank}", keys=KeyIndex(manifest),
+        pg=dist.group.WORLD, sender_uri="the copy of rank {rank}", keys=KeyIndex(manifest), into=into,
     )  # fmt: skip
     Path(base, f"failed{rank}.json").write_text(json.dumps({k: [str(v), list(v.byte_range)] for k, v in failed.items()}))
+    if into is not None:  # what a load would read: each file through its source, in two ranged reads
+        for name in into.files:
+            size = manifest.files[name].size
+            head, tail = bytearray(size // 3), bytearray(size - size // 3)
+            source = into.open_source(name)
+            source.read_into(0, [head])
+            source.read_into(size // 3, [tail])
+            Path(base, f"memory{rank}-{name}").write_bytes(bytes(head + tail))
 
 
-def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Path) -> None:
+def _setup(tmp_path: Path) -> tuple[Path, str, str, str]:
     full = tmp_path / "full"
     g = torch.Generator().manual_seed(0)
     # 3 files of about 10.5 chunks each: several chunks in flight, a short last one.
@@ -52,7 +61,11 @@ def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Pa
     damaged = bytearray((tmp_path / "rank0" / b).read_bytes())
     damaged[DAMAGED_CHUNK * CHUNK + 7] ^= 0x01  # the sender's copy of b, in its chunk 3
     (tmp_path / "rank0" / b).write_bytes(bytes(damaged))
+    return full, a, b, c
 
+
+def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Path) -> None:
+    full, a, b, c = _setup(tmp_path)
     run_ranks(_worker, 2, str(tmp_path), report_dir=tmp_path / "report")
 
     assert (tmp_path / "rank1" / a).read_bytes() == (full / a).read_bytes()
@@ -64,3 +77,18 @@ def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Pa
     message, byte_range = failed1[b]
     assert byte_range == [DAMAGED_CHUNK * CHUNK, (DAMAGED_CHUNK + 1) * CHUNK], message
     assert b in message and "the copy of rank 0" in message, message
+
+
+def test_moves_into_memory_arrive_exact_and_write_nothing(tmp_path: Path) -> None:
+    """``into=ReceivedFiles``: what a rank receives is kept in memory, checked on arrival, and
+    read back exactly through its source; nothing is written to the receiver's store, and a
+    damaged file fails by name and byte range with nothing of it kept."""
+    full, a, b, c = _setup(tmp_path)
+    run_ranks(_worker, 2, str(tmp_path), True, report_dir=tmp_path / "report")
+    assert (tmp_path / f"memory1-{a}").read_bytes() == (full / a).read_bytes()
+    assert (tmp_path / f"memory0-{c}").read_bytes() == (full / c).read_bytes()
+    assert not (tmp_path / f"memory1-{b}").exists()
+    assert sorted(p.name for p in (tmp_path / "rank1").iterdir()) == [c]  # its own file only
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == [a, b]
+    failed1 = json.loads((tmp_path / "failed1.json").read_text())
+    assert list(failed1) == [b] and failed1[b][1] == [DAMAGED_CHUNK * CHUNK, (DAMAGED_CHUNK + 1) * CHUNK]

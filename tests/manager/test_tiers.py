@@ -111,8 +111,9 @@ def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
             assert "replica" in r["record"]["sources"] and "persistent" not in r["record"]["sources"]
         else:
             assert set(r["record"]["sources"]) == {"local"}
-    # the lost node's copy is rebuilt and committed again
-    assert (local / "node1" / "step_00000006" / "manifest.json").exists()
+    # node 1's ranks loaded what they received from memory: nothing was written to the lost
+    # node's directory and read back, and no copy there claims to be whole
+    assert not list((local / "node1").rglob("*.bin")) and not list((local / "node1").rglob("manifest.json"))
 
 
 def test_unreadable_local_tier_on_one_node_reads_from_the_replicas(saved, tmp_path):

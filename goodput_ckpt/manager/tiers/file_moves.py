@@ -10,6 +10,10 @@ Peer moves pair one sender with one receiver. Every rank goes through the same l
 in the same order (:func:`run_moves`), so the first unfinished move always has both its ends
 at it, and a list never deadlocks. A sender that cannot read its copy still sends the file's
 length (zeros where it failed): the receiver's check fails, and the two stay in step.
+
+A receiver can also keep what it receives in memory instead of writing it to its store
+(:class:`ReceivedFiles`): a two-tier restore then loads those files from memory, checked on
+arrival, without writing them and reading them back.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ import blake3
 import torch
 import torch.distributed as dist
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, IncompleteCheckpointError
 from ...format.commit_record import KeyIndex, checksum_error
 from ...format.schema import FileEntry
-from ...storage.base import Store
+from ...storage.base import Buffer, Store, byte_views
 
-__all__ = ["Move", "check_file", "copy_file", "run_moves"]
+__all__ = ["Move", "ReceivedFiles", "check_file", "copy_file", "run_moves"]
 
 logger = logging.getLogger("goodput_ckpt.tiers")
 
@@ -162,36 +166,78 @@ def _send(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup) -> N
             source.close()
 
 
+class _MemorySource:
+    """A received file's bytes, read as a :class:`~goodput_ckpt.storage.base.FileSource`."""
+
+    def __init__(self, data: torch.Tensor, where: str) -> None:
+        self._data = data.numpy()
+        self._where = where
+
+    def read_into(self, offset: int, buffers: list[Buffer]) -> None:
+        for view in byte_views(buffers):
+            end = offset + view.nbytes
+            if end > self._data.size:
+                raise IncompleteCheckpointError(f"{self._where} ends at byte {self._data.size}, before {end}", path=self._where)
+            view[:] = self._data[offset:end]
+            offset = end
+
+    def close(self) -> None:
+        pass
+
+
+class ReceivedFiles:
+    """Files received whole over the group and checked chunk by chunk on arrival, held in memory
+    until the load that needs them has read them (a :class:`~goodput_ckpt.storage.base.FileOrigin`)."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.files: dict[str, torch.Tensor] = {}
+
+    def open_source(self, name: str) -> _MemorySource:
+        data = self.files.get(name)
+        if data is None:
+            raise IncompleteCheckpointError(f"{self.uri}/{name} was not received", path=f"{self.uri}/{name}")
+        return _MemorySource(data, f"{self.uri}/{name}")
+
+
 def _receive(
-    store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup, where: str, keys: KeyIndex | None
+    store: Store | ReceivedFiles, move: Move, chunk_size: int, pg: dist.ProcessGroup, where: str, keys: KeyIndex | None
 ) -> CheckpointError | None:
-    """Receive ``move`` into ``store``; the first bad chunk aborts the file but the rest is still
-    received (the sender goes on sending). Returns the failure, or ``None``."""
-    buf = _buffer(chunk_size, move.entry.size)
+    """Receive ``move`` into ``store`` (written there, or kept in memory for a
+    :class:`ReceivedFiles`); the first bad chunk aborts the file but the rest is still received
+    (the sender goes on sending). Returns the failure, or ``None``."""
+    # In memory, each piece lands in place in the whole file; else in one reused piece buffer.
+    whole = torch.empty(move.entry.size, dtype=torch.uint8) if isinstance(store, ReceivedFiles) else None
+    buf = _buffer(chunk_size, move.entry.size) if whole is None else whole
     failure: CheckpointError | None = None
     sink = None
-    try:
-        sink = store.open_sink(move.name, part_size=chunk_size)
-    except CheckpointError as e:
-        failure = e
+    if whole is None:
+        try:
+            sink = store.open_sink(move.name, part_size=chunk_size)
+        except CheckpointError as e:
+            failure = e
     for index, offset, length in _pieces(move.entry, chunk_size):
-        piece = buf[:length]
+        piece = buf[:length] if whole is None else whole[offset : offset + length]
         dist.recv(piece, group_src=move.src, group=pg)
         if failure is not None:
             continue
         view = memoryview(piece.numpy())
         try:
             _check(move.entry, index, offset, view, where, keys)
-            assert sink is not None
-            sink.write_at(offset, [view])
+            if sink is not None:
+                sink.write_at(offset, [view])
         except CheckpointError as e:
             failure = e
-            sink.abort()  # type: ignore[union-attr]
+            if sink is not None:
+                sink.abort()
     if failure is None and sink is not None:
         try:
             sink.close()
         except CheckpointError as e:
             failure = e
+    if failure is None and whole is not None:
+        assert isinstance(store, ReceivedFiles)
+        store.files[move.name] = whole
     return failure
 
 
@@ -204,10 +250,11 @@ def run_moves(
     pg: dist.ProcessGroup,
     sender_uri: str,
     keys: KeyIndex | None = None,
+    into: ReceivedFiles | None = None,
 ) -> dict[str, CheckpointError]:
     """Do this rank's part of ``moves`` (the same list, in the same order, on every rank): send
     the files it is the source of from ``store``, receive those it is the destination of into
-    ``store``. ``sender_uri`` names the sending tier in errors ({rank} is the sender's rank), and
+    ``store``, or into memory, ``into``. ``sender_uri`` names the sending tier in errors ({rank} is the sender's rank), and
     ``keys`` (the manifest's key index) the tensors a bad chunk hits.
 
     Returns:
@@ -219,7 +266,7 @@ def run_moves(
         if move.src == rank:
             _send(store, move, chunk_size, pg)
         elif move.dst == rank:
-            err = _receive(store, move, chunk_size, pg, sender_uri.format(rank=move.src), keys)
+            err = _receive(store if into is None else into, move, chunk_size, pg, sender_uri.format(rank=move.src), keys)
             if err is not None:
                 failed[move.name] = err
     return failed

@@ -10,22 +10,25 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    whose record validates, else from the persistent tier. Each rank plans its load as
    ``dcp.load`` will and so knows which data files, and which hash chunks of them, it reads.
    A file its node's copy lacks, or holds at another size, is named in a warning and taken
-   from the next tier: a replica (or any copy) on another node, sent over the group into that
-   copy and checked chunk by chunk on arrival, else the persistent tier, which the load reads
-   it from directly (step 3).
+   from the next tier: a replica (or any copy) on another node, sent over the group to each
+   rank that reads it and checked chunk by chunk on arrival, kept in memory; else the
+   persistent tier, which the load reads it from directly (step 3). Neither is written into
+   the node's copy, which would cost a write and a read of every byte before the load.
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
-3. *Load, in one pass.* Every node's copy now holds a file of the right size for each one its
-   ranks read, but those the persistent tier gives. ``load`` reads them through
-   ``CheckpointReader`` (those from the persistent tier there), given the agreed record already
-   parsed, which checks each chunk as it reads it: the bytes are read and hashed once. Each rank loads on
+3. *Load, in one pass.* Each rank now has every file it reads: in its node's copy, in memory
+   or on the persistent tier. ``load`` reads them through ``CheckpointReader``, given the
+   agreed record already parsed, which checks each chunk as it reads it (but those received
+   into memory, checked on arrival): the bytes are read and hashed once. Each rank loads on
    its own, and one gather then tells every rank every outcome. When some rank finds a
    damaged chunk, every rank checks all the chunks it reads in its node's copy (so that every
    damaged file is found at once), those files are fetched into the node's copy from the next
    tier (from the persistent tier too this time, checked on arrival), and every rank loads
    again; a step whose damaged files have no intact copy anywhere is passed
    for the next candidate, as in step 2. Last, a node's first rank writes the agreed commit
-   record into its node's copy where that copy is now whole but held none (or another one).
+   record into its node's copy where that copy holds every file its ranks read but held no
+   record (or another one). A copy that lacked files is not rebuilt: the next save makes a new
+   local step.
 
 Afterwards each node drops its local steps newer than the one restored (a newest-first search
 only passes a step that cannot be rebuilt) and incomplete ones.
@@ -58,11 +61,11 @@ from ...errors import (
 from ...format.commit_record import COMMITTED, KeyIndex, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ...storage import open_store
-from ...storage.base import Store
+from ...storage.base import FileOrigin, Store
 from ..retention import apply_retention, clean_before_restore, delete_step, scan_steps
 from ..step_layout import child_uri, list_step_dirs, step_dir_name
 from ..agreement import raise_first_failure, raise_if_any_rank_failed
-from .file_moves import Move, check_file, copy_file, run_moves
+from .file_moves import Move, ReceivedFiles, check_file, copy_file, run_moves
 from .local_tier import LocalTier
 
 __all__ = ["TierRestore", "restore_tiers"]
@@ -70,6 +73,17 @@ __all__ = ["TierRestore", "restore_tiers"]
 logger = logging.getLogger("goodput_ckpt.tiers")
 
 LOCAL, REPLICA, PERSISTENT = "local", "replica", "persistent"
+
+
+@dataclass
+class _Arrivals:
+    """What :func:`_mend` got: file -> the tier it came from, for this rank (``direct``) or for
+    any rank of its node; the files received into memory (``direct``); and whether the node's
+    copy now holds every file its ranks read."""
+
+    tiers: dict[str, str]
+    received: ReceivedFiles | None = None
+    node_whole: bool = True
 
 
 @dataclass
@@ -133,7 +147,7 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str], Manifest, dict[str, Store]], None],
+    load: Callable[[Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
@@ -308,7 +322,7 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str], Manifest, dict[str, Store]], None],
+    load: Callable[[Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
@@ -332,42 +346,47 @@ def _attempt(
     agree = None if agree_of is None or plan is None else agree_of(plan)
     raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
     _warn_unusable(s, layout.node, notes)
-    # Files no other node holds are read straight from the persistent tier by the load (and
-    # checked as they are read), not copied into this node's copy first: that copy would cost
-    # a write and a read of every byte before the load (a persistent restore took 2-2.5x a
-    # one-tier one). They stay out of the node's copy; the next save makes a new local step.
-    arrived = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options, direct=True)
-    if isinstance(arrived, str):
-        return arrived
-    direct = {name for name, tier_name in arrived.items() if tier_name == PERSISTENT}
+    # What this node's copy lacks is not written into it first, which would cost a write and a
+    # read of every byte before the load (a persistent restore took 2-2.5x a one-tier one):
+    # files from another node are received into memory, checked on arrival; files from the
+    # persistent tier are read there by the load, checked as they are read. The node's copy
+    # stays without them (and uncommitted); the next save makes a new local step.
+    got = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options, direct=True)
+    if isinstance(got, str):
+        return got
+    arrived, node_whole = got.tiers, got.node_whole
 
-    def read_from() -> dict[str, Store]:
-        if not direct:
-            return {}
-        assert persistent is not None
-        step_store = store_of(persistent, s, persistent_options)
-        return dict.fromkeys(direct, step_store)
+    def read_from() -> dict[str, FileOrigin]:
+        out: dict[str, FileOrigin] = {}
+        if got.received is not None:
+            out.update(dict.fromkeys(got.received.files, got.received))
+        fetched = [name for name, tier_name in arrived.items() if tier_name == PERSISTENT]
+        if fetched:
+            assert persistent is not None
+            out.update(dict.fromkeys(fetched, store_of(persistent, s, persistent_options)))
+        return out
 
-    # What arrived from a replica was checked on arrival: the load does not hash it again.
+    # What arrived from another node was checked on arrival: the load does not hash it again.
     replicas = {name for name, tier_name in arrived.items() if tier_name == REPLICA}
     damaged = _load_checked(load, plan, where, replicas, manifest, read_from, pg, layout.world_size)
+    got = None  # the received files, once loaded
     if damaged:
         # Some rank read a chunk that does not match the manifest (or a file cut short since
         # the size check). Check every chunk this rank reads, so that every damaged file is
         # found at once, fetch those from the next tier into this node's copy (checked on
-        # arrival; a file read straight from the persistent tier above counts as missing here,
-        # so it is fetched too, and a damaged one fails the step as any bad fetch does) and
-        # load again, from this node's copy alone.
+        # arrival; a file taken from elsewhere above counts as missing here, so it is fetched
+        # too, and a damaged one fails the step as any bad fetch does) and load again, from
+        # this node's copy alone.
         missing, notes = _check_local(tier.store, s, manifest, need, verify=verify)
         _warn_unusable(s, layout.node, notes)
         again = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
         if isinstance(again, str):
             return again
-        arrived.update(again)
-        direct = set()
+        arrived.update(again.tiers)
+        node_whole = True
         # Every chunk this rank reads has now been checked, here or on arrival (when verifying).
         _load_checked(load, plan, where, set(need), manifest, dict, pg, layout.world_size, repairable=False)
-    if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here and not direct:
+    if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here and node_whole:
         _commit_node_copy(tier, s, data)
     # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
     sources: dict[str, int] = {}
@@ -411,12 +430,12 @@ def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
 
 
 def _load_checked(
-    load: Callable[[Any, str, set[str], Manifest, dict[str, Store]], None],
+    load: Callable[[Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
     plan: Any,
     where: str,
     checked: set[str],
     manifest: Manifest,
-    read_from: Callable[[], dict[str, Store]],
+    read_from: Callable[[], dict[str, FileOrigin]],
     pg: dist.ProcessGroup | None,
     world_size: int,
     *,
@@ -452,34 +471,39 @@ def _mend(
     persistent_options: dict[str, Any] | None,
     *,
     direct: bool = False,
-) -> dict[str, str] | str:
+) -> _Arrivals | str:
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
     damaged) into its node's copy: from another node's copy over the group, else the persistent
     tier, each checked on arrival. Collective. Returns what arrived from which tier to this
-    rank's node, by any of its ranks (file -> tier), or why ``s`` cannot be rebuilt (the same
-    answer on every rank).
+    rank's node, by any of its ranks, or why ``s`` cannot be rebuilt (the same answer on every
+    rank).
 
-    ``direct``: the files the persistent tier must give are not copied; they count as arrived
-    from it, and the load reads them there (checking them as it reads)."""
+    ``direct``: nothing is written into the node's copy. Each rank gets the files it reads
+    itself: those from another node into memory (:attr:`_Arrivals.received`, checked on
+    arrival), those from the persistent tier not at all (they count as arrived from it, and the
+    load reads them there, checking them as it reads). The arrivals are then this rank's own.
+    """
     layout, pg = tier.layout, tier.pg
     reports = _gather(pg, layout.world_size, sorted(missing))
     if not any(reports):
-        return {}  # nothing to fetch anywhere: no second gather
-    plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted)
+        return _Arrivals({})  # nothing to fetch anywhere: no second gather
+    plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted, per_rank=direct)
     if why is not None:
         return why
     failed: dict[str, CheckpointError] = {}
     here_store = store_of(tier.store, s)
     keys = KeyIndex(manifest)
+    sender_uri = f"the local copy of step {s} on the node of rank {{rank}}"
+    received = ReceivedFiles(f"step {s} as received over the process group") if direct else None
     made = None
-    if any(m.dst == layout.rank for m in plan_moves) or (fetch.get(layout.rank) and not direct):
+    if not direct and (any(m.dst == layout.rank for m in plan_moves) or fetch.get(layout.rank)):
         # A lost node's directory is made again. If it cannot be, this rank still takes part
         # in the moves (it may send too; what it receives fails to land) and fetches nothing.
         made = _or_error(f"making {here_store.uri}", here_store.prepare)
     if plan_moves and pg is not None:
         failed = run_moves(
             plan_moves, rank=layout.rank, store=here_store, chunk_size=manifest.chunk_size, pg=pg,
-            sender_uri=f"the local copy of step {s} on the node of rank {{rank}}", keys=keys,
+            sender_uri=sender_uri, keys=keys, into=received,
         )  # fmt: skip
     arrived = {m.name: REPLICA for m in plan_moves if m.dst == layout.rank and m.name not in failed}
     for name, err in failed.items():
@@ -513,7 +537,10 @@ def _mend(
     if bad:
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
     # One gather carries both: what arrived on this rank's node, by any of its ranks.
-    return {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
+    node = {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
+    if direct:
+        return _Arrivals(arrived, received, node_whole=not node)
+    return _Arrivals(node)
 
 
 def _route(
@@ -523,22 +550,27 @@ def _route(
     nodes: dict[int, dict[int, dict[str, int]]],
     reports: list[list[str]],
     persisted: bool,
+    *,
+    per_rank: bool = False,
 ) -> tuple[list[Move], dict[int, list[str]], str | None]:
     """Where each missing file comes from (the same answer on every rank): moves from another
-    node's copy, fetches from the persistent tier per rank, or why ``s`` cannot be rebuilt."""
+    node's copy, fetches from the persistent tier per rank, or why ``s`` cannot be rebuilt.
+
+    A file several ranks of a node report goes to one of them (into the node's copy, where the
+    others read it), or with ``per_rank`` to each of them (each keeps its own)."""
     layout = tier.layout
     damaged: dict[int, set[str]] = {}
     for rank, names in enumerate(reports):
         damaged.setdefault(layout.node_of(rank), set()).update(names)
     moves: list[Move] = []
     fetch: dict[int, list[str]] = {}
-    taken: set[tuple[int, str]] = set()
+    taken: set[tuple[int, str]] = set()  # (node, or rank with per_rank; file)
     for rank, names in enumerate(reports):
         node = layout.node_of(rank)
         for name in names:
-            if (node, name) in taken:
+            if (rank if per_rank else node, name) in taken:
                 continue  # another rank of this node receives it
-            taken.add((node, name))
+            taken.add((rank if per_rank else node, name))
             entry = manifest.files[name]
             holder = None
             for hop in range(1, layout.nodes):
