@@ -12,8 +12,9 @@ at it, and a list never deadlocks. A sender that cannot read its copy still send
 length (zeros where it failed): the receiver's check fails, and the two stay in step.
 
 A receiver can also keep what it receives in memory instead of writing it to its store
-(:class:`ReceivedFiles`): a two-tier restore then loads those files from memory, checked on
-arrival, without writing them and reading them back.
+(:class:`ReceivedFiles`), and a move can carry only some of a file's chunks: a two-tier
+restore receives just the chunks a rank reads and loads them from memory, where its reader
+checks them, without writing them and reading them back.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ __all__ = ["Move", "ReceivedFiles", "check_file", "copy_file", "run_moves"]
 logger = logging.getLogger("goodput_ckpt.tiers")
 
 
-def _pieces(entry: FileEntry, chunk_size: int) -> Iterator[tuple[int, int, int]]:
-    """(chunk index, offset, length) of each hash chunk of ``entry``."""
+def _pieces(entry: FileEntry, chunk_size: int, only: Collection[int] | None = None) -> Iterator[tuple[int, int, int]]:
+    """(chunk index, offset, length) of each hash chunk of ``entry`` (of those in ``only``)."""
     for index, offset in enumerate(range(0, entry.size, chunk_size)):
-        yield index, offset, min(chunk_size, entry.size - offset)
+        if only is None or index in only:
+            yield index, offset, min(chunk_size, entry.size - offset)
 
 
 def _check(entry: FileEntry, index: int, offset: int, view: memoryview, where: str, keys: KeyIndex | None) -> None:
@@ -130,11 +132,13 @@ def check_file(
 
 @dataclass(frozen=True)
 class Move:
-    """The data file ``entry`` from rank ``src``'s copy to rank ``dst``'s (same name, ``entry.path``)."""
+    """The data file ``entry`` from rank ``src``'s copy to rank ``dst``'s (same name, ``entry.path``);
+    with ``chunks``, only those hash chunks (into memory only: a store gets whole files)."""
 
     src: int
     dst: int
     entry: FileEntry
+    chunks: frozenset[int] | None = None
 
     @property
     def name(self) -> str:
@@ -149,7 +153,7 @@ def _send(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup) -> N
     except CheckpointError as e:
         logger.warning("cannot read %s to send it to rank %d: %s", move.name, move.dst, e)
     try:
-        for _, offset, length in _pieces(move.entry, chunk_size):
+        for _, offset, length in _pieces(move.entry, chunk_size, move.chunks):
             piece = buf[:length]
             if source is not None:
                 try:
@@ -167,77 +171,95 @@ def _send(store: Store, move: Move, chunk_size: int, pg: dist.ProcessGroup) -> N
 
 
 class _MemorySource:
-    """A received file's bytes, read as a :class:`~goodput_ckpt.storage.base.FileSource`."""
+    """A received file's chunks, read as a :class:`~goodput_ckpt.storage.base.FileSource`."""
 
-    def __init__(self, data: torch.Tensor, where: str) -> None:
-        self._data = data.numpy()
+    def __init__(self, chunks: dict[int, torch.Tensor], chunk_size: int, where: str) -> None:
+        self._chunks = {i: t.numpy() for i, t in chunks.items()}
+        self._chunk_size = chunk_size
         self._where = where
 
-    def read_into(self, offset: int, buffers: list[Buffer]) -> None:
+    def read_into(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        cs = self._chunk_size
         for view in byte_views(buffers):
-            end = offset + view.nbytes
-            if end > self._data.size:
-                raise IncompleteCheckpointError(f"{self._where} ends at byte {self._data.size}, before {end}", path=self._where)
-            view[:] = self._data[offset:end]
-            offset = end
+            done = 0
+            while done < view.nbytes:
+                index, start = divmod(offset + done, cs)
+                chunk = self._chunks.get(index)
+                if chunk is None or start >= chunk.size:
+                    raise IncompleteCheckpointError(
+                        f"{self._where}: bytes from {offset + done} were not received", path=self._where
+                    )
+                n = min(view.nbytes - done, chunk.size - start)
+                view[done : done + n] = chunk[start : start + n]
+                done += n
+            offset += view.nbytes
 
     def close(self) -> None:
         pass
 
 
 class ReceivedFiles:
-    """Files received whole over the group and checked chunk by chunk on arrival, held in memory
-    until the load that needs them has read them (a :class:`~goodput_ckpt.storage.base.FileOrigin`)."""
+    """Files (or some of their chunks) received over the group, held in memory until the load
+    that needs them has read them (a :class:`~goodput_ckpt.storage.base.FileOrigin`).
 
-    def __init__(self, uri: str) -> None:
+    Not checked on arrival: the reader checks every chunk it reads from here against the
+    manifest (so a file never counts among its ``checked_files``); a chunk not received is
+    not there to read (the read fails as a short file's would).
+    """
+
+    def __init__(self, uri: str, chunk_size: int) -> None:
         self.uri = uri
-        self.files: dict[str, torch.Tensor] = {}
+        self.chunk_size = chunk_size
+        self.files: dict[str, dict[int, torch.Tensor]] = {}
 
     def open_source(self, name: str) -> _MemorySource:
-        data = self.files.get(name)
-        if data is None:
+        chunks = self.files.get(name)
+        if chunks is None:
             raise IncompleteCheckpointError(f"{self.uri}/{name} was not received", path=f"{self.uri}/{name}")
-        return _MemorySource(data, f"{self.uri}/{name}")
+        return _MemorySource(chunks, self.chunk_size, f"{self.uri}/{name}")
 
 
 def _receive(
     store: Store | ReceivedFiles, move: Move, chunk_size: int, pg: dist.ProcessGroup, where: str, keys: KeyIndex | None
 ) -> CheckpointError | None:
-    """Receive ``move`` into ``store`` (written there, or kept in memory for a
-    :class:`ReceivedFiles`); the first bad chunk aborts the file but the rest is still received
-    (the sender goes on sending). Returns the failure, or ``None``."""
-    # In memory, each piece lands in place in the whole file; else in one reused piece buffer.
-    whole = torch.empty(move.entry.size, dtype=torch.uint8) if isinstance(store, ReceivedFiles) else None
-    buf = _buffer(chunk_size, move.entry.size) if whole is None else whole
+    """Receive ``move`` into ``store``, written there and checked chunk by chunk on the way (the
+    first bad chunk aborts the file but the rest is still received: the sender goes on
+    sending), or kept in memory, unchecked, for a :class:`ReceivedFiles` (one buffer per chunk:
+    memory for what was sent, whatever size the manifest gives the file). Returns the failure,
+    or ``None``."""
+    if isinstance(store, ReceivedFiles):
+        chunks: dict[int, torch.Tensor] = {}
+        for index, _, length in _pieces(move.entry, chunk_size, move.chunks):
+            chunks[index] = torch.empty(length, dtype=torch.uint8)
+            dist.recv(chunks[index], group_src=move.src, group=pg)
+        store.files[move.name] = chunks
+        return None
+    assert move.chunks is None, "a store receives whole files"
+    buf = _buffer(chunk_size, move.entry.size)
     failure: CheckpointError | None = None
     sink = None
-    if whole is None:
-        try:
-            sink = store.open_sink(move.name, part_size=chunk_size)
-        except CheckpointError as e:
-            failure = e
+    try:
+        sink = store.open_sink(move.name, part_size=chunk_size)
+    except CheckpointError as e:
+        failure = e
     for index, offset, length in _pieces(move.entry, chunk_size):
-        piece = buf[:length] if whole is None else whole[offset : offset + length]
+        piece = buf[:length]
         dist.recv(piece, group_src=move.src, group=pg)
         if failure is not None:
             continue
         view = memoryview(piece.numpy())
+        assert sink is not None
         try:
             _check(move.entry, index, offset, view, where, keys)
-            if sink is not None:
-                sink.write_at(offset, [view])
+            sink.write_at(offset, [view])
         except CheckpointError as e:
             failure = e
-            if sink is not None:
-                sink.abort()
+            sink.abort()
     if failure is None and sink is not None:
         try:
             sink.close()
         except CheckpointError as e:
             failure = e
-    if failure is None and whole is not None:
-        assert isinstance(store, ReceivedFiles)
-        store.files[move.name] = whole
     return failure
 
 

@@ -10,16 +10,16 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    whose record validates, else from the persistent tier. Each rank plans its load as
    ``dcp.load`` will and so knows which data files, and which hash chunks of them, it reads.
    A file its node's copy lacks, or holds at another size, is named in a warning and taken
-   from the next tier: a replica (or any copy) on another node, sent over the group to each
-   rank that reads it and checked chunk by chunk on arrival, kept in memory; else the
-   persistent tier, which the load reads it from directly (step 3). Neither is written into
+   from the next tier: a replica (or any copy) on another node, whose chunks each rank that
+   reads it receives over the group and keeps in memory; else the persistent tier, which the
+   load reads it from directly (step 3). Neither is written into
    the node's copy, which would cost a write and a read of every byte before the load.
    When some rank cannot get a file from anywhere, every rank moves on to the next candidate
    together: no rank ever restores a different step from the others.
 3. *Load, in one pass.* Each rank now has every file it reads: in its node's copy, in memory
    or on the persistent tier. ``load`` reads them through ``CheckpointReader``, given the
-   agreed record already parsed, which checks each chunk as it reads it (but those received
-   into memory, checked on arrival): the bytes are read and hashed once. Each rank loads on
+   agreed record already parsed, which checks each chunk as it reads it: the bytes are read
+   and hashed once. Each rank loads on
    its own, and one gather then tells every rank every outcome. When some rank finds a
    damaged chunk, every rank checks all the chunks it reads in its node's copy (so that every
    damaged file is found at once), those files are fetched into the node's copy from the next
@@ -351,7 +351,7 @@ def _attempt(
     # files from another node are received into memory, checked on arrival; files from the
     # persistent tier are read there by the load, checked as they are read. The node's copy
     # stays without them (and uncommitted); the next save makes a new local step.
-    got = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options, direct=True)
+    got = _mend(tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options, direct=True)
     if isinstance(got, str):
         return got
     arrived, node_whole = got.tiers, got.node_whole
@@ -366,9 +366,8 @@ def _attempt(
             out.update(dict.fromkeys(fetched, store_of(persistent, s, persistent_options)))
         return out
 
-    # What arrived from another node was checked on arrival: the load does not hash it again.
-    replicas = {name for name, tier_name in arrived.items() if tier_name == REPLICA}
-    damaged = _load_checked(load, plan, where, replicas, manifest, read_from, pg, layout.world_size)
+    # Nothing arrived checked: the load checks what it reads from memory and from S3.
+    damaged = _load_checked(load, plan, where, set(), manifest, read_from, pg, layout.world_size)
     got = None  # the received files, once loaded
     if damaged:
         # Some rank read a chunk that does not match the manifest (or a file cut short since
@@ -379,7 +378,7 @@ def _attempt(
         # this node's copy alone.
         missing, notes = _check_local(tier.store, s, manifest, need, verify=verify)
         _warn_unusable(s, layout.node, notes)
-        again = _mend(tier, persistent, s, manifest, nodes, missing, persisted, persistent_options)
+        again = _mend(tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options)
         if isinstance(again, str):
             return again
         arrived.update(again.tiers)
@@ -466,25 +465,25 @@ def _mend(
     s: int,
     manifest: Manifest,
     nodes: dict[int, dict[int, dict[str, int]]],
-    missing: set[str],
+    missing: dict[str, set[int]],
     persisted: bool,
     persistent_options: dict[str, Any] | None,
     *,
     direct: bool = False,
 ) -> _Arrivals | str:
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
-    damaged) into its node's copy: from another node's copy over the group, else the persistent
+    damaged, with the hash chunks it reads of each) into its node's copy: from another node's copy over the group, else the persistent
     tier, each checked on arrival. Collective. Returns what arrived from which tier to this
     rank's node, by any of its ranks, or why ``s`` cannot be rebuilt (the same answer on every
     rank).
 
-    ``direct``: nothing is written into the node's copy. Each rank gets the files it reads
-    itself: those from another node into memory (:attr:`_Arrivals.received`, checked on
-    arrival), those from the persistent tier not at all (they count as arrived from it, and the
-    load reads them there, checking them as it reads). The arrivals are then this rank's own.
+    ``direct``: nothing is written into the node's copy. Each rank gets what it reads itself:
+    from another node, the chunks it reads, into memory (:attr:`_Arrivals.received`); from the
+    persistent tier, nothing yet (the files count as arrived from it, and the load reads them
+    there). The load checks both as it reads them. The arrivals are then this rank's own.
     """
     layout, pg = tier.layout, tier.pg
-    reports = _gather(pg, layout.world_size, sorted(missing))
+    reports = _gather(pg, layout.world_size, {name: sorted(missing[name]) for name in sorted(missing)})
     if not any(reports):
         return _Arrivals({})  # nothing to fetch anywhere: no second gather
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted, per_rank=direct)
@@ -494,7 +493,7 @@ def _mend(
     here_store = store_of(tier.store, s)
     keys = KeyIndex(manifest)
     sender_uri = f"the local copy of step {s} on the node of rank {{rank}}"
-    received = ReceivedFiles(f"step {s} as received over the process group") if direct else None
+    received = ReceivedFiles(f"step {s} as received over the process group", manifest.chunk_size) if direct else None
     made = None
     if not direct and (any(m.dst == layout.rank for m in plan_moves) or fetch.get(layout.rank)):
         # A lost node's directory is made again. If it cannot be, this rank still takes part
@@ -548,7 +547,7 @@ def _route(
     manifest: Manifest,
     s: int,
     nodes: dict[int, dict[int, dict[str, int]]],
-    reports: list[list[str]],
+    reports: list[dict[str, list[int]]],
     persisted: bool,
     *,
     per_rank: bool = False,
@@ -556,8 +555,10 @@ def _route(
     """Where each missing file comes from (the same answer on every rank): moves from another
     node's copy, fetches from the persistent tier per rank, or why ``s`` cannot be rebuilt.
 
-    A file several ranks of a node report goes to one of them (into the node's copy, where the
-    others read it), or with ``per_rank`` to each of them (each keeps its own)."""
+    ``reports``: each rank's missing files, with the chunks it reads of each. A file several
+    ranks of a node report goes whole to one of them (into the node's copy, where the others
+    read it), or with ``per_rank`` to each of them, only the chunks it reads (each keeps its
+    own)."""
     layout = tier.layout
     damaged: dict[int, set[str]] = {}
     for rank, names in enumerate(reports):
@@ -580,7 +581,7 @@ def _route(
                     break
             if holder is not None:
                 src = holder * layout.local_world_size + (rank - node * layout.local_world_size)
-                moves.append(Move(src, rank, entry))
+                moves.append(Move(src, rank, entry, frozenset(names[name]) if per_rank else None))
             elif persisted:
                 fetch.setdefault(rank, []).append(name)
             else:
