@@ -348,9 +348,9 @@ def _attempt(
     _warn_unusable(s, layout.node, notes)
     # What this node's copy lacks is not written into it first, which would cost a write and a
     # read of every byte before the load (a persistent restore took 2-2.5x a one-tier one):
-    # files from another node are received into memory, checked on arrival; files from the
-    # persistent tier are read there by the load, checked as they are read. The node's copy
-    # stays without them (and uncommitted); the next save makes a new local step.
+    # from another node, each rank receives the chunks it reads into memory; files from the
+    # persistent tier are read there by the load. The load checks both as it reads them. The
+    # node's copy stays without them (and uncommitted); the next save makes a new local step.
     got = _mend(tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options, direct=True)
     if isinstance(got, str):
         return got
