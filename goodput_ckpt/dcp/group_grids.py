@@ -31,6 +31,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -50,13 +51,20 @@ def _irregular_cap(n: int) -> int:
     return 16 + n // 256
 
 
-@dataclass(frozen=True)
+#: Members up to which a group's rows are gathered for the per-tensor path by one stacked copy
+#: (items x columns x members, made once): a group of one rank (rank-unique keys) is then a view
+#: per tensor, as before; a larger group is gathered per position, not copied whole.
+_STACK_MEMBERS = 64
+
+
+@dataclass
 class Group:
     """Ranks with the same key list: their tables (rank-local file indices, one width) and,
     per member, the manifest's index of its first file."""
 
     tables: Sequence[np.ndarray]
     bases: np.ndarray  # int64, one per member
+    _stack: np.ndarray | None = None  # small groups: every row, items x columns x members
 
     @property
     def width(self) -> int:
@@ -71,6 +79,12 @@ class Group:
 
     def column(self, p: int) -> np.ndarray:
         """Row ``p`` of every member, as columns x members (file indices the manifest's)."""
+        if self._stack is not None:
+            return self._stack[p]
+        if len(self.tables) <= _STACK_MEMBERS:
+            self._stack = np.stack(self.tables, axis=2)
+            self._stack[:, FILE, :] += self.bases
+            return self._stack[p]
         cols = np.stack([t[p] for t in self.tables], axis=1)
         cols[FILE] += self.bases
         return cols
@@ -106,7 +120,8 @@ def batched_grids(
     ``grid_from_rows`` on the tensor's rows). ``parts[t]``: where tensor ``t``'s rows are, in
     order (group, position in its members' tables); ``specs[t]``: ``None`` for an item that is
     not a tensor to store as a grid."""
-    found: list[_Tensor | None] = [_start(groups, ps, spec) if spec is not None else None for ps, spec in zip(parts, specs)]
+    members = [len(g.tables) for g in groups]
+    found: list[_Tensor | None] = [_start(groups, members, ps, spec) if spec is not None else None for ps, spec in zip(parts, specs)]
     held: list[list[tuple[int, int, int]]] = [[] for _ in groups]  # per group: (tensor, part, position)
     for t, tensor in enumerate(found):
         if tensor is not None:
@@ -122,16 +137,15 @@ def batched_grids(
     return out
 
 
-def _start(groups: Sequence[Group], parts: Sequence[tuple[int, int]], spec: Spec) -> _Tensor | None:
-    """The grid the tensor's first row names, if the tensor can take this path."""
+def _start(groups: Sequence[Group], members: Sequence[int], parts: Sequence[tuple[int, int]], spec: Spec) -> _Tensor | None:
+    """The grid the tensor's first row names, if the tensor can take this path (``members``:
+    each group's member count)."""
     shape, dims = spec.shape, len(spec.shape)
-    if not parts or not dims or 0 in shape or any(groups[g].width < dims for g, _ in parts):
+    starts = [0, *accumulate(members[g] for g, _ in parts)]
+    n = starts.pop()
+    if n != spec.chunks or len(parts) > 64 + n // 64:  # one group per rank or so: the boundaries would all be looked at in Python
         return None
-    starts, n = [], 0
-    for g, _ in parts:
-        starts.append(n)
-        n += len(groups[g].tables)
-    if n != spec.chunks:
+    if not parts or not dims or 0 in shape or any(groups[g].width < dims for g, _ in parts):
         return None
     g, p = parts[0]
     row = groups[g].row(0, p)
@@ -234,7 +248,8 @@ def _finish(groups: Sequence[Group], tensor: _Tensor, spec: Spec, names: Sequenc
         return None
 
     def row(r: int) -> tuple[int, int, int, tuple[int, ...]]:
-        """Row ``r``: file, byte offset, length, sizes; ``None``-free, checked for its cell."""
+        """Row ``r``'s file, byte offset, length and sizes; the sizes empty when the row is
+        not cell ``r`` of the grid (a row that is may not come out empty: a grid has dimensions)."""
         q = bisect.bisect_right(starts, r) - 1
         g, p = tensor.parts[q]
         v = groups[g].row(r - starts[q], p)

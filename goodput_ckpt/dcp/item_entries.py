@@ -45,6 +45,7 @@ class _Rows:
         self.where: list[list[tuple[int, int]]] = [[] for _ in index]
         self.groups: list[Group] = []
         self.ranks: list[np.ndarray] = []
+        self.columns: list[int] = []  # per group: its tables' columns
         for members in groups.values():
             tables = [ranks[m].table for m in members]
             first = tables[0]
@@ -57,6 +58,7 @@ class _Rows:
             g = len(self.groups)
             self.ranks.append(np.array(members, dtype=np.int64))
             self.groups.append(Group(tables, bases[self.ranks[-1]]))
+            self.columns.append(first.shape[1])
             for p, key in enumerate(keys):
                 t = index.get(key)
                 if t is not None:  # keys DCP's metadata does not list are ignored, as DCP does
@@ -66,7 +68,7 @@ class _Rows:
         """Tensor ``t``'s rows by column (columns x n, a common width) and the rank of each:
         O(the tensor's rows) in Python, for objects and tensors the batched path left open."""
         parts = self.where[t]
-        width = max((self.groups[g].tables[0].shape[1] for g, _ in parts), default=4)
+        width = max((self.columns[g] for g, _ in parts), default=4)
         cols = [_widen(self.groups[g].column(p), width) for g, p in parts]
         ranks = [self.ranks[g] for g, _ in parts]
         if not cols:

@@ -165,3 +165,18 @@ def test_a_full_block_claimed_for_the_short_last_cell_is_refused(monkeypatch):
     table[0, 2], table[0, 6] = 3 * 3 * 4, 3  # length, size along dimension 0
     assert compare(md, results) == (0, 0)
     same_record(md, results, monkeypatch)
+
+
+def test_one_group_per_rank_takes_the_per_tensor_path(monkeypatch):
+    # every rank also holds its own object (rank-unique keys, as the manager's RNG state): each
+    # rank is a group of one, so a tensor's 200 rows lie in 200 parts, and the batched path,
+    # which would look at every boundary in Python, leaves the tensors to the oracle
+    world = 200
+    tensors = {f"w{i}": ((world + 3 * i, 2), fsdp((world + 3 * i, 2), world)) for i in range(5)}
+    md, results, _ = save(world, tensors, {f"rng.rank{r}": [r] for r in range(world)})
+    assert compare(md, results) == (0, 5)
+    same_record(md, results, monkeypatch)
+    # 40 ranks: 40 parts, few enough for the batched path, which then decides as the oracle
+    md, results, _ = save(40, {"w": ((80, 2), fsdp((80, 2), 40))}, {f"rng.rank{r}": [r] for r in range(40)})
+    assert compare(md, results) == (1, 1)
+    same_record(md, results, monkeypatch)
