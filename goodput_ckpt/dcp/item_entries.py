@@ -2,12 +2,14 @@
 :class:`~.rank_writes.RankWrites`, in Python work O(ranks + tensors).
 
 How: ranks whose item keys are the same list (one digest each; with FSDP nearly all of them) form
-a group; only one rank's keys per group are decoded, and the group's tables are stacked into one
-array, so the rows of tensor ``t`` are a slice at ``t``'s position in each group. Each tensor's
-rows then go to :func:`~goodput_ckpt.format.grid_detect.grid_from_rows` (numpy); a tensor that is
-not a grid, or whose rows do not match DCP's chunk count, is listed chunk by chunk from DCP's
-chunk list, as before, with the same checks. The per-chunk work is in numpy, and DCP's chunk
-lists are only counted, except for tensors listed explicitly.
+a group; only one rank's keys per group are decoded, so the rows of tensor ``t`` are row ``t``'s
+position in each member's table. :func:`~.group_grids.batched_grids` finds the grids of all
+tensors of a group at once on those tables as they are (numpy, a block of members at a time);
+a tensor it leaves open has its rows gathered and goes to
+:func:`~goodput_ckpt.format.grid_detect.grid_from_rows`, and one that is not a grid, or whose
+rows do not match DCP's chunk count, is listed chunk by chunk from DCP's chunk list, with the
+same checks. The per-chunk work is in numpy, and DCP's chunk lists are only counted, except for
+tensors listed explicitly.
 """
 
 from __future__ import annotations
@@ -20,20 +22,19 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointError
 from ..format.dcp_metadata import dtype_name
+from ..format.grid import GridChunks
 from ..format.grid_detect import grid_from_rows
 from ..format.manifest import DTYPE_SIZES, ChunkEntry, ObjectEntry, TensorEntry
+from .group_grids import Group, Spec, batched_grids
 from .rank_writes import FILE, LENGTH, NDIM, OBJECT, OFFSET, RankWrites
 
 __all__ = ["items_from_ranks"]
 
 
 class _Rows:
-    """Every rank's table rows, found by tensor: one stacked array per group of ranks with the
-    same key list, and per tensor the (group, position) pairs that hold its rows.
-
-    A group's stack is items x columns x ranks, so that one column of one tensor's rows is
-    contiguous: the detector reads each column a few times, and rows strided by a whole rank's
-    table (items x 64 bytes) cost a cache miss each."""
+    """Every rank's table rows, found by tensor: the ranks grouped by key list (each group's
+    tables as they came, rank-major: nothing is stacked or transposed), and per tensor the
+    (group, position) pairs that hold its rows."""
 
     def __init__(self, metadata: Metadata, ranks: Sequence[RankWrites]) -> None:
         index = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}
@@ -42,8 +43,9 @@ class _Rows:
             groups.setdefault(rw.keys_digest, []).append(r)
         bases = np.cumsum([0] + [len(rw.files) for rw in ranks], dtype=np.int64)
         self.where: list[list[tuple[int, int]]] = [[] for _ in index]
-        self.stacks: list[np.ndarray] = []
+        self.groups: list[Group] = []
         self.ranks: list[np.ndarray] = []
+        self.columns: list[int] = []  # per group: its tables' columns
         for members in groups.values():
             tables = [ranks[m].table for m in members]
             first = tables[0]
@@ -53,44 +55,25 @@ class _Rows:
                 keys = ranks[members[0]].key_list()
             except ValueError as e:
                 raise CheckpointError(f"CheckpointWriter.finish got results it did not write: {e}") from e
-            stack = _stacked(tables)  # items x columns x members
-            stack[:, FILE, :] += bases[members]  # rank-local file index -> the manifest's
-            g = len(self.stacks)
-            self.stacks.append(stack)
+            g = len(self.groups)
             self.ranks.append(np.array(members, dtype=np.int64))
+            self.groups.append(Group(tables, bases[self.ranks[-1]]))
+            self.columns.append(first.shape[1])
             for p, key in enumerate(keys):
                 t = index.get(key)
                 if t is not None:  # keys DCP's metadata does not list are ignored, as DCP does
                     self.where[t].append((g, p))
 
     def of(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tensor ``t``'s rows by column (columns x n, a common width) and the rank of each."""
+        """Tensor ``t``'s rows by column (columns x n, a common width) and the rank of each:
+        O(the tensor's rows) in Python, for objects and tensors the batched path left open."""
         parts = self.where[t]
-        if len(parts) == 1:
-            g, p = parts[0]
-            return self.stacks[g][p], self.ranks[g]
-        width = max((self.stacks[g].shape[1] for g, _ in parts), default=4)
-        cols = [_widen(self.stacks[g][p], width) for g, p in parts]
+        width = max((self.columns[g] for g, _ in parts), default=4)
+        cols = [_widen(self.groups[g].column(p), width) for g, p in parts]
         ranks = [self.ranks[g] for g, _ in parts]
         if not cols:
             return np.zeros((width, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(cols, axis=1), np.concatenate(ranks)
-
-
-#: Members transposed at a time by :func:`_stacked`: their rows of one (item, column) are
-#: written as one 2 KB run, and the temporary holds this many tables, not all of them.
-_STACK_BLOCK = 256
-
-
-def _stacked(tables: Sequence[np.ndarray]) -> np.ndarray:
-    """``np.stack(tables, axis=2)``, a block of members at a time: stacking along the last axis
-    writes every element with a stride of a whole member (a cache miss each; 0.5 s for a 70B
-    state at 4,096 ranks), and stacking member-major then transposing all at once doubles the
-    peak memory (1.1 GB more at 16,384 ranks)."""
-    out = np.empty(tables[0].shape + (len(tables),), dtype=np.int64)
-    for s in range(0, len(tables), _STACK_BLOCK):
-        out[:, :, s : s + _STACK_BLOCK] = np.stack(tables[s : s + _STACK_BLOCK], axis=0).transpose(1, 2, 0)
-    return out
 
 
 def _widen(cols: np.ndarray, width: int) -> np.ndarray:
@@ -117,36 +100,65 @@ def items_from_ranks(
         CheckpointError: an item DCP lists was not written by any rank, or cannot be stored.
     """
     rows = _Rows(metadata, ranks)
+    entries = list(metadata.state_dict_metadata.items())
+    fast = batched_grids(rows.groups, rows.where, [_spec(md) if grids else None for _, md in entries], names)
     items: dict[str, TensorEntry | ObjectEntry] = {}
-    for t, (fqn, md) in enumerate(metadata.state_dict_metadata.items()):
-        cols, owners = rows.of(t)
-        if isinstance(md, BytesStorageMetadata):
-            objects = np.flatnonzero(cols[NDIM] == OBJECT)
-            if not len(objects):
-                raise CheckpointError(f"item {fqn!r} is in DCP's metadata but no rank wrote it", key=fqn)
-            row = cols[:, objects[int(np.argmax(owners[objects]))]].tolist()  # the last rank's, as DCP keeps one
-            items[fqn] = ObjectEntry(fqn, "torch.save", names[row[FILE]], row[OFFSET], row[LENGTH])
-            continue
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"item {fqn!r} has unsupported metadata {type(md).__name__}", key=fqn)
-        if md.properties.layout not in (None, torch.strided):
-            raise CheckpointError(
-                f"tensor {fqn!r} has layout {md.properties.layout}; only dense (strided) tensors can be saved", key=fqn
-            )
-        dtype = dtype_name(md.properties.dtype, fqn)
-        shape = tuple(md.size)
-        dims, width = len(shape), (cols.shape[0] - 4) // 2
-        grid = None
-        # A grid only from rows that are exactly DCP's chunks: as many, every one a tensor row of
-        # this rank (DCP's chunks themselves are then not walked).
-        if grids and cols.shape[1] == len(md.chunks) and dims <= width and (cols[NDIM] == dims).all():
-            grid = grid_from_rows(
-                shape, DTYPE_SIZES[dtype], cols[FILE], cols[OFFSET], cols[LENGTH],
-                cols[4 : 4 + dims].T, cols[4 + width : 4 + width + dims].T, names,
-            )  # fmt: skip
-        chunks = grid if grid is not None else _explicit(fqn, md, cols, owners, names)
-        items[fqn] = TensorEntry(fqn, dtype, shape, chunks, bool(md.properties.requires_grad))
+    for t, (fqn, md) in enumerate(entries):
+        chunks = fast[t]
+        if chunks is None:
+            cols, owners = rows.of(t)
+            if isinstance(md, BytesStorageMetadata):
+                objects = np.flatnonzero(cols[NDIM] == OBJECT)
+                if not len(objects):
+                    raise CheckpointError(f"item {fqn!r} is in DCP's metadata but no rank wrote it", key=fqn)
+                row = cols[:, objects[int(np.argmax(owners[objects]))]].tolist()  # the last rank's, as DCP keeps one
+                items[fqn] = ObjectEntry(fqn, "torch.save", names[row[FILE]], row[OFFSET], row[LENGTH])
+                continue
+            chunks = _chunks(fqn, md, cols, owners, names, grids=grids)
+        items[fqn] = TensorEntry(fqn, dtype_name(md.properties.dtype, fqn), tuple(md.size), chunks, bool(md.properties.requires_grad))
     return items
+
+
+def _spec(md: object) -> Spec | None:
+    """What the batched grid path needs of a dense tensor of a known dtype; ``None`` for
+    anything else (which :func:`_chunks` or the object branch then checks, and refuses)."""
+    if not isinstance(md, TensorStorageMetadata) or md.properties.layout not in (None, torch.strided):
+        return None
+    try:
+        esize = DTYPE_SIZES[dtype_name(md.properties.dtype, "")]
+    except CheckpointError:
+        return None
+    return Spec(tuple(md.size), esize, len(md.chunks))
+
+
+def _chunks(
+    fqn: str, md: object, cols: np.ndarray, owners: np.ndarray, names: Sequence[str], *, grids: bool
+) -> GridChunks | tuple[ChunkEntry, ...]:
+    """A tensor's chunks from its rows (columns x n): its grid where :func:`grid_from_rows`
+    finds one (with ``grids``), else every chunk DCP lists.
+
+    Raises:
+        CheckpointError: the item is not a dense tensor, or a chunk DCP lists was not written.
+    """
+    if not isinstance(md, TensorStorageMetadata):
+        raise CheckpointError(f"item {fqn!r} has unsupported metadata {type(md).__name__}", key=fqn)
+    if md.properties.layout not in (None, torch.strided):
+        raise CheckpointError(
+            f"tensor {fqn!r} has layout {md.properties.layout}; only dense (strided) tensors can be saved", key=fqn
+        )
+    dtype = dtype_name(md.properties.dtype, fqn)
+    shape = tuple(md.size)
+    dims, width = len(shape), (cols.shape[0] - 4) // 2
+    # A grid only from rows that are exactly DCP's chunks: as many, every one a tensor row of
+    # this rank (DCP's chunks themselves are then not walked).
+    if grids and cols.shape[1] == len(md.chunks) and dims <= width and (cols[NDIM] == dims).all():
+        grid = grid_from_rows(
+            shape, DTYPE_SIZES[dtype], cols[FILE], cols[OFFSET], cols[LENGTH],
+            cols[4 : 4 + dims].T, cols[4 + width : 4 + width + dims].T, names,
+        )  # fmt: skip
+        if grid is not None:
+            return grid
+    return _explicit(fqn, md, cols, owners, names)
 
 
 def _explicit(

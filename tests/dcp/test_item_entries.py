@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -24,7 +22,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts, rank_writes
-from goodput_ckpt.dcp.item_entries import _stacked
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.grid import GridChunks
 from goodput_ckpt.format.manifest import ALIGNMENT, ChunkEntry, FileEntry, parse_manifest
@@ -167,10 +164,3 @@ def test_ranks_whose_tables_have_other_widths():
     # 1-D one (1 column): the 1-D tensor's rows come from both groups, padded to one width
     items = check(4, {"w": ((2, 3), fsdp((2, 3), 4)), "b": ((12,), fsdp((12,), 4))})
     assert isinstance(items["b"].chunks, GridChunks) and isinstance(items["w"].chunks, GridChunks)
-
-
-@pytest.mark.parametrize("members", [1, 255, 256, 257, 600])
-def test_stacked_is_numpy_stack_along_the_last_axis(members):
-    rng = np.random.default_rng(members)
-    tables = [rng.integers(0, 1 << 40, size=(7, 8), dtype=np.int64) for _ in range(members)]
-    assert np.array_equal(_stacked(tables), np.stack(tables, axis=2))
