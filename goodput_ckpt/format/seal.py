@@ -36,25 +36,36 @@ def seal_manifest(body: bytes) -> bytes:
         return b"".join((head, _DIGEST_MEMBER, blake3.blake3(head).hexdigest().encode(), b'"}'))
 
 
-def _read_seal(data: bytes) -> tuple[int, bool] | None:
-    """``(digest_start, matches)`` for a manifest that ends with a digest member of the form
-    :func:`seal_manifest` writes, or ``None`` when it does not."""
+def _recorded(data: bytes) -> tuple[int, bytes] | None:
+    """``(digest_start, recorded_digest)`` for a manifest that ends with a digest member of the
+    form :func:`seal_manifest` writes, or ``None`` when it does not. Nothing is hashed."""
     text = data.rstrip()
     start = len(text) - len(b'"}') - 64 - len(_DIGEST_MEMBER)
     if start < 0 or text[start : start + len(_DIGEST_MEMBER)] != _DIGEST_MEMBER or not text.endswith(b'"}'):
         return None
-    recorded = text[start + len(_DIGEST_MEMBER) : -2]
-    return start, recorded == blake3.blake3(text[:start]).hexdigest().encode()
+    return start, text[start + len(_DIGEST_MEMBER) : -2]
+
+
+def _read_seal(data: bytes) -> tuple[int, bool] | None:
+    """``(digest_start, matches)`` for a manifest that ends with a digest member of the form
+    :func:`seal_manifest` writes, or ``None`` when it does not."""
+    found = _recorded(data)
+    if found is None:
+        return None
+    start, recorded = found
+    with memoryview(data) as view:  # no copy of a 34 MB record just to hash it
+        return start, recorded == blake3.blake3(view[:start]).hexdigest().encode()
 
 
 def seal_of(data: bytes) -> str | None:
-    """The digest a sealed manifest's raw bytes record (``None``: none), without checking it.
+    """The digest a sealed manifest's raw bytes record (``None``: none), without checking it
+    (and without hashing: the caller has checked it, as :func:`read_commit_record` has).
 
     It names the record: two sealed records with the same digest are the same bytes, so
     comparing 64 characters tells whether two copies hold the same commit record.
     """
-    seal = _read_seal(data)
-    return None if seal is None else data.rstrip()[seal[0] + len(_DIGEST_MEMBER) : -2].decode()
+    found = _recorded(data)
+    return None if found is None else found[1].decode()
 
 
 def check_seal(data: bytes, where_file: str) -> None:
