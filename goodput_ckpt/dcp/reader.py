@@ -98,7 +98,7 @@ class CheckpointReader(StorageReader):
         checked_files: data files (names as in the manifest) whose every chunk the caller has
             just checked against this manifest, such as files a two-tier restore fetched and
             checked on arrival: read without hashing them again. Every other file is verified
-            as ``verify`` says.
+            as ``verify`` says, and one read from ``read_from`` always.
         manifest: this location's manifest, already read and parsed by the caller (a two-tier
             restore has it from the commit record every rank agreed on): the first load uses it
             instead of reading and parsing it again on every rank.

@@ -43,6 +43,7 @@ from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_
 from ..state.bundle import DATALOADER
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
+from ..storage.base import FileOrigin
 from .agreement import agree_on_latest, deliberate_no_dist, fail_on_every_rank, open_group, raise_if_any_rank_failed
 from .config import ManagerConfig
 from .retention import apply_retention, scan_steps
@@ -445,7 +446,7 @@ class CheckpointManager:
         started, t0 = time.time(), time.perf_counter()
         readers: list[CheckpointReader] = []
 
-        def load(plan: Any, where: str, checked: set[str], manifest: Any, read_from: dict[str, Any]) -> None:
+        def load(plan: Any, where: str, checked: set[str], manifest: Any, read_from: dict[str, FileOrigin]) -> None:
             reader = CheckpointReader(
                 where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True,
                 checked_files=checked, manifest=manifest, read_from=read_from,
@@ -455,7 +456,7 @@ class CheckpointManager:
                 # Local: restore_tiers gathers every rank's outcome right after (_load_checked).
                 self._read(plan, reader, f"loading {where}", local=True)
             finally:
-                reader.read_from = {}  # files received into memory are freed with the restore's
+                reader.read_from = {}  # chunks received into memory are freed now, not when the restore returns
 
 
         found = self._tiers.restore(

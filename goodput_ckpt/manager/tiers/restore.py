@@ -162,11 +162,11 @@ def restore_tiers(
         dest_of: the DCP destination state dict of a plan.
         load: ``load(plan, where, checked, manifest, read_from)``: load this rank's ``plan``
             from the checkpoint location ``where`` (this node's copy, whose commit record is
-            ``manifest``), but the files of ``read_from`` from the store it maps them to (the
-            persistent tier's copy of the step), checking every chunk read when verifying,
-            except in the files of ``checked``, whose chunks were checked just before (on
-            arrival from another node), and always in the files of ``read_from``; raises
-            :class:`CheckpointError`. Every rank calls it at
+            ``manifest``), but the files of ``read_from`` from where it maps them (the
+            persistent tier's copy of the step, or the chunks received from another node),
+            checking every chunk read when verifying and always in the files of ``read_from``,
+            except in the files of ``checked`` (after a repair: every chunk this rank reads was
+            just checked); raises :class:`CheckpointError`. Every rank calls it at
             the same point, and every rank's outcome is gathered right after, so it need not
             be collective.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
@@ -368,7 +368,7 @@ def _attempt(
 
     # Nothing arrived checked: the load checks what it reads from memory and from S3.
     damaged = _load_checked(load, plan, where, set(), manifest, read_from, pg, layout.world_size)
-    got = None  # the received files, once loaded
+    got = None  # the chunks received into memory are freed once loaded
     if damaged:
         # Some rank read a chunk that does not match the manifest (or a file cut short since
         # the size check). Check every chunk this rank reads, so that every damaged file is
@@ -387,7 +387,8 @@ def _attempt(
         _load_checked(load, plan, where, set(need), manifest, dict, pg, layout.world_size, repairable=False)
     if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here and node_whole:
         _commit_node_copy(tier, s, data)
-    # Where each file this rank reads came from: its node's copy, unless a rank of its node fetched it.
+    # Where each file this rank reads came from: its node's copy, unless this rank took it from
+    # elsewhere (or, after a repair, a rank of its node fetched it into the copy).
     sources: dict[str, int] = {}
     for name in need:
         tier_name = arrived.get(name, LOCAL)
