@@ -566,13 +566,14 @@ def _route(
         damaged.setdefault(layout.node_of(rank), set()).update(names)
     moves: list[Move] = []
     fetch: dict[int, list[str]] = {}
-    taken: set[tuple[int, str]] = set()  # (node, or rank with per_rank; file)
+    taken: set[tuple[int, str]] = set()  # (node, file): a rank of that node receives it
     for rank, names in enumerate(reports):
         node = layout.node_of(rank)
         for name in names:
-            if (rank if per_rank else node, name) in taken:
-                continue  # another rank of this node receives it
-            taken.add((rank if per_rank else node, name))
+            if not per_rank:
+                if (node, name) in taken:
+                    continue  # another rank of this node receives it
+                taken.add((node, name))
             entry = manifest.files[name]
             holder = None
             for hop in range(1, layout.nodes):
