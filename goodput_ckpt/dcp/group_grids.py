@@ -12,7 +12,7 @@ block, nothing else. So a block of members is copied, rank-major as it is, into 
 (no transposition, no fresh memory), differenced along the members in one pass and compared
 with that expected difference, for every tensor of the group at once. A pair of rows that
 differs ("irregular": a run's end, the short last cell, a group's boundary, a shifted offset) is
-examined on its own in Python, as is every row after one, the first of each group and the
+examined on its own in Python, as is every row after one, the first row of each part and the
 tensor's last (anchors, checked in full against the cell their index names). Every other row is
 valid because its predecessor is and it differs from it as the grid says (induction along the
 members), and it links to it in the same run.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -40,8 +40,9 @@ from .rank_writes import FILE, LENGTH, NDIM, OFFSET
 
 __all__ = ["Group", "Spec", "batched_grids"]
 
-#: int64 elements of one block of members (4 MB): the block, its differences and their
-#: comparison stay in the cache, and the buffers are reused, so no fresh page is touched.
+#: int64 elements of one block of members (4 MiB; with its differences and their comparison
+#: about 8.5 MiB of buffers, more when one member's table is larger): the buffers are reused,
+#: so no fresh page is touched after the first block.
 _BLOCK_ELEMENTS = 1 << 19
 
 
@@ -52,8 +53,9 @@ def _irregular_cap(n: int) -> int:
 
 
 #: Members up to which a group's rows are gathered for the per-tensor path by one stacked copy
-#: (items x columns x members, made once): a group of one rank (rank-unique keys) is then a view
-#: per tensor, as before; a larger group is gathered per position, not copied whole.
+#: of all of them (items x columns x members, made once): a group of one rank (rank-unique keys)
+#: is then a view per tensor, as before. A larger group gathers only the rows of the tensors
+#: left open (:meth:`Group.gather`), once.
 _STACK_MEMBERS = 64
 
 
@@ -64,7 +66,10 @@ class Group:
 
     tables: Sequence[np.ndarray]
     bases: np.ndarray  # int64, one per member
-    _stack: np.ndarray | None = None  # small groups: every row, items x columns x members
+    # Rows gathered side by side (gathered rows x columns x members, file indices the manifest's)
+    # and the row of ``_stack`` that holds each position (``None``: position p is row p).
+    _stack: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _index: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def width(self) -> int:
@@ -77,14 +82,27 @@ class Group:
         r[FILE] += int(self.bases[j])
         return r
 
-    def column(self, p: int) -> np.ndarray:
-        """Row ``p`` of every member, as columns x members (file indices the manifest's)."""
-        if self._stack is not None:
-            return self._stack[p]
+    def gather(self, positions: Sequence[int]) -> None:
+        """Gather the rows at ``positions`` of every member at once, for :meth:`column`: one
+        pass over the members for all the tensors the batched path left open, not one per
+        tensor (O(members x open tensors) Python otherwise). Small groups stack every row."""
+        if self._stack is not None or not len(positions):
+            return
         if len(self.tables) <= _STACK_MEMBERS:
             self._stack = np.stack(self.tables, axis=2)
-            self._stack[:, FILE, :] += self.bases
-            return self._stack[p]
+        else:
+            rows = np.unique(np.asarray(positions, dtype=np.int64))
+            self._stack = np.stack([t[rows] for t in self.tables], axis=2)
+            self._index = {int(p): k for k, p in enumerate(rows)}
+        self._stack[:, FILE, :] += self.bases
+
+    def column(self, p: int) -> np.ndarray:
+        """Row ``p`` of every member, as columns x members (file indices the manifest's); from
+        the rows :meth:`gather` took when it holds ``p``."""
+        if self._stack is None and len(self.tables) <= _STACK_MEMBERS:
+            self.gather([p])
+        if self._stack is not None and (self._index is None or p in self._index):
+            return self._stack[p if self._index is None else self._index[p]]
         cols = np.stack([t[p] for t in self.tables], axis=1)
         cols[FILE] += self.bases
         return cols
@@ -175,7 +193,7 @@ def _scan(group: Group, here: Sequence[tuple[int, int, int]], found: list[_Tenso
     expected[:, FILE] = step
     for p in np.flatnonzero(owner >= 0).tolist():
         tensor = found[owner[p]]
-        if tensor is None:  # dropped at an earlier part in this group
+        if tensor is None:  # dropped at an earlier part (of this group or an earlier one)
             continue
         tensor.steps[part_of[p]] = int(step[p])
         if int(step[p]) <= 0:
@@ -228,8 +246,8 @@ def _scan(group: Group, here: Sequence[tuple[int, int, int]], found: list[_Tenso
 
 
 def _any_last(flags: np.ndarray) -> np.ndarray:
-    """``flags.any(axis=-1)`` for a C-contiguous boolean array: its rows read as one to four
-    wide words (a row is 4 + 2 D bytes, an even number). numpy reduces a short last axis one
+    """``flags.any(axis=-1)`` for a C-contiguous boolean array: its rows read as words of up to
+    8 bytes (a row is 4 + 2 D bytes, an even number: 3 words for D = 1, 5 for D = 3). numpy reduces a short last axis one
     element at a time, 0.28 s of the scan at 17 M rows; this is a comparison per word."""
     size = flags.shape[-1]
     word = next(w for w in (8, 4, 2, 1) if size % w == 0)

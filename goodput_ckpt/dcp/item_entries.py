@@ -2,10 +2,10 @@
 :class:`~.rank_writes.RankWrites`, in Python work O(ranks + tensors).
 
 How: ranks whose item keys are the same list (one digest each; with FSDP nearly all of them) form
-a group; only one rank's keys per group are decoded, so the rows of tensor ``t`` are row ``t``'s
-position in each member's table. :func:`~.group_grids.batched_grids` finds the grids of all
+a group; only one rank's keys per group are decoded, so the rows of tensor ``t`` are row ``p``
+of each member's table, ``p`` being ``t``'s position in the group's key list. :func:`~.group_grids.batched_grids` finds the grids of all
 tensors of a group at once on those tables as they are (numpy, a block of members at a time);
-a tensor it leaves open has its rows gathered and goes to
+a tensor it leaves open has its rows gathered (once per group for all such tensors) and goes to
 :func:`~goodput_ckpt.format.grid_detect.grid_from_rows`, and one that is not a grid, or whose
 rows do not match DCP's chunk count, is listed chunk by chunk from DCP's chunk list, with the
 same checks. The per-chunk work is in numpy, and DCP's chunk lists are only counted, except for
@@ -33,8 +33,9 @@ __all__ = ["items_from_ranks"]
 
 class _Rows:
     """Every rank's table rows, found by tensor: the ranks grouped by key list (each group's
-    tables as they came, rank-major: nothing is stacked or transposed), and per tensor the
-    (group, position) pairs that hold its rows."""
+    tables as they came, rank-major; only the rows of tensors the batched path leaves open are
+    gathered side by side, :meth:`gather`), and per tensor the (group, position) pairs that
+    hold its rows."""
 
     def __init__(self, metadata: Metadata, ranks: Sequence[RankWrites]) -> None:
         index = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}
@@ -63,6 +64,16 @@ class _Rows:
                 t = index.get(key)
                 if t is not None:  # keys DCP's metadata does not list are ignored, as DCP does
                     self.where[t].append((g, p))
+
+    def gather(self, open_tensors: Sequence[int]) -> None:
+        """Gather the rows of ``open_tensors`` (those :meth:`of` will be asked for) in each group
+        at once: one pass over a group's members, not one per tensor."""
+        positions: list[list[int]] = [[] for _ in self.groups]
+        for t in open_tensors:
+            for g, p in self.where[t]:
+                positions[g].append(p)
+        for group, ps in zip(self.groups, positions):
+            group.gather(ps)
 
     def of(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Tensor ``t``'s rows by column (columns x n, a common width) and the rank of each:
@@ -102,6 +113,7 @@ def items_from_ranks(
     rows = _Rows(metadata, ranks)
     entries = list(metadata.state_dict_metadata.items())
     fast = batched_grids(rows.groups, rows.where, [_spec(md) if grids else None for _, md in entries], names)
+    rows.gather([t for t, chunks in enumerate(fast) if chunks is None])
     items: dict[str, TensorEntry | ObjectEntry] = {}
     for t, (fqn, md) in enumerate(entries):
         chunks = fast[t]
@@ -178,5 +190,9 @@ def _explicit(
         loc = where.get(offsets)
         if loc is None:
             raise CheckpointError(f"chunk {list(offsets)} of tensor {fqn!r} is in DCP's metadata but no rank wrote it", key=fqn)
+        if not 0 <= loc[0] < len(names):
+            raise CheckpointError(
+                f"chunk {list(offsets)} of tensor {fqn!r} was written to file {loc[0]}, of {len(names)} written", key=fqn
+            )
         out.append(ChunkEntry(offsets, tuple(ch.sizes), names[loc[0]], loc[1], loc[2]))
     return tuple(out)

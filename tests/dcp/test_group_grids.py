@@ -15,6 +15,7 @@ import pytest
 from goodput_ckpt.dcp import group_grids, item_entries
 from goodput_ckpt.dcp.commit_build import build_manifest, forget_layouts
 from goodput_ckpt.dcp.item_entries import _chunks, _Rows, _spec
+from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.grid import GridChunks
 from test_item_entries import fsdp, save, split
 
@@ -67,7 +68,7 @@ def oracle(md, ranks, names):
             continue
         try:
             got = _chunks(fqn, m, cols, owners, names, grids=True)
-        except Exception:  # a chunk no rank wrote: not a grid either
+        except CheckpointError:  # a chunk no rank wrote: not a grid either
             got = None
         out.append(got if isinstance(got, GridChunks) else None)
     return rows, out
@@ -180,3 +181,23 @@ def test_one_group_per_rank_takes_the_per_tensor_path(monkeypatch):
     md, results, _ = save(40, {"w": ((80, 2), fsdp((80, 2), 40))}, {f"rng.rank{r}": [r] for r in range(40)})
     assert compare(md, results) == (1, 1)
     same_record(md, results, monkeypatch)
+
+
+@pytest.mark.parametrize("members", [1, 64, 65, 300])
+def test_group_columns_are_each_members_row_with_its_file_base(members):
+    """``Group.column(p)``, for the tensors the batched path leaves open: row ``p`` of every
+    member side by side, its file index shifted by the member's base, whether the group stacks
+    every row (small), gathered the open positions at once, or gathers one position alone."""
+    rng = np.random.default_rng(members)
+    tables = [rng.integers(0, 1000, (7, 6), dtype=np.int64) for _ in range(members)]
+    bases = np.cumsum(rng.integers(1, 5, members), dtype=np.int64)
+    before = [t.copy() for t in tables]
+    want = np.stack(tables, axis=2)
+    want[:, group_grids.FILE, :] += bases
+    gathered = group_grids.Group(tables, bases)
+    gathered.gather([5, 2, 5])
+    alone = group_grids.Group(tables, bases)
+    for p in range(7):
+        assert np.array_equal(gathered.column(p), want[p]), p
+        assert np.array_equal(alone.column(p), want[p]), p
+    assert all(np.array_equal(t, c) for t, c in zip(tables, before))  # the ranks' tables stay as they were
