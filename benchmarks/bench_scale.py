@@ -24,6 +24,13 @@ phase:
   ``create_read_items_for_chunk_list``, what ``DefaultLoadPlanner`` runs, for v1 and for
   ``torch.plan``), and the storage lookup of each read.
 
+``--state training`` adds what ``CheckpointManager`` saves besides the model and the moments:
+AdamW's ``step`` per parameter and its param-group values (rank 0 keeps them, as the save
+planner leaves replicated values on the lowest rank) and, on every rank, its generators (six
+tensors) and its dataloader position under keys that name the rank: about 7 items per rank,
+115 k at 16,384 ranks, each a manifest item of its own. ``bare`` (the default) is the model and
+moments alone, as the figures in ``docs/scale.md`` before 2026-12-06 were measured.
+
 With ``--mesh fsdp`` and neither ``v1`` nor ``torch`` among ``--methods``, the inputs come from
 :func:`simulate_compact` (numpy tables, DCP's chunk lists made only if walked), so 16,384 ranks fit
 in memory; otherwise from :func:`simulate` (every chunk a Python object, about 1 GB per million).
@@ -61,6 +68,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -74,7 +82,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 import numpy as np
 
 from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts
-from goodput_ckpt.dcp.rank_writes import RankWrites, from_table, layout_of
+from goodput_ckpt.dcp.rank_writes import OBJECT, RankWrites, from_table, layout_of
 from goodput_ckpt.dcp.load_planner import tensor_read_items
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
@@ -125,6 +133,49 @@ def model_tensors(model: str) -> list[Tensor]:
     return out
 
 
+#: What ``CheckpointManager`` saves besides the model and moments (``--state training``): AdamW's
+#: ``step`` per parameter and its param-group values (replicated: the save planner leaves them on
+#: rank 0), and per rank its generators and its dataloader position, under keys naming the rank.
+#: (fqn suffix, shape, dtype); shape ``None``: an object of OBJECT_BYTES.
+RNG_ITEMS = [
+    ("python", (625,), "int64"), ("python_gauss", (2,), "float64"), ("numpy", (624,), "int64"),
+    ("numpy_pos", (2,), "int64"), ("numpy_gauss", (1,), "float64"), ("torch", (5056,), "uint8"),
+]  # fmt: skip
+PARAM_GROUP_KEYS = ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                    "differentiable", "fused", "decoupled_weight_decay", "params"]  # fmt: skip
+LOADER_BYTES, OBJECT_BYTES = 512, 100
+
+Own = tuple[str, tuple[int, ...] | None, str]  # fqn, shape (None: an object), dtype
+
+
+def own_items(tensors: list[Tensor], rank: int, state: str) -> list[Own]:
+    """The items ``rank`` writes that are not shards (``--state training``), in the order the
+    writer puts them: first in its file."""
+    if state == "bare":
+        return []
+    out: list[Own] = []
+    if rank == 0:
+        params = [t.fqn for t in tensors if t.dtype == "bfloat16"]
+        out += [(f"optim.state.{f}.step", (), "float32") for f in params]
+        out += [(f"optim.param_groups.0.{k}", None, "") for k in PARAM_GROUP_KEYS]
+    out += [(f"rng.rank{rank}.{k}", shape, dtype) for k, shape, dtype in RNG_ITEMS]
+    out.append((f"dataloader.rank{rank}", (LOADER_BYTES,), "uint8"))
+    return out
+
+
+def own_metadata(item: Own) -> TensorStorageMetadata | BytesStorageMetadata:
+    fqn, shape, dtype = item
+    if shape is None:
+        return BytesStorageMetadata()
+    chunk = ChunkStorageMetadata(offsets=torch.Size((0,) * len(shape)), sizes=torch.Size(shape))
+    return TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape), chunks=[chunk])
+
+
+def own_length(item: Own) -> int:
+    _, shape, dtype = item
+    return OBJECT_BYTES if shape is None else math.prod(shape) * DTYPE_SIZES[dtype]
+
+
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     """torch's chunk rule: blocks of ceil(n / parts), the last smaller, empty ones dropped."""
     c = -(-n // parts) if n else 0
@@ -166,15 +217,32 @@ class Simulated:
     world: int
 
 
-def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
+def simulate(model: str, world: int, mesh: str, plan_rank: int, state: str = "bare") -> Simulated:
     """Build the ``finish`` inputs of a save of ``model`` by ``world`` ranks (no data)."""
     tensors = model_tensors(model)
     ends = [0] * world
-    rank_items: list[list[tuple[MetadataIndex, int, int, tuple[int, ...]]]] = [[] for _ in range(world)]
-    sd_md: dict[str, TensorStorageMetadata] = {}
+    rank_items: list[list[tuple[MetadataIndex, int, int, tuple[int, ...] | None]]] = [[] for _ in range(world)]
+    sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     torch_storage: dict[MetadataIndex, _StorageInfo] = {}
     local: dict[int, list[tuple[str, ChunkStorageMetadata]]] = {plan_rank: []}
     count = 0
+    owns = [own_items(tensors, rank, state) for rank in range(world)]
+    own_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for rank, items in enumerate(owns):  # first in each rank's file, as the writer puts them
+        for item in items:
+            fqn, shape, _ = item
+            md = own_metadata(item)
+            own_md[fqn] = md  # after the model's and optimizer's tensors, in state-dict order
+            length = own_length(item)
+            off = -(-ends[rank] // ALIGNMENT) * ALIGNMENT
+            ends[rank] = off + length
+            offsets = None if shape is None else (0,) * len(shape)
+            index = MetadataIndex(fqn, None if offsets is None else torch.Size(offsets))
+            rank_items[rank].append((index, off, length, shape))
+            torch_storage[index] = _StorageInfo(f"__{rank}_0.distcp", off, length)
+            if isinstance(md, TensorStorageMetadata) and (rank == plan_rank or fqn.startswith("optim.state.")):
+                local[plan_rank].append((fqn, md.chunks[0]))  # its own generators, every step
+            count += 1
     for t in tensors:
         esize = DTYPE_SIZES[t.dtype]
         chunks = []
@@ -192,18 +260,30 @@ def simulate(model: str, world: int, mesh: str, plan_rank: int) -> Simulated:
             count += 1
         props = TensorProperties(dtype=getattr(torch, t.dtype))
         sd_md[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.shape), chunks=chunks)
+    sd_md |= own_md
     planner_data = {t.fqn: (t.fqn,) for t in tensors}  # what DCP records for a flat state dict
+    planner_data |= {fqn: tuple(fqn.split(".")) for items in owns for fqn, *_ in items}
     results: list[list[WriteResult]] = []
     for rank, items in enumerate(rank_items):  # each rank's one result, as CheckpointWriter returns it
         name = f"rank{rank:05d}-00.0123456789ab.bin"  # the writer's names (data_file_name), same length
         size = ends[rank]
         hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
         files = (FileEntry(name, size, hashes),) if items else ()  # a rank without items writes no file
-        writes = from_table(files, [index.fqn for index, *_ in items], _table(items))
+        writes = _from_table(files, [index.fqn for index, *_ in items], _table(items), len(owns[rank]))
         results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=writes)])
     md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
     torch_md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=torch_storage)
     return Simulated(md, results, torch_md, local, count, world)
+
+
+#: Whether the package on the path splits a rank's own items from its shards (RankWrites.own);
+#: a package from before that change gets its RankWrites as its writer made them, so that the
+#: same script measures it (before/after figures).
+_OWN = "own" in RankWrites.__dataclass_fields__
+
+
+def _from_table(files: tuple[FileEntry, ...], keys: list[str], table: np.ndarray, own: int) -> RankWrites:
+    return from_table(files, keys, table, own=own) if _OWN else from_table(files, keys, table)
 
 
 class _LazyChunks(list):
@@ -230,7 +310,7 @@ class _LazyChunks(list):
         return list.__getitem__(self._made(), k)
 
 
-def simulate_compact(model: str, world: int, plan_rank: int) -> Simulated:
+def simulate_compact(model: str, world: int, plan_rank: int, state: str = "bare") -> Simulated:
     """:func:`simulate` for FSDP without per-chunk Python objects (ours only, any W): each rank's
     ``RankWrites`` table is made with numpy, tensor by tensor across the ranks, and DCP's chunk
     lists are :class:`_LazyChunks`. Same records as :func:`simulate` (``--check-compact``)."""
@@ -238,7 +318,24 @@ def simulate_compact(model: str, world: int, plan_rank: int) -> Simulated:
     held = np.array([len(_split(t.shape[0], world)) for t in tensors])  # ranks 0 .. held-1 hold t
     ends = np.zeros(world, dtype=np.int64)
     cols = np.zeros((len(tensors), world, 8), dtype=np.int64)  # a row per (tensor, rank): RankWrites columns, D = 2
-    sd_md: dict[str, TensorStorageMetadata] = {}
+    sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    # Own items first in each file: rank 0's table of them, and one shared by the other ranks
+    # (the same items under their own keys).
+    own_tables: dict[bool, tuple[np.ndarray, int]] = {}
+    for first in (True, False):
+        if state == "bare":
+            own_tables[first] = (np.zeros((0, 8), dtype=np.int64), 0)
+            continue
+        items = own_items(tensors, 0 if first else 1, state)
+        rows = [(None if it[1] is None else (0,) * len(it[1]), own_length(it), it[1]) for it in items]
+        table = _table([(MetadataIndex("", None if o is None else torch.Size(o)), 0, n, sh) for o, n, sh in rows], dims=2)
+        end = 0
+        for row, (_, n, _) in zip(table, rows):
+            row[1] = -(-end // ALIGNMENT) * ALIGNMENT
+            end = int(row[1]) + n
+        own_tables[first] = (table, end)
+    ends[0] = own_tables[True][1]
+    ends[1:] = own_tables[False][1]
     for i, t in enumerate(tensors):
         k, rest = held[i], t.shape[1:]
         c = -(-t.shape[0] // world)
@@ -253,6 +350,9 @@ def simulate_compact(model: str, world: int, plan_rank: int) -> Simulated:
             row[:, 7] = rest[0]
         props = TensorProperties(dtype=getattr(torch, t.dtype))
         sd_md[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.shape), chunks=_LazyChunks(t, world))
+    owns = [own_items(tensors, rank, state) for rank in range(world)]
+    for item in (item for items in owns for item in items):
+        sd_md[item[0]] = own_metadata(item)
     keys_by_count: dict[int, tuple[bytes, bytes, np.ndarray]] = {}
     results: list[list[WriteResult]] = []
     for rank in range(world):
@@ -262,12 +362,17 @@ def simulate_compact(model: str, world: int, plan_rank: int) -> Simulated:
             proto = from_table((), [t.fqn for t, m in zip(tensors, mask) if m], np.zeros((n, 8), dtype=np.int64))
             keys_by_count[n] = (proto.keys, proto.keys_digest, mask)
         blob, digest, _ = keys_by_count[n]
-        table = np.ascontiguousarray(cols[mask, rank])
+        own_table = own_tables[rank == 0][0]
+        table = np.concatenate([own_table, cols[mask, rank]])
+        own_blob = json.dumps([fqn for fqn, *_ in owns[rank]], separators=(",", ":")).encode()
         size = int(ends[rank])
         name = f"rank{rank:05d}-00.0123456789ab.bin"
         hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
-        files = (FileEntry(name, size, hashes),) if n else ()
-        writes = RankWrites(files, blob, digest, table, layout_of(digest, table))
+        files = (FileEntry(name, size, hashes),) if len(table) else ()
+        if _OWN:
+            writes = RankWrites(files, blob, digest, table, layout_of(digest, table, own_blob), len(own_table), own_blob)
+        else:
+            writes = _from_table(files, json.loads(own_blob) + json.loads(blob), table, len(own_table))
         results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=writes)])
     del cols
     local: dict[int, list[tuple[str, ChunkStorageMetadata]]] = {plan_rank: []}
@@ -277,20 +382,26 @@ def simulate_compact(model: str, world: int, plan_rank: int) -> Simulated:
             o0 = plan_rank * c
             box = ChunkStorageMetadata(offsets=torch.Size((o0,) + (0,) * (len(t.shape) - 1)), sizes=torch.Size((min(c, t.shape[0] - o0),) + t.shape[1:]))
             local[plan_rank].append((t.fqn, box))
-    md = Metadata(state_dict_metadata=sd_md, planner_data={t.fqn: (t.fqn,) for t in tensors})
-    return Simulated(md, results, md, local, int(held.sum()), world)
+    for item in owns[plan_rank] + [it for it in owns[0] if it[0].startswith("optim.state.")]:
+        md_item = sd_md[item[0]]
+        if isinstance(md_item, TensorStorageMetadata):
+            local[plan_rank].append((item[0], md_item.chunks[0]))
+    planner_data = {t.fqn: (t.fqn,) for t in tensors} | {fqn: tuple(fqn.split(".")) for items in owns for fqn, *_ in items}
+    md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
+    return Simulated(md, results, md, local, int(held.sum()) + sum(map(len, owns)), world)
 
 
-def _table(items: list[tuple[MetadataIndex, int, int, tuple[int, ...]]]) -> np.ndarray:
+def _table(items: list[tuple[MetadataIndex, int, int, tuple[int, ...] | None]], dims: int = 0) -> np.ndarray:
     """A rank's ``RankWrites`` table (what ``rank_writes`` builds on a real rank), made with numpy
-    per dimension count: the rows of its items (one file), in item order."""
-    dims = max((len(sz) for *_, sz in items), default=0)
+    per dimension count: the rows of its items (one file), in item order; sizes ``None``: an
+    object. At least ``dims`` offset columns."""
+    dims = max([dims] + [len(sz) for *_, sz in items if sz is not None])
     table = np.zeros((len(items), 4 + 2 * dims), dtype=np.int64)
     if not items:
         return table
     table[:, 1] = [off for _, off, _, _ in items]
     table[:, 2] = [n for _, _, n, _ in items]
-    nd = np.array([len(sz) for *_, sz in items])
+    nd = np.array([OBJECT if sz is None else len(sz) for *_, sz in items])
     table[:, 3] = nd
     for d in range(1, dims + 1):
         rows = np.flatnonzero(nd == d)
@@ -402,12 +513,12 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
 
 
 def measure(
-    model: str, world: int, mesh: str, repeats: int, memory: bool, order_log: list[str], methods: list[str]
+    model: str, world: int, mesh: str, repeats: int, memory: bool, order_log: list[str], methods: list[str], state: str = "bare"
 ) -> dict[str, Any]:
     plan_rank = world // 2
     t0 = time.perf_counter()
     compact = mesh == "fsdp" and "torch" not in methods and "v1" not in methods
-    sim = simulate_compact(model, world, plan_rank) if compact else simulate(model, world, mesh, plan_rank)
+    sim = simulate_compact(model, world, plan_rank, state) if compact else simulate(model, world, mesh, plan_rank, state)
     setup = time.perf_counter() - t0
     timings: dict[str, Phase] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
@@ -422,7 +533,7 @@ def measure(
                 else:
                     torch_side(sim, plan_rank, traced, timings)
     row: dict[str, Any] = {
-        "model": model, "mesh": mesh, "world": world, "tensors": len(sim.metadata.state_dict_metadata),
+        "model": model, "mesh": mesh, "state": state, "world": world, "tensors": len(sim.metadata.state_dict_metadata),
         "chunks": sim.chunks, "setup_s": round(setup, 2), "simulation": "compact" if compact else "full", "phases": {},
     }  # fmt: skip
     for ph in timings.values():
@@ -444,7 +555,7 @@ def measure(
 
 
 def print_row(row: dict[str, Any]) -> None:
-    print(f"\n{row['model']} {row['mesh']} W={row['world']}: {row['tensors']} tensors, {row['chunks']} chunks (setup {row['setup_s']} s)")
+    print(f"\n{row['model']} {row['mesh']} {row['state']} W={row['world']}: {row['tensors']} tensors, {row['chunks']} chunks (setup {row['setup_s']} s)")
     print(f"  {'phase':<12} {'min s':>8} {'median s':>9} {'max s':>8} {'peak MB':>9} {'bytes':>12}")
     for name, ph in row["phases"].items():
         nbytes = f"{ph['bytes']:,}" if ph["bytes"] else ""
@@ -473,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="fsdp", help="fsdp, fsdp-tp, or both comma-separated")
     ap.add_argument("--ranks", default="64,256", help="world sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--state", choices=("bare", "training"), default="bare",
+        help="bare: parameters and AdamW moments; training: also what CheckpointManager saves besides "
+        "(AdamW steps and param groups on rank 0, each rank's generators and dataloader position)",
+    )  # fmt: skip
     ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
     ap.add_argument("--check", action="store_true", help="compare real gloo saves (2-16 ranks) with the simulation")
@@ -488,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.layouts.split(","):
         for mesh in args.mesh.split(","):
             for world in (int(w) for w in args.ranks.split(",")):
-                row = measure(model, world, mesh, args.repeats, not args.no_memory, order_log, args.methods.split(","))
+                row = measure(model, world, mesh, args.repeats, not args.no_memory, order_log, args.methods.split(","), args.state)
                 print_row(row)
                 sys.stdout.flush()
                 rows.append(row)

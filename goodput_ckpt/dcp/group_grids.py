@@ -139,7 +139,14 @@ def batched_grids(
     order (group, position in its members' tables); ``specs[t]``: ``None`` for an item that is
     not a tensor to store as a grid."""
     members = [len(g.tables) for g in groups]
-    found: list[_Tensor | None] = [_start(groups, members, ps, spec) if spec is not None else None for ps, spec in zip(parts, specs)]
+    single: dict[int, GridChunks | None] = {}  # tensors of one cell written by one rank: decided at once
+    found: list[_Tensor | None] = []
+    for t, (ps, spec) in enumerate(zip(parts, specs)):
+        if spec is not None and spec.chunks == 1 and len(ps) == 1 and members[ps[0][0]] == 1:
+            single[t] = _one_cell(groups[ps[0][0]], ps[0][1], spec, names)
+            found.append(None)
+        else:
+            found.append(_start(groups, members, ps, spec) if spec is not None else None)
     held: list[list[tuple[int, int, int]]] = [[] for _ in groups]  # per group: (tensor, part, position)
     for t, tensor in enumerate(found):
         if tensor is not None:
@@ -151,8 +158,28 @@ def batched_grids(
     out: list[GridChunks | None] = []
     for t, spec in enumerate(specs):
         tensor = found[t]
-        out.append(None if tensor is None or spec is None else _finish(groups, tensor, spec, names))
+        if t in single:
+            out.append(single[t])
+        else:
+            out.append(None if tensor is None or spec is None else _finish(groups, tensor, spec, names))
     return out
+
+
+def _one_cell(group: Group, p: int, spec: Spec, names: Sequence[str]) -> GridChunks | None:
+    """The grid of a tensor that one rank wrote whole (a rank's generator state, a replicated
+    value): one cell, the whole shape. The training state of 16,384 ranks has about 115,000
+    such tensors (each rank's own), so this is the few checks :func:`_finish` would make of its
+    one row, without the machinery for many; ``None`` where the row is not that cell."""
+    shape, dims = spec.shape, len(spec.shape)
+    if not dims or 0 in shape or group.width < dims:
+        return None
+    row = group.row(0, p)
+    w = group.width
+    if row[NDIM] != dims or any(row[4 : 4 + dims]) or tuple(row[4 + w : 4 + w + dims]) != shape:
+        return None
+    if row[LENGTH] != math.prod(shape) * spec.esize:
+        return None
+    return GridChunks(shape, shape, spec.esize, ((1, row[FILE], 1, row[OFFSET]),), names)
 
 
 def _start(groups: Sequence[Group], members: Sequence[int], parts: Sequence[tuple[int, int]], spec: Spec) -> _Tensor | None:

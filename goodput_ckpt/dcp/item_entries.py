@@ -1,9 +1,11 @@
 """The manifest's item entries of a save, from DCP's global ``Metadata`` and every rank's
 :class:`~.rank_writes.RankWrites`, in Python work O(ranks + tensors).
 
-How: ranks whose item keys are the same list (one digest each; with FSDP nearly all of them) form
+How: ranks whose shards have the same keys (one digest each; with FSDP nearly all of them) form
 a group; only one rank's keys per group are decoded, so the rows of tensor ``t`` are row ``p``
-of each member's table, ``p`` being ``t``'s position in the group's key list. :func:`~.group_grids.batched_grids` finds the grids of all
+of each member's shard rows, ``p`` being ``t``'s position in the group's key list. A rank's own
+items (per-rank state, replicated values: not shards) are a group of one each, so they never
+split the ranks' groups. :func:`~.group_grids.batched_grids` finds the grids of all
 tensors of a group at once on those tables as they are (numpy, a block of members at a time);
 a tensor it leaves open has its rows gathered (once per group for all such tensors) and goes to
 :func:`~goodput_ckpt.format.grid_detect.grid_from_rows`, and one that is not a grid, or whose
@@ -14,7 +16,7 @@ tensors listed explicitly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -32,38 +34,48 @@ __all__ = ["items_from_ranks"]
 
 
 class _Rows:
-    """Every rank's table rows, found by tensor: the ranks grouped by key list (each group's
-    tables as they came, rank-major; only the rows of tensors the batched path leaves open are
-    gathered side by side, :meth:`gather`), and per tensor the (group, position) pairs that
-    hold its rows."""
+    """Every rank's table rows, found by tensor: the ranks grouped by the keys of their shards
+    (each group's shard rows as they came, rank-major; only the rows of tensors the batched path
+    leaves open are gathered side by side, :meth:`gather`), each rank's own items (plain tensors,
+    objects) a group of one after them, and per tensor the (group, position) pairs that hold its
+    rows."""
 
     def __init__(self, metadata: Metadata, ranks: Sequence[RankWrites]) -> None:
         index = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}
-        groups: dict[bytes, list[int]] = {}
+        for rw in ranks:
+            if not 0 <= rw.own <= len(rw.table):
+                raise CheckpointError("CheckpointWriter.finish got results it did not write: own items out of range")
+        groups: dict[tuple[bytes, int], list[int]] = {}
         for r, rw in enumerate(ranks):
-            groups.setdefault(rw.keys_digest, []).append(r)
+            if rw.own < len(rw.table):
+                groups.setdefault((rw.keys_digest, rw.table.shape[1]), []).append(r)
         bases = np.cumsum([0] + [len(rw.files) for rw in ranks], dtype=np.int64)
         self.where: list[list[tuple[int, int]]] = [[] for _ in index]
         self.groups: list[Group] = []
         self.ranks: list[np.ndarray] = []
         self.columns: list[int] = []  # per group: its tables' columns
-        for members in groups.values():
-            tables = [ranks[m].table for m in members]
-            first = tables[0]
-            if any(t.shape != first.shape for t in tables):
+
+        def add(members: list[int], tables: list[np.ndarray], keys: Callable[[], list[str]]) -> None:
+            if any(t.shape != tables[0].shape for t in tables):
                 raise CheckpointError("CheckpointWriter.finish: ranks with the same item keys sent tables of other shapes")
             try:
-                keys = ranks[members[0]].key_list()
+                decoded = keys()
             except ValueError as e:
                 raise CheckpointError(f"CheckpointWriter.finish got results it did not write: {e}") from e
             g = len(self.groups)
             self.ranks.append(np.array(members, dtype=np.int64))
             self.groups.append(Group(tables, bases[self.ranks[-1]]))
-            self.columns.append(first.shape[1])
-            for p, key in enumerate(keys):
+            self.columns.append(tables[0].shape[1])
+            for p, key in enumerate(decoded):
                 t = index.get(key)
                 if t is not None:  # keys DCP's metadata does not list are ignored, as DCP does
                     self.where[t].append((g, p))
+
+        for members in groups.values():
+            add(members, [ranks[m].shards for m in members], ranks[members[0]].key_list)
+        for r, rw in enumerate(ranks):
+            if rw.own:
+                add([r], [rw.owned], rw.own_key_list)
 
     def gather(self, open_tensors: Sequence[int]) -> None:
         """Gather the rows of ``open_tensors`` (those :meth:`of` will be asked for) in each group

@@ -3,10 +3,20 @@
 DCP gathers every rank's write results on the coordinator. With one ``WriteResult`` per item that
 is ranks x tensors pickled dataclasses (2.2 M for a 70B state with AdamW at 1,024 ranks); even as
 plain tuples the coordinator then walks each in Python. Here a rank sends its files, its item keys
-once as one JSON blob (with a digest, so the coordinator decodes the keys of only one rank per
-distinct key list: with FSDP nearly every rank holds a shard of every tensor, in the same order),
-and where its items lie as one int64 array. The coordinator's Python work is then O(ranks +
-tensors); the per-item work runs in numpy (:mod:`.commit_build`).
+as JSON blobs and where its items lie as one int64 array. The coordinator's Python work is then
+O(ranks + tensors); the per-item work runs in numpy (:mod:`.commit_build`).
+
+The keys come in two parts, because the coordinator groups ranks by their keys and decodes the
+keys of only one rank per group:
+
+- the rank's **own** items first: values that are not a shard of a distributed tensor (plain
+  tensors and objects: per-rank RNG and dataloader state under keys that name the rank, and the
+  small replicated values the save planner leaves on the lowest rank). Every rank's are
+  different, and few (the replicated ones: O(tensors) in all, on one rank);
+- then its **shards**, with a digest of their keys: with FSDP every rank holds a shard of
+  nearly every tensor, in the same order, so nearly all ranks share one digest whatever their
+  own items are. Were the own keys part of it, a training job's per-rank RNG keys would make
+  every rank a group of one, and the coordinator's work O(ranks x tensors) in Python.
 
 This value lives only between the ranks of one job, never on disk: changing it changes no format.
 """
@@ -37,10 +47,11 @@ OBJECT = -1
 
 @dataclass(frozen=True)
 class RankWrites:
-    """One rank's write results: its files (names and chunk digests, in file order), its item
-    keys (a JSON list, in item order) with their digest, and one table row per item.
+    """One rank's write results: its files (names and chunk digests, in file order), one table
+    row per item (its ``own`` items first, then its shards), the shards' keys (a JSON list, in
+    table order) with their digest, and the own items' keys (a JSON list).
 
-    ``layout`` digests the keys and the table (everything of the item entries but file names):
+    ``layout`` digests all keys and the table (everything of the item entries but file names):
     equal between two saves exactly when the layout is, so the coordinator can reuse the last
     save's entries (:func:`~.commit_build.build_manifest`).
     """
@@ -50,23 +61,46 @@ class RankWrites:
     keys_digest: bytes
     table: np.ndarray  # int64, items x (4 + 2 D)
     layout: bytes
+    own: int = 0
+    own_keys: bytes = b"[]"
 
     @property
     def dims(self) -> int:
         """``D``: how many offset (and size) columns the table has."""
         return (self.table.shape[1] - 4) // 2
 
+    @property
+    def shards(self) -> np.ndarray:
+        """The shard rows of the table (a view)."""
+        return self.table[self.own :]
+
+    @property
+    def owned(self) -> np.ndarray:
+        """The own rows of the table (a view)."""
+        return self.table[: self.own]
+
     def key_list(self) -> list[str]:
-        """The item keys, in table order (decoded on demand: O(the rank's items))."""
-        keys = json.loads(self.keys)
-        if not isinstance(keys, list) or len(keys) != len(self.table) or not all(isinstance(k, str) for k in keys):
-            raise ValueError("RankWrites keys do not match its table")
-        return keys
+        """The shards' keys, in table order (decoded on demand: O(the rank's items))."""
+        return _decoded(self.keys, len(self.table) - self.own)
+
+    def own_key_list(self) -> list[str]:
+        """The own items' keys, in table order."""
+        return _decoded(self.own_keys, self.own)
 
 
-def rank_writes(files: Sequence[FileEntry], written: Sequence[Written], sizes: Sequence[tuple[int, ...] | None]) -> RankWrites:
+def _decoded(blob: bytes, rows: int) -> list[str]:
+    keys = json.loads(blob)
+    if not isinstance(keys, list) or len(keys) != rows or not all(isinstance(k, str) for k in keys):
+        raise ValueError("RankWrites keys do not match its table")
+    return keys
+
+
+def rank_writes(
+    files: Sequence[FileEntry], written: Sequence[Written], sizes: Sequence[tuple[int, ...] | None], *, own: int = 0
+) -> RankWrites:
     """A rank's :class:`RankWrites` from its items (``sizes``: each chunk's sizes, ``None`` for an
-    object). O(the rank's items), on the rank."""
+    object; the first ``own`` items are its own, the rest shards). O(the rank's items), on the
+    rank."""
     dims = max((len(s) for s in sizes if s is not None), default=0)
     table = np.zeros((len(written), 4 + 2 * dims), dtype=np.int64)
     for row, ((_, offsets, file, offset, length), size) in enumerate(zip(written, sizes)):
@@ -78,20 +112,29 @@ def rank_writes(files: Sequence[FileEntry], written: Sequence[Written], sizes: S
             r[NDIM] = len(offsets)
             r[4 : 4 + len(offsets)] = offsets
             r[4 + dims : 4 + dims + len(size)] = size
-    return from_table(files, [w[0] for w in written], table)
+    return from_table(files, [w[0] for w in written], table, own=own)
 
 
-def from_table(files: Sequence[FileEntry], keys: Sequence[str], table: np.ndarray) -> RankWrites:
-    """A :class:`RankWrites` from its parts (the rank's table already built)."""
-    blob = json.dumps(list(keys), separators=(",", ":")).encode()
+def from_table(files: Sequence[FileEntry], keys: Sequence[str], table: np.ndarray, *, own: int = 0) -> RankWrites:
+    """A :class:`RankWrites` from its parts (the rank's table already built; its first ``own``
+    rows the rank's own items)."""
+    if not 0 <= own <= len(keys):
+        raise ValueError(f"own items {own} of {len(keys)}")
+    own_blob = _blob(keys[:own])
+    blob = _blob(keys[own:])
     keys_digest = hashlib.blake2b(blob, digest_size=16).digest()
     table = np.ascontiguousarray(table, dtype=np.int64)
-    return RankWrites(tuple(files), blob, keys_digest, table, layout_of(keys_digest, table))
+    return RankWrites(tuple(files), blob, keys_digest, table, layout_of(keys_digest, table, own_blob), own, own_blob)
 
 
-def layout_of(keys_digest: bytes, table: np.ndarray) -> bytes:
+def _blob(keys: Sequence[str]) -> bytes:
+    return json.dumps(list(keys), separators=(",", ":")).encode()
+
+
+def layout_of(keys_digest: bytes, table: np.ndarray, own_keys: bytes = b"[]") -> bytes:
     """:attr:`RankWrites.layout` for these keys and this table."""
     h = hashlib.blake2b(keys_digest, digest_size=16)
+    h.update(hashlib.blake2b(own_keys, digest_size=16).digest())
     h.update(repr(table.shape).encode())
     h.update(np.ascontiguousarray(table, dtype=np.int64).tobytes())
     return h.digest()

@@ -310,8 +310,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
         # Values that are not shards of a distributed tensor first: the small replicated ones
         # (optimizer steps, hyperparameters) that every rank reads at a restore then lie together
-        # at the start of the file, in its first hash chunk, not one chunk each.
+        # at the start of the file, in its first hash chunk, not one chunk each. They are the
+        # rank's own items in its RankWrites (the coordinator groups ranks by their shards).
         items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
+        own = sum(1 for it in items if it.type != WriteItemType.SHARD)
         sources = [self._resolve(item, planner) for item in items]
         sizes = [s.nbytes for s in sources]
         store = self._store
@@ -326,7 +328,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             (items[p.item].index.fqn, _offsets(items[p.item]), p.file, p.offset, p.length) for p in placements
         )
         boxes = [None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements]
-        writes = rank_writes(tuple(entries), written, boxes)
+        writes = rank_writes(tuple(entries), written, boxes, own=own)
         return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
 
     def _resolve(self, item: WriteItem, planner: SavePlanner) -> Any:

@@ -37,9 +37,19 @@ class StoredRange:
     length: int
 
 
+#: Names already made: ``str(dtype)`` costs several microseconds, and a commit build at 16,384
+#: ranks asks for one per item (each rank's generators are items of their own).
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype, key: str = "") -> str:
     """Canonical manifest name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is not None:
+        return name
     name = str(dtype).removeprefix("torch.")
+    if name in DTYPE_SIZES and isinstance(dtype, torch.dtype):
+        _DTYPE_NAMES[dtype] = name
     if name not in DTYPE_SIZES:
         raise CheckpointError(
             f"tensor {key!r} has dtype {dtype}, which format v1 cannot store "

@@ -48,6 +48,17 @@ def layout(rng: np.random.Generator, world: int) -> dict:
     return tensors
 
 
+def owned(rng: np.random.Generator, world: int) -> dict:
+    """Tensors a rank writes whole and alone (a training job's per-rank generator state under
+    a key naming the rank, a replicated scalar the lowest rank keeps): its own items."""
+    out: dict = {}
+    for r in range(world):
+        for j in range(int(rng.integers(0, 3))):
+            shape = tuple(int(x) for x in rng.integers(1, 6, int(rng.integers(1, 4))))
+            out[f"own.rank{r}.{j}"] = (shape, [((0,) * len(shape), shape, r)])
+    return out
+
+
 def alter(rng: np.random.Generator, results: list, count: int) -> None:
     """Change ``count`` random cells of the ranks' tables in place (a hostile or buggy rank)."""
     tables = [r[0].storage_data.table for r in results if len(r[0].storage_data.table)]
@@ -113,7 +124,8 @@ def same_record(md, results, monkeypatch) -> None:
 def test_regular_layouts_are_decided_in_batch_as_the_oracle_decides(seed, monkeypatch):
     rng = np.random.default_rng(seed)
     world = int(rng.integers(2, 13))
-    md, results, _ = save(world, layout(rng, world))
+    own = owned(rng, world)
+    md, results, _ = save(world, layout(rng, world) | own, plain=set(own))
     decided, grids = compare(md, results)
     assert grids and decided >= 1  # FSDP over all ranks is always a grid, and one the batched path decides
     same_record(md, results, monkeypatch)
@@ -123,7 +135,8 @@ def test_regular_layouts_are_decided_in_batch_as_the_oracle_decides(seed, monkey
 def test_altered_rows_never_make_the_batched_path_disagree(seed, monkeypatch):
     rng = np.random.default_rng(1000 + seed)
     world = int(rng.integers(2, 13))
-    md, results, _ = save(world, layout(rng, world))
+    own = owned(rng, world)
+    md, results, _ = save(world, layout(rng, world) | own, plain=set(own))
     alter(rng, results, int(rng.integers(1, 4)))
     compare(md, results)
     same_record(md, results, monkeypatch)
@@ -169,17 +182,29 @@ def test_a_full_block_claimed_for_the_short_last_cell_is_refused(monkeypatch):
 
 
 def test_one_group_per_rank_takes_the_per_tensor_path(monkeypatch):
-    # every rank also holds its own object (rank-unique keys, as the manager's RNG state): each
-    # rank is a group of one, so a tensor's 200 rows lie in 200 parts, and the batched path,
-    # which would look at every boundary in Python, leaves the tensors to the oracle
+    # every rank also holds the one shard of a tensor no other rank holds: its shards' keys
+    # differ from every other rank's, so each rank is a group of one, a tensor's 200 rows lie
+    # in 200 parts, and the batched path, which would look at every boundary in Python, leaves
+    # the tensors to the oracle (the one-shard tensors it decides, one cell each)
+    world = 200
+    tensors = {f"w{i}": ((world + 3 * i, 2), fsdp((world + 3 * i, 2), world)) for i in range(5)}
+    alone = {f"u{r}": ((2,), [((0,), (2,), r)]) for r in range(world)}
+    md, results, _ = save(world, tensors | alone)
+    assert compare(md, results) == (world, 5 + world)
+    same_record(md, results, monkeypatch)
+    # 40 ranks: 40 parts, few enough for the batched path, which then decides as the oracle
+    md, results, _ = save(40, {"w": ((80, 2), fsdp((80, 2), 40))} | {f"u{r}": ((2,), [((0,), (2,), r)]) for r in range(40)})
+    assert compare(md, results) == (41, 41)
+    same_record(md, results, monkeypatch)
+
+
+def test_per_rank_objects_leave_the_ranks_in_one_group(monkeypatch):
+    # every rank holds its own object (rank-unique keys, as the manager's generator state):
+    # own items, which do not enter the shards' groups, so the tensors are decided in batch
     world = 200
     tensors = {f"w{i}": ((world + 3 * i, 2), fsdp((world + 3 * i, 2), world)) for i in range(5)}
     md, results, _ = save(world, tensors, {f"rng.rank{r}": [r] for r in range(world)})
-    assert compare(md, results) == (0, 5)
-    same_record(md, results, monkeypatch)
-    # 40 ranks: 40 parts, few enough for the batched path, which then decides as the oracle
-    md, results, _ = save(40, {"w": ((80, 2), fsdp((80, 2), 40))}, {f"rng.rank{r}": [r] for r in range(40)})
-    assert compare(md, results) == (1, 1)
+    assert compare(md, results) == (5, 5)
     same_record(md, results, monkeypatch)
 
 

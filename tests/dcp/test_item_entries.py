@@ -7,6 +7,7 @@ test_commit_reuse.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts, rank_writes
+from goodput_ckpt.dcp.item_entries import _Rows
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.grid import GridChunks
 from goodput_ckpt.format.manifest import ALIGNMENT, ChunkEntry, FileEntry, parse_manifest
@@ -39,9 +41,12 @@ def fsdp(shape: tuple[int, ...], world: int) -> list[Box]:
     return [((o,) + (0,) * len(rest), (n,) + rest, r) for r, (o, n) in enumerate(split(shape[0], world))]
 
 
-def save(world: int, tensors: dict[str, tuple[tuple[int, ...], list[Box]]], objects: dict[str, list[int]] | None = None):
+def save(
+    world: int, tensors: dict[str, tuple[tuple[int, ...], list[Box]]], objects: dict[str, list[int]] | None = None, plain=()
+):
     """Metadata and results as DCP hands them to finish, each rank's items laid out in one file
-    (objects first, as the writer does), and where every chunk went."""
+    (its own items first, as the writer does: objects and the tensors named in ``plain``, which
+    are not shards of a distributed tensor), and where every chunk went."""
     ends = [0] * world
     per_rank: list[list] = [[] for _ in range(world)]
     sd_md: dict = {}
@@ -58,19 +63,23 @@ def save(world: int, tensors: dict[str, tuple[tuple[int, ...], list[Box]]], obje
             off = place(r, 100 + r)
             per_rank[r].append(((key, None, 0, off, 100 + r), None))
             where[key] = (r, off, 100 + r)  # the last rank's, as DCP keeps one
-    for key, (shape, boxes) in tensors.items():
+    own = [len(items) for items in per_rank]
+    for key, (shape, boxes) in sorted(tensors.items(), key=lambda kv: kv[0] not in plain):
         chunks = []
         for offsets, sizes, r in boxes:
             n = math.prod(sizes) * 4
             off = place(r, n)
             per_rank[r].append(((key, offsets, 0, off, n), sizes))
+            own[r] += key in plain
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             where[key, offsets] = (r, off, n)
+    for key, (shape, boxes) in tensors.items():  # DCP's order: the state dict's
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(sz)) for o, sz, _ in boxes]
         sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)
     results = []
     for r, items in enumerate(per_rank):
         files = (FileEntry(f"rank{r}.bin", ends[r], ("0" * 64,) * -(-ends[r] // (1 << 20))),) if items else ()
-        rw = rank_writes(files, [w for w, _ in items], [s for _, s in items])
+        rw = rank_writes(files, [w for w, _ in items], [s for _, s in items], own=own[r])
         results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=ends[r], storage_data=rw)])
     return Metadata(state_dict_metadata=sd_md), results, where
 
@@ -80,10 +89,10 @@ def build(md, results, version=2):
     return build_manifest(md, results, chunk_size=1 << 20, created_at="", user_metadata={}, version=version)
 
 
-def check(world, tensors, objects=None):
+def check(world, tensors, objects=None, plain=()):
     """Both formats hold every chunk where its rank wrote it; the v2 record parses. Returns the
     v2 items."""
-    md, results, where = save(world, tensors, objects)
+    md, results, where = save(world, tensors, objects, plain)
     for version in (1, 2):
         m = build(md, results, version)
         for key, e in m.items.items():
@@ -141,7 +150,7 @@ def test_irregular_shardings_fall_back_to_explicit_chunks():
 
 
 def test_objects_and_mixed_key_lists():
-    # rank 0 also holds objects: its key list differs from the others', so ranks form two groups
+    # rank 0 also holds objects: its own items differ from the others', its shards do not
     tensors = {"a": ((8, 3), fsdp((8, 3), 4)), "b": ((5,), fsdp((5,), 4))}
     items = check(4, tensors, {"step": [0], "rng.rank2": [2], "shared": [1, 3]})
     assert items["shared"].file == "rank3.bin"
@@ -164,3 +173,31 @@ def test_ranks_whose_tables_have_other_widths():
     # 1-D one (1 column): the 1-D tensor's rows come from both groups, padded to one width
     items = check(4, {"w": ((2, 3), fsdp((2, 3), 4)), "b": ((12,), fsdp((12,), 4))})
     assert isinstance(items["b"].chunks, GridChunks) and isinstance(items["w"].chunks, GridChunks)
+
+
+def test_per_rank_items_do_not_split_the_ranks_groups():
+    """What CheckpointManager saves besides the model: each rank's generators under a key naming
+    the rank (plain tensors and objects), scalars only rank 0 keeps (AdamW's steps). The ranks'
+    shards still form one group, so the sharded tensors take the batched path; each rank's own
+    items are a group of one. (Were the own keys in the group digest, every rank would be a
+    group of its own, and each tensor's rows gathered from W groups in Python.)"""
+    world = 8
+    tensors = {f"w{i}": ((8 * (2 + i), 3), fsdp((8 * (2 + i), 3), world)) for i in range(5)}
+    plain = {f"rng.rank{r}.torch": ((6,), [((0,), (6,), r)]) for r in range(world)}
+    plain |= {f"step{i}": ((1,), [((0,), (1,), 0)]) for i in range(3)}
+    objects = {f"loader.rank{r}": [r] for r in range(world)}
+    items = check(world, tensors | plain, objects, plain=set(plain))
+    assert all(isinstance(items[k].chunks, GridChunks) and len(items[k].chunks) == world for k in tensors)
+    assert items["rng.rank5.torch"].chunks[0].file == "rank5.bin"
+    md, results, _ = save(world, tensors | plain, objects, plain=set(plain))
+    rows = _Rows(md, [r[0].storage_data for r in results])
+    assert [len(g.tables) for g in rows.groups] == [world] + [1] * world
+    assert [rw[0].storage_data.own for rw in results] == [3 + 1 + 1] + [2] * (world - 1)
+
+
+def test_own_items_out_of_range_are_an_error():
+    md, results, _ = save(2, {"w": ((4,), fsdp((4,), 2))})
+    rw = results[1][0].storage_data
+    results[1][0] = dataclasses.replace(results[1][0], storage_data=dataclasses.replace(rw, own=len(rw.table) + 1))
+    with pytest.raises(CheckpointError, match="own items"):
+        build(md, results)

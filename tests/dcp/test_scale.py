@@ -7,6 +7,7 @@ timed here). And a v1 checkpoint, written by the v1 serializer, still loads and 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,49 @@ def _save(rank: int, world: int, path: str) -> None:
     sd = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in reference().items()}
     sd["step"] = 7
     dcp.save(sd, storage_writer=CheckpointWriter(path, chunk_size=1 << 12))
+
+
+def _save_with_rank_keys(rank: int, world: int, path: str, report: str) -> None:
+    """A save like a training job's: shards, plus per-rank tensors under keys that name the rank
+    and replicated scalars; the coordinator reports the member count of each group of ranks
+    its commit build formed."""
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from goodput_ckpt.dcp import item_entries
+
+    built = item_entries._Rows.__init__
+
+    def init(self, metadata, ranks):  # type: ignore[no-untyped-def]
+        built(self, metadata, ranks)
+        Path(report).write_text(json.dumps([len(g.tables) for g in self.groups]))
+
+    item_entries._Rows.__init__ = init
+    mesh = init_device_mesh("cpu", (world,))
+    sd: dict = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in reference().items()}
+    sd[f"rng.rank{rank}.torch"] = torch.full((5,), rank, dtype=torch.uint8)
+    sd["optim.step"] = torch.tensor(3.0)
+    sd["step"] = 7
+    dcp.save(sd, storage_writer=CheckpointWriter(path, chunk_size=1 << 12))
+
+
+@pytest.mark.slow
+def test_per_rank_keys_leave_the_ranks_in_one_group(tmp_path: Path) -> None:
+    world = 4
+    report = tmp_path / "groups.json"
+    run_ranks(_save_with_rank_keys, world, str(tmp_path / "ckpt"), str(report), timeout=600, report_dir=tmp_path / "report")
+    # one group of every rank's shards, then each rank's own items (rank 0: also the replicated ones)
+    assert json.loads(report.read_text()) == [world] + [1] * world
+    m = parse_manifest((tmp_path / "ckpt" / MANIFEST_NAME).read_bytes())
+    assert all(isinstance(m.items[k].chunks, GridChunks) for k in reference())
+    ref = reference()
+    out = {k: torch.zeros_like(v) for k, v in ref.items()}
+    out |= {f"rng.rank{r}.torch": torch.zeros(5, dtype=torch.uint8) for r in range(world)}
+    dcp.load(out, storage_reader=CheckpointReader(tmp_path / "ckpt"), no_dist=True)
+    assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) for k, v in ref.items())
+    assert [int(out[f"rng.rank{r}.torch"][0]) for r in range(world)] == list(range(world))
 
 
 def _load_plain(path: Path) -> dict[str, torch.Tensor]:
