@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._version import __version__
 from ..errors import CheckpointError
 from ..format.dcp_metadata import encode_planner_data, encode_storage_meta
+from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
 from ..format.manifest import FORMAT_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
@@ -62,6 +63,7 @@ def forget_layouts() -> None:
     _last_layout.forget()
 
 
+@gc_paused()
 def build_manifest(
     metadata: Metadata,
     results: list[list[WriteResult]],

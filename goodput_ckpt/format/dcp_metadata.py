@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointError
+from .gc_pause import gc_paused
 from .grid import GridChunks
 from .manifest import DTYPE_SIZES, ChunkEntry, Manifest, ObjectEntry, TensorEntry
 
@@ -172,6 +173,7 @@ class _StorageIndex(Mapping[MetadataIndex, StoredRange]):
         return bool(self._items)
 
 
+@gc_paused()
 def to_dcp_metadata(manifest: Manifest) -> Metadata:
     """Rebuild DCP ``Metadata`` (with :class:`StoredRange` storage data) from a manifest.
 

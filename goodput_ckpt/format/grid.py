@@ -173,19 +173,19 @@ def parse_grid(doc: Any, shape: tuple[int, ...], esize: int, names: Sequence[str
     runs: list[Run] = []
     n = 0
     for i, run in enumerate(doc["runs"]):
-        if (
-            not isinstance(run, list) or len(run) != 4
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in run)
-        ):  # fmt: skip
+        if not isinstance(run, list) or len(run) != 4:
             raise GridError(f"{where} run {i}: must be 4 integers [cells, file, file_step, offset]", key)
         count, first, step, offset = run
+        # (``type() is int``: JSON's integers, not bools; one test each, not a generator per run.)
+        if not (type(count) is int and type(first) is int and type(step) is int and type(offset) is int):
+            raise GridError(f"{where} run {i}: must be 4 integers [cells, file, file_step, offset]", key)
         if not 1 <= count <= cells - n:
             raise GridError(f"{where} run {i}: {count} cells, but {cells - n} of the grid's {cells} are left", key)
         if first < 0 or step < 1 or first + step * (count - 1) >= len(names):
             raise GridError(f"{where} run {i}: file indices {first} + {step} x k (k < {count}) are not all among the {len(names)} files", key)
         if not 0 <= offset <= MAX_FILE_BYTES or offset % ALIGNMENT:
             raise GridError(f"{where} run {i}: byte offset {offset} is not a multiple of {ALIGNMENT} in range", key)
-        if not _uniform(shape, block_t, counts, n, count):
+        if count > 1 and not _uniform(shape, block_t, counts, n, count):
             raise GridError(f"{where} run {i}: cells {n}-{n + count - 1} differ in size (a run holds one byte length)", key)
         runs.append((count, first, step, offset))
         n += count

@@ -42,6 +42,7 @@ from .schema import (
     ObjectEntry,
     TensorEntry,
 )
+from .gc_pause import gc_paused
 from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
 from .seal import check_seal, refuse_damaged_version
 from .tiling import TilingBudget, TilingError, check_tiling
@@ -68,6 +69,7 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+@gc_paused()
 def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
     """Parse and fully validate a manifest.
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
+from .gc_pause import gc_paused
 from .seal import seal_manifest
 
 __all__ = [
@@ -127,6 +128,7 @@ class Manifest:
     dcp: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    @gc_paused()
     def to_json(self) -> bytes:
         """Serialize (deterministic key order, UTF-8) in format ``version``: v1 lists every
         chunk; v2 writes a grid entry for each tensor whose chunks are a grid over this

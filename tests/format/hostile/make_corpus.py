@@ -243,6 +243,8 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("grid_runs_long", grid([8, 128], [[3, 0, 1, 0]]), msg="3 cells, but 2 of the grid's 2 are left")
     add("grid_run_uneven", grid([10, 128], [[2, 0, 1, 0]]), msg="differ in size")
     add("grid_run_not_ints", grid([8, 128], [[1, 0, 1, 0], [1, 0, 1, "4096"]]), msg="must be 4 integers")
+    add("grid_run_bool", grid([16, 128], [[True, 0, 1, 0]]), msg="must be 4 integers")
+    add("grid_run_float", grid([16, 128], [[1, 0, 1.0, 0]]), msg="must be 4 integers")
     add("grid_unaligned", grid([8, 128], [[1, 0, 1, 0], [1, 0, 1, 4100]]), msg="is not a multiple of 64")
     add("grid_not_object", grid(None, [1, 2]), msg="must be an object")
     add("grid_and_chunks", grid([8, 128], halves, keep_chunks=True), msg="holds both 'grid' and 'chunks'")

@@ -1,0 +1,47 @@
+"""Python's cyclic garbage collector paused while a commit record's objects are made in bulk.
+
+Why: building, serializing and parsing a commit record make hundreds of thousands of small
+objects (entries, tuples, dicts) that form no reference cycles. Every 700 allocations the
+collector runs, and every hundredth run walks every tracked object of the process: in a trainer
+that is the model, the optimizer and everything else alive, hundreds of thousands of objects or
+more. Measured with ``benchmarks/bench_scale.py``'s simulation of a 70B training state at 1,024
+ranks (330 k tracked objects in that process, fewer than a real trainer's): build 0.40 -> 0.23 s,
+serialize 0.27 -> 0.10 s, parse 0.41 -> 0.22 s with the collector paused. Nothing made here
+needs it: reference counting frees all of it.
+
+The pause is process-wide (:func:`gc.disable`), nests, and is safe across threads (a save
+thread building a record while the main thread parses one): the collector comes back when the
+last pause ends, and only if it was enabled when the first began.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["gc_paused"]
+
+_lock = threading.Lock()
+_depth = 0
+_was_enabled = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Run the body with the cyclic collector off (see the module doc); it is restored after,
+    also when the body raises."""
+    global _depth, _was_enabled
+    with _lock:
+        if _depth == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _was_enabled:
+                gc.enable()
