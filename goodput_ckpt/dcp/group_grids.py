@@ -36,6 +36,7 @@ from itertools import accumulate
 import numpy as np
 
 from ..format.grid import GridChunks
+from ..format.grid_detect import greedy_runs
 from .rank_writes import FILE, LENGTH, NDIM, OFFSET
 
 __all__ = ["Group", "Spec", "batched_grids"]
@@ -317,21 +318,12 @@ def _finish(groups: Sequence[Group], tensor: _Tensor, spec: Spec, names: Sequenc
         got = links.get(r)
         return got if got is not None else (True, tensor.steps[bisect.bisect_right(starts, r) - 1])
 
+    def cell(k: int) -> tuple[int, int]:
+        file, offset, *_ = rows[k] if k in rows else row(k)
+        return file, offset
+
     breaks = sorted(b for b in {x for r in irregular for x in (r, r + 1)} if 1 <= b <= n - 2 and (not link(b)[0] or link(b)[1] != link(b - 1)[1]))
-    runs: list[tuple[int, int, int, int]] = []
-    s = 0
-    while s < n:
-        first = rows[s] if s in rows else row(s)
-        ok, step = link(s) if s < n - 1 else (False, 1)
-        if not ok:
-            runs.append((1, first[0], 1, first[1]))
-            s += 1
-            continue
-        j = bisect.bisect_left(breaks, s + 1)
-        e = breaks[j] if j < len(breaks) else n - 1
-        runs.append((e - s + 1, first[0], step, first[1]))
-        s = e + 1
-    return GridChunks(spec.shape, tensor.block, spec.esize, tuple(runs), names)
+    return GridChunks(spec.shape, tensor.block, spec.esize, greedy_runs(n, breaks, cell, link), names)
 
 
 def _is_cell(offsets: Sequence[int], sizes: Sequence[int], length: int, i: int, tensor: _Tensor, spec: Spec) -> bool:

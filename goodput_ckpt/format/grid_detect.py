@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .grid import GridChunks
+from .grid import GridChunks, Run
 
-__all__ = ["grid_from_rows"]
+__all__ = ["greedy_runs", "grid_from_rows"]
 
 
 def grid_from_rows(
@@ -102,15 +102,33 @@ def grid_from_rows(
     # Once a run has two cells its step is fixed: cell k+1 (k >= 1) extends a run that holds
     # cell k - 1 and k exactly when link[k] and step[k] == step[k - 1]; otherwise it breaks.
     breaks = (np.flatnonzero(~(link[1:] & (step[1:] == step[:-1]))) + 1).tolist()
-    runs: list[tuple[int, int, int, int]] = []
+    runs = greedy_runs(n, breaks, lambda k: (int(f[k]), int(o[k])), lambda k: (bool(link[k]), int(step[k])))
+    return GridChunks(shape, block, esize, runs, names)
+
+
+def greedy_runs(
+    n: int, breaks: Sequence[int], cell: Callable[[int], tuple[int, int]], link: Callable[[int], tuple[bool, int]]
+) -> tuple[Run, ...]:
+    """The runs of ``n`` cells in row-major order, formed greedily: the one rule for both grid
+    detectors (this module's and the coordinator's batched one, ``dcp/group_grids.py``).
+
+    ``cell(k)``: cell ``k``'s file index and byte offset. ``link(k)`` (``k < n - 1``): whether
+    cell ``k + 1`` may follow cell ``k`` in a run (same byte offset and sizes, a later file), and
+    the file step between them. ``breaks``: sorted, the cells ``k`` (1 <= k <= n - 2) after which
+    a run that holds cells ``k - 1`` and ``k`` must end (``link(k)`` false, or another step than
+    ``link(k - 1)``'s). Python work is a few steps per run, not per cell.
+    """
+    runs: list[Run] = []
     s = 0
     while s < n:
-        if s == n - 1 or not link[s]:
-            runs.append((1, int(f[s]), 1, int(o[s])))
+        ok, step = link(s) if s < n - 1 else (False, 1)
+        file, offset = cell(s)
+        if not ok:
+            runs.append((1, file, 1, offset))
             s += 1
             continue
         j = bisect.bisect_left(breaks, s + 1)
         e = breaks[j] if j < len(breaks) else n - 1
-        runs.append((e - s + 1, int(f[s]), int(step[s]), int(o[s])))
+        runs.append((e - s + 1, file, step, offset))
         s = e + 1
-    return GridChunks(shape, block, esize, tuple(runs), names)
+    return tuple(runs)
