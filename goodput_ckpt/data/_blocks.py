@@ -42,11 +42,11 @@ _GRACE = 2
 
 class Buffer:
     """One pooled ``(rows, seq_len)`` buffer, with what each block read needs precomputed: the
-    byte view a read fills (a new ``memoryview`` per block cost about 2 us), and the storage's
+    byte view a read fills (a new ``memoryview`` per block cost about 2 us), the storage's
     handle and reference count when only the pool holds it (checked without creating a Python
-    storage object)."""
+    storage object), and the address of the pool's memory."""
 
-    __slots__ = ("rows", "bytes", "_cdata", "_count")
+    __slots__ = ("rows", "bytes", "_cdata", "_count", "_ptr")
 
     def __init__(self, rows: int, seq_len: int, dtype: np.dtype) -> None:
         nbytes = rows * seq_len * dtype.itemsize
@@ -57,15 +57,22 @@ class Buffer:
         self.bytes = memoryview(data)  # the same memory (never moved: see free())
         self._cdata = self.rows.untyped_storage()._cdata
         self._count = self._use()
+        self._ptr = self.rows.data_ptr()
 
     def _use(self) -> int:
         return -1 if _use_count is None else _use_count(self._cdata)
 
+    def moved(self) -> bool:
+        """Whether the storage left the pool's memory: a worker moves a sent view's storage to
+        shared memory in place (a new allocation, the data copied), so the pool's byte view no
+        longer reaches it, and the main process maps those pages. Compared by address: about
+        0.1 us, where ``is_shared()`` cost 1.6 us per block."""
+        return self.rows.data_ptr() != self._ptr
+
     def free(self) -> bool:
-        """Whether nothing but the pool views the buffer, and its storage is still this process's
-        own memory (a worker moves a sent view's storage to shared memory in place; the pool's
-        byte view then no longer reaches it, and the main process maps those pages)."""
-        return _use_count is not None and self._use() == self._count and not self.rows.is_shared()
+        """Whether nothing but the pool views the buffer, and its storage is still the pool's
+        memory (:meth:`moved`)."""
+        return _use_count is not None and self._use() == self._count and not self.moved()
 
 
 class BlockPool:
@@ -113,7 +120,7 @@ class BlockPool:
             if buf.free():
                 if len(self._idle) < self._keep:
                     self._idle.append(buf)
-            elif left > 1 and not buf.rows.is_shared():
+            elif left > 1 and not buf.moved():
                 self._pending.append((buf, left - 1))
             # else: still viewed (or in shared memory): its holders keep it; the pool forgets it
 

@@ -49,6 +49,19 @@ def test_a_buffer_moved_to_shared_memory_is_never_reused():
         assert pool.take().rows is not buf.rows
 
 
+def test_a_moved_storage_is_told_by_its_address():
+    """``Buffer.moved`` (an address compare, cheaper than ``is_shared()``) agrees with torch:
+    once the storage is in shared memory, the pool's byte view no longer reaches it."""
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    assert not buf.moved() and buf.free()
+    buf.rows.fill_(7)
+    buf.rows.share_memory_()  # in place, no other view left
+    assert buf.rows.is_shared() and buf.moved() and not buf.free()
+    buf.bytes[:2] = b"\x05\x00"
+    assert int(buf.rows[0, 0]) != 5, "the byte view fills memory no tensor of the pool shows"
+
+
 def test_a_pass_that_drops_its_items_reuses_a_bounded_number_of_buffers(tmp_path, monkeypatch):
     from goodput_ckpt.data import TokenStream
 
