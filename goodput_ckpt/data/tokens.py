@@ -49,11 +49,15 @@ MARK = "goodput_token_stream"
 VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
-#: streaming read and 8 MiB about all of it. On a local disk 2 MiB blocks were slower too (0.82x
-#: of the plain read against 0.88x, batched): each block costs about 10-15 us of Python, and the two
-#: 8 MiB buffers the pool alternates cost a plain read only 0.98-1.00x of one reused buffer on a
-#: quiet machine (docs/benchmarks.md).
+#: streaming read and 8 MiB about all of it.
 _BLOCK_BYTES = 8 << 20
+#: The same on a local disk, read in the consumer's thread: the pool alternates two buffers there
+#: (the caller holds the last item of a block while the next is read), and two 8 MiB buffers cost
+#: a plain read 5-18% against one (the destination no longer stays in cache; 2026-12-06), two
+#: 4 MiB ones, the plain read's own 8 MiB, about nothing. Smaller blocks cost Python per block
+#: (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
+#: docs/benchmarks.md, "Token stream".
+_LOCAL_BLOCK_BYTES = 4 << 20
 
 
 class TokenStream(IterableDataset):
@@ -78,9 +82,10 @@ class TokenStream(IterableDataset):
         batch_size: yield ``(batch_size, seq_len)`` batches instead of sequences; the last batch
             of a reader's stretch may be shorter (nothing is dropped). The saved state counts
             sequences, so it resumes exactly under any batch size, world size or worker count.
-        block: sequences per read request (default: 8 MiB worth, rounded down to a multiple of
-            ``batch_size``; measured on S3, 2 MiB requests reach half the throughput of one
-            streaming read and 8 MiB about all of it; locally 2 MiB was slower too).
+        block: sequences per read request (default: 8 MiB worth, 4 MiB on a local disk, rounded
+            down to a multiple of ``batch_size``; measured on S3, 2 MiB requests reach half the
+            throughput of one streaming read and 8 MiB about all of it; locally, two alternating
+            4 MiB buffers take the place of one 8 MiB one, see :data:`_LOCAL_BLOCK_BYTES`).
         read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
             8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
             several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
@@ -114,11 +119,7 @@ class TokenStream(IterableDataset):
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive or None, got {batch_size}")
-        if block is None:
-            block = max(1, _BLOCK_BYTES // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
-            if batch_size is not None:
-                block = max(batch_size, block // batch_size * batch_size)  # batches stay views
-        if block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
+        if (block is not None and block < 1) or (read_ahead is not None and read_ahead < 0) or not shards:
             raise ValueError("block must be positive, read_ahead not negative and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -137,6 +138,17 @@ class TokenStream(IterableDataset):
         # items, the iterator over them). Its count is taken from the iterator when the state is
         # asked for, instead of being stored before every yield (a dict store per sequence).
         self._live: tuple[int, int, int, int, Iterator[torch.Tensor]] | None = None
+
+    def _block_for(self, kind: str) -> int:
+        """``block``, or by default the sequences in :data:`_LOCAL_BLOCK_BYTES` on a local disk
+        and :data:`_BLOCK_BYTES` elsewhere, rounded down to a multiple of ``batch_size`` (so
+        batches stay views)."""
+        if self.block is not None:
+            return self.block
+        block = max(1, (_LOCAL_BLOCK_BYTES if kind == "local" else _BLOCK_BYTES) // self._seq_bytes)
+        if self.batch_size is not None:
+            block = max(self.batch_size, block // self.batch_size * self.batch_size)
+        return block
 
     def lengths(self, store: Any = None) -> list[int]:
         """Sequences in each shard (its size // sequence bytes); ``store``: this stream's, if
@@ -163,7 +175,7 @@ class TokenStream(IterableDataset):
         store = open_store(self.root, self.storage_options)
         lengths = self.lengths(store)
         mine = self._mine(self.rank, worker, self.num_replicas, workers, lengths)
-        block = self.block
+        block = self._block_for(store.traits.kind)
         # The start of each shard is read when its first block is queued (ahead of consumption):
         # a shard's count moves only while it is consumed, which is after all its blocks are queued.
         tasks = (
