@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import CheckpointError, TopologyChangeError
 from ..storage import open_store
-from ._blocks import BlockPool, read_blocks
+from ._blocks import BlockPool, Buffer, read_blocks
 from ._marked import find_marked
 
 __all__ = ["TokenStream"]
@@ -209,24 +209,22 @@ class TokenStream(IterableDataset):
             self._live = None
             self._progress[i] = start + (n - it.__length_hint__()) * step
 
-    def _yield_views(self, i: int, start: int, step: int, views: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
-        """Yield ``views`` (``step`` sequences each, from sequence ``start`` of shard ``i``) with
-        no Python per item: ``yield from`` a tuple iterator, whose remaining length tells how
-        many were yielded (the state taken after a yield counts that item, as before)."""
-        it = iter(views)
-        self._live = (i, start, step, len(views), it)
-        yield from it
-        self._live = None
-        self._progress[i] = start + len(views) * step
-
-    def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor, Buffer]]) -> Iterator[torch.Tensor]:
         """One ``(seq_len,)`` view per sequence; the count moves before each yield (the state
         taken after a yield counts that sequence)."""
-        for i, pos, rows in blocks:
-            yield from self._yield_views(i, pos, 1, rows.unbind(0))  # views; unbind is cheaper than indexing
-            rows = None  # the pool may refill the block once the caller lets go too
+        progress = self._progress
+        for i, pos, rows, _buf in blocks:
+            # No Python per item: ``yield from`` a tuple iterator, whose remaining length tells
+            # how many were yielded when the state is asked for (_settle, state_dict).
+            views = rows.unbind(0)  # views; unbind is cheaper than indexing
+            it = iter(views)
+            self._live = (i, pos, 1, len(views), it)
+            yield from it
+            self._live = None
+            progress[i] = pos + len(views)
+            rows = views = None  # the pool may refill the block once the caller lets go too
 
-    def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor]], size: int) -> Iterator[torch.Tensor]:
+    def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor, Buffer]], size: int) -> Iterator[torch.Tensor]:
         """``(size, seq_len)`` batches: a view where the batch lies in one block, a copy where it
         spans blocks or shards; the last one of this reader's stretch may be shorter (nothing
         is dropped). Every shard a batch takes from has its count moved before the yield."""
@@ -243,7 +241,7 @@ class TokenStream(IterableDataset):
             return batch
 
         have = 0
-        for i, pos, rows in blocks:
+        for i, pos, rows, buf in blocks:
             n, a = rows.shape[0], 0
             if parts:  # complete the batch begun in an earlier block (or shard)
                 a = min(size - have, n)
@@ -256,16 +254,24 @@ class TokenStream(IterableDataset):
             if a < n:
                 full = (n - a) // size
                 if full:
-                    # one view + unbind for all the batches (slicing one by one costs ~1 us each)
-                    body = rows if a == 0 and full * size == n else rows.narrow(0, a, full * size)
-                    yield from self._yield_views(i, pos + a, size, body.view(full, size, -1).unbind(0))
-                    body = None
+                    # one unbind for all the batches (slicing one by one costs ~1 us each), of the
+                    # buffer's kept 3-D view when the block is the whole buffer (most blocks)
+                    if a == 0 and full * size == n == buf.rows.shape[0]:
+                        views = buf.grouped(size).unbind(0)
+                    else:
+                        views = rows.narrow(0, a, full * size).view(full, size, -1).unbind(0)
+                    it = iter(views)  # as in _sequences: no Python per item
+                    self._live = (i, pos + a, size, full, it)
+                    yield from it
+                    self._live = None
+                    progress[i] = pos + a + full * size
+                    views = None
                 rest = n - a - full * size
                 if rest:  # the block's tail: the start of the next batch
                     parts.append(rows.narrow(0, n - rest, rest))
                     marks.append((i, pos + n))
                     have = rest
-            rows = None  # the pool may refill the block once the caller lets go too
+            rows = buf = None  # the pool may refill the block once the caller lets go too
         if parts:
             yield joined()
 
