@@ -162,11 +162,11 @@ def read_blocks(
     flight on ``threads`` whatever shard they belong to; ``threads`` None: each block is read in
     the calling thread when it is asked for (``read_ahead`` ignored).
 
-    ``rows`` is the pooled ``buffer``'s ``rows``, or its first ``count`` of them; both are given
-    back to the pool when the next block is requested (so the caller must be done with them,
-    except for views it yielded onward: see the module docstring). A shard's source is opened at its first read and closed once its last
-    block was handed over (once per shard, whatever ``read_ahead``), or when the generator is
-    closed.
+    ``rows`` is the pooled ``buffer``'s ``rows``, or its first ``count`` of them; the buffer is
+    given back to the pool when the next block is requested (so the caller must be done with
+    both, except for views it yielded onward: see the module docstring). A shard's source is
+    opened at its first read and closed once its last block was handed over (once per shard,
+    whatever ``read_ahead``), or when the generator is closed.
     """
     if threads is None:
         return _read_inline(blocks, tasks, open_source, seq_bytes)

@@ -52,10 +52,10 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: streaming read and 8 MiB about all of it.
 _BLOCK_BYTES = 8 << 20
 #: The same on a local disk, read in the consumer's thread: the pool alternates two buffers there
-#: (the caller holds the last item of a block while the next is read), and two 8 MiB buffers cost
-#: a plain read 5-18% against one (the destination no longer stays in cache; 2026-12-06), two
-#: 4 MiB ones, the plain read's own 8 MiB, about nothing. Smaller blocks cost Python per block
-#: (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
+#: (the caller holds the last item of a block while the next is read). In probes of 2026-12-06,
+#: a plain read alternating two 8 MiB buffers took 5-18% longer than with one, two 4 MiB ones
+#: (8 MiB of destination, as the plain read's one buffer) 0-5%. Smaller blocks cost Python per
+#: block (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
 #: docs/benchmarks.md, "Token stream".
 _LOCAL_BLOCK_BYTES = 4 << 20
 
@@ -212,7 +212,6 @@ class TokenStream(IterableDataset):
     def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor, Buffer]]) -> Iterator[torch.Tensor]:
         """One ``(seq_len,)`` view per sequence; the count moves before each yield (the state
         taken after a yield counts that sequence)."""
-        progress = self._progress
         for i, pos, rows, _buf in blocks:
             # No Python per item: ``yield from`` a tuple iterator, whose remaining length tells
             # how many were yielded when the state is asked for (_settle, state_dict).
@@ -221,7 +220,7 @@ class TokenStream(IterableDataset):
             self._live = (i, pos, 1, len(views), it)
             yield from it
             self._live = None
-            progress[i] = pos + len(views)
+            self._progress[i] = pos + len(views)
             rows = views = None  # the pool may refill the block once the caller lets go too
 
     def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor, Buffer]], size: int) -> Iterator[torch.Tensor]:
@@ -256,7 +255,7 @@ class TokenStream(IterableDataset):
                 if full:
                     # one unbind for all the batches (slicing one by one costs ~1 us each), of the
                     # buffer's kept 3-D view when the block is the whole buffer (most blocks)
-                    if a == 0 and full * size == n == buf.rows.shape[0]:
+                    if a == 0 and full * size == n and rows is buf.rows:
                         views = buf.grouped(size).unbind(0)
                     else:
                         views = rows.narrow(0, a, full * size).view(full, size, -1).unbind(0)
@@ -264,7 +263,7 @@ class TokenStream(IterableDataset):
                     self._live = (i, pos + a, size, full, it)
                     yield from it
                     self._live = None
-                    progress[i] = pos + a + full * size
+                    self._progress[i] = pos + a + full * size
                     views = None
                 rest = n - a - full * size
                 if rest:  # the block's tail: the start of the next batch
