@@ -7,12 +7,13 @@ rotating order per repeat:
   ``GetObject`` per file read in 8 MiB pieces (S3, boto3): what a loader that does nothing but
   read would cost;
 - ``seq``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
-  Python, ``--seq-len`` tokens each, read in blocks of 8 MiB through ``open_store``,
-  ``--read-ahead`` blocks in flight (default: the stream's, 0 locally and 8 on S3);
+  Python, ``--seq-len`` tokens each, read in blocks of 4 MiB (local) or 8 MiB (S3) through
+  ``open_store``, ``--read-ahead`` blocks in flight (default: the stream's, 0 locally and 8 on S3);
 - ``batch``: the same stream with ``batch_size=--batch-size``: one ``(batch, seq_len)`` tensor
   per item;
 - ``plain2`` (``--plain2``, local): the plain read alternating two 8 MiB buffers (what the
-  stream did with 8 MiB blocks: the caller holds the last item of a block when the next is read);
+  stream did with 8 MiB blocks: the caller holds the last item of a block when the next is read;
+  its two 4 MiB buffers now take the 8 MiB of the plain read's one);
 - ``loader``: the batched stream through ``StatefulDataLoader(batch_size=None, num_workers=0)``,
   as a training loop takes it (the loader's own cost per item included).
 
@@ -190,7 +191,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=32, help="sequences per item in the batch and loader methods")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--block", type=int, default=None, help="TokenStream block (sequences per read; default: 8 MiB worth)")
+    ap.add_argument("--block", type=int, default=None, help="TokenStream block (sequences per read; default: 4 MiB worth locally, 8 MiB on S3)")
     ap.add_argument("--read-ahead", type=int, default=None, help="TokenStream read_ahead (default: the stream's, by store)")
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
     ap.add_argument("--no-local", action="store_true", help="skip the local targets")
@@ -246,7 +247,7 @@ def main(argv: list[str]) -> int:
             targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
-            f"block {a.block or 'the default (8 MiB)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}",
+            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}",
             flush=True,
         )
         try:

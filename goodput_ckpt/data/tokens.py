@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import CheckpointError, TopologyChangeError
 from ..storage import open_store
-from ._blocks import BlockPool, read_blocks
+from ._blocks import BlockPool, Buffer, read_blocks
 from ._marked import find_marked
 
 __all__ = ["TokenStream"]
@@ -49,11 +49,15 @@ MARK = "goodput_token_stream"
 VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
-#: streaming read and 8 MiB about all of it. On a local disk 2 MiB blocks were slower too (0.82x
-#: of the plain read against 0.88x, batched): each block costs about 10-15 us of Python, and the two
-#: 8 MiB buffers the pool alternates cost a plain read only 0.98-1.00x of one reused buffer on a
-#: quiet machine (docs/benchmarks.md).
+#: streaming read and 8 MiB about all of it.
 _BLOCK_BYTES = 8 << 20
+#: The same on a local disk, read in the consumer's thread: the pool alternates two buffers there
+#: (the caller holds the last item of a block while the next is read). In probes of 2026-12-06,
+#: a plain read alternating two 8 MiB buffers took 5-18% longer than with one, two 4 MiB ones
+#: (8 MiB of destination, as the plain read's one buffer) 0-5%. Smaller blocks cost Python per
+#: block (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
+#: docs/benchmarks.md, "Token stream".
+_LOCAL_BLOCK_BYTES = 4 << 20
 
 
 class TokenStream(IterableDataset):
@@ -78,9 +82,10 @@ class TokenStream(IterableDataset):
         batch_size: yield ``(batch_size, seq_len)`` batches instead of sequences; the last batch
             of a reader's stretch may be shorter (nothing is dropped). The saved state counts
             sequences, so it resumes exactly under any batch size, world size or worker count.
-        block: sequences per read request (default: 8 MiB worth, rounded down to a multiple of
-            ``batch_size``; measured on S3, 2 MiB requests reach half the throughput of one
-            streaming read and 8 MiB about all of it; locally 2 MiB was slower too).
+        block: sequences per read request (default: 8 MiB worth, 4 MiB on a local disk, rounded
+            down to a multiple of ``batch_size``; measured on S3, 2 MiB requests reach half the
+            throughput of one streaming read and 8 MiB about all of it; locally, two alternating
+            4 MiB buffers take the place of one 8 MiB one, see :data:`_LOCAL_BLOCK_BYTES`).
         read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
             8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
             several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
@@ -114,11 +119,7 @@ class TokenStream(IterableDataset):
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be positive or None, got {batch_size}")
-        if block is None:
-            block = max(1, _BLOCK_BYTES // (seq_len * np.dtype(_DTYPES[dtype]).itemsize))
-            if batch_size is not None:
-                block = max(batch_size, block // batch_size * batch_size)  # batches stay views
-        if block < 1 or (read_ahead is not None and read_ahead < 0) or not shards:
+        if (block is not None and block < 1) or (read_ahead is not None and read_ahead < 0) or not shards:
             raise ValueError("block must be positive, read_ahead not negative and shards non-empty")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -137,6 +138,17 @@ class TokenStream(IterableDataset):
         # items, the iterator over them). Its count is taken from the iterator when the state is
         # asked for, instead of being stored before every yield (a dict store per sequence).
         self._live: tuple[int, int, int, int, Iterator[torch.Tensor]] | None = None
+
+    def _block_for(self, kind: str) -> int:
+        """``block``, or by default the sequences in :data:`_LOCAL_BLOCK_BYTES` on a local disk
+        and :data:`_BLOCK_BYTES` elsewhere, rounded down to a multiple of ``batch_size`` (so
+        batches stay views)."""
+        if self.block is not None:
+            return self.block
+        block = max(1, (_LOCAL_BLOCK_BYTES if kind == "local" else _BLOCK_BYTES) // self._seq_bytes)
+        if self.batch_size is not None:
+            block = max(self.batch_size, block // self.batch_size * self.batch_size)
+        return block
 
     def lengths(self, store: Any = None) -> list[int]:
         """Sequences in each shard (its size // sequence bytes); ``store``: this stream's, if
@@ -163,7 +175,7 @@ class TokenStream(IterableDataset):
         store = open_store(self.root, self.storage_options)
         lengths = self.lengths(store)
         mine = self._mine(self.rank, worker, self.num_replicas, workers, lengths)
-        block = self.block
+        block = self._block_for(store.traits.kind)
         # The start of each shard is read when its first block is queued (ahead of consumption):
         # a shard's count moves only while it is consumed, which is after all its blocks are queued.
         tasks = (
@@ -197,24 +209,21 @@ class TokenStream(IterableDataset):
             self._live = None
             self._progress[i] = start + (n - it.__length_hint__()) * step
 
-    def _yield_views(self, i: int, start: int, step: int, views: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
-        """Yield ``views`` (``step`` sequences each, from sequence ``start`` of shard ``i``) with
-        no Python per item: ``yield from`` a tuple iterator, whose remaining length tells how
-        many were yielded (the state taken after a yield counts that item, as before)."""
-        it = iter(views)
-        self._live = (i, start, step, len(views), it)
-        yield from it
-        self._live = None
-        self._progress[i] = start + len(views) * step
-
-    def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    def _sequences(self, blocks: Iterator[tuple[int, int, torch.Tensor, Buffer]]) -> Iterator[torch.Tensor]:
         """One ``(seq_len,)`` view per sequence; the count moves before each yield (the state
         taken after a yield counts that sequence)."""
-        for i, pos, rows in blocks:
-            yield from self._yield_views(i, pos, 1, rows.unbind(0))  # views; unbind is cheaper than indexing
-            rows = None  # the pool may refill the block once the caller lets go too
+        for i, pos, rows, _buf in blocks:
+            # No Python per item: ``yield from`` a tuple iterator, whose remaining length tells
+            # how many were yielded when the state is asked for (_settle, state_dict).
+            views = rows.unbind(0)  # views; unbind is cheaper than indexing
+            it = iter(views)
+            self._live = (i, pos, 1, len(views), it)
+            yield from it
+            self._live = None
+            self._progress[i] = pos + len(views)
+            rows = views = None  # the pool may refill the block once the caller lets go too
 
-    def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor]], size: int) -> Iterator[torch.Tensor]:
+    def _batches(self, blocks: Iterator[tuple[int, int, torch.Tensor, Buffer]], size: int) -> Iterator[torch.Tensor]:
         """``(size, seq_len)`` batches: a view where the batch lies in one block, a copy where it
         spans blocks or shards; the last one of this reader's stretch may be shorter (nothing
         is dropped). Every shard a batch takes from has its count moved before the yield."""
@@ -231,7 +240,7 @@ class TokenStream(IterableDataset):
             return batch
 
         have = 0
-        for i, pos, rows in blocks:
+        for i, pos, rows, buf in blocks:
             n, a = rows.shape[0], 0
             if parts:  # complete the batch begun in an earlier block (or shard)
                 a = min(size - have, n)
@@ -244,16 +253,24 @@ class TokenStream(IterableDataset):
             if a < n:
                 full = (n - a) // size
                 if full:
-                    # one view + unbind for all the batches (slicing one by one costs ~1 us each)
-                    body = rows if a == 0 and full * size == n else rows.narrow(0, a, full * size)
-                    yield from self._yield_views(i, pos + a, size, body.view(full, size, -1).unbind(0))
-                    body = None
+                    # one unbind for all the batches (slicing one by one costs ~1 us each), of the
+                    # buffer's kept 3-D view when the block is the whole buffer (most blocks)
+                    if a == 0 and full * size == n and rows is buf.rows:
+                        views = buf.grouped(size).unbind(0)
+                    else:
+                        views = rows.narrow(0, a, full * size).view(full, size, -1).unbind(0)
+                    it = iter(views)  # as in _sequences: no Python per item
+                    self._live = (i, pos + a, size, full, it)
+                    yield from it
+                    self._live = None
+                    self._progress[i] = pos + a + full * size
+                    views = None
                 rest = n - a - full * size
                 if rest:  # the block's tail: the start of the next batch
                     parts.append(rows.narrow(0, n - rest, rest))
                     marks.append((i, pos + n))
                     have = rest
-            rows = None  # the pool may refill the block once the caller lets go too
+            rows = buf = None  # the pool may refill the block once the caller lets go too
         if parts:
             yield joined()
 

@@ -68,8 +68,11 @@ def os_error(exc: OSError, what: str, path: str) -> CheckpointError:
     return CheckpointError(f"{what} {path} failed: {hint} ({exc})", path=path)
 
 
-def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> None:
+def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> int:
     """Fill ``buffers`` from ``fd`` starting at ``offset`` with ``preadv`` (GIL released).
+
+    Returns:
+        The bytes read: the buffers' total size.
 
     Raises:
         IncompleteCheckpointError: the file ends before the buffers are full (``path`` and the
@@ -77,18 +80,20 @@ def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> Non
         CheckpointError: any other ``OSError``.
     """
     start = offset
-    total = sum(memoryview(b).nbytes for b in buffers)
+    views = [memoryview(b).cast("B") for b in buffers]  # once: each costs about 0.2 us
+    total = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
     try:
-        for i in range(0, len(buffers), _MAX_IOV):
-            views = [memoryview(b).cast("B") for b in buffers[i : i + _MAX_IOV]]
-            while views:
-                got = os.preadv(fd, views, offset)
+        for i in range(0, len(views), _MAX_IOV):
+            batch = views[i : i + _MAX_IOV]
+            while batch:
+                got = os.preadv(fd, batch, offset)
                 if got == 0:
                     raise truncated_error(path, start, start + total, offset)
                 offset += got
-                drop_done(views, got)
+                drop_done(batch, got)
     except OSError as e:
         raise os_error(e, f"reading at offset {offset} of", path) from e
+    return total
 
 
 class _BouncePool:
@@ -126,8 +131,9 @@ def _aligned(offset: int, views: Sequence[memoryview]) -> bool:
     return offset % ALIGN == 0 and all(v.nbytes % ALIGN == 0 and _address(v) % ALIGN == 0 for v in views)
 
 
-def read_aligned(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> None:
-    """Fill ``buffers`` from ``offset`` with direct reads of aligned ranges (see the module docstring).
+def read_aligned(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> int:
+    """Fill ``buffers`` from ``offset`` with direct reads of aligned ranges (see the module
+    docstring); returns the bytes read (the buffers' total size).
 
     Raises:
         IncompleteCheckpointError: the file ends before the buffers are full.
@@ -136,10 +142,9 @@ def read_aligned(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> 
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
     total = sum(v.nbytes for v in views)
     if not views:
-        return
+        return 0
     if _aligned(offset, views):
-        read_full(fd, path, offset, views)
-        return
+        return read_full(fd, path, offset, views)
     end = offset + total
     bounce = _POOL.take()
     try:
@@ -171,6 +176,7 @@ def read_aligned(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> 
             pos = have - have % ALIGN
     finally:
         _POOL.give(bounce)
+    return total
 
 
 class DirectSource:
@@ -272,9 +278,9 @@ class DirectSource:
                 continue
             try:
                 if lvl == 1:
-                    read_aligned(fd, self._path, offset, buffers)
+                    total = read_aligned(fd, self._path, offset, buffers)
                 else:
-                    read_full(fd, self._path, offset, buffers)
+                    total = read_full(fd, self._path, offset, buffers)
             except CheckpointError as e:
                 os.close(fd)
                 cause = e.__cause__
@@ -286,7 +292,7 @@ class DirectSource:
                 os.close(fd)
                 raise
             break
-        self._give_back(fd, offset + sum(memoryview(b).nbytes for b in buffers), is_direct)
+        self._give_back(fd, offset + total, is_direct)
 
     def close(self) -> None:
         with self._lock:

@@ -49,6 +49,37 @@ def test_a_buffer_moved_to_shared_memory_is_never_reused():
         assert pool.take().rows is not buf.rows
 
 
+def test_a_buffers_kept_grouped_view_is_its_own_not_a_holder():
+    """``Buffer.grouped`` keeps one 3-D view per batch size: counted as the pool's own, so the
+    buffer is still reused once the caller drops its batches, and not while it holds one."""
+    pool = BlockPool(6, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    assert buf.grouped(3).shape == (2, 3, SEQ) and buf.grouped(3) is buf.grouped(3)
+    buf.grouped(2)
+    assert buf.free(), "its own views do not hold it"
+    batches = buf.grouped(3).unbind(0)
+    held = batches[1]
+    del batches
+    pool.give(buf)
+    assert pool.take().rows is not buf.rows, "a batch is held"
+    del held
+    pool.give(pool.take())
+    assert buf in {pool.take() for _ in range(2)}
+
+
+def test_a_moved_storage_is_told_by_its_address():
+    """``Buffer.moved`` (an address compare, cheaper than ``is_shared()``) agrees with torch:
+    once the storage is in shared memory, the pool's byte view no longer reaches it."""
+    pool = BlockPool(4, SEQ, np.uint16, keep=4)
+    buf = pool.take()
+    assert not buf.moved() and buf.free()
+    buf.rows.fill_(7)
+    buf.rows.share_memory_()  # in place, no other view left
+    assert buf.rows.is_shared() and buf.moved() and not buf.free()
+    buf.bytes[:2] = b"\x05\x00"
+    assert int(buf.rows[0, 0]) != 5, "the byte view fills memory no tensor of the pool shows"
+
+
 def test_a_pass_that_drops_its_items_reuses_a_bounded_number_of_buffers(tmp_path, monkeypatch):
     from goodput_ckpt.data import TokenStream
 
@@ -103,18 +134,18 @@ def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
         tasks = [(i, p, min(4, 10 - p), p + 4 >= 10) for i in range(3) for p in range(0, 10, 4)]
         pool = BlockPool(4, SEQ, np.uint16, keep=4)
         with ThreadPoolExecutor(ahead) if ahead else nullcontext() as threads:
-            got = [(i, p, rows.shape[0]) for i, p, rows in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
+            got = [(i, p, rows.shape[0]) for i, p, rows, _buf in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
         assert got == [t[:3] for t in tasks]
         assert opened == [0, 1, 2], f"read_ahead={ahead}: each shard opened once"
 
 
 def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
     """Read in the consumer's thread (a local disk), a stream whose caller drops its items
-    alternates two 8 MiB buffers: each block's buffer is taken before the one consumed is given
+    alternates two 4 MiB buffers (8 MiB in all, the plain read's one buffer): each block's buffer is taken before the one consumed is given
     back (the caller still holds its last item), and that one is free again at the next take."""
     from goodput_ckpt.data import TokenStream
 
-    seq = 4096  # uint16: 8 KiB sequences, 1024 per 8 MiB block
+    seq = 4096  # uint16: 8 KiB sequences, 512 per 4 MiB block
     names = []
     for k in range(2):
         (tmp_path / f"s{k}.bin").write_bytes(np.zeros(1100 * seq, np.uint16).tobytes())
@@ -129,8 +160,8 @@ def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
     taken: list[int] = []
     take = BlockPool.take
 
-    def record_take(self):
-        buf = take(self)
+    def record_take(self, done=None):
+        buf = take(self, done)
         taken.append(id(buf))
         return buf
 
@@ -141,5 +172,5 @@ def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
         taken.clear()
         n = sum(item.shape[0] if batch else 1 for item in TokenStream(str(tmp_path), names, seq_len=seq, batch_size=batch))
         assert n == 2200
-        assert pools[-1]._rows * seq * 2 == 8 << 20, "8 MiB blocks"
-        assert len(taken) == 4 and len(set(taken)) == 2, "two buffers alternate"
+        assert pools[-1]._rows * seq * 2 == 4 << 20, "4 MiB blocks on a local disk"
+        assert len(taken) == 6 and len(set(taken)) == 2, "two buffers alternate"

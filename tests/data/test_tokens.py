@@ -141,7 +141,7 @@ def _check_rows(batches, expect) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("batch,block,ahead", [(4, None, 2), (3, 4, 2), (5, 2, 0), (1, 7, 2), (3, 4, None)])
+@pytest.mark.parametrize("batch,block,ahead", [(4, None, 2), (3, 4, 2), (5, 2, 0), (1, 7, 2), (3, 4, None), (2, 4, 0), (3, 6, None)])
 def test_batched_pass_reads_every_sequence_once_and_keeps_kept_batches(tmp_path, batch, block, ahead):
     """Every batch is kept (list) while the stream goes on reusing buffers: none may change.
     Blocks not a multiple of the batch and shard ends make batches that span blocks/shards."""

@@ -107,6 +107,40 @@ def test_local_reads_are_buffered_by_default(tmp_path):
         LocalConfig(direct_reads=1)
 
 
+def test_buffered_reads_fill_typed_buffers_and_stream_one_descriptor(tmp_path):
+    """Buffers of any item size are filled byte for byte (each is cast to bytes once); a read
+    that starts where the last one ended takes that read's descriptor (its end is the bytes
+    read), so a reader going through a file in order keeps one descriptor."""
+    import numpy as np
+
+    from goodput_ckpt.storage.direct_read import read_full
+
+    data = os.urandom(1 << 16)
+    (tmp_path / "d.bin").write_bytes(data)
+    fd = os.open(tmp_path / "d.bin", os.O_RDONLY)
+    try:
+        a, b = np.zeros(100, np.uint16), np.zeros(3, np.uint64)
+        assert read_full(fd, "d.bin", 5, [memoryview(a), memoryview(b)]) == 224
+        assert a.tobytes() + b.tobytes() == data[5:229]
+    finally:
+        os.close(fd)
+    src = LocalStore(str(tmp_path)).open_source("d.bin")
+    opened = []
+    real = src._open
+    src._open = lambda: opened.append(1) or real()
+    offset, pieces = 0, []
+    for n in (500, 2048, 3, 10000):  # uint16 items: 2n bytes
+        buf = np.zeros(n, np.uint16)
+        src.read_into(offset, [memoryview(buf)[: n // 2], memoryview(buf)[n // 2 :]])
+        pieces.append(buf.tobytes())
+        offset += 2 * n
+    assert b"".join(pieces) == data[:offset]
+    assert src._idle[0][1] == offset and len(src._idle) == 1 and not opened, "one descriptor, streaming"
+    src.read_into(7, [bytearray(10)])  # no descriptor ends at 7: the idle one is taken anyway
+    assert not opened
+    src.close()
+
+
 @pytest.fixture
 def ramfs(tmp_path):
     """A ramfs mount: a real filesystem that refuses O_DIRECT at open (EINVAL)."""
