@@ -27,13 +27,15 @@ PHASES = {  # phase -> legend (what docs/scale.md calls it)
 
 
 def load_rows(paths: list[str]) -> list[dict]:
-    """One row per (model, mesh, W): the files' phases merged, a later file's winning (so torch's
-    phases can come from a run at small W and ours from a run over every W)."""
+    """One row per (model, mesh, state, W): the files' phases merged, a later file's winning (so
+    torch's phases can come from a run at small W and ours from a run over every W). Files from
+    before ``--state`` existed measured the bare state."""
     merged: dict[tuple, dict] = {}
     for p in paths:
         with open(p) as f:
             for r in json.load(f)["rows"]:
-                key = (r["model"], r["mesh"], r["world"])
+                r.setdefault("state", "bare")
+                key = (r["model"], r["mesh"], r["state"], r["world"])
                 if key in merged:
                     merged[key]["phases"].update(r["phases"])
                 else:
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("ranks W")
         ax.set_ylabel("seconds (median, bars: min-max)")
         r0 = rows[0]
-        ax.set_title(f"Commit record cost against W: {r0['model']} {r0['mesh']}, {r0['tensors']:,} tensors")
+        states = sorted({r["state"] for r in rows})
+        ax.set_title(f"Commit record cost against W: {r0['model']} {r0['mesh']}, {'/'.join(states)} state, {r0['tensors']:,} tensors at W = {r0['world']:,}")
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.grid(True, which="both", alpha=0.3)
         fig.tight_layout()
