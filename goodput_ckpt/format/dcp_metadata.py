@@ -45,11 +45,12 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 def dtype_name(dtype: torch.dtype, key: str = "") -> str:
     """Canonical manifest name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    name = _DTYPE_NAMES.get(dtype)
+    known = isinstance(dtype, torch.dtype)
+    name = _DTYPE_NAMES.get(dtype) if known else None
     if name is not None:
         return name
     name = str(dtype).removeprefix("torch.")
-    if name in DTYPE_SIZES and isinstance(dtype, torch.dtype):
+    if known and name in DTYPE_SIZES:
         _DTYPE_NAMES[dtype] = name
     if name not in DTYPE_SIZES:
         raise CheckpointError(
