@@ -18,6 +18,8 @@ phase:
 - ``write``: ``put_commit_record`` on a local directory (fsync + rename);
 - ``parse``: ``parse_manifest`` (every check a reader makes; the writer runs it too, as a
   self-check before it commits);
+- ``share_dumps``, ``share_loads``: the parsed record pickled by the coordinator and unpickled by
+  every other rank of a load (``dcp/manifest_share.py`` broadcasts it; the transport not counted);
 - ``rebuild``: ``to_dcp_metadata`` (the ``Metadata`` a load hands DCP's planner);
 - ``plan``: one rank's restore planning: ``GridLoadPlanner``'s reads for each of the rank's local
   chunks against the rebuilt metadata (grid arithmetic for v2; torch's own
@@ -87,6 +89,11 @@ from goodput_ckpt.dcp.load_planner import tensor_read_items
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
 from goodput_ckpt.storage import open_store
+
+try:
+    from goodput_ckpt.format.gc_pause import gc_paused
+except ImportError:  # before/after runs against an older package
+    gc_paused = None
 
 MB = 1e6
 CHUNK_SIZE = 8 << 20  # the writer's default hash chunk
@@ -458,6 +465,13 @@ def plan_exchange(plan: LoadPlan, world: int) -> int:
     return len(blob) * world
 
 
+def _paused(fn: Callable[[Any], Any], arg: Any) -> Any:
+    if gc_paused is None:  # a package from before the pause
+        return fn(arg)
+    with gc_paused():
+        return fn(arg)
+
+
 def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict[str, Phase], version: int) -> None:
     """The goodput-ckpt phases in format ``version``, each timed (and, with ``memory``, traced) once."""
     prefix = f"v{version}."
@@ -482,6 +496,13 @@ def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict
     rec("write", lambda: store.put_commit_record("manifest.json", data, replace=True))
     parsed = rec("parse", lambda: parse_manifest(data))
     data = b""
+    # A load's ranks get the parsed record from the coordinator (dcp/manifest_share.py: one
+    # broadcast_object_list): it pickles once, every other rank unpickles (the transport not counted).
+    # (With the collector paused, as load_shared does around the broadcast.)
+    shared = rec("share_dumps", lambda: _paused(pickle.dumps, [("ok", parsed)]))
+    timings[prefix + "share_dumps"].bytes = len(shared)
+    rec("share_loads", lambda: _paused(pickle.loads, shared))
+    shared = b""
     md = rec("rebuild", lambda: to_dcp_metadata(parsed))
     parsed = None
     rec("plan", lambda: plan_one_rank(md, sim.local[plan_rank], tensor_read_items))
@@ -548,6 +569,9 @@ def measure(
             row[f"{v}_save_s"] = med(f"{v}.build") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
             row[f"{v}_save_same_s"] = med(f"{v}.build_same") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
             row[f"{v}_restore_s"] = med(f"{v}.parse") + med(f"{v}.rebuild")
+            if f"{v}.share_loads" in p:  # what every rank but the coordinator pays before its plan
+                row[f"{v}_rank_restore_s"] = med(f"{v}.share_loads") + med(f"{v}.rebuild") + med(f"{v}.plan")
+                row[f"{v}_restore_s"] += med(f"{v}.share_dumps")
     if "torch" in methods:
         row["torch_save_s"] = med("torch.dumps")
         row["torch_restore_s"] = med("torch.loads")
@@ -565,7 +589,8 @@ def print_row(row: dict[str, Any]) -> None:
             continue
         print(
             f"  {v} coordinator: first save {row[f'{v}_save_s']:.3f} s (build+serialize+parse+write), later "
-            f"saves {row[f'{v}_save_same_s']:.3f} s (build_same+...), restore {row[f'{v}_restore_s']:.3f} s (parse+rebuild)"
+            f"saves {row[f'{v}_save_same_s']:.3f} s (build_same+...), restore {row[f'{v}_restore_s']:.3f} s (parse+rebuild"
+            + ("+share_dumps); each other rank " + f"{row[f'{v}_rank_restore_s']:.3f} s (share_loads+rebuild+plan)" if f"{v}_rank_restore_s" in row else ")")
         )
     p = row["phases"]
     if not {"v1.parse", "v2.parse", "torch.loads"} <= set(p):

@@ -19,6 +19,8 @@ PHASES = {  # phase -> legend (what docs/scale.md calls it)
     "v2.serialize": "serialize",
     "v2.write": "write (fsync + rename)",
     "v2.parse": "parse + validate",
+    "v2.share_dumps": "parsed record pickled for the ranks (coordinator)",
+    "v2.share_loads": "parsed record unpickled (each other rank)",
     "v2.rebuild": "rebuild DCP Metadata",
     "v2.plan": "one rank's read plan",
     "torch.gather": "torch: write results gathered",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
+from ..format.gc_pause import gc_paused
 
 __all__ = ["load_shared"]
 
@@ -48,7 +49,8 @@ def load_shared(load: Callable[[], T], *, group: Any = None, enabled: bool = Tru
         except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a result forever
             error = e
             box[0] = ("error", CheckpointError(f"rank 0 could not read the manifest: {type(e).__name__}: {e}"))
-    dist.broadcast_object_list(box, group=group, group_src=0)
+    with gc_paused():  # the record is pickled on rank 0, unpickled on the others: many objects
+        dist.broadcast_object_list(box, group=group, group_src=0)
     kind, value = box[0]
     if kind == "error":
         if error is not None:

@@ -68,6 +68,11 @@ class GridChunks(Sequence[ChunkEntry]):
     def __len__(self) -> int:
         return self._n
 
+    def __reduce__(self) -> tuple[type[GridChunks], tuple[Any, ...]]:
+        # Pickled as its constructor's arguments (the parsed record goes to a load's ranks
+        # pickled: dcp/manifest_share.py); counts and run starts are derived again.
+        return GridChunks, (self.shape, self.block, self.esize, self.runs, self.names)
+
     def box(self, cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Offsets and sizes of cell ``cell`` (row-major)."""
         offsets, sizes = [], []

@@ -102,3 +102,34 @@ def test_the_record_paths_run_paused(tmp_path, monkeypatch):
     assert during == [False] * 5 and gc.isenabled()  # parse, serialize; the save's build, serialize, self-check
     to_dcp_metadata(manifest)
     assert gc.isenabled()
+
+
+def _share(rank: int, world: int, out: str) -> None:
+    """load_shared on real gloo ranks, the broadcast wrapped to see the collector during it."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from goodput_ckpt.dcp import manifest_share
+
+    broadcast = dist.broadcast_object_list
+    during: list[bool] = []
+
+    def spy(*args, **kwargs):
+        during.append(gc.isenabled())
+        return broadcast(*args, **kwargs)
+
+    dist.broadcast_object_list = spy
+    got = manifest_share.load_shared(lambda: {"records": list(range(1000))})
+    Path(out, f"rank{rank}.json").write_text(json.dumps([during, gc.isenabled(), got["records"][-1]]))
+
+
+def test_the_shared_record_crosses_the_group_paused(tmp_path):
+    from helpers.dist import run_ranks
+
+    run_ranks(_share, 2, str(tmp_path), report_dir=tmp_path / "report", timeout=300)
+    import json
+
+    for rank in (0, 1):  # the pickling (rank 0) and unpickling (rank 1) ran paused; on again after
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [[False], True, 999]

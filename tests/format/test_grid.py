@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from goodput_ckpt.format.grid import GridError, check_spans
+from goodput_ckpt.format.grid import GridChunks, GridError, check_spans
 
 
 def _brute(spans, sizes) -> bool:
@@ -73,3 +73,26 @@ def test_run_past_the_end_of_one_file_names_it():
     with pytest.raises(GridError, match=r"item 'g': byte range \[0, 8192\) lies beyond the end of 'f3' \(4096 bytes\)"):
         check_spans([(0, 8192, 1, 1, 5, "g")], names, sizes)
     check_spans([(0, 8192, 0, 2, 3, "g")], names, sizes)  # files 0, 2, 4 only
+
+
+def test_entries_pickle_as_their_constructor_arguments():
+    """A load's ranks get the parsed record pickled (dcp/manifest_share.py): every entry type
+    comes back equal, of its own type, with what its constructor derives (a grid's counts and
+    run starts) made again; a grid's file names are pickled once however many grids share them."""
+    import pickle
+
+    from goodput_ckpt.format.schema import ChunkEntry, FileEntry, ObjectEntry, TensorEntry
+
+    names = tuple(f"rank{i}.bin" for i in range(50))
+    # 2 to 4 cells each: one run, or one of all but the last cell and a run of one
+    grids = [GridChunks((5 * (2 + i % 3), 4), (5, 4), 4, ((1 + i % 3, i, 1, 64), (1, 0, 1, 0)) if i % 2 else ((2 + i % 3, i, 1, 0),), names) for i in range(40)]
+    chunk = ChunkEntry((0,), (3,), "rank0.bin", 0, 12)
+    entries = [TensorEntry(f"t{i}", "float32", g.shape, g, bool(i % 2)) for i, g in enumerate(grids)]
+    entries += [TensorEntry("c", "int64", (3,), (chunk,)), chunk, ObjectEntry("o", "torch.save", "rank1.bin", 0, 5)]
+    entries += [FileEntry("rank0.bin", 100, ("ab" * 32,))]
+    back = pickle.loads(pickle.dumps(entries))
+    assert back == entries and [type(e) for e in back] == [type(e) for e in entries]
+    for e, b in zip(entries[:40], back[:40]):
+        assert (b.chunks.counts, b.chunks._starts, len(b.chunks), list(b.chunks)) == (e.chunks.counts, e.chunks._starts, len(e.chunks), list(e.chunks))
+    assert back[0].kind == "tensor" and back[-2].kind == "object"
+    assert len(pickle.dumps(entries[:40])) < len(pickle.dumps(entries[:1])) + 40 * 200  # the names once
