@@ -90,10 +90,10 @@ from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
 from goodput_ckpt.storage import open_store
 
-try:
-    from goodput_ckpt.format.gc_pause import gc_paused
-except ImportError:  # before/after runs against an older package
-    gc_paused = None
+from goodput_ckpt.dcp import manifest_share
+
+#: The collector pause load_shared puts around its broadcast (None: a package from before it).
+gc_paused = getattr(manifest_share, "gc_paused", None)
 
 MB = 1e6
 CHUNK_SIZE = 8 << 20  # the writer's default hash chunk
@@ -466,7 +466,7 @@ def plan_exchange(plan: LoadPlan, world: int) -> int:
 
 
 def _paused(fn: Callable[[Any], Any], arg: Any) -> Any:
-    if gc_paused is None:  # a package from before the pause
+    if gc_paused is None:  # a package whose load_shared does not pause
         return fn(arg)
     with gc_paused():
         return fn(arg)
