@@ -5,8 +5,9 @@ tensor's grid on its own needs its rows side by side, so every table used to be 
 one new array (items x columns x ranks: 1.1 GB written with a stride, and as many fresh pages
 faulted in), then about a dozen passes ran per tensor: 0.9-1.5 s of the first save's build.
 
-How: within a group of ranks whose key lists are the same, tensor ``p``'s rows are row ``p`` of
-each member's table, in member (rank) order, and in a regular grid two consecutive members' rows
+How: within a group of ranks (:class:`Group`: the shard rows of ranks whose shard keys and
+table width are the same, or one rank's own items), tensor ``p``'s rows are row ``p`` of each
+member's table, in member (rank) order, and in a regular grid two consecutive members' rows
 differ by a constant: the file index by the run's step, the split dimension's offset by the
 block, nothing else. So a block of members is copied, rank-major as it is, into a reused buffer
 (no transposition, no fresh memory), differenced along the members in one pass and compared
@@ -62,8 +63,9 @@ _STACK_MEMBERS = 64
 
 @dataclass
 class Group:
-    """Ranks with the same key list: their tables (rank-local file indices, one width) and,
-    per member, the manifest's index of its first file."""
+    """Ranks whose shards have the same keys and table width: their shard rows (rank-local file
+    indices, one width); or one rank's own items. And, per member, the manifest's index of its
+    first file."""
 
     tables: Sequence[np.ndarray]
     bases: np.ndarray  # int64, one per member

@@ -4,8 +4,10 @@
 How: ranks whose shards have the same keys (one digest each; with FSDP nearly all of them) form
 a group; only one rank's keys per group are decoded, so the rows of tensor ``t`` are row ``p``
 of each member's shard rows, ``p`` being ``t``'s position in the group's key list. A rank's own
-items (per-rank state, replicated values: not shards) are a group of one each, so they never
-split the ranks' groups. :func:`~.group_grids.batched_grids` finds the grids of all
+items (per-rank state, replicated values: not shards) are a group of one each, so their keys do
+not split the ranks' groups. (They still widen a rank's table when they have more dimensions than
+its shards, which then groups apart from ranks with narrower tables: correct, but their rows may
+come out of cell order and take the per-tensor path.) :func:`~.group_grids.batched_grids` finds the grids of all
 tensors of a group at once on those tables as they are (numpy, a block of members at a time);
 a tensor it leaves open has its rows gathered (once per group for all such tensors) and goes to
 :func:`~goodput_ckpt.format.grid_detect.grid_from_rows`, and one that is not a grid, or whose

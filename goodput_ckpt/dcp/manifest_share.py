@@ -13,6 +13,7 @@ bytes from the checkpoint location are unpickled.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -40,20 +41,36 @@ def load_shared(load: Callable[[], T], *, group: Any = None, enabled: bool = Tru
         return load()
     box: list[Any] = [None]
     error: BaseException | None = None
-    if dist.get_rank(group) == 0:
+    first = dist.get_rank(group) == 0
+    if first:
         try:
-            box[0] = ("ok", load())
+            result: tuple[str, Any] = ("ok", load())
         except CheckpointError as e:
             error = e
-            box[0] = ("error", e)
+            result = ("error", e)
         except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a result forever
             error = e
-            box[0] = ("error", CheckpointError(f"rank 0 could not read the manifest: {type(e).__name__}: {e}"))
-    with gc_paused():  # the record is pickled on rank 0, unpickled on the others: many objects
-        dist.broadcast_object_list(box, group=group, group_src=0)
-    kind, value = box[0]
+            result = ("error", CheckpointError(f"rank 0 could not read the manifest: {type(e).__name__}: {e}"))
+        box[0] = _encode(result)
+    # Only the bytes cross the group (pickling bytes makes no objects): the record's own
+    # pickling and unpickling, which make one object per entry, run with the collector paused
+    # on their own, not for the whole collective (a wait as long as rank 0's read, or a hang).
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    kind, value = result if first else _decode(box[0])
     if kind == "error":
         if error is not None:
             raise error
         raise value
     return value
+
+
+def _encode(result: tuple[str, Any]) -> bytes:
+    """Rank 0's result as bytes (pickled here, in this job: never bytes from the checkpoint)."""
+    with gc_paused():
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(data: bytes) -> tuple[str, Any]:
+    """What :func:`_encode` made on rank 0 of this job's group."""
+    with gc_paused():
+        return pickle.loads(data)  # noqa: S301 - rank 0 of this job pickled it, see the module doc

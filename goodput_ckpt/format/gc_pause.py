@@ -11,12 +11,17 @@ needs it: reference counting frees all of it.
 
 The pause is process-wide (:func:`gc.disable`), nests, and is safe across threads (a save
 thread building a record while the main thread parses one): the collector comes back when the
-last pause ends, and only if it was enabled when the first began.
+last pause ends, and only if it was enabled when the first began. A process forked during a
+pause (a dataloader worker started while a save thread builds a record) starts with no pause of
+its own: the collector is on again in the child, as the parent had it. Code that turns the
+collector off itself while a pause runs (a trainer's manual collection) has it turned back on
+when the pause ends; turn it off before saving or restoring, or after.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,3 +50,18 @@ def gc_paused() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _was_enabled:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """The child of a fork has only the forking thread: the pauses of the parent's other
+    threads will never end here, so none is held; the collector is as the parent had it."""
+    global _lock, _depth
+    _lock = threading.Lock()
+    if _depth:
+        _depth = 0
+        if _was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -71,7 +71,7 @@ class GridChunks(Sequence[ChunkEntry]):
     def __reduce__(self) -> tuple[type[GridChunks], tuple[Any, ...]]:
         # Pickled as its constructor's arguments (the parsed record goes to a load's ranks
         # pickled: dcp/manifest_share.py); counts and run starts are derived again.
-        return GridChunks, (self.shape, self.block, self.esize, self.runs, self.names)
+        return type(self), (self.shape, self.block, self.esize, self.runs, self.names)
 
     def box(self, cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Offsets and sizes of cell ``cell`` (row-major)."""

@@ -80,10 +80,13 @@ def _pickled_by_init(cls: type[T]) -> type[T]:
     sets each field back through ``object.__setattr__``; at 16,384 ranks a training state's
     record has about 117,000 entries. The constructor's arguments are smaller and quicker.
     """
-    get = operator.attrgetter(*(f.name for f in fields(cls) if f.init))  # type: ignore[arg-type]
+    names = [f.name for f in fields(cls) if f.init]  # type: ignore[arg-type]
+    get = operator.attrgetter(*names)
+    single = len(names) == 1  # attrgetter of one name gives the value, not a tuple
 
     def __reduce__(self: T) -> tuple[type[T], tuple[Any, ...]]:
-        return cls, get(self)
+        args = get(self)
+        return type(self), (args,) if single else args
 
     cls.__reduce__ = __reduce__  # type: ignore[method-assign,assignment]
     return cls

@@ -6,6 +6,7 @@ benchmarks/bench_scale.py, not timed here.)"""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -117,19 +118,62 @@ def _share(rank: int, world: int, out: str) -> None:
     during: list[bool] = []
 
     def spy(*args, **kwargs):
-        during.append(gc.isenabled())
+        during.append(("broadcast", gc.isenabled()))
         return broadcast(*args, **kwargs)
 
+    def watched(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            during.append((name, gc.isenabled()))  # after: the pause is taken inside
+            return out
+        return call
+
+    dumps, loads = manifest_share.pickle.dumps, manifest_share.pickle.loads
+    manifest_share.pickle = type("P", (), {"dumps": staticmethod(watched("dumps", dumps)), "loads": staticmethod(watched("loads", loads)),
+                                           "HIGHEST_PROTOCOL": 5})
     dist.broadcast_object_list = spy
     got = manifest_share.load_shared(lambda: {"records": list(range(1000))})
     Path(out, f"rank{rank}.json").write_text(json.dumps([during, gc.isenabled(), got["records"][-1]]))
 
 
-def test_the_shared_record_crosses_the_group_paused(tmp_path):
+def test_the_shared_record_is_pickled_and_unpickled_paused(tmp_path):
     from helpers.dist import run_ranks
 
     run_ranks(_share, 2, str(tmp_path), report_dir=tmp_path / "report", timeout=300)
     import json
 
-    for rank in (0, 1):  # the pickling (rank 0) and unpickling (rank 1) ran paused; on again after
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [[False], True, 999]
+    # rank 0 pickled the record paused, rank 1 unpickled it paused; the collective itself (a
+    # wait as long as rank 0's read) ran with the collector on, and it is on after
+    assert json.loads((tmp_path / "rank0.json").read_text()) == [[["dumps", False], ["broadcast", True]], True, 999]
+    assert json.loads((tmp_path / "rank1.json").read_text()) == [[["broadcast", True], ["loads", False]], True, 999]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
+def test_a_child_forked_during_another_threads_pause_collects_again():
+    inside, done = threading.Event(), threading.Event()
+
+    def pausing() -> None:
+        with gc_paused():
+            inside.set()
+            done.wait(10)
+
+    t = threading.Thread(target=pausing)
+    t.start()
+    inside.wait(10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        try:
+            with gc_paused():
+                pass
+            os.write(write, b"1" if gc.isenabled() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert not gc.isenabled()  # the parent's pause still holds
+    done.set()
+    t.join(10)
+    assert got == b"1" and gc.isenabled()
