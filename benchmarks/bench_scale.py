@@ -30,7 +30,8 @@ phase:
 AdamW's ``step`` per parameter and its param-group values (rank 0 keeps them, as the save
 planner leaves replicated values on the lowest rank) and, on every rank, its generators (six
 tensors) and its dataloader position under keys that name the rank: about 7 items per rank,
-115 k at 16,384 ranks, each a manifest item of its own. ``bare`` (the default) is the model and
+115 k at 16,384 ranks, each a manifest item of its own (``training-no-rng``: as with
+``CheckpointManager(save_rng=False)``, the dataloader position alone, one item per rank). ``bare`` (the default) is the model and
 moments alone, as the figures in ``docs/scale.md`` before 2026-12-06 were measured.
 
 With ``--mesh fsdp`` and neither ``v1`` nor ``torch`` among ``--methods``, the inputs come from
@@ -165,7 +166,8 @@ def own_items(tensors: list[Tensor], rank: int, state: str) -> list[Own]:
         params = [t.fqn for t in tensors if t.dtype == "bfloat16"]
         out += [(f"optim.state.{f}.step", (), "float32") for f in params]
         out += [(f"optim.param_groups.0.{k}", None, "") for k in PARAM_GROUP_KEYS]
-    out += [(f"rng.rank{rank}.{k}", shape, dtype) for k, shape, dtype in RNG_ITEMS]
+    if state == "training":  # not with CheckpointManager(save_rng=False): "training-no-rng"
+        out += [(f"rng.rank{rank}.{k}", shape, dtype) for k, shape, dtype in RNG_ITEMS]
     out.append((f"dataloader.rank{rank}", (LOADER_BYTES,), "uint8"))
     return out
 
@@ -610,9 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="64,256", help="world sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--state", choices=("bare", "training"), default="bare",
+        "--state", choices=("bare", "training", "training-no-rng"), default="bare",
         help="bare: parameters and AdamW moments; training: also what CheckpointManager saves besides "
-        "(AdamW steps and param groups on rank 0, each rank's generators and dataloader position)",
+        "(AdamW steps and param groups on rank 0, each rank's generators and dataloader position); "
+        "training-no-rng: the same with save_rng=False (no generators)",
     )  # fmt: skip
     ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
