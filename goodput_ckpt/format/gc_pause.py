@@ -4,10 +4,10 @@ Why: building, serializing and parsing a commit record make hundreds of thousand
 objects (entries, tuples, dicts) that form no reference cycles. Every 700 allocations the
 collector runs, and every hundredth run walks every tracked object of the process: in a trainer
 that is the model, the optimizer and everything else alive, hundreds of thousands of objects or
-more. Measured with ``benchmarks/bench_scale.py``'s simulation of a 70B training state at 1,024
-ranks (330 k tracked objects in that process, fewer than a real trainer's): build 0.40 -> 0.23 s,
-serialize 0.27 -> 0.10 s, parse 0.41 -> 0.22 s with the collector paused. Nothing made here
-needs it: reference counting frees all of it.
+more. On a simulated 70B training state at 1,024 ranks (330 k tracked objects in that process,
+fewer than a real trainer's) the pause makes build 1.4x, serialize 2.6x and parse 1.6x faster
+(``benchmarks/probe_gc_pause.py``; docs/scale.md has the runs). Nothing made here needs the
+collector: reference counting frees all of it.
 
 The pause is process-wide (:func:`gc.disable`), nests, and is safe across threads (a save
 thread building a record while the main thread parses one): the collector comes back when the
