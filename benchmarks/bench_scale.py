@@ -28,11 +28,13 @@ phase:
 
 ``--state training`` adds what ``CheckpointManager`` saves besides the model and the moments:
 AdamW's ``step`` per parameter and its param-group values (rank 0 keeps them, as the save
-planner leaves replicated values on the lowest rank) and, on every rank, its generators (six
-tensors) and its dataloader position under keys that name the rank: about 7 items per rank,
-115 k at 16,384 ranks, each a manifest item of its own (``training-no-rng``: as with
-``CheckpointManager(save_rng=False)``, the dataloader position alone, one item per rank). ``bare`` (the default) is the model and
-moments alone, as the figures in ``docs/scale.md`` before 2026-12-06 were measured.
+planner leaves replicated values on the lowest rank), every rank's generators as its row of one
+``uint8[W, 15094]`` tensor ``rng.rows`` (training-state schema 2: one more sharded tensor), and
+every rank's dataloader position under a key that names the rank: one item per rank.
+``training-v1`` saves the generators as schema 1 did, six tensors per rank under keys that name
+it: about 7 items per rank, 115 k at 16,384 ranks. ``training-no-rng``: as with
+``CheckpointManager(save_rng=False)``, the dataloader position alone. ``bare`` (the default) is
+the model and moments alone, as the figures in ``docs/scale.md`` before 2026-12-06 were measured.
 
 With ``--mesh fsdp`` and neither ``v1`` nor ``torch`` among ``--methods``, the inputs come from
 :func:`simulate_compact` (numpy tables, DCP's chunk lists made only if walked), so 16,384 ranks fit
@@ -144,7 +146,10 @@ def model_tensors(model: str) -> list[Tensor]:
 #: What ``CheckpointManager`` saves besides the model and moments (``--state training``): AdamW's
 #: ``step`` per parameter and its param-group values (replicated: the save planner leaves them on
 #: rank 0), and per rank its generators and its dataloader position, under keys naming the rank.
-#: (fqn suffix, shape, dtype); shape ``None``: an object of OBJECT_BYTES.
+#: (fqn suffix, shape, dtype); shape ``None``: an object of OBJECT_BYTES. ``RNG_ITEMS``: the
+#: generators as schema 1 saved them (``--state training-v1``); schema 2 saves them as one row of
+#: ``RNG_ROW_BYTES`` per rank (``state.rng.row_width`` of a process with NumPy and no CUDA).
+RNG_ROW_BYTES = 15094
 RNG_ITEMS = [
     ("python", (625,), "int64"), ("python_gauss", (2,), "float64"), ("numpy", (624,), "int64"),
     ("numpy_pos", (2,), "int64"), ("numpy_gauss", (1,), "float64"), ("torch", (5056,), "uint8"),
@@ -166,10 +171,22 @@ def own_items(tensors: list[Tensor], rank: int, state: str) -> list[Own]:
         params = [t.fqn for t in tensors if t.dtype == "bfloat16"]
         out += [(f"optim.state.{f}.step", (), "float32") for f in params]
         out += [(f"optim.param_groups.0.{k}", None, "") for k in PARAM_GROUP_KEYS]
-    if state == "training":  # not with CheckpointManager(save_rng=False): "training-no-rng"
+    if state == "training-v1":  # schema 1's generators; schema 2's are a sharded tensor (rank_rows)
         out += [(f"rng.rank{rank}.{k}", shape, dtype) for k, shape, dtype in RNG_ITEMS]
     out.append((f"dataloader.rank{rank}", (LOADER_BYTES,), "uint8"))
     return out
+
+
+def state_tensors(model: str, world: int, state: str) -> list[Tensor]:
+    """The sharded tensors of a save: the model's and the moments, and with ``--state training``
+    the ranks' RNG rows (``rng.rows``, row ``r`` on rank ``r``), last in state-dict order."""
+    out = model_tensors(model)
+    if state == "training":
+        out.append(Tensor(RNG_ROWS_KEY, (world, RNG_ROW_BYTES), "uint8", None))
+    return out
+
+
+RNG_ROWS_KEY = "rng.rows"
 
 
 def own_metadata(item: Own) -> TensorStorageMetadata | BytesStorageMetadata:
@@ -198,7 +215,7 @@ def shard(t: Tensor, world: int, mesh: str) -> list[Chunk]:
     """The non-empty chunks of ``t`` over ``world`` ranks, in rank order (DCP's order)."""
     rest = t.shape[1:]
     zeros = (0,) * len(rest)
-    if mesh == "fsdp" or world % TP:
+    if mesh == "fsdp" or world % TP or t.fqn == RNG_ROWS_KEY:  # a rank row: one per rank, any mesh
         return [((o,) + zeros, (n,) + rest, r) for r, (o, n) in enumerate(_split(t.shape[0], world))]
     dp = world // TP
     out: list[Chunk] = []
@@ -228,7 +245,7 @@ class Simulated:
 
 def simulate(model: str, world: int, mesh: str, plan_rank: int, state: str = "bare") -> Simulated:
     """Build the ``finish`` inputs of a save of ``model`` by ``world`` ranks (no data)."""
-    tensors = model_tensors(model)
+    tensors = state_tensors(model, world, state)
     ends = [0] * world
     rank_items: list[list[tuple[MetadataIndex, int, int, tuple[int, ...] | None]]] = [[] for _ in range(world)]
     sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
@@ -323,7 +340,7 @@ def simulate_compact(model: str, world: int, plan_rank: int, state: str = "bare"
     """:func:`simulate` for FSDP without per-chunk Python objects (ours only, any W): each rank's
     ``RankWrites`` table is made with numpy, tensor by tensor across the ranks, and DCP's chunk
     lists are :class:`_LazyChunks`. Same records as :func:`simulate` (``--check-compact``)."""
-    tensors = model_tensors(model)
+    tensors = state_tensors(model, world, state)
     held = np.array([len(_split(t.shape[0], world)) for t in tensors])  # ranks 0 .. held-1 hold t
     ends = np.zeros(world, dtype=np.int64)
     cols = np.zeros((len(tensors), world, 8), dtype=np.int64)  # a row per (tensor, rank): RankWrites columns, D = 2
@@ -612,9 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="64,256", help="world sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--state", choices=("bare", "training", "training-no-rng"), default="bare",
+        "--state", choices=("bare", "training", "training-v1", "training-no-rng"), default="bare",
         help="bare: parameters and AdamW moments; training: also what CheckpointManager saves besides "
-        "(AdamW steps and param groups on rank 0, each rank's generators and dataloader position); "
+        "(AdamW steps and param groups on rank 0, each rank's generators as its row of one tensor and "
+        "its dataloader position); training-v1: the generators as schema 1 saved them, six items per rank; "
         "training-no-rng: the same with save_rng=False (no generators)",
     )  # fmt: skip
     ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..format.dcp_metadata import grid_of
 from ..format.grid import GridChunks
+from .rank_rows import find_rank_rows, put_back_rank_rows, resolve_rank_row
 
 try:  # torch's own helper since 2.0; private, so keep a fallback for a torch that moves it
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
@@ -109,11 +110,20 @@ class GridLoadPlanner(DefaultLoadPlanner):
     this rank's items back. A grid in the metadata means :class:`CheckpointReader` read it
     (nothing else makes one), whose ``prepare_*_plan`` steps do not look at the items.
 
+    It also reads into :class:`~.rank_rows.RankRow` values (:meth:`lookup_tensor`).
+
     Everything else (flattening, ``allow_partial_load``, the size checks, byte objects) is
     torch's. A checkpoint without grids is planned by torch's code unchanged, items and all.
     """
 
     _kept: list[ReadItem] | None = None
+
+    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        """torch's set-up, keeping :class:`~.rank_rows.RankRow` destinations (which it would
+        replace with ``None``)."""
+        rows = find_rank_rows(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        put_back_rank_rows(rows, state_dict, self.state_dict, self.mappings if self.flatten_state_dict else None)
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata
@@ -138,6 +148,11 @@ class GridLoadPlanner(DefaultLoadPlanner):
             requests += read_items_for(fqn, saved, obj)
         self._kept = requests
         return LoadPlan([])
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The destination of a read: a :class:`~.rank_rows.RankRow`'s row, else torch's lookup."""
+        row = resolve_rank_row(self.state_dict, index)
+        return row if row is not None else super().lookup_tensor(index)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         if self._kept is None:

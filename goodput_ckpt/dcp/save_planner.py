@@ -12,15 +12,21 @@ no rank writes much more than the others.
 :class:`ReplicaGroupingSavePlanner` runs this before torch's own dedup (which then finds those
 values already unique). Values held by one rank only (per-rank RNG and dataloader state) and
 DTensor shards are never touched.
+
+It also resolves the per-rank rows of :mod:`.rank_rows` (which DCP's own lookup cannot) and
+refuses a save whose ranks disagree on their shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from .rank_rows import check_rank_rows, resolve_rank_row
 
 __all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "group_small_replicas"]
 
@@ -59,7 +65,13 @@ def group_small_replicas(all_plans: list[SavePlan]) -> list[SavePlan]:
 
 
 class ReplicaGroupingSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank (module doc)."""
+    """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank, and writes
+    :class:`~.rank_rows.RankRow` values (module doc)."""
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        check_rank_rows(all_plans)
         return super().create_global_plan(group_small_replicas(all_plans))
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        row = resolve_rank_row(self.state_dict, index)
+        return row if row is not None else super().lookup_object(index)

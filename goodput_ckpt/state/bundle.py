@@ -4,12 +4,17 @@ The state dict handed to DCP has these top-level sections::
 
     model        model state (sharded for FSDP2), or {name: state} for a dict of models
     optimizer    optimizer state keyed by parameter names, or {name: state}
-    rng          {"rank{r}": {generator: tensor}}     one entry per rank (state.rng)
+    rng          {"rows": RankRow}                   row r of uint8[W, width] (state.rng)
     dataloader   {"rank{r}": uint8 tensor}            one entry per rank (state.dataloader)
     <name>       obj.state_dict() of every other keyword (scheduler=, scaler=, ...)
 
-Per-rank sections use rank-unique keys because DCP keeps only one rank's copy of a plain tensor
-or value whose key is shared by all ranks: without them every rank would get rank 0's RNG.
+Per-rank state cannot sit under a key all ranks share as a plain tensor: DCP keeps one rank's copy
+of those, and every rank would get rank 0's RNG. The RNG is one row per rank of one tensor
+(``dcp.rank_rows``): one item in the commit record whatever the world size. The dataloader states,
+whose lengths differ between ranks, keep rank-unique keys: one item per rank.
+
+Training-state schema 1 (read, no longer written) kept the RNG under rank-unique keys too,
+``rng.rank{r}.<generator>``: six items per rank, the bulk of a large job's commit record.
 
 The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``; the first part
 records the step, the world size, the sections, and what the per-rank state depends on, so that a
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..dcp.rank_rows import RankRow
 from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
 from ..format.dcp_metadata import torch_dtype
 from ..format.manifest import Manifest, TensorEntry
@@ -45,12 +51,14 @@ from .dataloader import (
     encode_dataloader_state,
 )
 from .modules import ModelSet, tied_keys
-from .rng import capture_rng, derive_rng, describe_rng, restore_rng
+from .rng import capture_rng, check_layout, derive_rng, describe_rng, pack_rng, restore_rng, rng_layout, row_width, unpack_rng
 
 __all__ = [
     "EXTRA_KEY",
     "META_KEY",
+    "READ_SCHEMAS",
     "RESERVED_NAMES",
+    "RNG_ROWS",
     "SCHEMA_VERSION",
     "RestorePlan",
     "Topology",
@@ -64,12 +72,16 @@ __all__ = [
 
 logger = logging.getLogger("goodput_ckpt.state")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Training-state schemas this version restores: 1 (RNG under rank-unique keys) and 2.
+READ_SCHEMAS = (1, 2)
 META_KEY = "training_state"
 EXTRA_KEY = "extra"
 MODEL, OPTIMIZER, RNG, DATALOADER = "model", "optimizer", "rng", "dataloader"
 #: Section names that keyword stateful objects may not take.
 RESERVED_NAMES = frozenset({MODEL, OPTIMIZER, RNG, DATALOADER, EXTRA_KEY, "step"})
+#: The key, under ``rng``, of the ranks' RNG rows (schema 2).
+RNG_ROWS = "rows"
 
 
 def rank_key(rank: int) -> str:
@@ -128,9 +140,9 @@ def build_save_state(
         "tied": tied_keys(msd, MODEL),
     }
     if save_rng:
-        rng = capture_rng()
-        state[RNG] = {rk: rng}
-        meta["rng"] = describe_rng(rng)
+        rng, layout = capture_rng(), rng_layout()
+        state[RNG] = {RNG_ROWS: RankRow(pack_rng(rng, layout), topology.rank, topology.world_size)}
+        meta["rng"] = describe_rng(rng, layout)
     if dataloader is not None:
         check_dataloader(dataloader)
         state[DATALOADER] = {rk: encode_dataloader_state(dataloader, key=f"{DATALOADER}.{rk}")}
@@ -165,6 +177,8 @@ class RestorePlan:
     where: str = ""
     #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
     rederive_rng: tuple[int, int, int] | None = None
+    #: Schema 2: the slots of the RNG row this rank restores (``state.rng``).
+    rng_layout: list[tuple[str, str, int]] | None = None
 
 
 def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
@@ -188,10 +202,10 @@ def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise bad("not an object")
     schema = meta.get("schema")
-    if schema != SCHEMA_VERSION:
+    if isinstance(schema, bool) or schema not in READ_SCHEMAS:
         raise CorruptCheckpointError(
-            f"{where}: training-state schema version {schema!r} is not supported (this goodput-ckpt "
-            f"reads version {SCHEMA_VERSION}); upgrade goodput-ckpt",
+            f"{where}: training-state schema version {schema!r:.40} is not supported (this goodput-ckpt "
+            f"reads versions {', '.join(map(str, READ_SCHEMAS))}); upgrade goodput-ckpt",
             path=where,
             version=schema,
         )
@@ -244,7 +258,7 @@ def plan_restore(
     meta = training_meta(manifest, where)
     sections = set(meta["sections"])
     saved_ws = meta["world_size"]
-    plan = RestorePlan(dest={}, models=models)
+    plan = RestorePlan(dest={}, models=models, where=where)
 
     saved_named = meta.get("models") is not None
     if saved_named != models.named or (models.named and sorted(models.pairs) != meta["models"]):
@@ -341,7 +355,11 @@ def plan_restore(
         plan.dest[OPTIMIZER] = osd
     rk = rank_key(topology.rank)
     if want_rng:
-        plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
+        if meta["schema"] == 1:
+            plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
+        else:
+            plan.rng_layout = _rng_layout(meta, where)
+            plan.dest[RNG] = {RNG_ROWS: _row_template(manifest, plan.rng_layout, topology, where)}
         plan.restore_rng = True
     if plan.elastic_from:
         keys = [rank_key(r) for r in range(plan.elastic_from)]
@@ -349,7 +367,7 @@ def plan_restore(
         plan.elastic_reads = topology.rank == 0
         if plan.elastic_reads:  # the others receive the blobs from the coordinator
             plan.dest[DATALOADER] = plan.elastic_blobs
-        plan.dataloader, plan.where = dataloader, where
+        plan.dataloader = dataloader
         plan.elastic_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
         key = f"{DATALOADER}.{rk}"
@@ -385,6 +403,13 @@ def apply_restore(plan: RestorePlan) -> None:
             adopt(state)
     if plan.restore_rng:
         ((_, rng),) = plan.dest[RNG].items()
+        if isinstance(rng, RankRow):
+            assert plan.rng_layout is not None, "a schema-2 plan carries its layout"
+            try:
+                rng = unpack_rng(rng.row, plan.rng_layout)
+            except ValueError as e:
+                key = f"{RNG}.{RNG_ROWS}"
+                raise CorruptCheckpointError(f"{plan.where}: {key!r}, row {rng.rank}: {e}", path=plan.where, key=key) from None
         plan.notes.extend(restore_rng(rng))
     elif plan.rederive_rng is not None:
         base, step, rank = plan.rederive_rng
@@ -410,3 +435,26 @@ def _per_rank_templates(manifest: Manifest, prefix: str, where: str) -> dict[str
             f"{where}: no RNG state under {prefix!r} although the metadata records one", path=where, key=prefix
         )
     return out
+
+
+def _rng_layout(meta: dict[str, Any], where: str) -> list[tuple[str, str, int]]:
+    try:
+        return check_layout(meta["rng"].get("layout"))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: manifest metadata '{META_KEY}.rng': {e}", path=where, key=RNG) from None
+
+
+def _row_template(manifest: Manifest, layout: list[tuple[str, str, int]], topology: Topology, where: str) -> RankRow:
+    """This rank's row of ``rng.rows``, to be filled by DCP; the entry must be the uint8
+    ``[world size, width]`` tensor the layout and the recorded world size imply."""
+    key = f"{RNG}.{RNG_ROWS}"
+    entry = manifest.items.get(key)
+    want = (topology.world_size, row_width(layout))
+    if not isinstance(entry, TensorEntry) or entry.dtype != "uint8" or tuple(entry.shape) != want:
+        got = "missing" if entry is None else f"{getattr(entry, 'dtype', 'an object')} {tuple(getattr(entry, 'shape', ()))}"
+        raise CorruptCheckpointError(
+            f"{where}: {key!r} must be a uint8 tensor of shape {want} (its RNG layout and world size); it is {got}",
+            path=where,
+            key=key,
+        )
+    return RankRow(torch.empty((1, want[1]), dtype=torch.uint8), topology.rank, topology.world_size)

@@ -5,7 +5,7 @@ generator (when NumPy is installed), torch's CPU generator and, once CUDA is ini
 process, the generator of every CUDA device. The state is held in plain tensors (no tuples, no
 NumPy arrays), so it is written as raw bytes and loads without any unpickling.
 
-Names (the keys under ``rng.rank{r}`` in the checkpoint)::
+Names (the slots of a rank's row, :func:`pack_rng`)::
 
     python          int64[625]   Mersenne Twister words + position (random.getstate()[1])
     python_gauss    float64[2]   [has gauss_next, gauss_next]
@@ -14,6 +14,15 @@ Names (the keys under ``rng.rank{r}`` in the checkpoint)::
     numpy_gauss     float64[1]   cached_gaussian
     torch           uint8[N]     torch.get_rng_state()
     cuda{i}         uint8[M]     torch.cuda.get_rng_state(i), one per device
+
+**On disk** (training-state schema 2) all of a rank's generators are one row of bytes, and the
+rows of all ranks one ``uint8[W, width]`` tensor, ``rng.rows``: one item in the commit record
+whatever the number of ranks (schema 1 saved ``rng.rank{r}.<name>``, one item per generator per
+rank: 115 k items at 16,384 ranks; see docs/scale.md). A row starts with one presence byte per
+slot of :func:`rng_layout`, then each slot's bytes in order (zeros where absent). The layout
+depends on the environment only (NumPy importable, CUDA devices, torch's generator), never on
+what this process did, so every rank of a job computes the same one; it is recorded in the
+manifest and checked on restore.
 
 **Across a topology change** a rank's streams cannot carry over (there is no old rank to take
 them from). The policy then (:func:`derive_rng`): every new rank seeds all its generators from
@@ -34,9 +43,32 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "derive_rng", "derived_seed", "describe_rng", "restore_rng"]
+__all__ = [
+    "MAX_LAYOUT_SLOTS",
+    "RngLayout",
+    "capture_rng",
+    "check_layout",
+    "derive_rng",
+    "derived_seed",
+    "describe_rng",
+    "pack_rng",
+    "restore_rng",
+    "rng_layout",
+    "row_width",
+    "unpack_rng",
+]
 
 _PY_VERSION = 3  # random.getstate() format version of CPython's Mersenne Twister
+
+#: One slot of a row: generator name, dtype name, element count.
+RngLayout = list[tuple[str, str, int]]
+_DTYPES = {"int64": torch.int64, "float64": torch.float64, "uint8": torch.uint8}
+#: CUDA's Philox generator state: seed and offset, 8 bytes each.
+_CUDA_STATE_BYTES = 16
+#: Bounds on a layout read from a manifest: far above any real one (python, 3 NumPy slots, torch,
+#: one per CUDA device), before it drives a loop or an allocation.
+MAX_LAYOUT_SLOTS = 1024
+_MAX_SLOT_BYTES = 1 << 20
 
 
 def _numpy():
@@ -69,15 +101,111 @@ def capture_rng() -> dict[str, torch.Tensor]:
     return out
 
 
-def describe_rng(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """What a captured state holds, for the manifest (JSON)."""
-    return {
+def describe_rng(state: dict[str, torch.Tensor], layout: RngLayout | None = None) -> dict[str, Any]:
+    """What a captured state holds, for the manifest (JSON); with ``layout``, its row's slots."""
+    out: dict[str, Any] = {
         "base_seed": torch.initial_seed(),
         "python": "python" in state,
         "numpy": "numpy" in state,
         "torch": "torch" in state,
         "cuda_devices": sum(1 for k in state if k.startswith("cuda")),
     }
+    if layout is not None:
+        out["layout"] = [list(slot) for slot in layout]
+    return out
+
+
+def rng_layout() -> RngLayout:
+    """The slots of this process's row (module doc): the same on every rank of one environment."""
+    out: RngLayout = [("python", "int64", 625), ("python_gauss", "float64", 2)]
+    if _numpy() is not None:
+        out += [("numpy", "int64", 624), ("numpy_pos", "int64", 2), ("numpy_gauss", "float64", 1)]
+    out.append(("torch", "uint8", torch.get_rng_state().numel()))
+    if torch.cuda.is_available():
+        out += [(f"cuda{i}", "uint8", _CUDA_STATE_BYTES) for i in range(torch.cuda.device_count())]
+    return out
+
+
+def _slot_bytes(dtype: str, numel: int) -> int:
+    return numel * _DTYPES[dtype].itemsize
+
+
+def row_width(layout: RngLayout) -> int:
+    """Bytes per row: a presence byte per slot, then the slots."""
+    return len(layout) + sum(_slot_bytes(d, n) for _, d, n in layout)
+
+
+def check_layout(raw: Any) -> RngLayout:
+    """A layout read from a manifest, validated and bounded.
+
+    Raises:
+        ValueError: not a list of at most :data:`MAX_LAYOUT_SLOTS` distinct
+            ``[name, dtype, count]`` slots with a known dtype and a bounded size.
+    """
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_LAYOUT_SLOTS:
+        raise ValueError(f"the RNG layout must be a list of 1 to {MAX_LAYOUT_SLOTS} slots")
+    out: RngLayout = []
+    for slot in raw:
+        if not (isinstance(slot, list) and len(slot) == 3):
+            raise ValueError(f"an RNG layout slot must be [name, dtype, count], got {slot!r:.60}")
+        name, dtype, numel = slot
+        if not isinstance(name, str) or not 0 < len(name) <= 64 or dtype not in _DTYPES:
+            raise ValueError(f"bad RNG layout slot {slot!r:.60}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0 or _slot_bytes(dtype, numel) > _MAX_SLOT_BYTES:
+            raise ValueError(f"RNG layout slot {name!r}: count must be an integer of at most {_MAX_SLOT_BYTES} bytes")
+        out.append((name, dtype, numel))
+    if len({n for n, _, _ in out}) != len(out):
+        raise ValueError("the RNG layout names a slot twice")
+    return out
+
+
+def pack_rng(state: dict[str, torch.Tensor], layout: RngLayout) -> torch.Tensor:
+    """``state`` (:func:`capture_rng`) as one ``uint8[1, width]`` row of ``layout``.
+
+    Raises:
+        RuntimeError: a captured generator does not fit its slot, or ``state`` holds one the
+            layout has no slot for (this torch's generators differ from what the layout says).
+    """
+    extra = sorted(set(state) - {n for n, _, _ in layout})
+    if extra:
+        raise RuntimeError(f"RNG state {extra} has no slot in the row layout")
+    row = torch.zeros((1, row_width(layout)), dtype=torch.uint8)
+    at = len(layout)
+    for i, (name, dtype, numel) in enumerate(layout):
+        size = _slot_bytes(dtype, numel)
+        value = state.get(name)
+        if value is not None:
+            flat = value.detach().reshape(-1).contiguous()
+            if flat.dtype != _DTYPES[dtype] or flat.numel() != numel:
+                raise RuntimeError(
+                    f"RNG state {name!r} is {flat.dtype} x {flat.numel()}, its slot {dtype} x {numel}"
+                )
+            row[0, i] = 1
+            row[0, at : at + size] = flat.view(torch.uint8)
+        at += size
+    return row
+
+
+def unpack_rng(row: torch.Tensor, layout: RngLayout) -> dict[str, torch.Tensor]:
+    """The generators present in ``row`` (:func:`pack_rng`), as :func:`capture_rng` gives them.
+
+    Raises:
+        ValueError: the row's width is not the layout's, or a presence byte is neither 0 nor 1.
+    """
+    flat = row.reshape(-1)
+    if flat.dtype != torch.uint8 or flat.numel() != row_width(layout):
+        raise ValueError(f"an RNG row of {flat.numel()} {flat.dtype} values, the layout needs {row_width(layout)} uint8")
+    present = flat[: len(layout)].tolist()
+    if any(p not in (0, 1) for p in present):
+        raise ValueError("an RNG row's presence bytes must be 0 or 1")
+    out: dict[str, torch.Tensor] = {}
+    at = len(layout)
+    for (name, dtype, numel), here in zip(layout, present):
+        size = _slot_bytes(dtype, numel)
+        if here:
+            out[name] = flat[at : at + size].clone().view(_DTYPES[dtype])
+        at += size
+    return out
 
 
 def restore_rng(state: dict[str, torch.Tensor]) -> list[str]:

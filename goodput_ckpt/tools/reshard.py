@@ -18,10 +18,13 @@ What is *not* split: 0-dim and empty tensors (kept whole on rank 0), and everyth
 
 **Per-rank state policy.** RNG and dataloader entries that belong to one rank are recognized by
 a key component ``rank<N>`` or ``rank_<N>`` (``rng.rank3.cpu``, ``dataloader.rank_00003``)
-inside the ``rng``/``dataloader`` sections. They cannot be split or merged meaningfully, so:
+inside the ``rng``/``dataloader`` sections; ``CheckpointManager``'s ``rng.rows`` (every rank's
+generators as the rows of one tensor, training-state schema 2) is per-rank state too, of all
+ranks at once. They cannot be split or merged meaningfully, so:
 
 - ``keep``: copy each under its original key (rank ``r``'s entry into rank ``r``'s file, or rank
-  0's when ``r >= M``). The default when ``M`` equals the source's world size.
+  0's when ``r >= M``; ``rng.rows`` whole into rank 0's). The default when ``M`` equals the
+  source's world size.
 - ``drop``: leave them out; a job resumed at ``M`` ranks re-seeds its RNGs and restarts its
   dataloaders' epoch position.
 - ``auto`` (default): ``keep`` when the world size is unchanged, or when the dataloader entries
@@ -51,6 +54,7 @@ from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import TensorMeta
 from ._formats.goodput import GoodputSource, write_goodput
+from ..state.bundle import RNG, RNG_ROWS
 from .inspect import TRAINING_STATE_KEY, section_of
 
 __all__ = ["RANK_STATE_POLICIES", "ReshardReport", "per_rank_keys", "reshard_checkpoint"]
@@ -58,12 +62,18 @@ __all__ = ["RANK_STATE_POLICIES", "ReshardReport", "per_rank_keys", "reshard_che
 RANK_STATE_POLICIES = ("auto", "keep", "drop")
 _RANK_PART = re.compile(r"rank_?(\d+)\Z")
 _WHOLE_SECTIONS = ("rng", "dataloader")
+#: Every rank's RNG state, one row per rank (``state.bundle``): kept or dropped whole.
+_RNG_ROWS_KEY = f"{RNG}.{RNG_ROWS}"
 
 
 def per_rank_keys(keys) -> dict[str, int]:
-    """The keys that hold one rank's RNG or dataloader state, with that rank."""
+    """The keys that hold one rank's RNG or dataloader state, with that rank (``rng.rows``, all
+    ranks' rows in one tensor, with rank 0: the rank whose file keeps it)."""
     out: dict[str, int] = {}
     for key in keys:
+        if key == _RNG_ROWS_KEY:
+            out[key] = 0
+            continue
         if section_of(key) not in _WHOLE_SECTIONS:
             continue
         for part in key.split("."):
@@ -148,9 +158,8 @@ def reshard_checkpoint(
         policy = rank_state
         if policy == "auto":
             if per_rank and world_size != m0 and not elastic:
-                ranks = sorted(set(per_rank.values()))
                 raise ValueError(
-                    f"{src_store.uri} holds per-rank RNG/dataloader state for {len(ranks)} rank(s) "
+                    f"{src_store.uri} holds per-rank RNG/dataloader state "
                     f"(e.g. {next(iter(per_rank))!r}) and was saved by {m0} rank(s); resharding to "
                     f"{world_size} cannot map them one to one. Choose: rank_state='drop' "
                     "(--rank-state drop: resumed ranks re-seed and restart their dataloaders) or "

@@ -8,10 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from goodput_ckpt.dcp.rank_rows import RankRow
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.format.manifest import Manifest
 from goodput_ckpt.state import META_KEY, Topology, build_save_state, normalize, training_meta
 from goodput_ckpt.state.dataloader import decode_dataloader_state, encode_dataloader_state
+from goodput_ckpt.state.rng import rng_layout, row_width
 
 
 def _manifest(metadata):
@@ -37,7 +39,10 @@ def test_save_state_sections_and_metadata():
         save_rng=True, extra={"epoch": 1},
     )  # fmt: skip
     assert set(state) == {"model", "optimizer", "rng", "dataloader"}
-    assert set(state["rng"]) == {"rank1"} and set(state["dataloader"]) == {"rank1"}, "rank-unique keys"
+    assert set(state["dataloader"]) == {"rank1"}, "rank-unique keys"
+    (row,) = state["rng"].values()
+    assert isinstance(row, RankRow) and (row.rank, row.world_size) == (1, 2), "row 1 of one tensor for all ranks"
+    assert row.size() == (2, row_width(rng_layout()))
     ts = meta[META_KEY]
     assert ts["step"] == 7 and ts["world_size"] == 2 and ts["sections"] == ["model", "optimizer", "rng", "dataloader"]
     assert ts["dataloader"]["num_workers"] == 2 and ts["dataloader"]["batch_size"] == 8
@@ -52,8 +57,12 @@ def test_training_meta_validation():
     with pytest.raises(CorruptCheckpointError, match="schema version 99 is not supported") as info:
         training_meta(_manifest({META_KEY: {"schema": 99}}), "loc")
     assert info.value.version == 99
+    for schema in (True, "2", 0, 3):
+        with pytest.raises(CorruptCheckpointError, match="is not supported"):
+            training_meta(_manifest({META_KEY: {"schema": schema}}), "loc")
     good = {"schema": 1, "step": 1, "world_size": 2, "sections": ["model"], "rng": None, "dataloader": None}
     assert training_meta(_manifest({META_KEY: good}), "loc")["world_size"] == 2
+    assert training_meta(_manifest({META_KEY: {**good, "schema": 2}}), "loc")["schema"] == 2
     for bad in ({"world_size": 0}, {"world_size": True}, {"sections": "model"}, {"rng": [1]}, {"models": [1]}):
         with pytest.raises(CorruptCheckpointError):
             training_meta(_manifest({META_KEY: {**good, **bad}}), "loc")

@@ -84,8 +84,8 @@ def test_world_size_one_consolidates(sample_ckpt, tmp_path):
 
 def test_per_rank_policy(sample_ckpt, tmp_path):
     src, sd = sample_ckpt
-    assert per_rank_keys(["rng.rank0.cpu", "dataloader.rank12", "dataloader.rank_3", "model.rank1.w", "rng.seed"]) == {
-        "rng.rank0.cpu": 0, "dataloader.rank12": 12, "dataloader.rank_3": 3}  # fmt: skip
+    assert per_rank_keys(["rng.rank0.cpu", "dataloader.rank12", "dataloader.rank_3", "model.rank1.w", "rng.seed", "rng.rows"]) == {
+        "rng.rank0.cpu": 0, "dataloader.rank12": 12, "dataloader.rank_3": 3, "rng.rows": 0}  # fmt: skip
     with pytest.raises(ValueError, match="rank-state"):
         reshard_checkpoint(str(src), str(tmp_path / "a"), world_size=2)
     assert not (tmp_path / "a" / MANIFEST_NAME).exists()
@@ -106,6 +106,7 @@ def test_drop_updates_the_managers_training_state(tmp_path):
     model = torch.nn.Linear(5, 7)
     mgr = CheckpointManager(str(tmp_path / "run"), async_save=False)
     try:
+        saved_rng = torch.get_rng_state()
         mgr.save(5, model=model)
     finally:
         mgr.close()
@@ -114,6 +115,18 @@ def test_drop_updates_the_managers_training_state(tmp_path):
     reshard_checkpoint(str(src), str(dst), world_size=4, rank_state="drop")
     ts = manifest(dst)["metadata"]["training_state"]
     assert ts["world_size"] == 4 and ts["rng"] is None and "rng" not in ts["sections"]
+    assert "rng.rows" in manifest(src)["items"] and not any(k.startswith("rng.") for k in manifest(dst)["items"])
+    with pytest.raises(ValueError, match="rank-state"):  # all ranks' RNG rows: not split silently
+        reshard_checkpoint(str(src), str(tmp_path / "auto4"), world_size=4)
+    kept = reshard_checkpoint(str(src), str(tmp_path / "run3" / "step_00000005"), world_size=1)
+    assert kept.rank_state == "keep" and kept.per_rank_kept == ["rng.rows"]
+    torch.manual_seed(123)
+    mgr = CheckpointManager(str(tmp_path / "run3"), async_save=False)
+    try:
+        assert mgr.restore(model=torch.nn.Linear(5, 7)) == 5
+    finally:
+        mgr.close()
+    assert torch.equal(torch.get_rng_state(), saved_rng), "the kept rows restore the generators"
     restored = torch.nn.Linear(5, 7)
     mgr = CheckpointManager(str(tmp_path / "run2"), async_save=False)
     try:

@@ -1,0 +1,162 @@
+"""Per-rank values saved as the rows of one tensor: :class:`RankRow`.
+
+Why: a value every rank holds its own copy of (its generators' state) used to be saved under a
+key naming the rank (``rng.rank{r}.torch``), one item per rank. The commit record then holds
+ranks x values entries, each built, written, parsed and shipped to every rank on its own: about
+34 µs apiece, seconds at 16,384 ranks for a training job's six generator tensors per rank
+(docs/scale.md). Stored as row ``r`` of one ``(W, *shape)`` tensor, the same values are one item
+whatever ``W``: every rank writes a shard of it, as with an FSDP weight, and the coordinator
+records them as one grid (format v2).
+
+A :class:`RankRow` is what a state dict holds in place of that tensor on rank ``r``: the row, and
+where it lies. It speaks torch DCP's checkpointable protocol (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``), so DCP plans a shard write and a shard read
+for it, and the planners here resolve it to the row (:func:`resolve_rank_row`): DCP's own lookup
+resolves only ``torch.Tensor`` values by offset. It is deliberately not a tensor subclass: a
+staging copy deep-copies it whole, and no tensor operation ever sees it.
+
+torch's load planner replaces every value of a destination state dict that is not a tensor,
+number, string, container or ``None`` with ``None`` (``_init_state_dict``, which materializes
+meta tensors). :func:`find_rank_rows` and :func:`put_back_rank_rows` let a load planner set
+itself up around that.
+
+Every rank's row must have the same shape; :func:`check_rank_rows` refuses a save whose ranks
+disagree, naming the key and the ranks, instead of writing a record that does not tile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from ..errors import CheckpointError
+
+__all__ = ["RankRow", "check_rank_rows", "find_rank_rows", "put_back_rank_rows", "resolve_rank_row"]
+
+
+class RankRow:
+    """Row ``rank`` of a ``(world_size, *row.shape[1:])`` tensor whose other rows other ranks hold.
+
+    ``row`` has a leading dimension of 1: it is the shard itself, written from and read into in
+    place.
+    """
+
+    __slots__ = ("rank", "row", "world_size")
+
+    def __init__(self, row: torch.Tensor, rank: int, world_size: int) -> None:
+        if row.dim() < 1 or row.shape[0] != 1:
+            raise ValueError(f"a rank's row must have a leading dimension of 1, got shape {tuple(row.shape)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        self.row, self.rank, self.world_size = row, rank, world_size
+
+    def size(self) -> torch.Size:
+        """The whole tensor's shape (what DCP compares with the saved one)."""
+        return torch.Size((self.world_size, *self.row.shape[1:]))
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        ndim = self.row.dim()
+        return ChunkStorageMetadata(offsets=torch.Size((self.rank,) + (0,) * (ndim - 1)), sizes=self.row.shape)
+
+    # -- torch DCP's checkpointable protocol ----------------------------------------------------
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        chunk = self._chunk()
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk, properties=TensorProperties.create_from_tensor(self.row), size=self.size()
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        at = tuple(self._chunk().offsets)
+        if index.offset is not None and tuple(index.offset) != at:
+            raise ValueError(f"{index.fqn}: rank {self.rank} holds the row at {at}, not {tuple(index.offset)}")
+        return self.row
+
+    def __repr__(self) -> str:
+        return f"RankRow(rank={self.rank}, world_size={self.world_size}, row={tuple(self.row.shape)} {self.row.dtype})"
+
+
+def resolve_rank_row(state_dict: Mapping[str, Any], index: MetadataIndex) -> torch.Tensor | None:
+    """The row a planner reads into or writes from for ``index``, or ``None`` when the (flat)
+    state dict holds no :class:`RankRow` there and the planner's own lookup applies."""
+    obj = state_dict.get(index.fqn)
+    return obj.__get_tensor_shard__(index) if isinstance(obj, RankRow) else None
+
+
+def find_rank_rows(state_dict: Mapping[str, Any]) -> list[tuple[tuple[str, ...], RankRow]]:
+    """Every :class:`RankRow` in a nested state dict (dicts only: where the manager puts them),
+    with its path of keys."""
+    found: list[tuple[tuple[str, ...], RankRow]] = []
+    stack: list[tuple[tuple[str, ...], Mapping[str, Any]]] = [((), state_dict)]
+    while stack:
+        path, d = stack.pop()
+        for k, v in d.items():
+            if isinstance(v, RankRow):
+                found.append(((*path, k), v))
+            elif isinstance(v, Mapping):
+                stack.append(((*path, k), v))
+    return found
+
+
+def put_back_rank_rows(
+    found: Sequence[tuple[tuple[str, ...], RankRow]],
+    nested: MutableMapping[str, Any],
+    flat: MutableMapping[str, Any],
+    mappings: Mapping[str, tuple[Any, ...]] | None,
+) -> None:
+    """Restore the rows :func:`find_rank_rows` found, in the nested state dict and in the
+    planner's flat one (``mappings``: flat key -> path, as torch's ``flatten_state_dict`` gives;
+    ``None`` when the planner does not flatten)."""
+    if not found:
+        return
+    flat_key = {tuple(map(str, path)): key for key, path in (mappings or {}).items()}
+    for path, row in found:
+        parent = nested
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = row
+        if mappings is not None:
+            flat[flat_key.get(path, ".".join(path))] = row
+
+
+def check_rank_rows(plans: Sequence[SavePlan]) -> None:
+    """Refuse a save whose ranks wrote rows of different shapes under one key.
+
+    DCP would record each rank's row against the first rank's shape, and the record would not
+    tile; the commit would fail far from the cause. Only shard items whose chunk is one leading
+    row of a tensor with a first dimension of ``len(plans)`` can be rank rows, so this looks at
+    those alone.
+
+    Raises:
+        CheckpointError: naming the key, two ranks and their shapes.
+    """
+    seen: dict[str, tuple[int, torch.Size]] = {}
+    world = len(plans)
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            data = item.tensor_data
+            if item.type != WriteItemType.SHARD or data is None or not data.size or data.size[0] != world:
+                continue
+            if tuple(data.chunk.sizes[:1]) != (1,) or tuple(data.chunk.offsets) != (rank,) + (0,) * (len(data.size) - 1):
+                continue
+            first = seen.setdefault(item.index.fqn, (rank, data.size))
+            if first[1] != data.size:
+                raise CheckpointError(
+                    f"ranks disagree on the shape of the per-rank rows of {item.index.fqn!r}: rank {first[0]} "
+                    f"saves {tuple(first[1])}, rank {rank} saves {tuple(data.size)}. For RNG state this means "
+                    "the ranks' environments differ (CUDA devices, NumPy); pass CheckpointManager(save_rng=False) "
+                    "or make them equal",
+                    key=item.index.fqn,
+                )

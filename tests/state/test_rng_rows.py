@@ -1,0 +1,222 @@
+"""The RNG as one row per rank (training-state schema 2): packing, the row's DCP protocol, the
+checks on what a manifest says about it, and a schema-1 checkpoint that still restores.
+
+The rows of several real ranks (2 gloo processes, per-rank seeds, bit-exact after a kill) are
+covered by tests/manager/test_resume.py; the cost it removes is measured in
+benchmarks/bench_scale.py (``--state training`` against ``training-v1``), not timed here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from goodput_ckpt import CheckpointManager
+from goodput_ckpt.dcp.rank_rows import RankRow, check_rank_rows, find_rank_rows, put_back_rank_rows
+from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
+from goodput_ckpt.format.manifest import Manifest
+from goodput_ckpt.format.schema import TensorEntry
+from goodput_ckpt.state import META_KEY, Topology, apply_restore, normalize, plan_restore
+from goodput_ckpt.state.rng import (
+    MAX_LAYOUT_SLOTS,
+    capture_rng,
+    check_layout,
+    pack_rng,
+    restore_rng,
+    rng_layout,
+    row_width,
+    unpack_rng,
+)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "schema1"
+
+
+def _draws() -> tuple[list[float], list[float], list[float]]:
+    return [random.random() for _ in range(3)], np.random.rand(3).tolist(), torch.rand(3).tolist()
+
+
+def test_a_packed_row_restores_every_generator():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # a cached Gaussian in Python's state
+    np.random.standard_normal()  # ... and NumPy's
+    layout = rng_layout()
+    row = pack_rng(capture_rng(), layout)
+    assert row.shape == (1, row_width(layout)) and row.dtype == torch.uint8
+    want = _draws()
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    back = unpack_rng(row, layout)
+    assert set(back) == {name for name, _, _ in layout}
+    assert restore_rng(back) == []
+    assert _draws() == want
+
+
+def test_an_absent_generator_is_marked_not_zeroed():
+    layout = rng_layout()
+    state = capture_rng()
+    del state["numpy"], state["numpy_pos"], state["numpy_gauss"]
+    row = pack_rng(state, layout)
+    assert sorted(unpack_rng(row, layout)) == sorted(state)
+    assert torch.equal(unpack_rng(row, layout)["torch"], state["torch"])
+
+
+def test_pack_refuses_what_does_not_fit_its_slot():
+    layout = rng_layout()
+    with pytest.raises(RuntimeError, match="no slot"):
+        pack_rng({**capture_rng(), "cuda7": torch.zeros(16, dtype=torch.uint8)}, layout)
+    with pytest.raises(RuntimeError, match="its slot"):
+        pack_rng({**capture_rng(), "torch": torch.zeros(7, dtype=torch.uint8)}, layout)
+
+
+def test_unpack_refuses_a_row_of_another_width_or_bad_flags():
+    layout = rng_layout()
+    row = pack_rng(capture_rng(), layout)
+    with pytest.raises(ValueError, match="layout needs"):
+        unpack_rng(row[:, :-1], layout)
+    row[0, 0] = 2
+    with pytest.raises(ValueError, match="presence"):
+        unpack_rng(row, layout)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        [],
+        "python",
+        [["python", "int64"]],
+        [["python", "complex128", 3]],
+        [["python", "int64", True]],
+        [["python", "int64", -1]],
+        [["python", "int64", 1 << 40]],  # bounded before it sizes a row
+        [["", "int64", 1]],
+        [["a", "uint8", 1], ["a", "uint8", 1]],
+        [["s", "uint8", 1]] * (MAX_LAYOUT_SLOTS + 1),
+    ],
+)
+def test_a_layout_from_a_manifest_is_validated_and_bounded(bad):
+    with pytest.raises(ValueError):
+        check_layout(bad)
+
+
+def test_check_layout_accepts_what_rng_layout_records():
+    layout = rng_layout()
+    assert check_layout([list(s) for s in layout]) == layout
+
+
+def test_rank_row_speaks_dcps_checkpointable_protocol():
+    row = RankRow(torch.arange(6, dtype=torch.uint8).reshape(1, 6), rank=2, world_size=5)
+    assert row.size() == (5, 6)
+    (item,) = row.__create_write_items__("rng.rows", row)
+    assert item.type == WriteItemType.SHARD and item.tensor_data.size == (5, 6)
+    assert tuple(item.tensor_data.chunk.offsets) == (2, 0) and tuple(item.tensor_data.chunk.sizes) == (1, 6)
+    (chunk,) = row.__create_chunk_list__()
+    assert tuple(chunk.offsets) == (2, 0)
+    assert row.__get_tensor_shard__(MetadataIndex("rng.rows", torch.Size((2, 0)))) is row.row
+    with pytest.raises(ValueError, match="not"):
+        row.__get_tensor_shard__(MetadataIndex("rng.rows", torch.Size((1, 0))))
+    with pytest.raises(ValueError):
+        RankRow(torch.zeros(2, 6), rank=0, world_size=2)
+    with pytest.raises(ValueError):
+        RankRow(torch.zeros(1, 6), rank=2, world_size=2)
+
+
+def test_rows_survive_the_load_planners_set_up():
+    """torch's load set-up turns unknown values into None; the planner puts the rows back."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from goodput_ckpt.dcp.load_planner import GridLoadPlanner
+
+    def dest():
+        return {"model": {"w": torch.zeros(2)}, "rng": {"rows": RankRow(torch.zeros(1, 3), 0, 1)}}
+
+    plain = dest()
+    DefaultLoadPlanner().set_up_planner(plain, None)
+    assert plain["rng"]["rows"] is None, "torch's behaviour this works around"
+    d = dest()
+    row = d["rng"]["rows"]
+    planner = GridLoadPlanner()
+    planner.set_up_planner(d, None)
+    assert d["rng"]["rows"] is row and planner.state_dict["rng.rows"] is row
+    nested = dest()
+    found = find_rank_rows(nested)
+    nested["rng"]["rows"] = None
+    flat: dict = {}
+    put_back_rank_rows(found, nested, flat, None)
+    assert isinstance(nested["rng"]["rows"], RankRow) and flat == {}
+
+
+def test_ranks_that_disagree_on_the_row_shape_fail_the_save_by_name():
+    def plan(rank, width):
+        r = RankRow(torch.zeros(1, width, dtype=torch.uint8), rank, 2)
+        return SavePlan(r.__create_write_items__("rng.rows", r))
+
+    check_rank_rows([plan(0, 8), plan(1, 8)])
+    with pytest.raises(CheckpointError, match="rng.rows.*rank 0 saves \\(2, 8\\), rank 1 saves \\(2, 9\\)"):
+        check_rank_rows([plan(0, 8), plan(1, 9)])
+
+
+def _v2_manifest(rows: TensorEntry | None, layout=None) -> Manifest:
+    layout = [list(s) for s in rng_layout()] if layout is None else layout
+    meta = {"schema": 2, "step": 1, "world_size": 2, "sections": ["model", "rng"], "rng": {"base_seed": 0, "layout": layout},
+            "dataloader": None, "stateful": [], "tied": {}}  # fmt: skip
+    items = {"rng.rows": rows} if rows is not None else {}
+    return Manifest(version=1, library_version="0", torch_version="0", created_at="", world_size=2,
+                    chunk_size=1 << 20, files={}, items=items, metadata={META_KEY: meta})  # fmt: skip
+
+
+def _plan(manifest: Manifest):
+    return plan_restore(manifest, where="loc", models=normalize(nn.Linear(2, 2), None), dataloader=None, stateful={},
+                        topology=Topology(1, 2), allow_topology_change=False)  # fmt: skip
+
+
+def test_restore_checks_the_rows_entry_against_layout_and_world_size():
+    width = row_width(rng_layout())
+    good = TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width), chunks=())
+    plan = _plan(_v2_manifest(good))
+    row = plan.dest["rng"]["rows"]
+    assert isinstance(row, RankRow) and (row.rank, row.world_size, tuple(row.row.shape)) == (1, 2, (1, width))
+    row.row.fill_(7)  # what DCP would read from a damaged (or forged, re-hashed) file
+    with pytest.raises(CorruptCheckpointError, match="'rng.rows', row 1: .*presence"):
+        apply_restore(plan)
+    for bad in (None, TensorEntry(key="rng.rows", dtype="uint8", shape=(3, width), chunks=()),
+                TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width + 1), chunks=()),
+                TensorEntry(key="rng.rows", dtype="int64", shape=(2, width), chunks=())):  # fmt: skip
+        with pytest.raises(CorruptCheckpointError, match="rng.rows"):
+            _plan(_v2_manifest(bad))
+    with pytest.raises(CorruptCheckpointError, match="layout"):
+        _plan(_v2_manifest(good, layout=[["python", "int64", "625"]]))
+
+
+def test_a_schema_1_checkpoint_still_restores(tmp_path):
+    """Written by the last package that wrote schema 1 (fixtures/make_schema1.py says how)."""
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURE, root)
+    expected = json.loads((root / "expected.json").read_text())
+    manifest = json.loads(next(root.glob("step_*/manifest.json")).read_text())
+    assert manifest["metadata"]["training_state"]["schema"] == 1 and "rng.rank0.torch" in manifest["items"]
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    mgr = CheckpointManager(str(root), async_save=False)
+    try:
+        assert mgr.restore(model=model, optimizer=opt) == 3
+    finally:
+        mgr.close()
+    assert model.weight.tolist() == expected["weight"] and model.bias.tolist() == expected["bias"]
+    assert opt.state[model.weight]["exp_avg"].tolist() == expected["exp_avg_weight"]
+    assert _draws() == (expected["python"], expected["numpy"], expected["torch"])
