@@ -28,13 +28,13 @@ phase:
 
 ``--state training`` adds what ``CheckpointManager`` saves besides the model and the moments:
 AdamW's ``step`` per parameter and its param-group values (rank 0 keeps them, as the save
-planner leaves replicated values on the lowest rank), every rank's generators as its row of one
-``uint8[W, 15094]`` tensor ``rng.rows`` (training-state schema 2: one more sharded tensor), and
-every rank's dataloader position under a key that names the rank: one item per rank.
-``training-v1`` saves the generators as schema 1 did, six tensors per rank under keys that name
-it: about 7 items per rank, 115 k at 16,384 ranks. ``training-no-rng``: as with
-``CheckpointManager(save_rng=False)``, the dataloader position alone. ``bare`` (the default) is
-the model and moments alone, as the figures in ``docs/scale.md`` before 2026-12-06 were measured.
+planner leaves replicated values on the lowest rank), and every rank's generators and dataloader
+position as its rows of two tensors, ``rng.rows`` (``uint8[W, 15094]``) and ``dataloader.rows``
+(``uint8[W, 8 + 512]``): training-state schema 2, two more sharded tensors. ``training-v1``
+saves them as schema 1 did, six generator tensors and a dataloader blob per rank under keys that
+name it: about 7 items per rank, 115 k at 16,384 ranks. ``training-no-rng``: as with
+``CheckpointManager(save_rng=False)``, the dataloader rows alone. ``bare`` (the default) is the
+model and moments alone, as the figures in ``docs/scale.md`` before 2026-12-06 were measured.
 
 With ``--mesh fsdp`` and neither ``v1`` nor ``torch`` among ``--methods``, the inputs come from
 :func:`simulate_compact` (numpy tables, DCP's chunk lists made only if walked), so 16,384 ranks fit
@@ -171,22 +171,24 @@ def own_items(tensors: list[Tensor], rank: int, state: str) -> list[Own]:
         params = [t.fqn for t in tensors if t.dtype == "bfloat16"]
         out += [(f"optim.state.{f}.step", (), "float32") for f in params]
         out += [(f"optim.param_groups.0.{k}", None, "") for k in PARAM_GROUP_KEYS]
-    if state == "training-v1":  # schema 1's generators; schema 2's are a sharded tensor (rank_rows)
+    if state == "training-v1":  # schema 1; schema 2's are rows of sharded tensors (state_tensors)
         out += [(f"rng.rank{rank}.{k}", shape, dtype) for k, shape, dtype in RNG_ITEMS]
-    out.append((f"dataloader.rank{rank}", (LOADER_BYTES,), "uint8"))
+        out.append((f"dataloader.rank{rank}", (LOADER_BYTES,), "uint8"))
     return out
 
 
 def state_tensors(model: str, world: int, state: str) -> list[Tensor]:
-    """The sharded tensors of a save: the model's and the moments, and with ``--state training``
-    the ranks' RNG rows (``rng.rows``, row ``r`` on rank ``r``), last in state-dict order."""
+    """The sharded tensors of a save: the model's and the moments, and with a schema-2 training
+    state the ranks' rows (row ``r`` on rank ``r``), last in state-dict order."""
     out = model_tensors(model)
     if state == "training":
-        out.append(Tensor(RNG_ROWS_KEY, (world, RNG_ROW_BYTES), "uint8", None))
+        out.append(Tensor("rng.rows", (world, RNG_ROW_BYTES), "uint8", None))
+    if state in ("training", "training-no-rng"):
+        out.append(Tensor("dataloader.rows", (world, 8 + LOADER_BYTES), "uint8", None))
     return out
 
 
-RNG_ROWS_KEY = "rng.rows"
+ROWS_KEYS = ("rng.rows", "dataloader.rows")
 
 
 def own_metadata(item: Own) -> TensorStorageMetadata | BytesStorageMetadata:
@@ -215,7 +217,7 @@ def shard(t: Tensor, world: int, mesh: str) -> list[Chunk]:
     """The non-empty chunks of ``t`` over ``world`` ranks, in rank order (DCP's order)."""
     rest = t.shape[1:]
     zeros = (0,) * len(rest)
-    if mesh == "fsdp" or world % TP or t.fqn == RNG_ROWS_KEY:  # a rank row: one per rank, any mesh
+    if mesh == "fsdp" or world % TP or t.fqn in ROWS_KEYS:  # a rank row: one per rank, any mesh
         return [((o,) + zeros, (n,) + rest, r) for r, (o, n) in enumerate(_split(t.shape[0], world))]
     dp = world // TP
     out: list[Chunk] = []
@@ -631,9 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--state", choices=("bare", "training", "training-v1", "training-no-rng"), default="bare",
         help="bare: parameters and AdamW moments; training: also what CheckpointManager saves besides "
-        "(AdamW steps and param groups on rank 0, each rank's generators as its row of one tensor and "
-        "its dataloader position); training-v1: the generators as schema 1 saved them, six items per rank; "
-        "training-no-rng: the same with save_rng=False (no generators)",
+        "(AdamW steps and param groups on rank 0, each rank's generators and dataloader position as its "
+        "rows of two tensors); training-v1: as schema 1 saved them, seven items per rank; "
+        "training-no-rng: training with save_rng=False (no generators)",
     )  # fmt: skip
     ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")

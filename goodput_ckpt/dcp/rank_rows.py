@@ -21,12 +21,19 @@ meta tensors). :func:`find_rank_rows` and :func:`put_back_rank_rows` let a load 
 itself up around that.
 
 Every rank's row must have the same shape; :func:`check_rank_rows` refuses a save whose ranks
-disagree, naming the key and the ranks, instead of writing a record that does not tile.
+disagree, naming the key and the ranks, instead of writing a record that does not tile. A row
+made with ``widen=True`` (a length-prefixed blob, such as a dataloader's state, whose length
+differs between ranks) is the exception: the coordinator's global plan widens every rank's row
+of that key to the longest (:func:`widen_rank_rows`, in the plan DCP already gathers and scatters:
+no extra collective), and each rank writes its row zero-padded to that width
+(:meth:`RankRow.padded`). The padding costs ``W x (longest - row)`` bytes, small while the
+ranks' blobs are of similar size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+import dataclasses
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -35,24 +42,46 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from ..errors import CheckpointError
 
-__all__ = ["RankRow", "check_rank_rows", "find_rank_rows", "put_back_rank_rows", "resolve_rank_row"]
+__all__ = [
+    "RankRow",
+    "check_rank_rows",
+    "find_rank_rows",
+    "put_back_rank_rows",
+    "resolve_rank_row",
+    "row_widths",
+    "widen_rank_rows",
+]
 
 
 class RankRow:
     """Row ``rank`` of a ``(world_size, *row.shape[1:])`` tensor whose other rows other ranks hold.
 
     ``row`` has a leading dimension of 1: it is the shard itself, written from and read into in
-    place.
+    place. ``widen``: ``row`` is ``[1, n]`` and the save may widen it to the longest row of any
+    rank (module doc).
     """
 
-    __slots__ = ("rank", "row", "world_size")
+    __slots__ = ("rank", "row", "widen", "world_size")
 
-    def __init__(self, row: torch.Tensor, rank: int, world_size: int) -> None:
+    def __init__(self, row: torch.Tensor, rank: int, world_size: int, *, widen: bool = False) -> None:
         if row.dim() < 1 or row.shape[0] != 1:
             raise ValueError(f"a rank's row must have a leading dimension of 1, got shape {tuple(row.shape)}")
+        if widen and row.dim() != 2:
+            raise ValueError(f"a row that may be widened must be [1, n], got shape {tuple(row.shape)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        self.row, self.rank, self.world_size = row, rank, world_size
+        self.row, self.rank, self.world_size, self.widen = row, rank, world_size, widen
+
+    def padded(self, width: int) -> torch.Tensor:
+        """The row, zero-padded to ``width`` columns (itself when already that wide)."""
+        have = self.row.shape[-1]
+        if width == have:
+            return self.row
+        if not self.widen or width < have:
+            raise ValueError(f"a row of {have} columns cannot be written as {width}")
+        out = torch.zeros((1, width), dtype=self.row.dtype)
+        out[:, :have] = self.row
+        return out
 
     def size(self) -> torch.Size:
         """The whole tensor's shape (what DCP compares with the saved one)."""
@@ -88,11 +117,54 @@ class RankRow:
         return f"RankRow(rank={self.rank}, world_size={self.world_size}, row={tuple(self.row.shape)} {self.row.dtype})"
 
 
-def resolve_rank_row(state_dict: Mapping[str, Any], index: MetadataIndex) -> torch.Tensor | None:
+def resolve_rank_row(
+    state_dict: Mapping[str, Any], index: MetadataIndex, widths: Mapping[str, int] | None = None
+) -> torch.Tensor | None:
     """The row a planner reads into or writes from for ``index``, or ``None`` when the (flat)
-    state dict holds no :class:`RankRow` there and the planner's own lookup applies."""
+    state dict holds no :class:`RankRow` there and the planner's own lookup applies. A save
+    passes the ``widths`` its final plan gives widened rows (:func:`row_widths`)."""
     obj = state_dict.get(index.fqn)
-    return obj.__get_tensor_shard__(index) if isinstance(obj, RankRow) else None
+    if not isinstance(obj, RankRow):
+        return None
+    row = obj.__get_tensor_shard__(index)
+    width = (widths or {}).get(index.fqn)
+    return row if width is None else obj.padded(width)
+
+
+def widen_rank_rows(plans: Sequence[SavePlan], keys: Collection[str]) -> list[SavePlan]:
+    """``plans`` with every rank's row of each of ``keys`` (rows made with ``widen=True``, named by
+    the coordinator, whose state dict has the same keys as every rank's) as wide as the widest.
+    Plans without such rows are returned as they are."""
+    if not keys:
+        return list(plans)
+    width: dict[str, int] = {}
+    for plan in plans:
+        for item in plan.items:
+            if item.index.fqn in keys and item.tensor_data is not None:
+                width[item.index.fqn] = max(width.get(item.index.fqn, 0), item.tensor_data.chunk.sizes[-1])
+    out = []
+    for plan in plans:
+        items = []
+        for item in plan.items:
+            data = item.tensor_data
+            if item.index.fqn in width and data is not None and data.chunk.sizes[-1] != width[item.index.fqn]:
+                w = width[item.index.fqn]
+                chunk = ChunkStorageMetadata(offsets=data.chunk.offsets, sizes=torch.Size((*data.chunk.sizes[:-1], w)))
+                data = TensorWriteData(chunk=chunk, properties=data.properties, size=torch.Size((*data.size[:-1], w)))
+                item = dataclasses.replace(item, tensor_data=data)
+            items.append(item)
+        out.append(dataclasses.replace(plan, items=items))
+    return out
+
+
+def row_widths(plan: SavePlan, state_dict: Mapping[str, Any]) -> dict[str, int]:
+    """The width this rank's final ``plan`` gives each of its widened rows."""
+    out = {}
+    for item in plan.items:
+        obj = state_dict.get(item.index.fqn)
+        if isinstance(obj, RankRow) and obj.widen and item.tensor_data is not None:
+            out[item.index.fqn] = int(item.tensor_data.chunk.sizes[-1])
+    return out
 
 
 def find_rank_rows(state_dict: Mapping[str, Any]) -> list[tuple[tuple[str, ...], RankRow]]:

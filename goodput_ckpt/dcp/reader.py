@@ -20,6 +20,7 @@ import io
 import math
 import os
 import threading
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -151,9 +152,10 @@ class CheckpointReader(StorageReader):
         self._storage_data: dict[Any, StoredRange] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
         self._key_index: tuple[Manifest, KeyIndex] | None = None
-        #: The keys of the items this reader has read from storage (since ``reset``): what a
-        #: restore record reports, e.g. how many old ranks' loader states this rank read.
-        self.keys_read: set[str] = set()
+        #: The keys of the items this reader has read from storage (since ``reset``), each with
+        #: how many saved chunks of it were read: what a restore record reports, e.g. how many old
+        #: ranks' loader states this rank read (one chunk per rank).
+        self.keys_read: Counter[str] = Counter()
 
     @property
     def manifest(self) -> Manifest:
@@ -190,7 +192,7 @@ class CheckpointReader(StorageReader):
         self._storage_data = {}
         self._chunk_cache = {}
         self._key_index = None
-        self.keys_read = set()
+        self.keys_read = Counter()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -289,7 +291,7 @@ class CheckpointReader(StorageReader):
                 verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest)) if verify else None,
                 job_done=job_done,
             )
-            self.keys_read.update(item.storage_index.fqn for item in plan.items)
+            self.keys_read.update(item.storage_index.fqn for item in plan.items)  # one item per saved chunk read
         finally:
             for src in sources.values():
                 src.close()

@@ -13,8 +13,9 @@ no rank writes much more than the others.
 values already unique). Values held by one rank only (per-rank RNG and dataloader state) and
 DTensor shards are never touched.
 
-It also resolves the per-rank rows of :mod:`.rank_rows` (which DCP's own lookup cannot) and
-refuses a save whose ranks disagree on their shape.
+It also resolves the per-rank rows of :mod:`.rank_rows` (which DCP's own lookup cannot), widens
+the rows that may differ in length to the longest, and refuses a save whose ranks disagree on
+the shape of the others.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from .rank_rows import check_rank_rows, resolve_rank_row
+from .rank_rows import RankRow, check_rank_rows, resolve_rank_row, row_widths, widen_rank_rows
 
 __all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "group_small_replicas"]
 
@@ -68,10 +69,18 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank, and writes
     :class:`~.rank_rows.RankRow` values (module doc)."""
 
+    _widths: dict[str, int] | None = None
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        widened = {k for k, v in self.state_dict.items() if isinstance(v, RankRow) and v.widen}
+        all_plans = widen_rank_rows(all_plans, widened)
         check_rank_rows(all_plans)
         return super().create_global_plan(group_small_replicas(all_plans))
 
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self._widths = row_widths(new_plan, self.state_dict)
+        return super().finish_plan(new_plan)
+
     def lookup_object(self, index: MetadataIndex) -> Any:
-        row = resolve_rank_row(self.state_dict, index)
+        row = resolve_rank_row(self.state_dict, index, self._widths)
         return row if row is not None else super().lookup_object(index)

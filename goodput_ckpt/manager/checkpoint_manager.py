@@ -58,7 +58,8 @@ __all__ = ["CheckpointManager", "ManagerConfig"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
 
-#: The DCP keys of the per-rank dataloader states (``dataloader.rank{r}``, see ``state.bundle``).
+#: The DCP keys of the per-rank dataloader states (``dataloader.rows``, a row per rank, or
+#: schema 1's ``dataloader.rank{r}``, see ``state.bundle``).
 LOADER_KEY_PREFIX = f"{DATALOADER}."
 
 
@@ -425,7 +426,7 @@ class CheckpointManager:
         apply_restore(plan)
         loader_states = None
         if plan.dataloader is not None:
-            loader_states = sum(1 for k in reader.keys_read if k.startswith(LOADER_KEY_PREFIX))
+            loader_states = sum(n for k, n in reader.keys_read.items() if k.startswith(LOADER_KEY_PREFIX))
         self._timeline.emit(
             RestoreRecord(
                 step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,

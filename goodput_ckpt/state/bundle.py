@@ -5,16 +5,17 @@ The state dict handed to DCP has these top-level sections::
     model        model state (sharded for FSDP2), or {name: state} for a dict of models
     optimizer    optimizer state keyed by parameter names, or {name: state}
     rng          {"rows": RankRow}                   row r of uint8[W, width] (state.rng)
-    dataloader   {"rank{r}": uint8 tensor}            one entry per rank (state.dataloader)
+    dataloader   {"rows": RankRow}                   row r of uint8[W, widest] (state.dataloader)
     <name>       obj.state_dict() of every other keyword (scheduler=, scaler=, ...)
 
 Per-rank state cannot sit under a key all ranks share as a plain tensor: DCP keeps one rank's copy
-of those, and every rank would get rank 0's RNG. The RNG is one row per rank of one tensor
-(``dcp.rank_rows``): one item in the commit record whatever the world size. The dataloader states,
-whose lengths differ between ranks, keep rank-unique keys: one item per rank.
+of those, and every rank would get rank 0's RNG. So each is one row per rank of one tensor
+(``dcp.rank_rows``): one item in the commit record whatever the world size. The dataloader
+states differ in length between ranks; the save widens their rows to the longest.
 
-Training-state schema 1 (read, no longer written) kept the RNG under rank-unique keys too,
-``rng.rank{r}.<generator>``: six items per rank, the bulk of a large job's commit record.
+Training-state schema 1 (read, no longer written) kept both under rank-unique keys,
+``rng.rank{r}.<generator>`` and ``dataloader.rank{r}``: seven items per rank, the bulk of a large
+job's commit record.
 
 The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``; the first part
 records the step, the world size, the sections, and what the per-rank state depends on, so that a
@@ -45,10 +46,11 @@ from ..format.manifest import Manifest, TensorEntry
 from ..format.schema import MAX_WORLD_SIZE
 from .dataloader import (
     check_dataloader,
+    decode_dataloader_row,
     decode_dataloader_state,
     describe_dataloader,
     elastic_sampler_of,
-    encode_dataloader_state,
+    encode_dataloader_row,
 )
 from .modules import ModelSet, tied_keys
 from .rng import capture_rng, check_layout, derive_rng, describe_rng, pack_rng, restore_rng, rng_layout, row_width, unpack_rng
@@ -58,7 +60,7 @@ __all__ = [
     "META_KEY",
     "READ_SCHEMAS",
     "RESERVED_NAMES",
-    "RNG_ROWS",
+    "ROWS",
     "SCHEMA_VERSION",
     "RestorePlan",
     "Topology",
@@ -80,8 +82,8 @@ EXTRA_KEY = "extra"
 MODEL, OPTIMIZER, RNG, DATALOADER = "model", "optimizer", "rng", "dataloader"
 #: Section names that keyword stateful objects may not take.
 RESERVED_NAMES = frozenset({MODEL, OPTIMIZER, RNG, DATALOADER, EXTRA_KEY, "step"})
-#: The key, under ``rng``, of the ranks' RNG rows (schema 2).
-RNG_ROWS = "rows"
+#: The key, under ``rng`` and ``dataloader``, of the ranks' rows (schema 2).
+ROWS = "rows"
 
 
 def rank_key(rank: int) -> str:
@@ -121,7 +123,6 @@ def build_save_state(
     before training continues.
     """
     check_stateful(stateful)
-    rk = rank_key(topology.rank)
     state: dict[str, Any] = {}
     msd, osd = models.state_dicts()
     state[MODEL] = msd
@@ -141,11 +142,12 @@ def build_save_state(
     }
     if save_rng:
         rng, layout = capture_rng(), rng_layout()
-        state[RNG] = {RNG_ROWS: RankRow(pack_rng(rng, layout), topology.rank, topology.world_size)}
+        state[RNG] = {ROWS: RankRow(pack_rng(rng, layout), topology.rank, topology.world_size)}
         meta["rng"] = describe_rng(rng, layout)
     if dataloader is not None:
         check_dataloader(dataloader)
-        state[DATALOADER] = {rk: encode_dataloader_state(dataloader, key=f"{DATALOADER}.{rk}")}
+        row = encode_dataloader_row(dataloader, key=f"{DATALOADER}.{ROWS}")
+        state[DATALOADER] = {ROWS: RankRow(row, topology.rank, topology.world_size, widen=True)}
         meta["dataloader"] = describe_dataloader(dataloader)
     for name, obj in stateful.items():
         state[name] = obj.state_dict()
@@ -166,7 +168,8 @@ class RestorePlan:
     #: Elastic data position: old ranks whose loader states go to the ElasticSampler (their
     #: count), the batch size they used, and where (for messages). 0 = not elastic.
     elastic_from: int = 0
-    #: Elastic: the old ranks' loader blobs, rank order, filled before :func:`apply_restore`.
+    #: Elastic: the old ranks' loader blobs, rank order, filled before :func:`apply_restore`
+    #: (schema 2: one entry, ``rows``, the whole tensor: a row per old rank).
     #: On the coordinator these are ``dest``'s own tensors (DCP reads them); elsewhere empty
     #: tensors of the sizes the manifest gives, which :func:`.loader_share.share_loader_states`
     #: fills from the coordinator's copy.
@@ -354,24 +357,32 @@ def plan_restore(
     if models.has_optimizer:
         plan.dest[OPTIMIZER] = osd
     rk = rank_key(topology.rank)
+    schema1 = meta["schema"] == 1
     if want_rng:
-        if meta["schema"] == 1:
+        if schema1:
             plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
         else:
             plan.rng_layout = _rng_layout(meta, where)
-            plan.dest[RNG] = {RNG_ROWS: _row_template(manifest, plan.rng_layout, topology, where)}
+            width = _rows_width(manifest, RNG, topology.world_size, row_width(plan.rng_layout), where)
+            plan.dest[RNG] = {ROWS: _own_row(width, topology)}
         plan.restore_rng = True
     if plan.elastic_from:
-        keys = [rank_key(r) for r in range(plan.elastic_from)]
-        plan.elastic_blobs = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
+        if schema1:
+            keys = [rank_key(r) for r in range(plan.elastic_from)]
+            plan.elastic_blobs = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
+        else:  # every old rank's row: the whole tensor
+            width = _rows_width(manifest, DATALOADER, plan.elastic_from, None, where)
+            plan.elastic_blobs = {ROWS: torch.empty((plan.elastic_from, width), dtype=torch.uint8)}
         plan.elastic_reads = topology.rank == 0
         if plan.elastic_reads:  # the others receive the blobs from the coordinator
             plan.dest[DATALOADER] = plan.elastic_blobs
         plan.dataloader = dataloader
         plan.elastic_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
-        key = f"{DATALOADER}.{rk}"
-        plan.dest[DATALOADER] = {rk: _template(manifest, key, where)}
+        if schema1:
+            plan.dest[DATALOADER] = {rk: _template(manifest, f"{DATALOADER}.{rk}", where)}
+        else:
+            plan.dest[DATALOADER] = {ROWS: _own_row(_rows_width(manifest, DATALOADER, topology.world_size, None, where), topology)}
         plan.dataloader = dataloader
     for name, obj in stateful.items():
         plan.dest[name] = obj.state_dict()
@@ -389,14 +400,17 @@ def apply_restore(plan: RestorePlan) -> None:
     for name, obj in plan.stateful.items():
         obj.load_state_dict(plan.dest[name])
     if plan.elastic_from:
-        states = [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in plan.elastic_blobs.items()]
+        states = _old_loader_states(plan.elastic_blobs)
         sampler = elastic_sampler_of(plan.dataloader)
         note = sampler.elastic_resume(states, batch_size=plan.elastic_batch_size, where=plan.where)
         plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
         logger.info("%s: %s", plan.where, note)
     elif plan.dataloader is not None:
         ((rk, blob),) = plan.dest[DATALOADER].items()
-        state = decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}")
+        if isinstance(blob, RankRow):
+            state = decode_dataloader_row(blob.row, key=f"{DATALOADER}.{ROWS}[{blob.rank}]")
+        else:
+            state = decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}")
         plan.dataloader.load_state_dict(state)
         adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
         if adopt is not None:
@@ -408,7 +422,7 @@ def apply_restore(plan: RestorePlan) -> None:
             try:
                 rng = unpack_rng(rng.row, plan.rng_layout)
             except ValueError as e:
-                key = f"{RNG}.{RNG_ROWS}"
+                key = f"{RNG}.{ROWS}"
                 raise CorruptCheckpointError(f"{plan.where}: {key!r}, row {rng.rank}: {e}", path=plan.where, key=key) from None
         plan.notes.extend(restore_rng(rng))
     elif plan.rederive_rng is not None:
@@ -437,6 +451,14 @@ def _per_rank_templates(manifest: Manifest, prefix: str, where: str) -> dict[str
     return out
 
 
+def _old_loader_states(blobs: dict[str, torch.Tensor]) -> list[Any]:
+    """An elastic restore's old loader states, in old-rank order: the rows of the whole tensor
+    (schema 2), or one blob per old rank (schema 1)."""
+    if ROWS in blobs:
+        return [decode_dataloader_row(row, key=f"{DATALOADER}.{ROWS}[{r}]") for r, row in enumerate(blobs[ROWS])]
+    return [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in blobs.items()]
+
+
 def _rng_layout(meta: dict[str, Any], where: str) -> list[tuple[str, str, int]]:
     try:
         return check_layout(meta["rng"].get("layout"))
@@ -444,17 +466,28 @@ def _rng_layout(meta: dict[str, Any], where: str) -> list[tuple[str, str, int]]:
         raise CorruptCheckpointError(f"{where}: manifest metadata '{META_KEY}.rng': {e}", path=where, key=RNG) from None
 
 
-def _row_template(manifest: Manifest, layout: list[tuple[str, str, int]], topology: Topology, where: str) -> RankRow:
-    """This rank's row of ``rng.rows``, to be filled by DCP; the entry must be the uint8
-    ``[world size, width]`` tensor the layout and the recorded world size imply."""
-    key = f"{RNG}.{RNG_ROWS}"
+def _rows_width(manifest: Manifest, section: str, rows: int, width: int | None, where: str) -> int:
+    """The width of ``<section>.rows``, checked: a uint8 ``[rows, width]`` tensor, ``rows`` the
+    ranks the metadata records and ``width`` what the RNG layout implies (any width for the
+    dataloader's, whose rows are as wide as the widest rank's state). Its size is the manifest's,
+    whose chunks were checked against the files."""
+    key = f"{section}.{ROWS}"
     entry = manifest.items.get(key)
-    want = (topology.world_size, row_width(layout))
-    if not isinstance(entry, TensorEntry) or entry.dtype != "uint8" or tuple(entry.shape) != want:
-        got = "missing" if entry is None else f"{getattr(entry, 'dtype', 'an object')} {tuple(getattr(entry, 'shape', ()))}"
+    shape = tuple(getattr(entry, "shape", ()))
+    if (
+        not isinstance(entry, TensorEntry) or entry.dtype != "uint8" or len(shape) != 2 or shape[0] != rows
+        or (width is not None and shape[1] != width)
+    ):  # fmt: skip
+        got = "missing" if entry is None else f"{getattr(entry, 'dtype', 'an object')} {shape}"
+        want = f"({rows}, {'n' if width is None else width})"
         raise CorruptCheckpointError(
-            f"{where}: {key!r} must be a uint8 tensor of shape {want} (its RNG layout and world size); it is {got}",
+            f"{where}: {key!r} must be a uint8 tensor of shape {want} (a row per saved rank); it is {got}",
             path=where,
             key=key,
         )
-    return RankRow(torch.empty((1, want[1]), dtype=torch.uint8), topology.rank, topology.world_size)
+    return shape[1]
+
+
+def _own_row(width: int, topology: Topology) -> RankRow:
+    """This rank's row, to be filled by DCP."""
+    return RankRow(torch.empty((1, width), dtype=torch.uint8), topology.rank, topology.world_size)

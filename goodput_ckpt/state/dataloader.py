@@ -3,8 +3,10 @@
 A dataloader's ``state_dict()`` changes shape as it runs (torchdata's ``StatefulDataLoader``
 adds worker snapshots once its iterator exists), and DCP can only load keys that the
 destination already has. So the state is not spread over DCP keys: it is serialized with
-``torch.save`` into one ``uint8`` tensor under a rank-unique key, and decoded with
-``torch.load(weights_only=True)``. It is checked at save time, so a dataloader whose state could
+``torch.save`` into one ``uint8`` blob, and decoded with ``torch.load(weights_only=True)``.
+Training-state schema 2 stores each rank's blob as its row of one tensor (:func:`encode_dataloader_row`:
+an 8-byte little-endian length, the blob, zeros up to the widest rank's row); schema 1 stored it
+under a rank-unique key, one manifest item per rank. It is checked at save time, so a dataloader whose state could
 not be loaded safely fails its first save instead of its restore.
 
 The manifest also records what the state depends on (:func:`describe_dataloader`): the worker
@@ -27,12 +29,18 @@ import torch
 from ..errors import CheckpointError
 
 __all__ = [
+    "ROW_HEADER",
     "check_dataloader",
+    "decode_dataloader_row",
     "decode_dataloader_state",
     "describe_dataloader",
     "elastic_sampler_of",
+    "encode_dataloader_row",
     "encode_dataloader_state",
 ]
+
+#: Bytes before the blob in a row: its length, uint64 little-endian.
+ROW_HEADER = 8
 
 
 def elastic_sampler_of(loader: Any) -> Any:
@@ -102,3 +110,31 @@ def decode_dataloader_state(blob: torch.Tensor, *, key: str) -> Any:
             f"({type(e).__name__}: {str(e)[:300]})",
             key=key,
         ) from None
+
+
+def encode_dataloader_row(loader: Any, *, key: str) -> torch.Tensor:
+    """:func:`encode_dataloader_state` as a ``uint8[1, 8 + n]`` row: the blob's length, then the
+    blob. The save may pad it with zeros to the widest rank's row (``dcp.rank_rows``)."""
+    blob = encode_dataloader_state(loader, key=key)
+    row = torch.empty((1, ROW_HEADER + blob.numel()), dtype=torch.uint8)
+    row[0, :ROW_HEADER] = torch.frombuffer(bytearray(blob.numel().to_bytes(ROW_HEADER, "little")), dtype=torch.uint8)
+    row[0, ROW_HEADER:] = blob
+    return row
+
+
+def decode_dataloader_row(row: torch.Tensor, *, key: str) -> Any:
+    """The state dict stored in one row by :func:`encode_dataloader_row`, its length bounded by
+    the row before it slices anything.
+
+    Raises:
+        CheckpointError: the length does not fit the row, or the blob does not load.
+    """
+    flat = row.reshape(-1)
+    if flat.dtype != torch.uint8 or flat.numel() < ROW_HEADER:
+        raise CheckpointError(f"the saved dataloader row {key!r} is not a uint8 row of at least {ROW_HEADER} bytes", key=key)
+    n = int.from_bytes(flat[:ROW_HEADER].numpy().tobytes(), "little")
+    if n > flat.numel() - ROW_HEADER:
+        raise CheckpointError(
+            f"the saved dataloader row {key!r} claims {n} bytes but holds {flat.numel() - ROW_HEADER}", key=key
+        )
+    return decode_dataloader_state(flat[ROW_HEADER : ROW_HEADER + n], key=key)

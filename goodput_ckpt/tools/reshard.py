@@ -54,7 +54,7 @@ from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import TensorMeta
 from ._formats.goodput import GoodputSource, write_goodput
-from ..state.bundle import RNG, RNG_ROWS
+from ..state.bundle import DATALOADER, RNG, ROWS
 from .inspect import TRAINING_STATE_KEY, section_of
 
 __all__ = ["RANK_STATE_POLICIES", "ReshardReport", "per_rank_keys", "reshard_checkpoint"]
@@ -62,16 +62,16 @@ __all__ = ["RANK_STATE_POLICIES", "ReshardReport", "per_rank_keys", "reshard_che
 RANK_STATE_POLICIES = ("auto", "keep", "drop")
 _RANK_PART = re.compile(r"rank_?(\d+)\Z")
 _WHOLE_SECTIONS = ("rng", "dataloader")
-#: Every rank's RNG state, one row per rank (``state.bundle``): kept or dropped whole.
-_RNG_ROWS_KEY = f"{RNG}.{RNG_ROWS}"
+#: Every rank's RNG or dataloader state, one row per rank (``state.bundle``): kept or dropped whole.
+_ROWS_KEYS = (f"{RNG}.{ROWS}", f"{DATALOADER}.{ROWS}")
 
 
 def per_rank_keys(keys) -> dict[str, int]:
-    """The keys that hold one rank's RNG or dataloader state, with that rank (``rng.rows``, all
-    ranks' rows in one tensor, with rank 0: the rank whose file keeps it)."""
+    """The keys that hold one rank's RNG or dataloader state, with that rank (``rng.rows`` and
+    ``dataloader.rows``, all ranks' rows in one tensor, with rank 0: the rank whose file keeps it)."""
     out: dict[str, int] = {}
     for key in keys:
-        if key == _RNG_ROWS_KEY:
+        if key in _ROWS_KEYS:
             out[key] = 0
             continue
         if section_of(key) not in _WHOLE_SECTIONS:

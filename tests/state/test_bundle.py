@@ -12,7 +12,7 @@ from goodput_ckpt.dcp.rank_rows import RankRow
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.format.manifest import Manifest
 from goodput_ckpt.state import META_KEY, Topology, build_save_state, normalize, training_meta
-from goodput_ckpt.state.dataloader import decode_dataloader_state, encode_dataloader_state
+from goodput_ckpt.state.dataloader import decode_dataloader_row, encode_dataloader_state
 from goodput_ckpt.state.rng import rng_layout, row_width
 
 
@@ -39,15 +39,16 @@ def test_save_state_sections_and_metadata():
         save_rng=True, extra={"epoch": 1},
     )  # fmt: skip
     assert set(state) == {"model", "optimizer", "rng", "dataloader"}
-    assert set(state["dataloader"]) == {"rank1"}, "rank-unique keys"
     (row,) = state["rng"].values()
     assert isinstance(row, RankRow) and (row.rank, row.world_size) == (1, 2), "row 1 of one tensor for all ranks"
-    assert row.size() == (2, row_width(rng_layout()))
+    assert row.size() == (2, row_width(rng_layout())) and not row.widen
+    (dl,) = state["dataloader"].values()
+    assert isinstance(dl, RankRow) and (dl.rank, dl.world_size, dl.widen) == (1, 2, True), "widened to the longest"
     ts = meta[META_KEY]
     assert ts["step"] == 7 and ts["world_size"] == 2 and ts["sections"] == ["model", "optimizer", "rng", "dataloader"]
     assert ts["dataloader"]["num_workers"] == 2 and ts["dataloader"]["batch_size"] == 8
     assert meta["extra"] == {"epoch": 1}
-    back = decode_dataloader_state(state["dataloader"]["rank1"], key="k")
+    back = decode_dataloader_row(dl.padded(dl.row.shape[1] + 5), key="k")  # padding is ignored
     assert back["pos"] == 5 and torch.equal(back["gen"], torch.arange(3))
 
 

@@ -37,7 +37,7 @@ from goodput_ckpt import CheckpointManager, CheckpointReader
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.dcp.manifest_load import load_manifest
 from goodput_ckpt.format.dcp_metadata import torch_dtype
-from goodput_ckpt.state.dataloader import decode_dataloader_state
+from goodput_ckpt.state.dataloader import decode_dataloader_row
 from goodput_ckpt.storage import open_store
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -101,11 +101,9 @@ def _restore(rank: int, ws: int, url: str, uri: str, out: str, verify: bool) -> 
 def _blob_ranges(uri: str, url: str) -> dict[int, tuple[str, int, int]]:
     """Old rank -> (file, start, end) of its saved loader state, from the manifest."""
     manifest = load_manifest(open_store(uri, _options(url)))
-    out = {}
-    for r in range(OLD_WS):
-        (chunk,) = manifest.items[f"dataloader.rank{r}"].chunks
-        out[r] = (chunk.file, chunk.offset, chunk.offset + chunk.length)
-    return out
+    rows = manifest.items["dataloader.rows"]  # schema 2: a row per old rank
+    assert rows.shape[0] == OLD_WS and len(rows.chunks) == OLD_WS
+    return {chunk.offsets[0]: (chunk.file, chunk.offset, chunk.offset + chunk.length) for chunk in rows.chunks}
 
 
 def _blobs_read(gets: list[tuple[str, str | None]], blobs: dict[int, tuple[str, int, int]]) -> list[int]:
@@ -128,14 +126,12 @@ def _expected_positions(uri: str, url: str, ws: int) -> list[list[int]]:
     """What each new rank should read: all old states decoded here, in one process."""
     reader = CheckpointReader(uri, **_options(url))
     manifest = reader.manifest
-    dest = {"dataloader": {}}
-    for r in range(OLD_WS):
-        entry = manifest.items[f"dataloader.rank{r}"]
-        dest["dataloader"][f"rank{r}"] = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, entry.key))
+    entry = manifest.items["dataloader.rows"]
+    dest = {"dataloader": {"rows": torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, entry.key))}}
     dcp.load(dest, storage_reader=reader, no_dist=True)
     out = []
     for rank in range(ws):
-        states = [decode_dataloader_state(b, key=k) for k, b in dest["dataloader"].items()]
+        states = [decode_dataloader_row(row, key=f"row {r}") for r, row in enumerate(dest["dataloader"]["rows"])]
         loader, s = _loader(ws, rank, batch=2)
         s.elastic_resume(states, batch_size=2)
         loader.load_state_dict({})

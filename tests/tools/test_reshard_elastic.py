@@ -54,7 +54,8 @@ def test_reshard_carries_the_data_position(saved, tmp_path, policy):
     src, seen = saved
     dst = tmp_path / "run2" / src.name
     r = reshard_checkpoint(str(src), str(dst), world_size=2, rank_state=policy)  # auto refused before
-    assert "dataloader.rank0" in r.per_rank_kept and "dataloader.rank0" not in r.per_rank_dropped
+    assert "dataloader.rows" in r.per_rank_kept and "dataloader.rows" not in r.per_rank_dropped
+    assert ("rng.rows" in r.per_rank_dropped) == (policy == "drop")
     ts = manifest(dst)["metadata"]["training_state"]
     if policy == "drop":
         assert ts["rng"] is None and ts["world_size"] == 2 and ts["dataloader"]["ranks"] == 1

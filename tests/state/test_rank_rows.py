@@ -1,5 +1,6 @@
-"""The RNG as one row per rank (training-state schema 2): packing, the row's DCP protocol, the
-checks on what a manifest says about it, and a schema-1 checkpoint that still restores.
+"""Per-rank state as one row per rank (training-state schema 2): the RNG's packing, the row's DCP
+protocol, the dataloader rows widened to the longest, the checks on what a manifest says about
+them, 3 real ranks with states of different lengths, and a schema-1 checkpoint that still restores.
 
 The rows of several real ranks (2 gloo processes, per-rank seeds, bit-exact after a kill) are
 covered by tests/manager/test_resume.py; the cost it removes is measured in
@@ -21,10 +22,19 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from goodput_ckpt import CheckpointManager
-from goodput_ckpt.dcp.rank_rows import RankRow, check_rank_rows, find_rank_rows, put_back_rank_rows
+from goodput_ckpt.dcp.rank_rows import (
+    RankRow,
+    check_rank_rows,
+    find_rank_rows,
+    put_back_rank_rows,
+    resolve_rank_row,
+    row_widths,
+    widen_rank_rows,
+)
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.format.manifest import Manifest
 from goodput_ckpt.format.schema import TensorEntry
+from goodput_ckpt.state.dataloader import decode_dataloader_row, encode_dataloader_row
 from goodput_ckpt.state import META_KEY, Topology, apply_restore, normalize, plan_restore
 from goodput_ckpt.state.rng import (
     MAX_LAYOUT_SLOTS,
@@ -220,3 +230,92 @@ def test_a_schema_1_checkpoint_still_restores(tmp_path):
     assert model.weight.tolist() == expected["weight"] and model.bias.tolist() == expected["bias"]
     assert opt.state[model.weight]["exp_avg"].tolist() == expected["exp_avg_weight"]
     assert _draws() == (expected["python"], expected["numpy"], expected["torch"])
+
+
+# -- rows that differ in length: the dataloader states -----------------------------------------
+def _row_plan(rank: int, world: int, width: int, *, widen: bool = True) -> SavePlan:
+    r = RankRow(torch.full((1, width), rank, dtype=torch.uint8), rank, world, widen=widen)
+    return SavePlan(r.__create_write_items__("dataloader.rows", r))
+
+
+def test_the_global_plan_widens_rows_to_the_longest():
+    plans = [_row_plan(0, 3, 5), _row_plan(1, 3, 9), _row_plan(2, 3, 7)]
+    wide = widen_rank_rows(plans, {"dataloader.rows"})
+    for rank, plan in enumerate(wide):
+        (item,) = plan.items
+        assert tuple(item.tensor_data.size) == (3, 9) and tuple(item.tensor_data.chunk.sizes) == (1, 9)
+        assert tuple(item.tensor_data.chunk.offsets) == (rank, 0)
+    check_rank_rows(wide)  # they tile now
+    assert widen_rank_rows(plans, set()) == plans, "only the keys the coordinator names"
+    row = RankRow(torch.full((1, 5), 4, dtype=torch.uint8), 0, 3, widen=True)
+    state = {"dataloader.rows": row}
+    assert row_widths(wide[0], state) == {"dataloader.rows": 9}
+    padded = resolve_rank_row(state, wide[0].items[0].index, {"dataloader.rows": 9})
+    assert padded.tolist() == [[4] * 5 + [0] * 4]
+    with pytest.raises(ValueError, match="cannot be written"):
+        RankRow(torch.zeros(1, 5), 0, 1).padded(9)  # a fixed-width row is never widened
+    with pytest.raises(ValueError):
+        RankRow(torch.zeros(1, 2, 2), 0, 1, widen=True)
+
+
+def test_a_dataloader_row_bounds_its_length():
+    class Loader:
+        def state_dict(self):
+            return {"pos": torch.arange(4)}
+
+    row = encode_dataloader_row(Loader(), key="k")
+    assert int.from_bytes(row[0, :8].numpy().tobytes(), "little") == row.shape[1] - 8
+    wide = torch.cat([row, torch.zeros((1, 11), dtype=torch.uint8)], dim=1)
+    assert torch.equal(decode_dataloader_row(wide, key="k")["pos"], torch.arange(4))
+    bad = wide.clone()
+    bad[0, :8] = torch.tensor(list((wide.shape[1]).to_bytes(8, "little")), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="claims"):
+        decode_dataloader_row(bad, key="k")
+    with pytest.raises(CheckpointError, match="at least 8"):
+        decode_dataloader_row(torch.zeros((1, 3), dtype=torch.uint8), key="k")
+
+
+class _UnequalLoader:
+    """A dataloader whose state's length depends on the rank: the rows differ in width."""
+
+    num_workers, batch_size = 0, 1
+
+    def __init__(self, rank: int) -> None:
+        self.state = {"rank": rank, "seen": list(range(rank * 40))}
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, sd):
+        self.state = sd
+
+
+def _save_and_restore_unequal(rank: int, world: int, root: str) -> None:
+    loader, model = _UnequalLoader(rank), nn.Linear(2, 2)  # its init draws from torch's generator
+    random.seed(100 + rank)
+    torch.manual_seed(200 + rank)
+    want = (random.random(), torch.rand(2).tolist())
+    random.seed(100 + rank)
+    torch.manual_seed(200 + rank)
+    with CheckpointManager(root, async_save=True) as mgr:  # the staged copy goes through the stager too
+        mgr.save(1, model=model, dataloader=loader)
+        mgr.wait()
+        fresh = _UnequalLoader(0)
+        random.seed(0)
+        torch.manual_seed(0)
+        assert mgr.restore(model=nn.Linear(2, 2), dataloader=fresh) == 1
+    assert fresh.state == {"rank": rank, "seen": list(range(rank * 40))}, "its own state, unpadded"
+    assert (random.random(), torch.rand(2).tolist()) == want, "its own generators"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_ranks_with_loader_states_of_different_lengths_restore_their_own(tmp_path):
+    from helpers.dist import run_ranks
+
+    run_ranks(_save_and_restore_unequal, 3, str(tmp_path / "run"), report_dir=tmp_path / "report", timeout=240)
+    manifest = json.loads(next((tmp_path / "run").glob("step_*/manifest.json")).read_text())
+    items = manifest["items"]
+    assert not any(k.startswith(("rng.rank", "dataloader.rank")) for k in items), "no item per rank"
+    rows = items["dataloader.rows"]
+    assert rows["shape"][0] == 3 and "grid" in json.dumps(rows), "one grid: a row per rank"
