@@ -60,8 +60,9 @@ COMMAND = Command(
         "consolidates to whole tensors. Streams tensor by tensor with memory of a few chunks;\n"
         "source chunks are verified as they are read and the output is hashed as it is written.\n"
         "The result loads with dcp.load + CheckpointReader at any world size.\n\n"
-        "Per-rank RNG and dataloader entries (rng.rows, keys like rng.rank3.* or dataloader.rank_3\n"
-        "...) cannot be split: --rank-state keep copies them under their old keys, drop leaves them\n"
+        "Per-rank RNG and dataloader entries (rng.rows, dataloader.rows, keys like rng.rank3.*\n"
+        "or dataloader.rank_3 ...)"
+        " cannot be split: --rank-state keep copies them under their old keys, drop leaves them\n"
         "out, auto keeps them when the world size is unchanged and refuses otherwise."
     ),
     examples=(

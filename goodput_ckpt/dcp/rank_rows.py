@@ -21,13 +21,14 @@ meta tensors). :func:`find_rank_rows` and :func:`put_back_rank_rows` let a load 
 itself up around that.
 
 Every rank's row must have the same shape; :func:`check_rank_rows` refuses a save whose ranks
-disagree, naming the key and the ranks, instead of writing a record that does not tile. A row
+disagree, naming the key and the ranks, instead of writing a record that does not tile. Rows
 made with ``widen=True`` (a length-prefixed blob, such as a dataloader's state, whose length
-differs between ranks) is the exception: the coordinator's global plan widens every rank's row
-of that key to the longest (:func:`widen_rank_rows`, in the plan DCP already gathers and scatters:
-no extra collective), and each rank writes its row zero-padded to that width
-(:meth:`RankRow.padded`). The padding costs ``W x (longest - row)`` bytes, small while the
-ranks' blobs are of similar size.
+differs between ranks) under keys the save planner is told of are the exception: the
+coordinator's global plan widens every rank's row of such a key to the longest, and adds a row
+for a rank that holds none (:func:`widen_rank_rows`, in the plan DCP already gathers and
+scatters: no extra collective); each rank writes its row zero-padded to that width
+(:meth:`RankRow.padded`), or zeros. The padding costs ``W x (longest - row)`` bytes, small while
+the ranks' blobs are of similar size.
 """
 
 from __future__ import annotations
@@ -118,53 +119,71 @@ class RankRow:
 
 
 def resolve_rank_row(
-    state_dict: Mapping[str, Any], index: MetadataIndex, widths: Mapping[str, int] | None = None
+    state_dict: Mapping[str, Any], index: MetadataIndex, widths: Mapping[str, tuple[int, torch.dtype]] | None = None
 ) -> torch.Tensor | None:
     """The row a planner reads into or writes from for ``index``, or ``None`` when the (flat)
     state dict holds no :class:`RankRow` there and the planner's own lookup applies. A save
-    passes the ``widths`` its final plan gives widened rows (:func:`row_widths`)."""
+    passes the ``widths`` its final plan gives widened rows (:func:`row_widths`): its row
+    zero-padded to that width, or zeros where this rank holds no row of that key."""
     obj = state_dict.get(index.fqn)
+    wide = (widths or {}).get(index.fqn)
+    if wide is not None and obj is None:
+        return torch.zeros((1, wide[0]), dtype=wide[1])
     if not isinstance(obj, RankRow):
         return None
     row = obj.__get_tensor_shard__(index)
-    width = (widths or {}).get(index.fqn)
-    return row if width is None else obj.padded(width)
+    return row if wide is None else obj.padded(wide[0])
 
 
 def widen_rank_rows(plans: Sequence[SavePlan], keys: Collection[str]) -> list[SavePlan]:
-    """``plans`` with every rank's row of each of ``keys`` (rows made with ``widen=True``, named by
-    the coordinator, whose state dict has the same keys as every rank's) as wide as the widest.
-    Plans without such rows are returned as they are."""
-    if not keys:
-        return list(plans)
-    width: dict[str, int] = {}
+    """``plans`` with every rank's row of each of ``keys`` (the rows whose width may differ
+    between ranks, named by the caller: the coordinator cannot tell them from its own state
+    dict, which may lack them) as wide as the widest, and a row added for each rank that holds
+    none (a rank whose save got no such value: it writes zeros, which its format must read as
+    "nothing saved"). Plans without such rows are returned as they are."""
+    world = len(plans)
+    found: dict[str, tuple[int, WriteItem]] = {}  # key -> (widest, one item)
     for plan in plans:
-        for item in plan.items:
-            if item.index.fqn in keys and item.tensor_data is not None:
-                width[item.index.fqn] = max(width.get(item.index.fqn, 0), item.tensor_data.chunk.sizes[-1])
-    out = []
-    for plan in plans:
-        items = []
         for item in plan.items:
             data = item.tensor_data
-            if item.index.fqn in width and data is not None and data.chunk.sizes[-1] != width[item.index.fqn]:
-                w = width[item.index.fqn]
-                chunk = ChunkStorageMetadata(offsets=data.chunk.offsets, sizes=torch.Size((*data.chunk.sizes[:-1], w)))
-                data = TensorWriteData(chunk=chunk, properties=data.properties, size=torch.Size((*data.size[:-1], w)))
-                item = dataclasses.replace(item, tensor_data=data)
+            if item.index.fqn in keys and data is not None:
+                widest = found.get(item.index.fqn, (0, item))[0]
+                found[item.index.fqn] = (max(widest, data.chunk.sizes[-1]), item)
+    if not found:
+        return list(plans)
+    out = []
+    for rank, plan in enumerate(plans):
+        items, held = [], set()
+        for item in plan.items:
+            if item.index.fqn in found:
+                held.add(item.index.fqn)
+                item = _row_item(item, rank, world, found[item.index.fqn][0])
             items.append(item)
+        items += [_row_item(proto, rank, world, width) for key, (width, proto) in found.items() if key not in held]
         out.append(dataclasses.replace(plan, items=items))
     return out
 
 
-def row_widths(plan: SavePlan, state_dict: Mapping[str, Any]) -> dict[str, int]:
-    """The width this rank's final ``plan`` gives each of its widened rows."""
-    out = {}
-    for item in plan.items:
-        obj = state_dict.get(item.index.fqn)
-        if isinstance(obj, RankRow) and obj.widen and item.tensor_data is not None:
-            out[item.index.fqn] = int(item.tensor_data.chunk.sizes[-1])
-    return out
+def _row_item(proto: WriteItem, rank: int, world: int, width: int) -> WriteItem:
+    """``proto``'s write item (a row of a 2-D uint8 tensor) for row ``rank`` of ``world``,
+    ``width`` wide."""
+    data = proto.tensor_data
+    assert data is not None
+    chunk = ChunkStorageMetadata(offsets=torch.Size((rank, 0)), sizes=torch.Size((1, width)))
+    return dataclasses.replace(
+        proto,
+        index=MetadataIndex(proto.index.fqn, chunk.offsets),
+        tensor_data=TensorWriteData(chunk=chunk, properties=data.properties, size=torch.Size((world, width))),
+    )
+
+
+def row_widths(plan: SavePlan, keys: Collection[str]) -> dict[str, tuple[int, torch.dtype]]:
+    """The width (and dtype) this rank's final ``plan`` gives each of ``keys``' rows."""
+    return {
+        item.index.fqn: (int(item.tensor_data.chunk.sizes[-1]), item.tensor_data.properties.dtype)
+        for item in plan.items
+        if item.index.fqn in keys and item.tensor_data is not None
+    }
 
 
 def find_rank_rows(state_dict: Mapping[str, Any]) -> list[tuple[tuple[str, ...], RankRow]]:

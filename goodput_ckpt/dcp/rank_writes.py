@@ -10,9 +10,10 @@ The keys come in two parts, because the coordinator groups ranks by their keys a
 keys of only one rank per group:
 
 - the rank's **own** items first: values that are not a shard of a distributed tensor (plain
-  tensors and objects: per-rank RNG and dataloader state under keys that name the rank, and the
-  small replicated values the save planner leaves on the lowest rank). Every rank's are
-  different, and few (the replicated ones: O(tensors) in all, on one rank);
+  tensors and objects: per-rank state under keys that name the rank, as training-state schema 1
+  saved the RNG and the dataloader, and the small replicated values the save planner leaves on
+  the lowest rank). Every rank's are different, and few (the replicated ones: O(tensors) in all,
+  on one rank);
 - then its **shards**, with a digest of their keys: with FSDP every rank holds a shard of
   nearly every tensor, in the same order, so nearly all ranks share one digest whatever their
   own items are. Were the own keys part of it, a training job's per-rank RNG keys would make

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import CheckpointError, IncompleteCheckpointError, remember_swallowed
@@ -156,6 +156,9 @@ class CheckpointReader(StorageReader):
         #: how many saved chunks of it were read: what a restore record reports, e.g. how many old
         #: ranks' loader states this rank read (one chunk per rank).
         self.keys_read: Counter[str] = Counter()
+        #: Per key, the extent along dim 0 this reader read: for a tensor saved a row per rank
+        #: (``dcp.rank_rows``), how many ranks' rows.
+        self.rows_read: Counter[str] = Counter()
 
     @property
     def manifest(self) -> Manifest:
@@ -193,6 +196,7 @@ class CheckpointReader(StorageReader):
         self._chunk_cache = {}
         self._key_index = None
         self.keys_read = Counter()
+        self.rows_read = Counter()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -292,6 +296,9 @@ class CheckpointReader(StorageReader):
                 job_done=job_done,
             )
             self.keys_read.update(item.storage_index.fqn for item in plan.items)  # one item per saved chunk read
+            for item in plan.items:
+                if item.type == LoadItemType.TENSOR and len(item.lengths):
+                    self.rows_read[item.storage_index.fqn] += int(item.lengths[0])
         finally:
             for src in sources.values():
                 src.close()

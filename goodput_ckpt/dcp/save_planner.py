@@ -21,13 +21,14 @@ the shape of the others.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from .rank_rows import RankRow, check_rank_rows, resolve_rank_row, row_widths, widen_rank_rows
+from .rank_rows import check_rank_rows, resolve_rank_row, row_widths, widen_rank_rows
 
 __all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "group_small_replicas"]
 
@@ -69,16 +70,20 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank, and writes
     :class:`~.rank_rows.RankRow` values (module doc)."""
 
-    _widths: dict[str, int] | None = None
+    def __init__(self, *args: Any, widen_rows: Collection[str] = (), **kwargs: Any) -> None:
+        """``widen_rows``: the keys of :class:`~.rank_rows.RankRow` values made with
+        ``widen=True`` (the same on every rank)."""
+        super().__init__(*args, **kwargs)
+        self._widen = frozenset(widen_rows)
+        self._widths: dict[str, tuple[int, Any]] = {}
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        widened = {k for k, v in self.state_dict.items() if isinstance(v, RankRow) and v.widen}
-        all_plans = widen_rank_rows(all_plans, widened)
+        all_plans = widen_rank_rows(all_plans, self._widen)
         check_rank_rows(all_plans)
         return super().create_global_plan(group_small_replicas(all_plans))
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self._widths = row_widths(new_plan, self.state_dict)
+        self._widths = row_widths(new_plan, self._widen)
         return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex) -> Any:

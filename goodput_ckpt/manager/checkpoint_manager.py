@@ -40,7 +40,7 @@ from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error, warn_user
 from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
-from ..state.bundle import DATALOADER
+from ..state.bundle import DATALOADER, ROWS
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
 from ..storage.base import FileOrigin
@@ -61,6 +61,7 @@ logger = logging.getLogger("goodput_ckpt.manager")
 #: The DCP keys of the per-rank dataloader states (``dataloader.rows``, a row per rank, or
 #: schema 1's ``dataloader.rank{r}``, see ``state.bundle``).
 LOADER_KEY_PREFIX = f"{DATALOADER}."
+LOADER_ROWS = f"{DATALOADER}.{ROWS}"
 
 
 def _share_agreement(plan: Any) -> tuple[str, Any]:
@@ -426,7 +427,9 @@ class CheckpointManager:
         apply_restore(plan)
         loader_states = None
         if plan.dataloader is not None:
-            loader_states = sum(n for k, n in reader.keys_read.items() if k.startswith(LOADER_KEY_PREFIX))
+            loader_states = reader.rows_read[LOADER_ROWS] + sum(
+                n for k, n in reader.keys_read.items() if k.startswith(LOADER_KEY_PREFIX) and k != LOADER_ROWS
+            )
         self._timeline.emit(
             RestoreRecord(
                 step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..dcp.save_planner import ReplicaGroupingSavePlanner
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error
+from ..state.per_rank import WIDENED_ROWS
 from .agreement import deliberate_no_dist
 from .staging.async_staging import AsyncStaging
 from .staging.confirmed_writer import ConfirmedWriter
@@ -126,7 +127,7 @@ class SaveJobs:
         err: CheckpointError | None = None
         try:
             dcp.save(
-                state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(), process_group=self.pg,
+                state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS), process_group=self.pg,
                 no_dist=deliberate_no_dist(self.pg is None),
             )  # fmt: skip
             job.record.written(time.perf_counter() - started)
@@ -175,7 +176,7 @@ class SaveJobs:
                 later.finish()
                 job.record.guarded(later.blocked_seconds())
                 dcp.save(
-                    staged, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(), process_group=self.pg,
+                    staged, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS), process_group=self.pg,
                     no_dist=deliberate_no_dist(self.pg is None),
                 )  # fmt: skip
             finally:

@@ -299,9 +299,13 @@ def summarize_timeline(records: Iterable[Record]) -> dict[str, Any]:
 
 def tensor_nbytes(obj: Any) -> int:
     """Bytes of the tensors in a (nested) state dict that this rank holds: a DTensor counts its
-    local shard only."""
+    local shard only, a per-rank row (``dcp.rank_rows``) its own row."""
     import torch  # here, so that reading a timeline (``goodput-ckpt plan``) loads no torch
 
+    from ..dcp.rank_rows import RankRow
+
+    if isinstance(obj, RankRow):
+        return obj.row.numel() * obj.row.element_size()
     if isinstance(obj, torch.Tensor):
         local = getattr(obj, "_local_tensor", None)
         t = local if isinstance(local, torch.Tensor) else obj

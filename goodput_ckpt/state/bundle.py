@@ -41,19 +41,26 @@ import torch
 
 from ..dcp.rank_rows import RankRow
 from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
-from ..format.dcp_metadata import torch_dtype
-from ..format.manifest import Manifest, TensorEntry
+from ..format.manifest import Manifest
 from ..format.schema import MAX_WORLD_SIZE
-from .dataloader import (
-    check_dataloader,
-    decode_dataloader_row,
-    decode_dataloader_state,
-    describe_dataloader,
-    elastic_sampler_of,
-    encode_dataloader_row,
-)
+from .dataloader import check_dataloader, describe_dataloader, elastic_sampler_of, encode_dataloader_row
 from .modules import ModelSet, tied_keys
-from .rng import capture_rng, check_layout, derive_rng, describe_rng, pack_rng, restore_rng, rng_layout, row_width, unpack_rng
+from .per_rank import (
+    DATALOADER,
+    RNG,
+    ROWS,
+    WIDENED_ROWS,
+    blob_template,
+    checked_rng,
+    decode_own_loader_state,
+    old_loader_states,
+    own_row,
+    rank_key,
+    rng_layout_of,
+    rng_templates,
+    rows_width,
+)
+from .rng import capture_rng, derive_rng, describe_rng, pack_rng, restore_rng, rng_layout, row_width
 
 __all__ = [
     "EXTRA_KEY",
@@ -61,6 +68,7 @@ __all__ = [
     "READ_SCHEMAS",
     "RESERVED_NAMES",
     "ROWS",
+    "WIDENED_ROWS",
     "SCHEMA_VERSION",
     "RestorePlan",
     "Topology",
@@ -79,15 +87,9 @@ SCHEMA_VERSION = 2
 READ_SCHEMAS = (1, 2)
 META_KEY = "training_state"
 EXTRA_KEY = "extra"
-MODEL, OPTIMIZER, RNG, DATALOADER = "model", "optimizer", "rng", "dataloader"
+MODEL, OPTIMIZER = "model", "optimizer"
 #: Section names that keyword stateful objects may not take.
 RESERVED_NAMES = frozenset({MODEL, OPTIMIZER, RNG, DATALOADER, EXTRA_KEY, "step"})
-#: The key, under ``rng`` and ``dataloader``, of the ranks' rows (schema 2).
-ROWS = "rows"
-
-
-def rank_key(rank: int) -> str:
-    return f"rank{rank}"
 
 
 @dataclass(frozen=True)
@@ -356,22 +358,22 @@ def plan_restore(
     plan.dest[MODEL] = msd
     if models.has_optimizer:
         plan.dest[OPTIMIZER] = osd
-    rk = rank_key(topology.rank)
+    rk, ws = rank_key(topology.rank), topology.world_size
     schema1 = meta["schema"] == 1
     if want_rng:
         if schema1:
-            plan.dest[RNG] = {rk: _per_rank_templates(manifest, f"{RNG}.{rk}.", where)}
+            plan.dest[RNG] = {rk: rng_templates(manifest, topology.rank, where)}
         else:
-            plan.rng_layout = _rng_layout(meta, where)
-            width = _rows_width(manifest, RNG, topology.world_size, row_width(plan.rng_layout), where)
-            plan.dest[RNG] = {ROWS: _own_row(width, topology)}
+            plan.rng_layout = rng_layout_of(meta, META_KEY, where)
+            width = rows_width(manifest, RNG, ws, row_width(plan.rng_layout), where)
+            plan.dest[RNG] = {ROWS: own_row(width, topology.rank, ws)}
         plan.restore_rng = True
     if plan.elastic_from:
         if schema1:
             keys = [rank_key(r) for r in range(plan.elastic_from)]
-            plan.elastic_blobs = {k: _template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
+            plan.elastic_blobs = {k: blob_template(manifest, f"{DATALOADER}.{k}", where) for k in keys}
         else:  # every old rank's row: the whole tensor
-            width = _rows_width(manifest, DATALOADER, plan.elastic_from, None, where)
+            width = rows_width(manifest, DATALOADER, plan.elastic_from, None, where)
             plan.elastic_blobs = {ROWS: torch.empty((plan.elastic_from, width), dtype=torch.uint8)}
         plan.elastic_reads = topology.rank == 0
         if plan.elastic_reads:  # the others receive the blobs from the coordinator
@@ -380,9 +382,9 @@ def plan_restore(
         plan.elastic_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
         if schema1:
-            plan.dest[DATALOADER] = {rk: _template(manifest, f"{DATALOADER}.{rk}", where)}
+            plan.dest[DATALOADER] = {rk: blob_template(manifest, f"{DATALOADER}.{rk}", where)}
         else:
-            plan.dest[DATALOADER] = {ROWS: _own_row(_rows_width(manifest, DATALOADER, topology.world_size, None, where), topology)}
+            plan.dest[DATALOADER] = {ROWS: own_row(rows_width(manifest, DATALOADER, ws, None, where), topology.rank, ws)}
         plan.dataloader = dataloader
     for name, obj in stateful.items():
         plan.dest[name] = obj.state_dict()
@@ -395,35 +397,29 @@ def apply_restore(plan: RestorePlan) -> None:
     runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
 
     An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
-    only then do the ranks other than the coordinator hold the old loader states."""
+    only then do the ranks other than the coordinator hold the old loader states.
+
+    Raises:
+        CorruptCheckpointError: the saved RNG state does not load; raised before anything is
+            loaded into the live objects.
+    """
+    rng = checked_rng(plan.dest[RNG], plan.rng_layout, plan.where) if plan.restore_rng else None
     plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
     for name, obj in plan.stateful.items():
         obj.load_state_dict(plan.dest[name])
     if plan.elastic_from:
-        states = _old_loader_states(plan.elastic_blobs)
+        states = old_loader_states(plan.elastic_blobs)
         sampler = elastic_sampler_of(plan.dataloader)
         note = sampler.elastic_resume(states, batch_size=plan.elastic_batch_size, where=plan.where)
         plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
         logger.info("%s: %s", plan.where, note)
     elif plan.dataloader is not None:
-        ((rk, blob),) = plan.dest[DATALOADER].items()
-        if isinstance(blob, RankRow):
-            state = decode_dataloader_row(blob.row, key=f"{DATALOADER}.{ROWS}[{blob.rank}]")
-        else:
-            state = decode_dataloader_state(blob, key=f"{DATALOADER}.{rk}")
+        state = decode_own_loader_state(plan.dest[DATALOADER])
         plan.dataloader.load_state_dict(state)
         adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
         if adopt is not None:
             adopt(state)
-    if plan.restore_rng:
-        ((_, rng),) = plan.dest[RNG].items()
-        if isinstance(rng, RankRow):
-            assert plan.rng_layout is not None, "a schema-2 plan carries its layout"
-            try:
-                rng = unpack_rng(rng.row, plan.rng_layout)
-            except ValueError as e:
-                key = f"{RNG}.{ROWS}"
-                raise CorruptCheckpointError(f"{plan.where}: {key!r}, row {rng.rank}: {e}", path=plan.where, key=key) from None
+    if rng is not None:
         plan.notes.extend(restore_rng(rng))
     elif plan.rederive_rng is not None:
         base, step, rank = plan.rederive_rng
@@ -433,61 +429,3 @@ def apply_restore(plan: RestorePlan) -> None:
             "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
             plan.where, seed, base, step, rank,
         )  # fmt: skip
-
-
-def _template(manifest: Manifest, key: str, where: str) -> torch.Tensor:
-    entry = manifest.items.get(key)
-    if not isinstance(entry, TensorEntry):
-        raise CorruptCheckpointError(f"{where}: per-rank item {key!r} is missing from the manifest", path=where, key=key)
-    return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, key))
-
-
-def _per_rank_templates(manifest: Manifest, prefix: str, where: str) -> dict[str, torch.Tensor]:
-    out = {k[len(prefix) :]: _template(manifest, k, where) for k in manifest.items if k.startswith(prefix)}
-    if not out:
-        raise CorruptCheckpointError(
-            f"{where}: no RNG state under {prefix!r} although the metadata records one", path=where, key=prefix
-        )
-    return out
-
-
-def _old_loader_states(blobs: dict[str, torch.Tensor]) -> list[Any]:
-    """An elastic restore's old loader states, in old-rank order: the rows of the whole tensor
-    (schema 2), or one blob per old rank (schema 1)."""
-    if ROWS in blobs:
-        return [decode_dataloader_row(row, key=f"{DATALOADER}.{ROWS}[{r}]") for r, row in enumerate(blobs[ROWS])]
-    return [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in blobs.items()]
-
-
-def _rng_layout(meta: dict[str, Any], where: str) -> list[tuple[str, str, int]]:
-    try:
-        return check_layout(meta["rng"].get("layout"))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: manifest metadata '{META_KEY}.rng': {e}", path=where, key=RNG) from None
-
-
-def _rows_width(manifest: Manifest, section: str, rows: int, width: int | None, where: str) -> int:
-    """The width of ``<section>.rows``, checked: a uint8 ``[rows, width]`` tensor, ``rows`` the
-    ranks the metadata records and ``width`` what the RNG layout implies (any width for the
-    dataloader's, whose rows are as wide as the widest rank's state). Its size is the manifest's,
-    whose chunks were checked against the files."""
-    key = f"{section}.{ROWS}"
-    entry = manifest.items.get(key)
-    shape = tuple(getattr(entry, "shape", ()))
-    if (
-        not isinstance(entry, TensorEntry) or entry.dtype != "uint8" or len(shape) != 2 or shape[0] != rows
-        or (width is not None and shape[1] != width)
-    ):  # fmt: skip
-        got = "missing" if entry is None else f"{getattr(entry, 'dtype', 'an object')} {shape}"
-        want = f"({rows}, {'n' if width is None else width})"
-        raise CorruptCheckpointError(
-            f"{where}: {key!r} must be a uint8 tensor of shape {want} (a row per saved rank); it is {got}",
-            path=where,
-            key=key,
-        )
-    return shape[1]
-
-
-def _own_row(width: int, topology: Topology) -> RankRow:
-    """This rank's row, to be filled by DCP."""
-    return RankRow(torch.empty((1, width), dtype=torch.uint8), topology.rank, topology.world_size)

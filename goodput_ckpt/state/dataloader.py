@@ -5,8 +5,9 @@ adds worker snapshots once its iterator exists), and DCP can only load keys that
 destination already has. So the state is not spread over DCP keys: it is serialized with
 ``torch.save`` into one ``uint8`` blob, and decoded with ``torch.load(weights_only=True)``.
 Training-state schema 2 stores each rank's blob as its row of one tensor (:func:`encode_dataloader_row`:
-an 8-byte little-endian length, the blob, zeros up to the widest rank's row); schema 1 stored it
-under a rank-unique key, one manifest item per rank. It is checked at save time, so a dataloader whose state could
+an 8-byte little-endian length, the blob, zeros up to the widest rank's row; a row of zeros for
+a rank whose save had no dataloader); schema 1 stored it under a rank-unique key, one manifest
+item per rank. It is checked at save time, so a dataloader whose state could
 not be loaded safely fails its first save instead of its restore.
 
 The manifest also records what the state depends on (:func:`describe_dataloader`): the worker
@@ -136,5 +137,9 @@ def decode_dataloader_row(row: torch.Tensor, *, key: str) -> Any:
     if n > flat.numel() - ROW_HEADER:
         raise CheckpointError(
             f"the saved dataloader row {key!r} claims {n} bytes but holds {flat.numel() - ROW_HEADER}", key=key
+        )
+    if n == 0:  # torch.save never writes 0 bytes: a row the save filled for a rank without one
+        raise CheckpointError(
+            f"no dataloader state was saved in {key!r}: that rank's save got no dataloader=", key=key
         )
     return decode_dataloader_state(flat[ROW_HEADER : ROW_HEADER + n], key=key)

@@ -6,10 +6,11 @@ million at 1,000 ranks on S3. So only the coordinator (rank 0 of the checkpoint 
 them in its DCP destination, and after ``dcp.load`` it broadcasts their raw bytes to the group
 as one ``uint8`` tensor: one collective, and nothing is pickled or unpickled on the way.
 
-Every rank knows each blob's size from the manifest it has already validated (its plan holds an
-empty tensor of that size per old rank), so the receivers allocate exactly what the coordinator
-read and no size crosses the wire. The received bytes are then decoded like read ones, by
-``decode_dataloader_state`` (``torch.load(weights_only=True)``) in ``apply_restore``.
+Every rank knows the blobs' sizes from the manifest it has already validated (its plan holds an
+empty ``uint8[old ranks, width]`` tensor of ``dataloader.rows``, or in schema 1 one empty tensor
+per old rank), so the receivers allocate exactly what the coordinator read and no size crosses
+the wire. The received bytes are then decoded like read ones (``torch.load(weights_only=True)``)
+in ``apply_restore``.
 
 Call order, every rank of the group: ``plan_restore`` -> the ranks agree on the plan's
 :func:`share_key` (a mismatch would leave some ranks waiting in this broadcast) -> ``dcp.load``

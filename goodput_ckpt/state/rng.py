@@ -43,11 +43,14 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError
+
 __all__ = [
     "MAX_LAYOUT_SLOTS",
     "RngLayout",
     "capture_rng",
     "check_layout",
+    "check_rng",
     "derive_rng",
     "derived_seed",
     "describe_rng",
@@ -153,22 +156,81 @@ def check_layout(raw: Any) -> RngLayout:
             raise ValueError(f"bad RNG layout slot {slot!r:.60}")
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0 or _slot_bytes(dtype, numel) > _MAX_SLOT_BYTES:
             raise ValueError(f"RNG layout slot {name!r}: count must be an integer of at most {_MAX_SLOT_BYTES} bytes")
+        want = _slot_spec(name)
+        if want is None or dtype != want[0] or (want[1] is not None and numel != want[1]):
+            raise ValueError(f"RNG layout slot {slot!r:.60} is not a generator this version knows, in its form")
         out.append((name, dtype, numel))
-    if len({n for n, _, _ in out}) != len(out):
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(out):
         raise ValueError("the RNG layout names a slot twice")
+    _check_groups(names)
     return out
+
+
+#: The generators a row may hold: name -> (dtype, count; ``None``: any bounded count).
+_SLOTS: dict[str, tuple[str, int | None]] = {
+    "python": ("int64", 625), "python_gauss": ("float64", 2), "numpy": ("int64", 624),
+    "numpy_pos": ("int64", 2), "numpy_gauss": ("float64", 1), "torch": ("uint8", None),
+}  # fmt: skip
+#: Slots restored together: one without the others cannot be set.
+_GROUPS = (("python", "python_gauss"), ("numpy", "numpy_pos", "numpy_gauss"))
+
+
+def _slot_spec(name: str) -> tuple[str, int | None] | None:
+    if name.startswith("cuda") and name[4:].isdigit() and len(name) <= 8:
+        return ("uint8", _CUDA_STATE_BYTES)
+    return _SLOTS.get(name)
+
+
+def _check_groups(names: Any) -> None:
+    have = set(names)
+    for group in _GROUPS:
+        if 0 < len(have & set(group)) < len(group):
+            raise ValueError(f"the RNG state holds {sorted(have & set(group))} without the rest of {list(group)}")
+
+
+def check_rng(state: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` (or the generators' own error) unless every state in ``state`` can
+    be set: each is set on a private generator first, so a bad one is found before any live
+    generator changes. CUDA states (16 bytes each) are checked by size only: setting one needs
+    the device."""
+    _check_groups(state)
+    for name, value in state.items():
+        spec = _slot_spec(name)
+        flat = value.reshape(-1)
+        if spec is None or flat.dtype != _DTYPES[spec[0]] or (spec[1] is not None and flat.numel() != spec[1]):
+            raise ValueError(f"generator state {name!r} is {flat.dtype} x {flat.numel()}, not a form this version knows")
+    if "python" in state:
+        random.Random().setstate(_python_state(state))
+    if "numpy" in state and _numpy() is not None:
+        _numpy().random.RandomState().set_state(_numpy_state(state))
+    if "torch" in state:
+        torch.Generator().set_state(state["torch"].contiguous())
+
+
+def _python_state(state: dict[str, torch.Tensor]) -> tuple:
+    words = tuple(int(x) for x in state["python"].tolist())
+    has_gauss, gauss = state["python_gauss"].tolist()
+    return (_PY_VERSION, words, gauss if has_gauss else None)
+
+
+def _numpy_state(state: dict[str, torch.Tensor]) -> tuple:
+    np = _numpy()
+    pos, has_gauss = (int(x) for x in state["numpy_pos"].tolist())
+    keys = state["numpy"].numpy().astype(np.uint32)
+    return ("MT19937", keys, pos, has_gauss, float(state["numpy_gauss"][0]))
 
 
 def pack_rng(state: dict[str, torch.Tensor], layout: RngLayout) -> torch.Tensor:
     """``state`` (:func:`capture_rng`) as one ``uint8[1, width]`` row of ``layout``.
 
     Raises:
-        RuntimeError: a captured generator does not fit its slot, or ``state`` holds one the
+        CheckpointError: a captured generator does not fit its slot, or ``state`` holds one the
             layout has no slot for (this torch's generators differ from what the layout says).
     """
     extra = sorted(set(state) - {n for n, _, _ in layout})
     if extra:
-        raise RuntimeError(f"RNG state {extra} has no slot in the row layout")
+        raise CheckpointError(f"RNG state {extra} has no slot in the row layout; save with save_rng=False", key="rng")
     row = torch.zeros((1, row_width(layout)), dtype=torch.uint8)
     at = len(layout)
     for i, (name, dtype, numel) in enumerate(layout):
@@ -177,8 +239,10 @@ def pack_rng(state: dict[str, torch.Tensor], layout: RngLayout) -> torch.Tensor:
         if value is not None:
             flat = value.detach().reshape(-1).contiguous()
             if flat.dtype != _DTYPES[dtype] or flat.numel() != numel:
-                raise RuntimeError(
-                    f"RNG state {name!r} is {flat.dtype} x {flat.numel()}, its slot {dtype} x {numel}"
+                raise CheckpointError(
+                    f"RNG state {name!r} is {flat.dtype} x {flat.numel()}, its slot {dtype} x {numel}: this "
+                    "torch's generator differs from what goodput-ckpt expects; save with save_rng=False",
+                    key="rng",
                 )
             row[0, i] = 1
             row[0, at : at + size] = flat.view(torch.uint8)
@@ -198,6 +262,7 @@ def unpack_rng(row: torch.Tensor, layout: RngLayout) -> dict[str, torch.Tensor]:
     present = flat[: len(layout)].tolist()
     if any(p not in (0, 1) for p in present):
         raise ValueError("an RNG row's presence bytes must be 0 or 1")
+    _check_groups(name for (name, _, _), here in zip(layout, present) if here)
     out: dict[str, torch.Tensor] = {}
     at = len(layout)
     for (name, dtype, numel), here in zip(layout, present):
@@ -217,17 +282,13 @@ def restore_rng(state: dict[str, torch.Tensor]) -> list[str]:
     """
     notes: list[str] = []
     if "python" in state:
-        words = tuple(int(x) for x in state["python"].tolist())
-        has_gauss, gauss = state["python_gauss"].tolist()
-        random.setstate((_PY_VERSION, words, gauss if has_gauss else None))
+        random.setstate(_python_state(state))
     if "numpy" in state:
         np = _numpy()
         if np is None:
             notes.append("NumPy's RNG state was saved but NumPy is not installed")
         else:
-            pos, has_gauss = (int(x) for x in state["numpy_pos"].tolist())
-            keys = state["numpy"].numpy().astype(np.uint32)
-            np.random.set_state(("MT19937", keys, pos, has_gauss, float(state["numpy_gauss"][0])))
+            np.random.set_state(_numpy_state(state))
     if "torch" in state:
         torch.set_rng_state(state["torch"].contiguous())
     cuda_keys = sorted((k for k in state if k.startswith("cuda")), key=lambda k: int(k[4:]))

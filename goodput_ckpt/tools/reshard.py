@@ -18,12 +18,12 @@ What is *not* split: 0-dim and empty tensors (kept whole on rank 0), and everyth
 
 **Per-rank state policy.** RNG and dataloader entries that belong to one rank are recognized by
 a key component ``rank<N>`` or ``rank_<N>`` (``rng.rank3.cpu``, ``dataloader.rank_00003``)
-inside the ``rng``/``dataloader`` sections; ``CheckpointManager``'s ``rng.rows`` (every rank's
-generators as the rows of one tensor, training-state schema 2) is per-rank state too, of all
-ranks at once. They cannot be split or merged meaningfully, so:
+inside the ``rng``/``dataloader`` sections; ``CheckpointManager``'s ``rng.rows`` and
+``dataloader.rows`` (every rank's generators and dataloader state as the rows of one tensor each,
+training-state schema 2) are per-rank state too, of all ranks at once. They cannot be split or merged meaningfully, so:
 
 - ``keep``: copy each under its original key (rank ``r``'s entry into rank ``r``'s file, or rank
-  0's when ``r >= M``; ``rng.rows`` whole into rank 0's). The default when ``M`` equals the
+  0's when ``r >= M``; the ``rows`` tensors whole into rank 0's). The default when ``M`` equals the
   source's world size.
 - ``drop``: leave them out; a job resumed at ``M`` ranks re-seeds its RNGs and restarts its
   dataloaders' epoch position.
@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
+from ..state.per_rank import DATALOADER, RNG, ROWS
 from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
 from ._formats.base import TensorMeta
 from ._formats.goodput import GoodputSource, write_goodput
-from ..state.bundle import DATALOADER, RNG, ROWS
 from .inspect import TRAINING_STATE_KEY, section_of
 
 __all__ = ["RANK_STATE_POLICIES", "ReshardReport", "per_rank_keys", "reshard_checkpoint"]

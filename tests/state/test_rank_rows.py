@@ -9,6 +9,7 @@ benchmarks/bench_scale.py (``--state training`` against ``training-v1``), not ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -84,9 +85,9 @@ def test_an_absent_generator_is_marked_not_zeroed():
 
 def test_pack_refuses_what_does_not_fit_its_slot():
     layout = rng_layout()
-    with pytest.raises(RuntimeError, match="no slot"):
+    with pytest.raises(CheckpointError, match="no slot.*save_rng=False"):
         pack_rng({**capture_rng(), "cuda7": torch.zeros(16, dtype=torch.uint8)}, layout)
-    with pytest.raises(RuntimeError, match="its slot"):
+    with pytest.raises(CheckpointError, match="its slot"):
         pack_rng({**capture_rng(), "torch": torch.zeros(7, dtype=torch.uint8)}, layout)
 
 
@@ -114,6 +115,12 @@ def test_unpack_refuses_a_row_of_another_width_or_bad_flags():
         [["", "int64", 1]],
         [["a", "uint8", 1], ["a", "uint8", 1]],
         [["s", "uint8", 1]] * (MAX_LAYOUT_SLOTS + 1),
+        [["cudaX", "uint8", 16], ["torch", "uint8", 5056]],  # no such generator
+        [["cuda0", "uint8", 8]],  # a CUDA state is 16 bytes
+        [["python", "int64", 625]],  # without python_gauss it cannot be set
+        [["python", "uint8", 5000], ["python_gauss", "float64", 2]],
+        [["numpy", "int64", 624], ["numpy_pos", "int64", 2]],
+        [["torch", "int64", 632]],
     ],
 )
 def test_a_layout_from_a_manifest_is_validated_and_bounded(bad):
@@ -199,7 +206,7 @@ def test_restore_checks_the_rows_entry_against_layout_and_world_size():
     row = plan.dest["rng"]["rows"]
     assert isinstance(row, RankRow) and (row.rank, row.world_size, tuple(row.row.shape)) == (1, 2, (1, width))
     row.row.fill_(7)  # what DCP would read from a damaged (or forged, re-hashed) file
-    with pytest.raises(CorruptCheckpointError, match="'rng.rows', row 1: .*presence"):
+    with pytest.raises(CorruptCheckpointError, match=r"rng\.rows\[1\]: .*presence"):
         apply_restore(plan)
     for bad in (None, TensorEntry(key="rng.rows", dtype="uint8", shape=(3, width), chunks=()),
                 TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width + 1), chunks=()),
@@ -210,26 +217,41 @@ def test_restore_checks_the_rows_entry_against_layout_and_world_size():
         _plan(_v2_manifest(good, layout=[["python", "int64", "625"]]))
 
 
-def test_a_schema_1_checkpoint_still_restores(tmp_path):
-    """Written by the last package that wrote schema 1 (fixtures/make_schema1.py says how)."""
+@pytest.mark.parametrize("batch", [3, 2])
+def test_a_schema_1_checkpoint_still_restores(tmp_path, batch):
+    """Written by the last package that wrote schema 1 (fixtures/make_schema1.py says how): the
+    model, the optimizer, the generators and the loader position, as saved (batch 3) and
+    elastically (batch 2: every old rank's loader state to the sampler)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from goodput_ckpt.data import ElasticSampler
+
     root = tmp_path / "run"
     shutil.copytree(FIXTURE, root)
     expected = json.loads((root / "expected.json").read_text())
     manifest = json.loads(next(root.glob("step_*/manifest.json")).read_text())
-    assert manifest["metadata"]["training_state"]["schema"] == 1 and "rng.rank0.torch" in manifest["items"]
+    assert manifest["metadata"]["training_state"]["schema"] == 1
+    assert "rng.rank0.torch" in manifest["items"] and "dataloader.rank0" in manifest["items"]
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ids = list(range(24))
+    loader = StatefulDataLoader(ids, batch_size=batch, sampler=ElasticSampler(ids, seed=5, num_replicas=1, rank=0))
     mgr = CheckpointManager(str(root), async_save=False)
     try:
-        assert mgr.restore(model=model, optimizer=opt) == 3
+        assert mgr.restore(model=model, optimizer=opt, dataloader=loader) == 3
     finally:
         mgr.close()
     assert model.weight.tolist() == expected["weight"] and model.bias.tolist() == expected["bias"]
     assert opt.state[model.weight]["exp_avg"].tolist() == expected["exp_avg_weight"]
     assert _draws() == (expected["python"], expected["numpy"], expected["torch"])
+    rest = [i for b in loader for i in b.tolist()]
+    if batch == 3:
+        assert rest == expected["rest"], "the position as saved"
+    else:
+        assert sorted(expected["seen"] + rest) == ids, "elastic: every sample once"
 
 
 # -- rows that differ in length: the dataloader states -----------------------------------------
@@ -239,19 +261,35 @@ def _row_plan(rank: int, world: int, width: int, *, widen: bool = True) -> SaveP
 
 
 def test_the_global_plan_widens_rows_to_the_longest():
+    keys = {"dataloader.rows"}
     plans = [_row_plan(0, 3, 5), _row_plan(1, 3, 9), _row_plan(2, 3, 7)]
-    wide = widen_rank_rows(plans, {"dataloader.rows"})
+    wide = widen_rank_rows(plans, keys)
     for rank, plan in enumerate(wide):
         (item,) = plan.items
         assert tuple(item.tensor_data.size) == (3, 9) and tuple(item.tensor_data.chunk.sizes) == (1, 9)
         assert tuple(item.tensor_data.chunk.offsets) == (rank, 0)
     check_rank_rows(wide)  # they tile now
-    assert widen_rank_rows(plans, set()) == plans, "only the keys the coordinator names"
+    assert widen_rank_rows(plans, set()) == plans, "only the keys the planner is told of"
     row = RankRow(torch.full((1, 5), 4, dtype=torch.uint8), 0, 3, widen=True)
     state = {"dataloader.rows": row}
-    assert row_widths(wide[0], state) == {"dataloader.rows": 9}
-    padded = resolve_rank_row(state, wide[0].items[0].index, {"dataloader.rows": 9})
+    assert row_widths(wide[0], keys) == {"dataloader.rows": (9, torch.uint8)}
+    padded = resolve_rank_row(state, wide[0].items[0].index, row_widths(wide[0], keys))
     assert padded.tolist() == [[4] * 5 + [0] * 4]
+
+
+def test_a_rank_without_the_row_writes_zeros():
+    """A rank whose save got no dataloader: the coordinator adds its row, the rank writes zeros
+    (a length of 0, which the restore reads as "nothing saved")."""
+    keys = {"dataloader.rows"}
+    plans = [_row_plan(0, 3, 10), SavePlan([]), _row_plan(2, 3, 12)]
+    wide = widen_rank_rows(plans, keys)
+    (item,) = wide[1].items
+    assert tuple(item.tensor_data.chunk.offsets) == (1, 0) and tuple(item.tensor_data.size) == (3, 12)
+    check_rank_rows(wide)
+    zeros = resolve_rank_row({}, item.index, row_widths(wide[1], keys))
+    assert zeros.shape == (1, 12) and not zeros.any()
+    with pytest.raises(CheckpointError, match="no dataloader state was saved"):
+        decode_dataloader_row(zeros, key="dataloader.rows[1]")
     with pytest.raises(ValueError, match="cannot be written"):
         RankRow(torch.zeros(1, 5), 0, 1).padded(9)  # a fixed-width row is never widened
     with pytest.raises(ValueError):
@@ -275,6 +313,38 @@ def test_a_dataloader_row_bounds_its_length():
         decode_dataloader_row(torch.zeros((1, 3), dtype=torch.uint8), key="k")
 
 
+def test_restore_checks_the_dataloader_rows_entry():
+    width = row_width(rng_layout())
+    good = TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width), chunks=())
+    m = _v2_manifest(good)
+    m.metadata[META_KEY]["dataloader"] = {"num_workers": 0, "batch_size": 1, "elastic": False}
+    m.metadata[META_KEY]["sections"].append("dataloader")
+    for bad in (None, TensorEntry(key="dataloader.rows", dtype="uint8", shape=(3, 20), chunks=()),
+                TensorEntry(key="dataloader.rows", dtype="uint8", shape=(2,), chunks=()),
+                TensorEntry(key="dataloader.rows", dtype="float32", shape=(2, 20), chunks=())):  # fmt: skip
+        items = {"rng.rows": good} | ({} if bad is None else {"dataloader.rows": bad})
+        with pytest.raises(CorruptCheckpointError, match="dataloader.rows"):
+            plan_restore(
+                dataclasses.replace(m, items=items), where="loc", models=normalize(nn.Linear(2, 2), None),
+                dataloader=_UnequalLoader(1), stateful={}, topology=Topology(1, 2), allow_topology_change=False,
+            )  # fmt: skip
+
+
+def test_a_bad_saved_generator_fails_before_anything_is_loaded():
+    width = row_width(rng_layout())
+    good = TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width), chunks=())
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    plan = _plan(_v2_manifest(good))
+    plan.dest["model"]["weight"].fill_(1.0)
+    plan.dest["rng"]["rows"].row.zero_()
+    plan.dest["rng"]["rows"].row[0, : len(rng_layout())] = 1  # every slot present, every state zeros
+    plan.models = normalize(model, None)
+    with pytest.raises(CorruptCheckpointError, match=r"rng.rows\[1\]"):
+        apply_restore(plan)
+    assert torch.equal(model.weight, before), "nothing loaded"
+
+
 class _UnequalLoader:
     """A dataloader whose state's length depends on the rank: the rows differ in width."""
 
@@ -291,7 +361,8 @@ class _UnequalLoader:
 
 
 def _save_and_restore_unequal(rank: int, world: int, root: str) -> None:
-    loader, model = _UnequalLoader(rank), nn.Linear(2, 2)  # its init draws from torch's generator
+    # Rank 2 saves no dataloader (as a pipeline stage without data would): its row is zeros.
+    loader, model = (_UnequalLoader(rank) if rank < 2 else None), nn.Linear(2, 2)  # init draws from torch's RNG
     random.seed(100 + rank)
     torch.manual_seed(200 + rank)
     want = (random.random(), torch.rand(2).tolist())
@@ -300,11 +371,19 @@ def _save_and_restore_unequal(rank: int, world: int, root: str) -> None:
     with CheckpointManager(root, async_save=True) as mgr:  # the staged copy goes through the stager too
         mgr.save(1, model=model, dataloader=loader)
         mgr.wait()
-        fresh = _UnequalLoader(0)
+        # A restore is collective up to the read; what each rank decodes after it is its own, so
+        # rank 2 fails alone, by name, and every rank then restores again (the same collectives).
+        if rank == 2:
+            with pytest.raises(CheckpointError, match="no dataloader state was saved"):
+                mgr.restore(model=nn.Linear(2, 2), dataloader=_UnequalLoader(0))
+        else:
+            assert mgr.restore(model=nn.Linear(2, 2), dataloader=_UnequalLoader(0)) == 1
+        fresh = _UnequalLoader(0) if rank < 2 else None
         random.seed(0)
         torch.manual_seed(0)
         assert mgr.restore(model=nn.Linear(2, 2), dataloader=fresh) == 1
-    assert fresh.state == {"rank": rank, "seen": list(range(rank * 40))}, "its own state, unpadded"
+    if rank < 2:
+        assert fresh.state == {"rank": rank, "seen": list(range(rank * 40))}, "its own state, unpadded"
     assert (random.random(), torch.rand(2).tolist()) == want, "its own generators"
 
 
@@ -318,4 +397,6 @@ def test_ranks_with_loader_states_of_different_lengths_restore_their_own(tmp_pat
     items = manifest["items"]
     assert not any(k.startswith(("rng.rank", "dataloader.rank")) for k in items), "no item per rank"
     rows = items["dataloader.rows"]
-    assert rows["shape"][0] == 3 and "grid" in json.dumps(rows), "one grid: a row per rank"
+    longest = encode_dataloader_row(_UnequalLoader(1), key="k").shape[1]  # rank 1's state is the longest
+    assert rows["shape"] == [3, longest] and rows["grid"]["block"] == [1, longest], "one grid: a row per rank"
+    assert items["rng.rows"]["grid"]["block"][0] == 1 and items["rng.rows"]["shape"][0] == 3
