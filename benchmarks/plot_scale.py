@@ -3,7 +3,9 @@ of ranks W, log-log, with the 1 s goal line. Writes a PNG (matplotlib) and print
 a markdown table, so docs/scale.md's figures come from the same files.
 
 Run: ``.venv/bin/python benchmarks/plot_scale.py torch.json ours.json --png docs/scale.png`` (later
-files win where both measured a phase at the same W).
+files win where both measured a phase at the same W). ``--totals`` plots, instead of the phases,
+what the goals are about (the coordinator's first save and restore, each other rank's restore)
+for every ``--state`` in the files, so two states measured in one run sit side by side.
 """
 
 from __future__ import annotations
@@ -59,10 +61,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+TOTALS = {  # bench_scale's sums of phase medians -> legend
+    "v2_save_s": "coordinator, first save",
+    "v2_restore_s": "coordinator, restore",
+    "v2_rank_restore_s": "each other rank's restore",
+}
+
+
+def _plot_totals(ax, rows: list[dict]) -> None:
+    """One line per (state, total): sums of medians, so no bars."""
+    for state in sorted({r["state"] for r in rows}):
+        mine = sorted((r for r in rows if r["state"] == state), key=lambda r: r["world"])
+        for color, (key, label) in enumerate(TOTALS.items()):  # a total keeps its colour across states
+            pts = [(r["world"], r[key]) for r in mine if key in r]
+            if pts:
+                style = "--" if state.endswith("-v1") else "-"
+                ax.plot(*zip(*pts), marker="o", color=f"C{color}", linestyle=style, label=f"{state}: {label}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="+")
     ap.add_argument("--png", help="write the plot here")
+    ap.add_argument("--totals", action="store_true", help="plot the goals' sums per state, not the phases")
     args = ap.parse_args(argv)
     rows = load_rows(args.json)
     print(table(rows))
@@ -73,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib.pyplot as plt  # noqa: PLC0415
 
         fig, ax = plt.subplots(figsize=(11, 5.5))
-        for ph, label in PHASES.items():
+        if args.totals:
+            _plot_totals(ax, rows)
+        for ph, label in ({} if args.totals else PHASES).items():
             pts = [(r["world"], r["phases"][ph]) for r in rows if ph in r["phases"]]
             if not pts:
                 continue
@@ -85,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks W")
-        ax.set_ylabel("seconds (median, bars: min-max)")
+        ax.set_ylabel("seconds (sum of phase medians)" if args.totals else "seconds (median, bars: min-max)")
         r0 = rows[0]
         states = sorted({r["state"] for r in rows})
         ax.set_title(f"Commit record cost against W: {r0['model']} {r0['mesh']}, {'/'.join(states)} state, {r0['tensors']:,} tensors at W = {r0['world']:,}")
