@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..format.dcp_metadata import grid_of
 from ..format.grid import GridChunks
-from .rank_rows import find_rank_rows, put_back_rank_rows, resolve_rank_row
+from .rank_rows import RankRow, find_rank_rows, put_back_rank_rows, resolve_rank_row
 
 try:  # torch's own helper since 2.0; private, so keep a fallback for a torch that moves it
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
@@ -110,13 +112,17 @@ class GridLoadPlanner(DefaultLoadPlanner):
     this rank's items back. A grid in the metadata means :class:`CheckpointReader` read it
     (nothing else makes one), whose ``prepare_*_plan`` steps do not look at the items.
 
-    It also reads into :class:`~.rank_rows.RankRow` values (:meth:`lookup_tensor`).
+    It also reads into :class:`~.rank_rows.RankRow` values (:meth:`lookup_tensor`), and decodes
+    each once its reads are in (:meth:`commit_tensor`).
 
     Everything else (flattening, ``allow_partial_load``, the size checks, byte objects) is
     torch's. A checkpoint without grids is planned by torch's code unchanged, items and all.
     """
 
     _kept: list[ReadItem] | None = None
+    #: Reads still to come into each RankRow with a ``decode`` (set by :meth:`finish_plan`).
+    _row_reads: Counter[str] | None = None
+    _row_lock = threading.Lock()
 
     def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         """torch's set-up, keeping :class:`~.rank_rows.RankRow` destinations (which it would
@@ -156,9 +162,33 @@ class GridLoadPlanner(DefaultLoadPlanner):
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         if self._kept is None:
-            return super().finish_plan(new_plan)
-        items, self._kept = self._kept, None
-        return dataclasses.replace(new_plan, items=items)
+            plan = super().finish_plan(new_plan)
+        else:
+            items, self._kept = self._kept, None
+            plan = dataclasses.replace(new_plan, items=items)
+        self._row_reads = Counter(
+            item.dest_index.fqn for item in plan.items if getattr(self._row_of(item), "decode", None) is not None
+        )  # fmt: skip
+        return plan
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """torch's commit; then, once the last read into a :class:`~.rank_rows.RankRow` with a
+        ``decode`` is in, its decoding: inside DCP's read phase, whose outcome DCP gathers, so a
+        row that does not decode fails the load on every rank."""
+        super().commit_tensor(read_item, tensor)
+        row = self._row_of(read_item)
+        if row is None or row.decode is None or self._row_reads is None:
+            return
+        fqn = read_item.dest_index.fqn
+        with self._row_lock:  # the reader commits from its threads
+            self._row_reads[fqn] -= 1
+            last = self._row_reads[fqn] == 0
+        if last:
+            row.decoded = row.decode(row)
+
+    def _row_of(self, item: ReadItem) -> RankRow | None:
+        row = self.state_dict.get(item.dest_index.fqn)
+        return row if isinstance(row, RankRow) else None
 
 
 def _has_grid(md: Metadata) -> bool:

@@ -29,12 +29,18 @@ for a rank that holds none (:func:`widen_rank_rows`, in the plan DCP already gat
 scatters: no extra collective); each rank writes its row zero-padded to that width
 (:meth:`RankRow.padded`), or zeros. The padding costs ``W x (longest - row)`` bytes, small while
 the ranks' blobs are of similar size.
+
+A row may carry ``decode``: :class:`~.load_planner.GridLoadPlanner` runs it as soon as a load has
+filled the row, inside DCP's read phase, and keeps its result in ``decoded``. A row that does not
+decode then fails the load on every rank (DCP gathers the read phase's outcome), with no
+collective of its own; decoded after the load, it would fail on its rank alone while the others
+went on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -59,12 +65,15 @@ class RankRow:
 
     ``row`` has a leading dimension of 1: it is the shard itself, written from and read into in
     place. ``widen``: ``row`` is ``[1, n]`` and the save may widen it to the longest row of any
-    rank (module doc).
+    rank. ``decode``: what a load makes of the row once filled, kept in ``decoded`` (module doc).
     """
 
-    __slots__ = ("rank", "row", "widen", "world_size")
+    __slots__ = ("decode", "decoded", "rank", "row", "widen", "world_size")
 
-    def __init__(self, row: torch.Tensor, rank: int, world_size: int, *, widen: bool = False) -> None:
+    def __init__(
+        self, row: torch.Tensor, rank: int, world_size: int, *, widen: bool = False,
+        decode: Callable[[RankRow], Any] | None = None,
+    ) -> None:  # fmt: skip
         if row.dim() < 1 or row.shape[0] != 1:
             raise ValueError(f"a rank's row must have a leading dimension of 1, got shape {tuple(row.shape)}")
         if widen and row.dim() != 2:
@@ -72,6 +81,7 @@ class RankRow:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.row, self.rank, self.world_size, self.widen = row, rank, world_size, widen
+        self.decode, self.decoded = decode, None
 
     def padded(self, width: int) -> torch.Tensor:
         """The row, zero-padded to ``width`` columns (itself when already that wide)."""
@@ -151,6 +161,14 @@ def widen_rank_rows(plans: Sequence[SavePlan], keys: Collection[str]) -> list[Sa
                 found[item.index.fqn] = (max(widest, data.chunk.sizes[-1]), item)
     if not found:
         return list(plans)
+    coordinator = {item.index.fqn for item in plans[0].items}
+    for key in found.keys() - coordinator:
+        other = next(r for r, p in enumerate(plans) if any(i.index.fqn == key for i in p.items))
+        raise CheckpointError(
+            f"{key!r}: rank 0 (the coordinator, whose metadata describes these rows) holds no row, "
+            f"rank {other} does; a rank without one must be another rank than 0",
+            key=key,
+        )
     out = []
     for rank, plan in enumerate(plans):
         items, held = [], set()

@@ -39,7 +39,15 @@ from ..dcp.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error, warn_user
-from ..state import EXTRA_KEY, Topology, apply_restore, build_save_state, check_stateful, normalize, plan_restore
+from ..state import (
+    EXTRA_KEY,
+    Topology,
+    apply_restore,
+    build_save_state,
+    check_stateful,
+    normalize,
+    plan_restore,
+)
 from ..state.bundle import DATALOADER, ROWS
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
@@ -424,7 +432,7 @@ class CheckpointManager:
     ) -> None:  # fmt: skip
         """Every rank, after :meth:`_read`: apply ``plan``, record the restore, report its notes."""
         share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
-        apply_restore(plan)
+        apply_restore(plan)  # this rank's rows were decoded in the read, which fails on every rank
         loader_states = None
         if plan.dataloader is not None:
             loader_states = reader.rows_read[LOADER_ROWS] + sum(

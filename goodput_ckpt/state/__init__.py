@@ -1,7 +1,7 @@
 """The training-state bundle: model and optimizer (through torch's state-dict helpers), per-rank
 RNG, per-rank dataloader state, other stateful objects and user metadata.
 
-:mod:`.bundle` builds the state dict of one save and plans and applies a restore; :mod:`.rng`,
+:mod:`.bundle` builds the state dict of one save and plans a restore, :mod:`.apply` applies it; :mod:`.rng`,
 :mod:`.dataloader` and :mod:`.modules` each handle one kind of state. The manager sits above.
 """
 
@@ -12,13 +12,13 @@ from .bundle import (
     SCHEMA_VERSION,
     RestorePlan,
     Topology,
-    apply_restore,
     build_save_state,
     check_stateful,
     plan_restore,
     rank_key,
     training_meta,
 )
+from .apply import apply_restore
 from .modules import ModelSet, normalize
 
 __all__ = [

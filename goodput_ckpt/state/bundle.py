@@ -20,7 +20,7 @@ job's commit record.
 The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``; the first part
 records the step, the world size, the sections, and what the per-rank state depends on, so that a
 restore under another topology is refused by name instead of silently misapplied
-(:func:`plan_restore`). ``extra`` is the user's JSON.
+(:func:`plan_restore`). :mod:`.apply` decodes what DCP filled and loads it into the live objects. ``extra`` is the user's JSON.
 
 Elastic loaders (``goodput_ckpt.data.ElasticSampler`` as sampler, ``TokenStream`` as dataset)
 are the exception: their per-rank blobs together hold a global data position, so a restore under
@@ -32,7 +32,6 @@ group) reads those blobs from storage; the others receive their bytes from it
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,16 +50,14 @@ from .per_rank import (
     ROWS,
     WIDENED_ROWS,
     blob_template,
-    checked_rng,
-    decode_own_loader_state,
-    old_loader_states,
-    own_row,
+    loader_row,
     rank_key,
     rng_layout_of,
+    rng_row,
     rng_templates,
     rows_width,
 )
-from .rng import capture_rng, derive_rng, describe_rng, pack_rng, restore_rng, rng_layout, row_width
+from .rng import capture_rng, describe_rng, pack_rng, rng_layout, row_width
 
 __all__ = [
     "EXTRA_KEY",
@@ -72,15 +69,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "RestorePlan",
     "Topology",
-    "apply_restore",
     "build_save_state",
     "check_stateful",
     "plan_restore",
     "rank_key",
     "training_meta",
 ]
-
-logger = logging.getLogger("goodput_ckpt.state")
 
 SCHEMA_VERSION = 2
 #: Training-state schemas this version restores: 1 (RNG under rank-unique keys) and 2.
@@ -159,7 +153,7 @@ def build_save_state(
 
 @dataclass
 class RestorePlan:
-    """What :func:`apply_restore` does once DCP filled ``dest``."""
+    """What :func:`.apply.apply_restore` does once DCP filled ``dest``."""
 
     dest: dict[str, Any]
     models: ModelSet
@@ -170,7 +164,7 @@ class RestorePlan:
     #: Elastic data position: old ranks whose loader states go to the ElasticSampler (their
     #: count), the batch size they used, and where (for messages). 0 = not elastic.
     elastic_from: int = 0
-    #: Elastic: the old ranks' loader blobs, rank order, filled before :func:`apply_restore`
+    #: Elastic: the old ranks' loader blobs, rank order, filled before :func:`.apply.apply_restore`
     #: (schema 2: one entry, ``rows``, the whole tensor: a row per old rank).
     #: On the coordinator these are ``dest``'s own tensors (DCP reads them); elsewhere empty
     #: tensors of the sizes the manifest gives, which :func:`.loader_share.share_loader_states`
@@ -366,7 +360,7 @@ def plan_restore(
         else:
             plan.rng_layout = rng_layout_of(meta, META_KEY, where)
             width = rows_width(manifest, RNG, ws, row_width(plan.rng_layout), where)
-            plan.dest[RNG] = {ROWS: own_row(width, topology.rank, ws)}
+            plan.dest[RNG] = {ROWS: rng_row(width, topology.rank, ws, plan.rng_layout, where)}
         plan.restore_rng = True
     if plan.elastic_from:
         if schema1:
@@ -384,48 +378,9 @@ def plan_restore(
         if schema1:
             plan.dest[DATALOADER] = {rk: blob_template(manifest, f"{DATALOADER}.{rk}", where)}
         else:
-            plan.dest[DATALOADER] = {ROWS: own_row(rows_width(manifest, DATALOADER, ws, None, where), topology.rank, ws)}
+            plan.dest[DATALOADER] = {ROWS: loader_row(rows_width(manifest, DATALOADER, ws, None, where), topology.rank, ws)}
         plan.dataloader = dataloader
     for name, obj in stateful.items():
         plan.dest[name] = obj.state_dict()
         plan.stateful[name] = obj
     return plan
-
-
-def apply_restore(plan: RestorePlan) -> None:
-    """Load the filled destination into the live objects. RNG goes last, so that nothing that
-    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
-
-    An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
-    only then do the ranks other than the coordinator hold the old loader states.
-
-    Raises:
-        CorruptCheckpointError: the saved RNG state does not load; raised before anything is
-            loaded into the live objects.
-    """
-    rng = checked_rng(plan.dest[RNG], plan.rng_layout, plan.where) if plan.restore_rng else None
-    plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
-    for name, obj in plan.stateful.items():
-        obj.load_state_dict(plan.dest[name])
-    if plan.elastic_from:
-        states = old_loader_states(plan.elastic_blobs)
-        sampler = elastic_sampler_of(plan.dataloader)
-        note = sampler.elastic_resume(states, batch_size=plan.elastic_batch_size, where=plan.where)
-        plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
-        logger.info("%s: %s", plan.where, note)
-    elif plan.dataloader is not None:
-        state = decode_own_loader_state(plan.dest[DATALOADER])
-        plan.dataloader.load_state_dict(state)
-        adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
-        if adopt is not None:
-            adopt(state)
-    if rng is not None:
-        plan.notes.extend(restore_rng(rng))
-    elif plan.rederive_rng is not None:
-        base, step, rank = plan.rederive_rng
-        seed = derive_rng(base, step, rank)
-        logger.warning(
-            "%s: saved by another number of ranks, so this rank's RNG streams (Python, NumPy, torch, CUDA) "
-            "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
-            plan.where, seed, base, step, rank,
-        )  # fmt: skip

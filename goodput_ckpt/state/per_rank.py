@@ -10,7 +10,7 @@ Two layouts (the training-state schema, ``state.bundle``):
 
 Everything here reads sizes from a manifest that was validated against its files, and checks
 them against what the metadata implies before it allocates anything. A restored RNG state is
-checked on private generators (:func:`.rng.check_rng`) before any live object is touched.
+checked on private generators (:func:`.rng.check_rng`) before :func:`.apply.apply_restore` loads anything.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ __all__ = [
     "checked_rng",
     "decode_own_loader_state",
     "old_loader_states",
+    "loader_row",
     "own_row",
     "rank_key",
     "rng_layout_of",
+    "rng_row",
     "rng_templates",
     "rows_width",
 ]
@@ -80,9 +82,20 @@ def rows_width(manifest: Manifest, section: str, rows: int, width: int | None, w
     return shape[1]
 
 
-def own_row(width: int, rank: int, world_size: int) -> RankRow:
-    """This rank's row, to be filled by DCP."""
-    return RankRow(torch.empty((1, width), dtype=torch.uint8), rank, world_size)
+def own_row(width: int, rank: int, world_size: int, decode: Any = None) -> RankRow:
+    """This rank's row, to be filled by DCP, and ``decode``d in its read phase (``dcp.rank_rows``)."""
+    return RankRow(torch.empty((1, width), dtype=torch.uint8), rank, world_size, decode=decode)
+
+
+def rng_row(width: int, rank: int, world_size: int, layout: RngLayout, where: str) -> RankRow:
+    """This rank's RNG row, checked (:func:`checked_rng`) as soon as the load has filled it."""
+    return own_row(width, rank, world_size, decode=lambda row: checked_rng({ROWS: row}, layout, where))
+
+
+def loader_row(width: int, rank: int, world_size: int) -> RankRow:
+    """This rank's dataloader row, decoded (:func:`decode_own_loader_state`) as soon as the load
+    has filled it."""
+    return own_row(width, rank, world_size, decode=lambda row: decode_own_loader_state({ROWS: row}))
 
 
 def blob_template(manifest: Manifest, key: str, where: str) -> torch.Tensor:
@@ -121,6 +134,8 @@ def checked_rng(filled: dict[str, Any], layout: RngLayout | None, where: str) ->
         CorruptCheckpointError: naming the key.
     """
     ((name, value),) = filled.items()
+    if isinstance(value, RankRow) and value.decoded is not None:
+        return value.decoded  # checked in the load's read phase
     key = f"{RNG}.{name}" if isinstance(value, RankRow) else f"{RNG}.{name}.*"
     try:
         if isinstance(value, RankRow):
@@ -130,14 +145,16 @@ def checked_rng(filled: dict[str, Any], layout: RngLayout | None, where: str) ->
         else:
             state = value
         check_rng(state)
-    except (ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}: {key}: {e}", path=where, key=key) from None
+    except Exception as e:  # noqa: BLE001 - whatever a generator's setter raises: the state is bad
+        raise CorruptCheckpointError(f"{where}: {key}: {type(e).__name__}: {e}", path=where, key=key) from None
     return state
 
 
 def decode_own_loader_state(filled: dict[str, Any]) -> Any:
     """This rank's dataloader state, from what DCP filled (its row, or schema 1's blob)."""
     ((name, blob),) = filled.items()
+    if isinstance(blob, RankRow) and blob.decoded is not None:
+        return blob.decoded  # decoded in the load's read phase
     if isinstance(blob, RankRow):
         return decode_dataloader_row(blob.row, key=f"{DATALOADER}.{ROWS}[{blob.rank}]")
     return decode_dataloader_state(blob, key=f"{DATALOADER}.{name}")

@@ -200,12 +200,38 @@ def check_rng(state: dict[str, torch.Tensor]) -> None:
         flat = value.reshape(-1)
         if spec is None or flat.dtype != _DTYPES[spec[0]] or (spec[1] is not None and flat.numel() != spec[1]):
             raise ValueError(f"generator state {name!r} is {flat.dtype} x {flat.numel()}, not a form this version knows")
+    _check_values(state)
     if "python" in state:
         random.Random().setstate(_python_state(state))
     if "numpy" in state and _numpy() is not None:
         _numpy().random.RandomState().set_state(_numpy_state(state))
     if "torch" in state:
         torch.Generator().set_state(state["torch"].contiguous())
+
+
+#: MT19937's 624 32-bit words; its position runs from 0 to 624 (624: regenerate before the next draw).
+_MT_WORDS = 624
+
+
+def _check_values(state: dict[str, torch.Tensor]) -> None:
+    """What the generators' own setters do not refuse: NumPy's ``set_state`` takes any position
+    (and the next draw then reads outside its buffer, a crash), both take words outside 32 bits
+    (cut silently), and a gauss flag is tested for truth. Every value must be what a capture
+    makes."""
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(what)
+
+    if "python" in state:
+        words = state["python"]
+        need(bool(((words[:_MT_WORDS] >= 0) & (words[:_MT_WORDS] < 1 << 32)).all()), "python: a word is not 32-bit")
+        need(0 <= int(words[_MT_WORDS]) <= _MT_WORDS, f"python: position {int(words[_MT_WORDS])} is not in [0, 624]")
+        need(float(state["python_gauss"][0]) in (0.0, 1.0), "python_gauss: the flag is neither 0 nor 1")
+    if "numpy" in state:
+        keys, (pos, has_gauss) = state["numpy"], (int(x) for x in state["numpy_pos"].tolist())
+        need(bool(((keys >= 0) & (keys < 1 << 32)).all()), "numpy: a word is not 32-bit")
+        need(0 <= pos <= _MT_WORDS and has_gauss in (0, 1), f"numpy_pos: position {pos} or gauss flag {has_gauss} is out of range")
 
 
 def _python_state(state: dict[str, torch.Tensor]) -> tuple:

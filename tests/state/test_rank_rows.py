@@ -41,6 +41,7 @@ from goodput_ckpt.state.rng import (
     MAX_LAYOUT_SLOTS,
     capture_rng,
     check_layout,
+    check_rng,
     pack_rng,
     restore_rng,
     rng_layout,
@@ -371,13 +372,14 @@ def _save_and_restore_unequal(rank: int, world: int, root: str) -> None:
     with CheckpointManager(root, async_save=True) as mgr:  # the staged copy goes through the stager too
         mgr.save(1, model=model, dataloader=loader)
         mgr.wait()
-        # A restore is collective up to the read; what each rank decodes after it is its own, so
-        # rank 2 fails alone, by name, and every rank then restores again (the same collectives).
-        if rank == 2:
-            with pytest.raises(CheckpointError, match="no dataloader state was saved"):
-                mgr.restore(model=nn.Linear(2, 2), dataloader=_UnequalLoader(0))
-        else:
-            assert mgr.restore(model=nn.Linear(2, 2), dataloader=_UnequalLoader(0)) == 1
+        # Every rank restores with a loader: rank 2's row is zeros. It finds that in DCP's read
+        # phase, and the restore fails on every rank, by name, before any rank's generators or
+        # loader change (DCP has read the model's tensors in place by then).
+        target, loader = nn.Linear(2, 2), _UnequalLoader(0)  # init draws from torch's RNG
+        generators = torch.get_rng_state()
+        with pytest.raises(CheckpointError, match=r"no dataloader state was saved in 'dataloader\.rows\[2\]'"):
+            mgr.restore(model=target, dataloader=loader)
+        assert loader.state == {"rank": 0, "seen": []} and torch.equal(torch.get_rng_state(), generators)
         fresh = _UnequalLoader(0) if rank < 2 else None
         random.seed(0)
         torch.manual_seed(0)
@@ -400,3 +402,37 @@ def test_ranks_with_loader_states_of_different_lengths_restore_their_own(tmp_pat
     longest = encode_dataloader_row(_UnequalLoader(1), key="k").shape[1]  # rank 1's state is the longest
     assert rows["shape"] == [3, longest] and rows["grid"]["block"] == [1, longest], "one grid: a row per rank"
     assert items["rng.rows"]["grid"]["block"][0] == 1 and items["rng.rows"]["shape"][0] == 3
+
+
+@pytest.mark.parametrize(
+    ("slot", "index", "value"),
+    [
+        ("numpy_pos", 0, 10**6),  # NumPy takes it, and its next draw reads outside its buffer
+        ("numpy_pos", 0, -5),
+        ("numpy_pos", 1, 2),
+        ("numpy", 3, -1),
+        ("numpy", 3, 1 << 32),  # cut to 32 bits without a word
+        ("python", 0, -1),  # random.setstate raises OverflowError, not ValueError
+        ("python", 0, 1 << 32),
+        ("python", 624, 625),
+        ("python_gauss", 0, 0.5),
+    ],
+)
+def test_generator_values_a_capture_never_makes_are_refused(slot, index, value):
+    check_rng(capture_rng())
+    state = {name: t.clone() for name, t in capture_rng().items()}
+    state[slot][index] = value
+    with pytest.raises(ValueError, match=slot):
+        check_rng(state)
+    layout = rng_layout()
+    plan = _plan(_v2_manifest(TensorEntry(key="rng.rows", dtype="uint8", shape=(2, row_width(layout)), chunks=())))
+    plan.dest["rng"]["rows"].row.copy_(pack_rng(state, layout))
+    with pytest.raises(CorruptCheckpointError, match=r"rng\.rows\[1\]"):
+        apply_restore(plan)
+
+
+def test_rows_that_rank_0_lacks_fail_the_save_by_name():
+    """The coordinator's metadata describes the rows (a loader's workers, batch size): rows
+    that only other ranks hold would be written and never read."""
+    with pytest.raises(CheckpointError, match="rank 0 .*rank 1 does"):
+        widen_rank_rows([SavePlan([]), _row_plan(1, 3, 9), _row_plan(2, 3, 7)], {"dataloader.rows"})

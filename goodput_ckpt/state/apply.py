@@ -1,0 +1,95 @@
+"""A restore's last step, once DCP has filled a :class:`.bundle.RestorePlan`'s destination:
+decode and check this rank's per-rank state, then load everything into the live objects, so that
+nothing is loaded while a part may still fail to decode.
+
+A schema-2 checkpoint's own rows (``rng.rows``, ``dataloader.rows``) were decoded already, in
+DCP's read phase (``per_rank.rng_row``, ``per_rank.loader_row``): one rank's bad or missing row
+fails the load on every rank there, instead of on that rank alone while the others train on.
+What is decoded here then is only what is the same on every rank (an elastic restore's old
+loader states, after the coordinator shared them) or schema 1's blobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .bundle import MODEL, OPTIMIZER, RestorePlan
+from .dataloader import elastic_sampler_of
+from .per_rank import DATALOADER, RNG, checked_rng, decode_own_loader_state, old_loader_states
+from .rng import derive_rng, restore_rng
+
+__all__ = ["DecodedState", "apply_restore", "decode_restore"]
+
+logger = logging.getLogger("goodput_ckpt.state")
+
+
+@dataclass
+class DecodedState:
+    """What a restore decodes from the filled destination before it changes anything: this
+    rank's generators (checked), and its dataloader state or, elastic, the old ranks' states."""
+
+    rng: dict[str, torch.Tensor] | None = None
+    loader_state: Any = None
+    old_loader_states: list[Any] | None = None
+
+
+def decode_restore(plan: RestorePlan) -> DecodedState:
+    """Decode and check this rank's per-rank state (its RNG row, its dataloader row; what the
+    read phase decoded already is taken from there) without touching a live object.
+
+    Raises:
+        CorruptCheckpointError: the saved RNG state does not load.
+        CheckpointError: a dataloader state does not decode (or this rank saved none).
+    """
+    out = DecodedState(rng=checked_rng(plan.dest[RNG], plan.rng_layout, plan.where) if plan.restore_rng else None)
+    if plan.elastic_from:
+        out.old_loader_states = old_loader_states(plan.elastic_blobs)
+    elif plan.dataloader is not None:
+        out.loader_state = decode_own_loader_state(plan.dest[DATALOADER])
+    return out
+
+
+def apply_restore(plan: RestorePlan, decoded: DecodedState | None = None) -> None:
+    """Load the filled destination into the live objects. RNG goes last, so that nothing that
+    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
+
+    An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
+    only then do the ranks other than the coordinator hold the old loader states.
+
+    ``decoded``: what :func:`decode_restore` returned (decoded here when ``None``).
+
+    Raises:
+        CorruptCheckpointError, CheckpointError: as :func:`decode_restore`, before anything is
+            loaded into the live objects.
+    """
+    decoded = decode_restore(plan) if decoded is None else decoded
+    rng = decoded.rng
+    plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
+    for name, obj in plan.stateful.items():
+        obj.load_state_dict(plan.dest[name])
+    if plan.elastic_from:
+        assert decoded.old_loader_states is not None
+        sampler = elastic_sampler_of(plan.dataloader)
+        note = sampler.elastic_resume(decoded.old_loader_states, batch_size=plan.elastic_batch_size, where=plan.where)
+        plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
+        logger.info("%s: %s", plan.where, note)
+    elif plan.dataloader is not None:
+        state = decoded.loader_state
+        plan.dataloader.load_state_dict(state)
+        adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
+        if adopt is not None:
+            adopt(state)
+    if rng is not None:
+        plan.notes.extend(restore_rng(rng))
+    elif plan.rederive_rng is not None:
+        base, step, rank = plan.rederive_rng
+        seed = derive_rng(base, step, rank)
+        logger.warning(
+            "%s: saved by another number of ranks, so this rank's RNG streams (Python, NumPy, torch, CUDA) "
+            "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
+            plan.where, seed, base, step, rank,
+        )  # fmt: skip
