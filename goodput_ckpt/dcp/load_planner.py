@@ -122,7 +122,6 @@ class GridLoadPlanner(DefaultLoadPlanner):
     _kept: list[ReadItem] | None = None
     #: Reads still to come into each RankRow with a ``decode`` (set by :meth:`finish_plan`).
     _row_reads: Counter[str] | None = None
-    _row_lock = threading.Lock()
 
     def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         """torch's set-up, keeping :class:`~.rank_rows.RankRow` destinations (which it would
@@ -166,6 +165,7 @@ class GridLoadPlanner(DefaultLoadPlanner):
         else:
             items, self._kept = self._kept, None
             plan = dataclasses.replace(new_plan, items=items)
+        self._row_lock = threading.Lock()
         self._row_reads = Counter(
             item.dest_index.fqn for item in plan.items if getattr(self._row_of(item), "decode", None) is not None
         )  # fmt: skip
@@ -180,7 +180,7 @@ class GridLoadPlanner(DefaultLoadPlanner):
         if row is None or row.decode is None or self._row_reads is None:
             return
         fqn = read_item.dest_index.fqn
-        with self._row_lock:  # the reader commits from its threads
+        with self._row_lock:  # CheckpointReader commits from one thread; another reader may not
             self._row_reads[fqn] -= 1
             last = self._row_reads[fqn] == 0
         if last:
