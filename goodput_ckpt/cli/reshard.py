@@ -61,9 +61,9 @@ COMMAND = Command(
         "source chunks are verified as they are read and the output is hashed as it is written.\n"
         "The result loads with dcp.load + CheckpointReader at any world size.\n\n"
         "Per-rank RNG and dataloader entries (rng.rows, dataloader.rows, keys like rng.rank3.*\n"
-        "or dataloader.rank_3 ...)"
-        " cannot be split: --rank-state keep copies them under their old keys, drop leaves them\n"
-        "out, auto keeps them when the world size is unchanged and refuses otherwise."
+        "or dataloader.rank_3 ...) cannot be split: --rank-state keep copies them under their old\n"
+        "keys, drop leaves them out, auto keeps them when the world size is unchanged and refuses\n"
+        "otherwise."
     ),
     examples=(
         "goodput-ckpt reshard /ckpt/step_00001000 /ckpt/step_00001000-w8 --world-size 8",

@@ -295,8 +295,8 @@ class CheckpointReader(StorageReader):
                 verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest)) if verify else None,
                 job_done=job_done,
             )
-            self.keys_read.update(item.storage_index.fqn for item in plan.items)  # one item per saved chunk read
             for item in plan.items:
+                self.keys_read[item.storage_index.fqn] += 1  # one item per saved chunk read
                 if item.type == LoadItemType.TENSOR and len(item.lengths):
                     self.rows_read[item.storage_index.fqn] += int(item.lengths[0])
         finally:

@@ -48,7 +48,7 @@ from ..state import (
     normalize,
     plan_restore,
 )
-from ..state.bundle import DATALOADER, ROWS
+from ..state.per_rank import DATALOADER, ROWS
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
 from ..storage.base import FileOrigin

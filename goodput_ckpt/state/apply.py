@@ -53,20 +53,18 @@ def decode_restore(plan: RestorePlan) -> DecodedState:
     return out
 
 
-def apply_restore(plan: RestorePlan, decoded: DecodedState | None = None) -> None:
+def apply_restore(plan: RestorePlan) -> None:
     """Load the filled destination into the live objects. RNG goes last, so that nothing that
     runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
 
     An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
     only then do the ranks other than the coordinator hold the old loader states.
 
-    ``decoded``: what :func:`decode_restore` returned (decoded here when ``None``).
-
     Raises:
         CorruptCheckpointError, CheckpointError: as :func:`decode_restore`, before anything is
             loaded into the live objects.
     """
-    decoded = decode_restore(plan) if decoded is None else decoded
+    decoded = decode_restore(plan)
     rng = decoded.rng
     plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
     for name, obj in plan.stateful.items():

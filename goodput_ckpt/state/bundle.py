@@ -20,7 +20,8 @@ job's commit record.
 The manifest's ``metadata`` holds ``{"training_state": {...}, "extra": {...}}``; the first part
 records the step, the world size, the sections, and what the per-rank state depends on, so that a
 restore under another topology is refused by name instead of silently misapplied
-(:func:`plan_restore`). :mod:`.apply` decodes what DCP filled and loads it into the live objects. ``extra`` is the user's JSON.
+(:func:`plan_restore`); :mod:`.apply` decodes what DCP filled and loads it into the live
+objects. ``extra`` is the user's JSON.
 
 Elastic loaders (``goodput_ckpt.data.ElasticSampler`` as sampler, ``TokenStream`` as dataset)
 are the exception: their per-rank blobs together hold a global data position, so a restore under
@@ -48,7 +49,6 @@ from .per_rank import (
     DATALOADER,
     RNG,
     ROWS,
-    WIDENED_ROWS,
     blob_template,
     loader_row,
     rank_key,
@@ -64,8 +64,6 @@ __all__ = [
     "META_KEY",
     "READ_SCHEMAS",
     "RESERVED_NAMES",
-    "ROWS",
-    "WIDENED_ROWS",
     "SCHEMA_VERSION",
     "RestorePlan",
     "Topology",

@@ -15,6 +15,7 @@ checked on private generators (:func:`.rng.check_rng`) before :func:`.apply.appl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ def rows_width(manifest: Manifest, section: str, rows: int, width: int | None, w
     return shape[1]
 
 
-def own_row(width: int, rank: int, world_size: int, decode: Any = None) -> RankRow:
+def own_row(width: int, rank: int, world_size: int, decode: Callable[[RankRow], Any] | None = None) -> RankRow:
     """This rank's row, to be filled by DCP, and ``decode``d in its read phase (``dcp.rank_rows``)."""
     return RankRow(torch.empty((1, width), dtype=torch.uint8), rank, world_size, decode=decode)
 
