@@ -8,7 +8,8 @@ rotating order per repeat:
   read would cost;
 - ``seq``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
   Python, ``--seq-len`` tokens each, read in blocks of 4 MiB (local) or 8 MiB (S3) through
-  ``open_store``, ``--read-ahead`` blocks in flight (default: the stream's, 0 locally and 8 on S3);
+  ``open_store``, ``--read-ahead`` blocks read ahead (default: the stream's, 0 locally and 8 on
+  S3), ``--per-request`` blocks per request (default: the stream's, 1 locally and 4 on S3);
 - ``batch``: the same stream with ``batch_size=--batch-size``: one ``(batch, seq_len)`` tensor
   per item;
 - ``plain2`` (``--plain2``, local): the plain read alternating two 8 MiB buffers (what the
@@ -63,11 +64,12 @@ def _size(text: str) -> int:
 
 def _stream_seconds(
     root: str, names: list[str], seq_len: int, ahead: int | None, options: dict, batch: int | None, loader: bool = False,
-    block: int | None = None,
+    block: int | None = None, per_request: int | None = None,
 ) -> tuple[float, int]:
     """Seconds to take every item of a new TokenStream, and the token bytes taken."""
     ds = TokenStream(
-        root, names, seq_len=seq_len, dtype="uint16", read_ahead=ahead, storage_options=options, batch_size=batch, block=block
+        root, names, seq_len=seq_len, dtype="uint16", read_ahead=ahead, storage_options=options, batch_size=batch, block=block,
+        blocks_per_request=per_request,
     )
     items = ds
     if loader:
@@ -193,6 +195,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--block", type=int, default=None, help="TokenStream block (sequences per read; default: 4 MiB worth locally, 8 MiB on S3)")
     ap.add_argument("--read-ahead", type=int, default=None, help="TokenStream read_ahead (default: the stream's, by store)")
+    ap.add_argument("--per-request", type=int, default=None, help="TokenStream blocks_per_request (default: the stream's, by store)")
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
     ap.add_argument("--no-local", action="store_true", help="skip the local targets")
     ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both", help="local files: evicted before each pass, cached, or both")
@@ -223,9 +226,9 @@ def main(argv: list[str]) -> int:
             return {
                 "plain": cold(plain),
                 **extra,
-                "seq": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, None, block=a.block)),
-                "batch": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, block=a.block)),
-                "loader": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, True, a.block)),
+                "seq": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, None, block=a.block, per_request=a.per_request)),
+                "batch": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, block=a.block, per_request=a.per_request)),
+                "loader": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, True, a.block, a.per_request)),
             }
 
         targets = []
@@ -247,7 +250,8 @@ def main(argv: list[str]) -> int:
             targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
-            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}",
+            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}, "
+            f"blocks_per_request {'the default (1 local, 4 S3)' if a.per_request is None else a.per_request}",
             flush=True,
         )
         try:

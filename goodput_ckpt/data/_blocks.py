@@ -156,11 +156,14 @@ def read_blocks(
     open_source: Callable[[int], Any],
     read_ahead: int,
     seq_bytes: int,
+    per_request: int = 1,
 ) -> Iterator[tuple[int, int, torch.Tensor, Buffer]]:
     """Yield ``(shard, first sequence, rows, buffer)`` for each ``(shard, first sequence, count,
-    last)`` task in order (``last``: the shard's final block), with up to ``read_ahead`` reads in
-    flight on ``threads`` whatever shard they belong to; ``threads`` None: each block is read in
-    the calling thread when it is asked for (``read_ahead`` ignored).
+    last)`` task in order (``last``: the shard's final block), with up to ``read_ahead`` blocks
+    read ahead on ``threads`` whatever shard they belong to, ``per_request`` consecutive blocks of
+    a shard fetched by one read (one request of a remote store, streamed into their buffers in
+    turn); ``threads`` None: each block is read in the calling thread when it is asked for
+    (``read_ahead`` and ``per_request`` ignored).
 
     ``rows`` is the pooled ``buffer``'s ``rows``, or its first ``count`` of them; the buffer is
     given back to the pool when the next block is requested (so the caller must be done with
@@ -170,7 +173,7 @@ def read_blocks(
     """
     if threads is None:
         return _read_inline(blocks, tasks, open_source, seq_bytes)
-    return _read_ahead(threads, blocks, tasks, open_source, read_ahead, seq_bytes)
+    return _read_ahead(threads, blocks, tasks, open_source, read_ahead, seq_bytes, per_request)
 
 
 def _read_inline(
@@ -216,21 +219,26 @@ def _read_ahead(
     open_source: Callable[[int], Any],
     read_ahead: int,
     seq_bytes: int,
+    per_request: int,
 ) -> Iterator[tuple[int, int, torch.Tensor, Buffer]]:
-    """:func:`read_blocks` with up to ``read_ahead`` reads in flight on helper threads."""
-    it = iter(tasks)
+    """:func:`read_blocks` with up to ``read_ahead`` blocks read ahead on helper threads, in
+    reads of up to ``per_request`` blocks. A read is queued once all its blocks have room, so no
+    more than ``read_ahead`` buffers are ever being filled or waiting to be consumed."""
+    per_request = max(1, min(per_request, read_ahead))
+    requests = _requests(iter(tasks), per_request)
     ahead: deque[tuple[int, int, int, bool, Buffer, Future]] = deque()
     sources: dict[int, Any] = {}
     current: Buffer | None = None
     try:
         while True:
-            while len(ahead) < read_ahead and (task := next(it, None)) is not None:
-                shard, pos, k, last = task
+            while len(ahead) + per_request <= read_ahead and (group := next(requests, None)) is not None:
+                shard, first = group[0][0], group[0][1]
                 if shard not in sources:
                     sources[shard] = open_source(shard)
-                buf = blocks.take()
-                read = threads.submit(sources[shard].read_into, pos * seq_bytes, [buf.bytes[: k * seq_bytes]])
-                ahead.append((shard, pos, k, last, buf, read))
+                bufs = [blocks.take() for _ in group]
+                dest = [buf.bytes[: k * seq_bytes] for buf, (_, _, k, _) in zip(bufs, group)]
+                read = threads.submit(sources[shard].read_into, first * seq_bytes, dest)
+                ahead.extend((*task, buf, read) for task, buf in zip(group, bufs))
             if not ahead:
                 return
             shard, pos, k, last, buf, fut = ahead.popleft()
@@ -247,7 +255,7 @@ def _read_ahead(
             rows = buf.rows
             yield shard, pos, rows if k == rows.shape[0] else rows[:k], buf
     finally:
-        for *_, fut in ahead:
+        for *_, fut in ahead:  # a read of several blocks appears once per block: cancel is idempotent
             if not fut.cancel():
                 fut.exception()  # let a running read finish before closing its source
         for src in sources.values():
@@ -256,3 +264,22 @@ def _read_ahead(
             blocks.give(current)  # the next stream (epoch, stretch) reuses it
         for *_, buf, _ in ahead:
             blocks.give(buf)  # its read was cancelled or has finished (above)
+
+
+def _requests(
+    tasks: Iterator[tuple[int, int, int, bool]], per_request: int
+) -> Iterator[list[tuple[int, int, int, bool]]]:
+    """The tasks in groups of up to ``per_request`` that one read can fetch: consecutive blocks
+    of one shard, each starting where the one before ended, a group ending at its shard's last
+    block."""
+    group: list[tuple[int, int, int, bool]] = []
+    for task in tasks:
+        if group and (task[0] != group[-1][0] or task[1] != group[-1][1] + group[-1][2]):
+            yield group  # not contiguous with the group (no caller makes such tasks today)
+            group = []
+        group.append(task)
+        if task[3] or len(group) == per_request:
+            yield group  # at once: waiting for the next task would read the next shard's start early
+            group = []
+    if group:
+        yield group

@@ -3,8 +3,9 @@
 LLM pretraining reads packed token shards: flat files of ``uint16`` or ``uint32`` tokens, cut
 here into sequences of ``seq_len`` tokens (a shard's trailing partial sequence is not read).
 Shards are read through this project's storage layer (``open_store``: local disk, a mounted
-volume, ``s3://`` with ranged reads and retries), ``block`` sequences per request, up to
-``read_ahead`` requests in flight across shard boundaries, into reused buffers (:mod:`._blocks`).
+volume, ``s3://`` with ranged reads and retries), in blocks of ``block`` sequences, up to
+``read_ahead`` blocks read ahead across shard boundaries and ``blocks_per_request`` consecutive
+blocks per request, into reused buffers (:mod:`._blocks`).
 It yields one tensor per sequence, or with ``batch_size`` one ``(batch_size, seq_len)`` tensor
 per batch: at 8 KiB sequences the Python cost of one item per sequence (about 1 us) is more than
 reading the sequence from the page cache, so a loader that batches should take whole batches
@@ -58,6 +59,14 @@ _BLOCK_BYTES = 8 << 20
 #: block (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
 #: docs/benchmarks.md, "Token stream".
 _LOCAL_BLOCK_BYTES = 4 << 20
+#: Blocks read ahead by helper threads on a remote store (S3, volumes, fsspec).
+_READ_AHEAD = 8
+#: Consecutive blocks of a shard fetched by one request on a remote store: each request costs
+#: the client about 1.5 ms of CPU (botocore's signing and parsing, measured against SeaweedFS),
+#: so fewer, larger requests leave more of the cores to the reads. At 4 (32 MiB requests into
+#: 8 MiB buffers) the stream measured 1.03-1.09x a plain streaming read on SeaweedFS, at 1
+#: 0.89-0.99x, with the same memory (docs/benchmarks.md, "Token stream").
+_BLOCKS_PER_REQUEST = 4
 
 
 class TokenStream(IterableDataset):
@@ -82,19 +91,24 @@ class TokenStream(IterableDataset):
         batch_size: yield ``(batch_size, seq_len)`` batches instead of sequences; the last batch
             of a reader's stretch may be shorter (nothing is dropped). The saved state counts
             sequences, so it resumes exactly under any batch size, world size or worker count.
-        block: sequences per read request (default: 8 MiB worth, 4 MiB on a local disk, rounded
+        block: sequences per buffer (default: 8 MiB worth, 4 MiB on a local disk, rounded
             down to a multiple of ``batch_size``; measured on S3, 2 MiB requests reach half the
             throughput of one streaming read and 8 MiB about all of it; locally, two alternating
             4 MiB buffers take the place of one 8 MiB one, see :data:`_LOCAL_BLOCK_BYTES`).
-        read_ahead: blocks read ahead by helper threads (requests in flight, per reader). Default:
-            8 for remote stores (S3, volumes, fsspec), 0 on a local disk. An object store needs
-            several to match one streaming read (on SeaweedFS, 8 reached 0.88x of it and 4
-            0.81x); a local disk does its own readahead, and there helper threads measured no
-            faster than reading in the consumer's thread (0: each block is read when it is
-            reached, no threads; docs/benchmarks.md). Memory is about ``read_ahead + 3`` blocks per
-            reader (88 MiB at 8): the reads in flight, the block consumed, blocks waiting for
-            their last views to be dropped; plus any block whose views the caller keeps. Idle
-            buffers (up to ``read_ahead + 2``) stay with the process for the next stream.
+        read_ahead: blocks read ahead by helper threads, per reader. Default: 8 for remote
+            stores (S3, volumes, fsspec), 0 on a local disk. An object store needs several
+            requests in flight to match one streaming read; a local disk does its own readahead,
+            and there helper threads measured no faster than reading in the consumer's thread
+            (0: each block is read when it is reached, no threads; docs/benchmarks.md). Memory is
+            about ``read_ahead + 3`` blocks per reader (88 MiB at 8): the blocks being read or
+            waiting, the block consumed, blocks waiting for their last views to be dropped; plus
+            any block whose views the caller keeps. Idle buffers (up to ``read_ahead + 2``) stay
+            with the process for the next stream.
+        blocks_per_request: consecutive blocks of a shard fetched by one request, streamed into
+            their buffers in turn (a request is sent once all its blocks fit in ``read_ahead``).
+            Default: 4 on remote stores (32 MiB GETs into 8 MiB buffers: each request costs the
+            client about 1.5 ms of CPU, and on SeaweedFS 4 reached 1.03-1.09x a plain streaming
+            read where 1 reached 0.89-0.99x, with the same memory), 1 on a local disk.
         storage_options: options of ``open_store``.
         num_replicas, rank: default to the default process group's (or 1 and 0 without one).
     """
@@ -109,6 +123,7 @@ class TokenStream(IterableDataset):
         batch_size: int | None = None,
         block: int | None = None,
         read_ahead: int | None = None,
+        blocks_per_request: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -121,12 +136,14 @@ class TokenStream(IterableDataset):
             raise ValueError(f"batch_size must be positive or None, got {batch_size}")
         if (block is not None and block < 1) or (read_ahead is not None and read_ahead < 0) or not shards:
             raise ValueError("block must be positive, read_ahead not negative and shards non-empty")
+        if blocks_per_request is not None and blocks_per_request < 1:
+            raise ValueError(f"blocks_per_request must be positive or None, got {blocks_per_request}")
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.root, self.shards, self.seq_len, self.dtype, self.block = str(root), list(shards), seq_len, dtype, block
-        self.read_ahead, self.batch_size = read_ahead, batch_size
+        self.read_ahead, self.batch_size, self.blocks_per_request = read_ahead, batch_size, blocks_per_request
         self.storage_options = dict(storage_options or {})
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self._seq_bytes = seq_len * np.dtype(_DTYPES[dtype]).itemsize
@@ -183,14 +200,20 @@ class TokenStream(IterableDataset):
             for i in mine
             for p in range(self._progress.get(i, self._base[i]), lengths[i], block)
         )
+        local = store.traits.kind == "local"
         ahead = self.read_ahead
         if ahead is None:
-            ahead = 0 if store.traits.kind == "local" else 8
+            ahead = 0 if local else _READ_AHEAD
+        per_request = self.blocks_per_request
+        if per_request is None:
+            per_request = 1 if local else _BLOCKS_PER_REQUEST
         pool = BlockPool(block, self.seq_len, _DTYPES[self.dtype], keep=ahead + 2)
         # One helper thread per read in flight, per iterator (never on self: the dataset is
         # pickled into workers); none with read_ahead=0.
         threads = ThreadPoolExecutor(ahead, thread_name_prefix="token-read") if ahead else None
-        blocks = read_blocks(threads, pool, tasks, lambda i: store.open_source(self.shards[i]), ahead, self._seq_bytes)
+        blocks = read_blocks(
+            threads, pool, tasks, lambda i: store.open_source(self.shards[i]), ahead, self._seq_bytes, per_request
+        )
         try:
             if self.batch_size is None:
                 yield from self._sequences(blocks)

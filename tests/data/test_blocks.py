@@ -5,6 +5,7 @@ Real files on local disk; the pool's ``allocated`` counter tells how many buffer
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from goodput_ckpt.data import _blocks
 from goodput_ckpt.data._blocks import BlockPool
@@ -174,3 +175,100 @@ def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
         assert n == 2200
         assert pools[-1]._rows * seq * 2 == 4 << 20, "4 MiB blocks on a local disk"
         assert len(taken) == 6 and len(set(taken)) == 2, "two buffers alternate"
+
+
+class _CountingSource:
+    """A real local source that records each read's (offset, bytes per buffer), and can fail
+    the read numbered ``fail_at``."""
+
+    def __init__(self, src, log, fail_at=None):
+        self._src, self._log, self._fail_at = src, log, fail_at
+
+    def read_into(self, offset, buffers):
+        self._log.append((offset, [memoryview(b).nbytes for b in buffers]))
+        if self._fail_at is not None and len(self._log) == self._fail_at:
+            raise OSError("injected read failure")
+        self._src.read_into(offset, buffers)
+
+    def close(self):
+        self._src.close()
+
+
+def _span_files(tmp_path, lengths):
+    for k, n in enumerate(lengths):
+        a = np.arange(n * SEQ, dtype=np.uint16).reshape(n, SEQ)
+        a[:, 0] = k  # shard index in the first token of every sequence
+        (tmp_path / f"s{k}.bin").write_bytes(a.tobytes())
+
+
+@pytest.mark.parametrize("per_request,ahead", [(1, 4), (2, 4), (3, 4), (4, 4), (3, 7)])
+def test_reads_of_several_blocks_fetch_consecutive_blocks_of_one_shard(tmp_path, per_request, ahead):
+    """``per_request`` blocks per read: one read per group of consecutive blocks of a shard,
+    never across shards, never more than ``per_request`` blocks, and the blocks yielded are
+    exactly those a read per block gives, byte for byte."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from goodput_ckpt.storage import open_store
+
+    lengths = [10, 3, 0, 9]
+    _span_files(tmp_path, lengths)
+    store = open_store(str(tmp_path), {})
+    log: list = []
+    tasks = [(i, p, min(2, n - p), p + 2 >= n) for i, n in enumerate(lengths) for p in range(0, n, 2)]
+    pool = BlockPool(2, SEQ, np.uint16, keep=8)
+    taken = [0]
+    take = pool.take
+
+    def counted_take(done=None):
+        taken[0] += 1
+        return take(done)
+
+    pool.take = counted_take
+    got, waiting = [], []
+    with ThreadPoolExecutor(ahead) as threads:
+        for i, p, rows, _buf in _blocks.read_blocks(
+            threads, pool, tasks, lambda i: _CountingSource(store.open_source(f"s{i}.bin"), log), ahead, SEQ * 2, per_request
+        ):
+            waiting.append(taken[0] - len(got) - 1)  # buffers being read or queued beside this one
+            got.append((i, p, rows.clone()))
+    assert max(waiting) <= ahead - 1, "no more than read_ahead blocks read ahead at any time"
+    assert [(i, p, r.shape[0]) for i, p, r in got] == [t[:3] for t in tasks]
+    for i, p, rows in got:
+        want = np.arange(p * SEQ, (p + rows.shape[0]) * SEQ, dtype=np.uint16).reshape(-1, SEQ)
+        want[:, 0] = i
+        assert np.array_equal(rows.numpy(), want), f"shard {i} block at {p}"
+    # per shard: ceil(blocks / per_request) reads, each of consecutive whole blocks
+    expected = []
+    for n in lengths:
+        blocks = [min(2, n - p) for p in range(0, n, 2)]
+        for g in range(0, len(blocks), per_request):
+            group = blocks[g : g + per_request]
+            expected.append((g * 2 * SEQ * 2, [k * SEQ * 2 for k in group]))
+    assert sorted(log) == sorted(expected)
+
+
+def test_a_failed_read_of_several_blocks_raises_and_gives_back_every_buffer(tmp_path):
+    """The second read (blocks 2-3 of shard 0) fails: the error reaches the consumer at the
+    first of its blocks, after the blocks before it, and every buffer taken is back in the
+    pool, so the next pass allocates none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from goodput_ckpt.storage import open_store
+
+    _span_files(tmp_path, [12])
+    store = open_store(str(tmp_path), {})
+    tasks = [(0, p, 2, p + 2 >= 12) for p in range(0, 12, 2)]
+    pool = BlockPool(2, SEQ, np.uint16, keep=8)
+    seen = []
+    with ThreadPoolExecutor(4) as threads:
+        blocks = _blocks.read_blocks(
+            threads, pool, tasks, lambda i: _CountingSource(store.open_source("s0.bin"), [], fail_at=2), 4, SEQ * 2, 2
+        )
+        with pytest.raises(OSError, match="injected"):
+            for _i, p, _rows, _buf in blocks:
+                seen.append(p)
+    assert seen == [0, 2], "the blocks of the first read, then the failed read's error"
+    before = pool.allocated
+    with ThreadPoolExecutor(4) as threads:
+        n = sum(1 for _ in _blocks.read_blocks(threads, pool, tasks, lambda i: store.open_source("s0.bin"), 4, SEQ * 2, 2))
+    assert n == 6 and pool.allocated == before, "the failed pass's buffers were all given back"

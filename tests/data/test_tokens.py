@@ -282,3 +282,39 @@ def test_a_stream_pickled_mid_block_carries_its_count_not_its_views(tmp_path):
     assert copy.state_dict()["progress"] == ds.state_dict()["progress"] == {"0": 5, "1": 2}
     it.close()
     assert ds.state_dict()["progress"] == {"0": 5, "1": 2}, "closing mid-block keeps the count"
+
+
+def test_a_remote_stream_fetches_several_blocks_per_request(tmp_path, moto, monkeypatch):
+    """On S3 (moto on 127.0.0.1) each GET fetches up to ``blocks_per_request`` consecutive blocks
+    of a shard (default 4: each request costs the client CPU), and every sequence still comes
+    once, in order within its shard."""
+    from goodput_ckpt.data import tokens
+    from goodput_ckpt.storage import _s3_download
+
+    names, total = _shards(tmp_path)
+    client = moto.client()
+    for name in names:
+        client.upload_file(str(tmp_path / name), moto.bucket, f"tok/{name}")
+    reads: list[int] = []
+    read_into = _s3_download.S3Source.read_into
+
+    def counted(self, offset, buffers):
+        reads.append(len(buffers))
+        return read_into(self, offset, buffers)
+
+    monkeypatch.setattr(_s3_download.S3Source, "read_into", counted)
+    for per_request, want in ((None, tokens._BLOCKS_PER_REQUEST), (2, 2), (1, 1)):
+        reads.clear()
+        ds = TokenStream(moto.uri("tok"), names, seq_len=SEQ, block=2, blocks_per_request=per_request, storage_options=moto.options())
+        ids = [int(s[0]) for s in ds]
+        assert ids == list(range(total)), "one rank reads its shards in order"
+        blocks = [-(-n // 2) for n in LENGTHS]
+        assert sorted(reads) == sorted(
+            min(want, b - g) for b in blocks for g in range(0, b, want)
+        ), f"blocks_per_request={per_request}: one GET per {want} blocks of a shard"
+
+
+def test_blocks_per_request_is_checked(tmp_path):
+    names, _ = _shards(tmp_path)
+    with pytest.raises(ValueError, match="blocks_per_request"):
+        TokenStream(str(tmp_path), names, seq_len=SEQ, blocks_per_request=0)
