@@ -8,7 +8,7 @@ rotating order per repeat:
   read would cost;
 - ``seq``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
   Python, ``--seq-len`` tokens each, read in blocks of 4 MiB (local) or 8 MiB (S3) through
-  ``open_store``, ``--read-ahead`` blocks read ahead (default: the stream's, 0 locally and 8 on
+  ``open_store``, ``--read-ahead`` blocks read ahead (default: the stream's, 4 locally and 8 on
   S3), ``--per-request`` blocks per request (default: the stream's, 1 locally and 4 on S3);
 - ``batch``: the same stream with ``batch_size=--batch-size``: one ``(batch, seq_len)`` tensor
   per item;
@@ -250,7 +250,7 @@ def main(argv: list[str]) -> int:
             targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
-            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (0 local, 8 S3)' if a.read_ahead is None else a.read_ahead}, "
+            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (4 local, 8 S3)' if a.read_ahead is None else a.read_ahead}, "
             f"blocks_per_request {'the default (1 local, 4 S3)' if a.per_request is None else a.per_request}",
             flush=True,
         )

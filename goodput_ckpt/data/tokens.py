@@ -52,8 +52,8 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
 #: streaming read and 8 MiB about all of it.
 _BLOCK_BYTES = 8 << 20
-#: The same on a local disk, read in the consumer's thread: the pool alternates two buffers there
-#: (the caller holds the last item of a block while the next is read). In probes of 2026-12-06,
+#: The same on a local disk. Read in the consumer's thread (``read_ahead=0``), the pool alternates
+#: two buffers (the caller holds the last item of a block while the next is read). In probes of 2026-12-06,
 #: a plain read alternating two 8 MiB buffers took 5-18% longer than with one, two 4 MiB ones
 #: (8 MiB of destination, as the plain read's one buffer) 0-5%. Smaller blocks cost Python per
 #: block (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
@@ -61,6 +61,10 @@ _BLOCK_BYTES = 8 << 20
 _LOCAL_BLOCK_BYTES = 4 << 20
 #: Blocks read ahead by helper threads on a remote store (S3, volumes, fsspec).
 _READ_AHEAD = 8
+#: The same on a local disk: a helper thread's read (which releases the GIL) overlaps the
+#: consumer's per-item Python. 4 measured 0.95-0.99x a plain read of the page cache or a cold
+#: file, reading in the consumer's thread 0.90-0.92x in the same session (docs/benchmarks.md).
+_LOCAL_READ_AHEAD = 4
 #: Consecutive blocks of a shard fetched by one request on a remote store: each request costs
 #: the client about 1.5 ms of CPU (botocore's signing and parsing, measured against SeaweedFS),
 #: so fewer, larger requests leave more of the cores to the reads. At 4 (32 MiB requests into
@@ -78,8 +82,7 @@ class TokenStream(IterableDataset):
     here would cost more than the read), except batches that span blocks or shards (copied).
 
     The next ``read_ahead`` blocks are read by helper threads while one is consumed, across shard
-    boundaries, so the reads overlap each other and the training loop's use of the data (remote
-    stores; a local disk's own readahead does that there). Blocks
+    boundaries, so the reads overlap each other and the training loop's use of the data. Blocks
     are read into a pool of reused buffers; a buffer is refilled only once no yielded tensor views
     it any more, so tensors a caller keeps never change (a kept one costs a new buffer instead).
 
@@ -96,11 +99,12 @@ class TokenStream(IterableDataset):
             throughput of one streaming read and 8 MiB about all of it; locally, two alternating
             4 MiB buffers take the place of one 8 MiB one, see :data:`_LOCAL_BLOCK_BYTES`).
         read_ahead: blocks read ahead by helper threads, per reader. Default: 8 for remote
-            stores (S3, volumes, fsspec), 0 on a local disk. An object store needs several
-            requests in flight to match one streaming read; a local disk does its own readahead,
-            and there helper threads measured no faster than reading in the consumer's thread
-            (0: each block is read when it is reached, no threads; docs/benchmarks.md). Memory is
-            about ``read_ahead + 3`` blocks per reader (88 MiB at 8): the blocks being read or
+            stores (S3, volumes, fsspec), 4 on a local disk. An object store needs several
+            requests in flight to match one streaming read; on a local disk the helper thread's
+            copy overlaps the consumer's Python (4 measured 0.95-0.99x a plain read, 0 about
+            0.90-0.92x; docs/benchmarks.md). 0: each block is read in the consumer's thread when
+            it is reached, no threads. Memory is about ``read_ahead + 3`` blocks per reader
+            (88 MiB at 8 on S3, 28 MiB at 4 locally): the blocks being read or
             waiting, the block consumed, blocks waiting for their last views to be dropped; plus
             any block whose views the caller keeps. Idle buffers (up to ``read_ahead + 2``) stay
             with the process for the next stream.
@@ -203,7 +207,7 @@ class TokenStream(IterableDataset):
         local = store.traits.kind == "local"
         ahead = self.read_ahead
         if ahead is None:
-            ahead = 0 if local else _READ_AHEAD
+            ahead = _LOCAL_READ_AHEAD if local else _READ_AHEAD
         per_request = self.blocks_per_request
         if per_request is None:
             per_request = 1 if local else _BLOCKS_PER_REQUEST

@@ -141,7 +141,7 @@ def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
 
 
 def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
-    """Read in the consumer's thread (a local disk), a stream whose caller drops its items
+    """Read in the consumer's thread (``read_ahead=0``), a stream whose caller drops its items
     alternates two 4 MiB buffers (8 MiB in all, the plain read's one buffer): each block's buffer is taken before the one consumed is given
     back (the caller still holds its last item), and that one is free again at the next take."""
     from goodput_ckpt.data import TokenStream
@@ -171,7 +171,8 @@ def test_a_local_stream_alternates_two_buffers(tmp_path, monkeypatch):
     monkeypatch.setattr(_blocks, "_SPARE", {})
     for batch in (None, 32):
         taken.clear()
-        n = sum(item.shape[0] if batch else 1 for item in TokenStream(str(tmp_path), names, seq_len=seq, batch_size=batch))
+        stream = TokenStream(str(tmp_path), names, seq_len=seq, batch_size=batch, read_ahead=0)
+        n = sum(item.shape[0] if batch else 1 for item in stream)
         assert n == 2200
         assert pools[-1]._rows * seq * 2 == 4 << 20, "4 MiB blocks on a local disk"
         assert len(taken) == 6 and len(set(taken)) == 2, "two buffers alternate"
