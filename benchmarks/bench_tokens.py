@@ -8,13 +8,13 @@ rotating order per repeat:
   read would cost;
 - ``seq``: every sequence of a ``TokenStream`` (``num_workers=0``, one rank) iterated in
   Python, ``--seq-len`` tokens each, read in blocks of 4 MiB (local) or 8 MiB (S3) through
-  ``open_store``, ``--read-ahead`` blocks read ahead (default: the stream's, 4 locally and 8 on
-  S3), ``--per-request`` blocks per request (default: the stream's, 1 locally and 4 on S3);
+  ``open_store``, ``--read-ahead`` blocks read ahead (default: the stream's, 4 locally and 16 on
+  S3), ``--per-request`` blocks per request (default: the stream's, 1 locally and 2 on S3);
 - ``batch``: the same stream with ``batch_size=--batch-size``: one ``(batch, seq_len)`` tensor
   per item;
 - ``plain2`` (``--plain2``, local): the plain read alternating two 8 MiB buffers (what the
-  stream did with 8 MiB blocks: the caller holds the last item of a block when the next is read;
-  its two 4 MiB buffers now take the 8 MiB of the plain read's one);
+  stream did with 8 MiB blocks read in the consumer's thread, ``read_ahead=0``: the caller holds
+  the last item of a block when the next is read; hence 4 MiB blocks locally);
 - ``loader``: the batched stream through ``StatefulDataLoader(batch_size=None, num_workers=0)``,
   as a training loop takes it (the loader's own cost per item included).
 
@@ -250,8 +250,8 @@ def main(argv: list[str]) -> int:
             targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
-            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (4 local, 8 S3)' if a.read_ahead is None else a.read_ahead}, "
-            f"blocks_per_request {'the default (1 local, 4 S3)' if a.per_request is None else a.per_request}",
+            f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (4 local, 16 S3)' if a.read_ahead is None else a.read_ahead}, "
+            f"blocks_per_request {'the default (1 local, 2 S3)' if a.per_request is None else a.per_request}",
             flush=True,
         )
         try:

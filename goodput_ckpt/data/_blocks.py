@@ -235,9 +235,15 @@ def _read_ahead(
                 shard, first = group[0][0], group[0][1]
                 if shard not in sources:
                     sources[shard] = open_source(shard)
-                bufs = [blocks.take() for _ in group]
-                dest = [buf.bytes[: k * seq_bytes] for buf, (_, _, k, _) in zip(bufs, group)]
-                read = threads.submit(sources[shard].read_into, first * seq_bytes, dest)
+                bufs: list[Buffer] = []
+                try:
+                    bufs.extend(blocks.take() for _ in group)
+                    dest = [buf.bytes[: k * seq_bytes] for buf, (_, _, k, _) in zip(bufs, group)]
+                    read = threads.submit(sources[shard].read_into, first * seq_bytes, dest)
+                except BaseException:
+                    for buf in bufs:  # not queued: nothing else gives them back
+                        blocks.give(buf)
+                    raise
                 ahead.extend((*task, buf, read) for task, buf in zip(group, bufs))
             if not ahead:
                 return

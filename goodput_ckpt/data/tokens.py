@@ -59,18 +59,24 @@ _BLOCK_BYTES = 8 << 20
 #: block (about 5 us each now; 2 MiB blocks measured slower than 8 MiB when that was 10-15 us).
 #: docs/benchmarks.md, "Token stream".
 _LOCAL_BLOCK_BYTES = 4 << 20
-#: Blocks read ahead by helper threads on a remote store (S3, volumes, fsspec).
-_READ_AHEAD = 8
+#: Blocks read ahead by helper threads on a remote store (S3, volumes, fsspec): with
+#: :data:`_BLOCKS_PER_REQUEST`, 8 requests of 16 MiB in flight (an object store's connection
+#: moves far less than a local disk, so a reader needs several at once; boto3's TransferManager
+#: keeps 10 in flight).
+_READ_AHEAD = 16
 #: The same on a local disk: a helper thread's read (which releases the GIL) overlaps the
 #: consumer's per-item Python. 4 measured 0.95-0.99x a plain read of the page cache or a cold
 #: file, reading in the consumer's thread 0.90-0.92x in the same session (docs/benchmarks.md).
 _LOCAL_READ_AHEAD = 4
 #: Consecutive blocks of a shard fetched by one request on a remote store: each request costs
 #: the client about 1.5 ms of CPU (botocore's signing and parsing, measured against SeaweedFS),
-#: so fewer, larger requests leave more of the cores to the reads. At 4 (32 MiB requests into
-#: 8 MiB buffers) the stream measured 1.03-1.09x a plain streaming read on SeaweedFS, at 1
-#: 0.89-0.99x, with the same memory (docs/benchmarks.md, "Token stream").
-_BLOCKS_PER_REQUEST = 4
+#: so fewer, larger requests leave more of the cores to the reads. 2 with 16 read ahead (16 MiB
+#: requests, 8 in flight) measured 0.98-1.07x a plain streaming read on SeaweedFS, 1 with 8
+#: (the earlier default, 8 requests of 8 MiB) 0.89-0.99x. 4 with 8 measured about the same as
+#: 2 with 16 there, in less memory, but keeps only 1-2 requests in flight: on a store whose
+#: connections are slower than its server (any real one), that would cut a reader's throughput
+#: (docs/benchmarks.md, "Token stream").
+_BLOCKS_PER_REQUEST = 2
 
 
 class TokenStream(IterableDataset):
@@ -96,23 +102,24 @@ class TokenStream(IterableDataset):
             sequences, so it resumes exactly under any batch size, world size or worker count.
         block: sequences per buffer (default: 8 MiB worth, 4 MiB on a local disk, rounded
             down to a multiple of ``batch_size``; measured on S3, 2 MiB requests reach half the
-            throughput of one streaming read and 8 MiB about all of it; locally, two alternating
-            4 MiB buffers take the place of one 8 MiB one, see :data:`_LOCAL_BLOCK_BYTES`).
-        read_ahead: blocks read ahead by helper threads, per reader. Default: 8 for remote
+            throughput of one streaming read and 8 MiB about all of it; locally, see
+            :data:`_LOCAL_BLOCK_BYTES`).
+        read_ahead: blocks read ahead by helper threads, per reader. Default: 16 for remote
             stores (S3, volumes, fsspec), 4 on a local disk. An object store needs several
             requests in flight to match one streaming read; on a local disk the helper thread's
             copy overlaps the consumer's Python (4 measured 0.95-0.99x a plain read, 0 about
             0.90-0.92x; docs/benchmarks.md). 0: each block is read in the consumer's thread when
             it is reached, no threads. Memory is about ``read_ahead + 3`` blocks per reader
-            (88 MiB at 8 on S3, 28 MiB at 4 locally): the blocks being read or
+            (152 MiB at 16 on S3, 28 MiB at 4 locally): the blocks being read or
             waiting, the block consumed, blocks waiting for their last views to be dropped; plus
             any block whose views the caller keeps. Idle buffers (up to ``read_ahead + 2``) stay
             with the process for the next stream.
         blocks_per_request: consecutive blocks of a shard fetched by one request, streamed into
             their buffers in turn (a request is sent once all its blocks fit in ``read_ahead``).
-            Default: 4 on remote stores (32 MiB GETs into 8 MiB buffers: each request costs the
-            client about 1.5 ms of CPU, and on SeaweedFS 4 reached 1.03-1.09x a plain streaming
-            read where 1 reached 0.89-0.99x, with the same memory), 1 on a local disk.
+            Default: 2 on remote stores (16 MiB GETs into 8 MiB buffers, 8 in flight: each
+            request costs the client about 1.5 ms of CPU; on SeaweedFS this reached 0.98-1.07x a
+            plain streaming read where 8 GETs of one block reached 0.89-0.99x), 1 on a local
+            disk.
         storage_options: options of ``open_store``.
         num_replicas, rank: default to the default process group's (or 1 and 0 without one).
     """
@@ -212,8 +219,8 @@ class TokenStream(IterableDataset):
         if per_request is None:
             per_request = 1 if local else _BLOCKS_PER_REQUEST
         pool = BlockPool(block, self.seq_len, _DTYPES[self.dtype], keep=ahead + 2)
-        # One helper thread per read in flight, per iterator (never on self: the dataset is
-        # pickled into workers); none with read_ahead=0.
+        # Helper threads per iterator (never on self: the dataset is pickled into workers),
+        # started as reads need them; none with read_ahead=0.
         threads = ThreadPoolExecutor(ahead, thread_name_prefix="token-read") if ahead else None
         blocks = read_blocks(
             threads, pool, tasks, lambda i: store.open_source(self.shards[i]), ahead, self._seq_bytes, per_request

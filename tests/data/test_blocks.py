@@ -202,7 +202,7 @@ def _span_files(tmp_path, lengths):
         (tmp_path / f"s{k}.bin").write_bytes(a.tobytes())
 
 
-@pytest.mark.parametrize("per_request,ahead", [(1, 4), (2, 4), (3, 4), (4, 4), (3, 7)])
+@pytest.mark.parametrize("per_request,ahead", [(1, 4), (2, 4), (3, 4), (4, 4), (3, 7), (4, 2)])
 def test_reads_of_several_blocks_fetch_consecutive_blocks_of_one_shard(tmp_path, per_request, ahead):
     """``per_request`` blocks per read: one read per group of consecutive blocks of a shard,
     never across shards, never more than ``per_request`` blocks, and the blocks yielded are
@@ -238,28 +238,48 @@ def test_reads_of_several_blocks_fetch_consecutive_blocks_of_one_shard(tmp_path,
         want = np.arange(p * SEQ, (p + rows.shape[0]) * SEQ, dtype=np.uint16).reshape(-1, SEQ)
         want[:, 0] = i
         assert np.array_equal(rows.numpy(), want), f"shard {i} block at {p}"
-    # per shard: ceil(blocks / per_request) reads, each of consecutive whole blocks
+    # per shard: ceil(blocks / per_request) reads, each of consecutive whole blocks (no more
+    # blocks per read than read_ahead allows)
+    per_read = min(per_request, ahead)
     expected = []
     for n in lengths:
         blocks = [min(2, n - p) for p in range(0, n, 2)]
-        for g in range(0, len(blocks), per_request):
-            group = blocks[g : g + per_request]
+        for g in range(0, len(blocks), per_read):
+            group = blocks[g : g + per_read]
             expected.append((g * 2 * SEQ * 2, [k * SEQ * 2 for k in group]))
     assert sorted(log) == sorted(expected)
 
 
-def test_a_failed_read_of_several_blocks_raises_and_gives_back_every_buffer(tmp_path):
+def test_a_failed_read_of_several_blocks_raises_and_gives_back_every_buffer(tmp_path, monkeypatch):
     """The second read (blocks 2-3 of shard 0) fails: the error reaches the consumer at the
-    first of its blocks, after the blocks before it, and every buffer taken is back in the
-    pool, so the next pass allocates none."""
+    first of its blocks, after the blocks before it, and every buffer taken is given back
+    exactly once (twice would let two reads fill one buffer), so the next pass allocates none."""
     from concurrent.futures import ThreadPoolExecutor
 
     from goodput_ckpt.storage import open_store
 
+    monkeypatch.setattr(_blocks, "_SPARE", {})  # no idle buffers left by earlier tests
     _span_files(tmp_path, [12])
     store = open_store(str(tmp_path), {})
     tasks = [(0, p, 2, p + 2 >= 12) for p in range(0, 12, 2)]
     pool = BlockPool(2, SEQ, np.uint16, keep=8)
+    out: set[int] = set()
+    take, give = pool.take, pool.give
+
+    def taken(done=None):
+        if done is not None:
+            assert id(done) in out, "given back twice"
+            out.discard(id(done))
+        buf = take(done)
+        out.add(id(buf))
+        return buf
+
+    def given(buf):
+        assert id(buf) in out, "given back twice"
+        out.discard(id(buf))
+        give(buf)
+
+    pool.take, pool.give = taken, given
     seen = []
     with ThreadPoolExecutor(4) as threads:
         blocks = _blocks.read_blocks(
@@ -269,6 +289,7 @@ def test_a_failed_read_of_several_blocks_raises_and_gives_back_every_buffer(tmp_
             for _i, p, _rows, _buf in blocks:
                 seen.append(p)
     assert seen == [0, 2], "the blocks of the first read, then the failed read's error"
+    assert not out, "every buffer taken was given back"
     before = pool.allocated
     with ThreadPoolExecutor(4) as threads:
         n = sum(1 for _ in _blocks.read_blocks(threads, pool, tasks, lambda i: store.open_source("s0.bin"), 4, SEQ * 2, 2))
