@@ -371,6 +371,14 @@ class CheckpointManager:
         self._saves.finish_previous(report=False)  # a save in flight lands before anything is read
         models = normalize(model, optimizer)
         check_stateful(stateful)
+        try:
+            return self._restore(step, models, dataloader, stateful)
+        except BaseException:
+            models.discard_shaped_state()  # a fresh optimizer stays fresh (state/optim_state.py)
+            raise
+
+    def _restore(self, step: int | None, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
+        """:meth:`restore` once its arguments are checked."""
         if self._tiers is not None:
             self._tiers.wait(self.config.timeout_s)  # and a persist in flight
             return self._restore_tiers(step, models=models, dataloader=dataloader, stateful=stateful)

@@ -45,6 +45,7 @@ from ..format.manifest import Manifest
 from ..format.schema import MAX_WORLD_SIZE
 from .dataloader import check_dataloader, describe_dataloader, elastic_sampler_of, encode_dataloader_row
 from .modules import ModelSet, tied_keys
+from .optim_state import saved_states
 from .per_rank import (
     DATALOADER,
     RNG,
@@ -346,7 +347,10 @@ def plan_restore(
             want_dl = False
 
     # -- the destination DCP loads into --------------------------------------------------------
-    msd, osd = models.state_dicts()
+    def saved(name: str) -> dict[str, Any]:
+        return saved_states(manifest, f"{OPTIMIZER}.{name}.state." if models.named else f"{OPTIMIZER}.state.")
+
+    msd, osd = models.state_dicts(saved if models.has_optimizer else None)
     plan.dest[MODEL] = msd
     if models.has_optimizer:
         plan.dest[OPTIMIZER] = osd

@@ -16,7 +16,7 @@ is one merged optimizer state dict.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from . import optim_state as shaping
 
 __all__ = ["ModelSet", "normalize", "tied_keys"]
 
@@ -43,6 +45,7 @@ class ModelSet:
     def __init__(self, named: bool, pairs: dict[str, tuple[torch.nn.Module, list[torch.optim.Optimizer]]]) -> None:
         self.named = named
         self.pairs = pairs
+        self._shaped: list[torch.optim.Optimizer] = []  # fresh optimizers given state by state_dicts(saved)
 
     @property
     def has_optimizer(self) -> bool:
@@ -55,17 +58,26 @@ class ModelSet:
             "optimizers": sorted(n for n, (_, o) in self.pairs.items() if o) if self.named else None,
         }
 
-    def state_dicts(self) -> tuple[Any, Any]:
+    def state_dicts(self, saved: Callable[[str], Mapping[str, Mapping[str, Any]]] | None = None) -> tuple[Any, Any]:
         """``(model_state, optimizer_state)``; the latter is ``None`` without optimizers.
 
-        Tensors in them are the live parameters and states (views, not copies).
+        Tensors in them are the live parameters and states (views, not copies). ``saved`` (a
+        restore): model name -> the optimizer state the checkpoint holds for it
+        (:func:`.optim_state.saved_states`), from which a fresh optimizer's state is made
+        instead of by torch's zero-gradient step (:mod:`.optim_state`).
         """
         opts = StateDictOptions()
         models: dict[str, Any] = {}
         optims: dict[str, Any] = {}
         for name, (module, optimizers) in self.pairs.items():
             if optimizers:
+                shaped = saved is not None and shaping.preshape(module, optimizers, states := saved(name))
                 msd, osd = get_state_dict(module, optimizers, options=opts)
+                if shaped and not shaping.matches(osd, states):
+                    shaping.clear(optimizers)  # not torch's names: torch's initialization instead
+                    msd, osd = get_state_dict(module, optimizers, options=opts)
+                elif shaped:
+                    self._shaped.extend(optimizers)
                 optims[name] = osd
             else:
                 msd = get_model_state_dict(module, options=opts)
@@ -73,6 +85,13 @@ class ModelSet:
         if not self.named:
             return models[""], optims.get("")
         return models, (optims or None)
+
+    def discard_shaped_state(self) -> None:
+        """After a restore that failed: remove the state :meth:`state_dicts` gave fresh optimizers
+        (uninitialized memory where the load did not reach), so they are fresh again rather than
+        holding values no step made."""
+        shaping.clear(self._shaped)
+        self._shaped.clear()
 
     def load(self, model_state: Any, optim_state: Any) -> None:
         """Apply loaded state dicts (in the shape :meth:`state_dicts` returned)."""

@@ -1,0 +1,248 @@
+"""A restore into a fresh optimizer shapes its state from the checkpoint instead of running
+torch's zero-gradient step, and falls back to torch's way wherever the saved state is not what
+that shaping knows. Real saves and restores through the manager, one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from goodput_ckpt import CheckpointManager
+from goodput_ckpt.state import optim_state
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _train(model, opt, steps: int = 3) -> None:
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 8, generator=torch.Generator().manual_seed(i))).square().sum().backward()
+        opt.step()
+
+
+def _states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sa["state"]:
+        assert sa["state"][k].keys() == sb["state"][k].keys()
+        for name, v in sa["state"][k].items():
+            w = sb["state"][k][name]
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == w.dtype and v.shape == w.shape and torch.equal(v, w), (k, name)
+            else:
+                assert v == w, (k, name)
+    assert sa["param_groups"] == sb["param_groups"]
+
+
+def _count_steps(monkeypatch, cls) -> list[int]:
+    calls: list[int] = []
+    step = cls.step
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(cls, "step", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adamw", "adam-amsgrad", "sgd-momentum"],
+)
+def test_a_fresh_optimizer_is_restored_bit_exact_without_a_step(tmp_path, monkeypatch, make):
+    model = _model()
+    opt = make(model.parameters())
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh = _model(seed=1)
+    fresh_opt = make(fresh.parameters())
+    calls = _count_steps(monkeypatch, type(fresh_opt))
+    with CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
+    assert calls == [], "no zero-gradient step: the state was shaped from the checkpoint"
+    _states_equal(opt, fresh_opt)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+    monkeypatch.undo()
+    _train(model, opt, 2)
+    _train(fresh, fresh_opt, 2)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q), "training goes on exactly as the saved run"
+
+
+class _Factored(torch.optim.Optimizer):
+    """An optimizer whose state is not shaped like its parameters (a per-row factor, as
+    Adafactor keeps) and holds a plain int: torch's initialization must make it."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["rows"] = torch.zeros(p.shape[0])
+                    st["count"] = 0
+                st["rows"].add_(p.grad.reshape(p.shape[0], -1).square().mean(1))
+                st["count"] += 1
+                p.sub_(group["lr"] * p.grad / (st["rows"].reshape(-1, *[1] * (p.dim() - 1)).sqrt() + 1e-8))
+
+
+def test_state_of_another_shape_keeps_torchs_initialization(tmp_path, monkeypatch):
+    model = _model()
+    opt = _Factored(model.parameters())
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh = _model(seed=1)
+    fresh_opt = _Factored(fresh.parameters())
+    calls = _count_steps(monkeypatch, _Factored)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.restore(model=fresh, optimizer=fresh_opt)
+    assert calls, "torch's zero-gradient step made the state"
+    _states_equal(opt, fresh_opt)
+
+
+def test_a_parameter_without_saved_state_keeps_torchs_initialization(tmp_path, monkeypatch):
+    """The saved run never stepped the last layer (no state for it); a fresh optimizer that
+    trains every parameter goes through torch's initialization, as before (whose strict load
+    then names the missing keys)."""
+    model = _model()
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh = _model(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    calls = _count_steps(monkeypatch, torch.optim.AdamW)
+    with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(Exception, match="2.weight|2.bias"):
+        mgr.restore(model=fresh, optimizer=fresh_opt)
+    assert calls, "torch's zero-gradient step ran"
+
+
+def test_an_optimizer_with_state_is_left_to_torch(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    saved = {"0.weight": {"step": None}}
+    assert optim_state.preshape(model, [opt], saved) is False
+
+
+def test_names_torch_does_not_give_are_undone():
+    """If the FQNs found here were not torch's, ``matches`` tells, and ``clear`` leaves the
+    optimizer as fresh as it was (the caller then runs torch's initialization)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from goodput_ckpt.format.schema import TensorEntry
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def entry(shape):
+        return TensorEntry("k", "float32", tuple(shape), ())
+
+    saved = {
+        n: {"step": entry(()), "exp_avg": entry(p.shape), "exp_avg_sq": entry(p.shape)} for n, p in model.named_parameters()
+    }
+    assert optim_state.preshape(model, [opt], saved)
+    _, osd = get_state_dict(model, [opt], options=StateDictOptions())
+    assert optim_state.matches(osd, saved)
+    renamed = {f"x.{k}": v for k, v in saved.items()}
+    assert not optim_state.matches(osd, renamed)
+    optim_state.clear([opt])
+    assert not opt.state
+
+
+def test_a_failed_restore_leaves_a_fresh_optimizer_fresh(tmp_path):
+    """A data file damaged after the save: the restore fails by name, and the state shaped for
+    the load (uninitialized where the load did not reach) is removed again."""
+    from goodput_ckpt import CorruptCheckpointError
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    data = [f for f in (tmp_path / "step_00000003").rglob("*") if f.is_file() and f.name.startswith("rank") and f.suffix == ".bin"]
+    assert data, "a data file to damage"
+    for f in data:
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    fresh = _model(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore(3, model=fresh, optimizer=fresh_opt)
+    assert not fresh_opt.state, "no state left that no step made"
+
+
+def _fsdp_worker(rank: int, world_size: int, root: str) -> None:
+    """FSDP2 on gloo: AdamW's state is DTensors; a fresh optimizer gets DTensor state of the
+    parameters' placement, loaded bit for bit, with no zero-gradient step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def make(seed):
+        model = _model(seed)
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = make(0)
+    _train(model, opt)
+    with CheckpointManager(root) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh, fresh_opt = make(1)
+    calls: list[int] = []
+    step = torch.optim.AdamW.step
+    torch.optim.AdamW.step = lambda self, *a, **k: (calls.append(1), step(self, *a, **k))[1]
+    try:
+        with CheckpointManager(root) as mgr:
+            assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
+    finally:
+        torch.optim.AdamW.step = step
+    assert calls == [], f"rank {rank}: no zero-gradient step"
+    for p, q in zip(opt.param_groups[0]["params"], fresh_opt.param_groups[0]["params"]):
+        for name, v in opt.state[p].items():
+            w = fresh_opt.state[q][name]
+            assert type(v) is type(w), (name, type(v), type(w))
+            if isinstance(v, DTensor):
+                assert v.placements == w.placements and torch.equal(v.to_local(), w.to_local()), name
+            else:
+                assert torch.equal(v, w), name
+    _train(model, opt, 2)
+    _train(fresh, fresh_opt, 2)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), "training goes on exactly as the saved run"
+
+
+@pytest.mark.multiproc
+def test_fsdp2_optimizer_state_is_shaped_as_dtensors_and_restored_bit_exact(tmp_path):
+    from helpers.dist import run_ranks
+
+    run_ranks(_fsdp_worker, 2, str(tmp_path / "ckpt"), report_dir=tmp_path / "reports", timeout=240)
