@@ -38,6 +38,18 @@ def _states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
     assert sa["param_groups"] == sb["param_groups"]
 
 
+def _saved(tmp_path, make, model: nn.Module | None = None):
+    """A model and optimizer trained 3 steps and saved as step 3, and a fresh pair to restore."""
+    model = _model() if model is None else model
+    opt = make(model.parameters())
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh = _model(seed=1)
+    return model, opt, fresh, make(fresh.parameters())
+
+
 def _count_steps(monkeypatch, cls) -> list[int]:
     calls: list[int] = []
     step = cls.step
@@ -60,14 +72,7 @@ def _count_steps(monkeypatch, cls) -> list[int]:
     ids=["adamw", "adam-amsgrad", "sgd-momentum"],
 )
 def test_a_fresh_optimizer_is_restored_bit_exact_without_a_step(tmp_path, monkeypatch, make):
-    model = _model()
-    opt = make(model.parameters())
-    _train(model, opt)
-    with CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(3, model=model, optimizer=opt)
-        mgr.wait()
-    fresh = _model(seed=1)
-    fresh_opt = make(fresh.parameters())
+    model, opt, fresh, fresh_opt = _saved(tmp_path, make)
     calls = _count_steps(monkeypatch, type(fresh_opt))
     with CheckpointManager(str(tmp_path)) as mgr:
         assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
@@ -105,14 +110,7 @@ class _Factored(torch.optim.Optimizer):
 
 
 def test_state_of_another_shape_keeps_torchs_initialization(tmp_path, monkeypatch):
-    model = _model()
-    opt = _Factored(model.parameters())
-    _train(model, opt)
-    with CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(3, model=model, optimizer=opt)
-        mgr.wait()
-    fresh = _model(seed=1)
-    fresh_opt = _Factored(fresh.parameters())
+    _, opt, fresh, fresh_opt = _saved(tmp_path, _Factored)
     calls = _count_steps(monkeypatch, _Factored)
     with CheckpointManager(str(tmp_path)) as mgr:
         mgr.restore(model=fresh, optimizer=fresh_opt)
@@ -127,13 +125,7 @@ def test_a_parameter_without_saved_state_keeps_torchs_initialization(tmp_path, m
     model = _model()
     for p in model[2].parameters():
         p.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, opt)
-    with CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(3, model=model, optimizer=opt)
-        mgr.wait()
-    fresh = _model(seed=1)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _, _, fresh, fresh_opt = _saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=1e-2), model)
     calls = _count_steps(monkeypatch, torch.optim.AdamW)
     with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(Exception, match="2.weight|2.bias"):
         mgr.restore(model=fresh, optimizer=fresh_opt)
@@ -178,20 +170,13 @@ def test_a_failed_restore_leaves_a_fresh_optimizer_fresh(tmp_path):
     the load (uninitialized where the load did not reach) is removed again."""
     from goodput_ckpt import CorruptCheckpointError
 
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, opt)
-    with CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(3, model=model, optimizer=opt)
-        mgr.wait()
+    _, _, fresh, fresh_opt = _saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     data = [f for f in (tmp_path / "step_00000003").rglob("*") if f.is_file() and f.name.startswith("rank") and f.suffix == ".bin"]
     assert data, "a data file to damage"
     for f in data:
         raw = bytearray(f.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         f.write_bytes(bytes(raw))
-    fresh = _model(seed=1)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(CorruptCheckpointError):
         mgr.restore(3, model=fresh, optimizer=fresh_opt)
     assert not fresh_opt.state, "no state left that no step made"
