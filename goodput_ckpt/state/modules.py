@@ -72,12 +72,13 @@ class ModelSet:
         for name, (module, optimizers) in self.pairs.items():
             if optimizers:
                 shaped = saved is not None and shaping.preshape(module, optimizers, states := saved(name))
+                if shaped:
+                    self._shaped.extend(optimizers)  # before anything else can raise
                 msd, osd = get_state_dict(module, optimizers, options=opts)
                 if shaped and not shaping.matches(osd, states):
                     shaping.clear(optimizers)  # not torch's names: torch's initialization instead
+                    self._unshaped(optimizers)
                     msd, osd = get_state_dict(module, optimizers, options=opts)
-                elif shaped:
-                    self._shaped.extend(optimizers)
                 optims[name] = osd
             else:
                 msd = get_model_state_dict(module, options=opts)
@@ -87,9 +88,10 @@ class ModelSet:
         return models, (optims or None)
 
     def discard_shaped_state(self) -> None:
-        """After a restore that failed: remove the state :meth:`state_dicts` gave fresh optimizers
-        (uninitialized memory where the load did not reach), so they are fresh again rather than
-        holding values no step made."""
+        """After a restore that failed before :meth:`load`: remove the state :meth:`state_dicts`
+        gave fresh optimizers (uninitialized memory where the load did not reach), so they are
+        fresh again rather than holding values no step made. Once :meth:`load` applied the
+        loaded state, it is kept."""
         shaping.clear(self._shaped)
         self._shaped.clear()
 
@@ -103,8 +105,13 @@ class ModelSet:
                 set_state_dict(
                     module, optimizers, model_state_dict=models[name], optim_state_dict=optims[name], options=opts
                 )
+                self._unshaped(optimizers)  # loaded: what they hold is the checkpoint's
             else:
                 set_model_state_dict(module, models[name], options=opts)
+
+    def _unshaped(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Forget ``optimizers`` for :meth:`discard_shaped_state`."""
+        self._shaped = [o for o in self._shaped if all(o is not x for x in optimizers)]
 
 
 def normalize(model: Any, optimizer: Any) -> ModelSet:

@@ -101,10 +101,10 @@ def _state_for(p: torch.Tensor, states: Mapping[str, TensorEntry | None]) -> dic
             dtype = torch_dtype(entry.dtype, name)
         except Exception:  # noqa: BLE001 - an unknown dtype: let torch's way meet it
             return None
-        if tuple(entry.shape) == shape:
-            out[name] = torch.empty_like(p, dtype=dtype, requires_grad=False)
-        elif name == STEP and entry.shape == ():
+        if name == STEP and tuple(entry.shape) == ():  # first: a 0-dim parameter's step is no copy of it
             out[name] = torch.zeros((), dtype=dtype)
+        elif tuple(entry.shape) == shape:
+            out[name] = torch.empty_like(p, dtype=dtype, requires_grad=False)
         else:
             return None
     return out

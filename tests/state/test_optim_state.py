@@ -231,3 +231,125 @@ def test_fsdp2_optimizer_state_is_shaped_as_dtensors_and_restored_bit_exact(tmp_
     from helpers.dist import run_ranks
 
     run_ranks(_fsdp_worker, 2, str(tmp_path / "ckpt"), report_dir=tmp_path / "reports", timeout=240)
+
+
+class _Scaled(nn.Module):
+    """A model with a 0-dim parameter (as CLIP's ``logit_scale``): its AdamW ``step`` and its
+    moments are all 0-dim, and ``step`` must still be the CPU tensor torch makes."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def test_a_scalar_parameters_step_is_a_plain_cpu_tensor(tmp_path, monkeypatch):
+    model = _Scaled()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh = _Scaled(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    calls = _count_steps(monkeypatch, torch.optim.AdamW)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.restore(model=fresh, optimizer=fresh_opt)
+    assert calls == []
+    _states_equal(opt, fresh_opt)
+    step = fresh_opt.state[fresh.scale]["step"]
+    assert type(step) is torch.Tensor and step.device.type == "cpu" and step is not fresh.scale
+    # where a copy of the parameter would differ (a DTensor, another device): meta stands in
+    from goodput_ckpt.format.schema import TensorEntry
+
+    made = optim_state._state_for(
+        nn.Parameter(torch.empty((), device="meta")),
+        {"step": TensorEntry("k", "float32", (), ()), "exp_avg": TensorEntry("k", "float32", (), ())},
+    )
+    assert made is not None and made["step"].device.type == "cpu" and made["exp_avg"].device.type == "meta"
+
+
+def test_wrapped_layers_keep_the_fast_path(tmp_path, monkeypatch):
+    """Activation-checkpoint wrappers rename parameters (``_checkpoint_wrapped_module``); torch's
+    FQNs drop that, and so does the shaping: no step, bit-exact."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def wrapped(seed):
+        m = _model(seed)
+        m[0] = checkpoint_wrapper(m[0])
+        return m
+
+    model = wrapped(0)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt)
+        mgr.wait()
+    fresh = wrapped(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    calls = _count_steps(monkeypatch, torch.optim.AdamW)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.restore(model=fresh, optimizer=fresh_opt)
+    assert calls == [], "the wrapper's parameters were found under torch's names"
+    _states_equal(opt, fresh_opt)
+
+
+def test_a_layer_frozen_since_the_save_goes_through_torchs_way(tmp_path, monkeypatch):
+    """The checkpoint holds state for a layer the fresh job froze: the names ``get_state_dict``
+    gives differ from the saved ones, the shaped state is removed, and torch's step makes it;
+    the trainable parameters get the saved state."""
+    model, opt, fresh, _ = _saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    for p in fresh[2].parameters():
+        p.requires_grad_(False)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    calls = _count_steps(monkeypatch, torch.optim.AdamW)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.restore(model=fresh, optimizer=fresh_opt)
+    assert calls, "torch's zero-gradient step ran after the names did not match"
+    for p, q in zip(list(model.parameters())[:2], list(fresh.parameters())[:2]):
+        for name, v in opt.state[p].items():
+            assert torch.equal(v, fresh_opt.state[q][name]), name
+
+
+def test_state_made_before_get_state_dict_fails_is_removed(tmp_path, monkeypatch):
+    from goodput_ckpt.state import modules
+
+    _, _, fresh, fresh_opt = _saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+
+    def broken(*a, **k):
+        assert fresh_opt.state, "called after the state was shaped"
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(modules, "get_state_dict", broken)
+    with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(Exception, match="injected"):
+        mgr.restore(model=fresh, optimizer=fresh_opt)
+    assert not fresh_opt.state
+
+
+def test_a_failure_after_the_optimizer_was_loaded_keeps_its_state(tmp_path):
+    """A stateful object that fails to load after ``set_state_dict`` ran: the optimizer keeps
+    the checkpoint's state (it is loaded, not shaped memory)."""
+
+    class Fails:
+        def state_dict(self):
+            return {"x": torch.tensor(1)}
+
+        def load_state_dict(self, state):
+            raise RuntimeError("stateful refuses")
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, model=model, optimizer=opt, thing=Fails())
+        mgr.wait()
+    fresh = _model(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(Exception, match="stateful refuses"):
+        mgr.restore(model=fresh, optimizer=fresh_opt, thing=Fails())
+    _states_equal(opt, fresh_opt)
