@@ -248,6 +248,10 @@ def plan_restore(
     from the saved base seed, the step and its new rank (``state.rng``). A checkpoint without
     dataloader state (``reshard --rank-state drop``) restores with the loader left at its start.
 
+    A fresh optimizer gets state shaped from the checkpoint, uninitialized until the load fills
+    it (:mod:`.optim_state`): a caller whose load or apply fails calls
+    ``models.discard_shaped_state()``, as ``CheckpointManager.restore`` does.
+
     Raises:
         TopologyChangeError: see above.
         CheckpointError: the caller asks for a section the checkpoint does not hold.
