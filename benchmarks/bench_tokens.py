@@ -15,6 +15,9 @@ rotating order per repeat:
 - ``plain2`` (``--plain2``, local): the plain read alternating two 8 MiB buffers (what the
   stream did with 8 MiB blocks read in the consumer's thread, ``read_ahead=0``: the caller holds
   the last item of a block when the next is read; hence 4 MiB blocks locally);
+- with ``--volume`` (and ``--s3``), the same objects read as files of an ``rclone mount``
+  (``--vfs-cache-mode off``, a strict volume): ``plain`` reads each file in 8 MiB ``readinto``
+  calls through the mount, the stream opens the mount path (a volume store, the remote defaults);
 - ``loader``: the batched stream through ``StatefulDataLoader(batch_size=None, num_workers=0)``,
   as a training loop takes it (the loader's own cost per item included).
 
@@ -197,6 +200,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--read-ahead", type=int, default=None, help="TokenStream read_ahead (default: the stream's, by store)")
     ap.add_argument("--per-request", type=int, default=None, help="TokenStream blocks_per_request (default: the stream's, by store)")
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
+    ap.add_argument("--volume", action="store_true", help="with --s3: also through an rclone mount of that bucket (--vfs-cache-mode off)")
     ap.add_argument("--no-local", action="store_true", help="skip the local targets")
     ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both", help="local files: evicted before each pass, cached, or both")
     ap.add_argument("--plain2", action="store_true", help="local: also a plain read alternating two 8 MiB buffers")
@@ -235,7 +239,7 @@ def main(argv: list[str]) -> int:
         if not a.no_local:
             for cache in ("cold", "warm") if a.cache == "both" else (a.cache,):
                 targets.append((f"local ({cache})", methods(lambda: _plain_local(root, names), str(root), {}, cache == "cold")))
-        server = None
+        server = mount = None
         if a.s3:
             import boto3
             from helpers.s3 import SeaweedServer, s3_env
@@ -248,6 +252,12 @@ def main(argv: list[str]) -> int:
                 client.upload_file(str(root / name), "tokens", f"shards/{name}")
             opts = {"endpoint_url": server.url, "addressing_style": "path", "region": "us-east-1"}
             targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
+            if a.volume:  # the same objects as files of a strict FUSE mount (a volume store)
+                from helpers.volume import RcloneMount
+
+                mount = RcloneMount(server.url, "tokens", Path(tmp, "mnt"), Path(tmp, "rclone"))
+                vroot = mount.path / "shards"
+                targets.append(("volume (rclone)", methods(lambda: _plain_local(vroot, names), str(vroot), {}, None)))
         print(
             f"{total / (1 << 20):.0f} MiB in {a.shards} shards, seq_len {a.seq_len} (uint16), batch_size {a.batch_size}, "
             f"block {a.block or 'the default (4 MiB local, 8 MiB S3)'}, read_ahead {'the default (4 local, 16 S3)' if a.read_ahead is None else a.read_ahead}, "
@@ -261,6 +271,8 @@ def main(argv: list[str]) -> int:
                 else:
                     _time(label, ms, a.repeats, total / (1 << 20), total, a.seq_len)
         finally:
+            if mount is not None:
+                mount.stop()
             if server is not None:
                 server.stop()
     return 0
