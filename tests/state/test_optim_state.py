@@ -132,12 +132,26 @@ def test_a_parameter_without_saved_state_keeps_torchs_initialization(tmp_path, m
     assert calls, "torch's zero-gradient step ran"
 
 
-def test_an_optimizer_with_state_is_left_to_torch(tmp_path):
+def _adamw_saved(model: nn.Module) -> dict:
+    """What a checkpoint of AdamW over ``model`` holds, as :func:`optim_state.saved_states` gives it."""
+    from goodput_ckpt.format.schema import TensorEntry
+
+    def entry(shape):
+        return TensorEntry("k", "float32", tuple(shape), ())
+
+    return {n: {"step": entry(()), "exp_avg": entry(p.shape), "exp_avg_sq": entry(p.shape)} for n, p in model.named_parameters()}
+
+
+def test_an_optimizer_with_state_is_left_to_torch():
+    """Valid saved state, and a fresh optimizer takes it; one that already stepped does not."""
     model = _model()
+    assert optim_state.preshape(model, [torch.optim.AdamW(model.parameters(), lr=1e-2)], _adamw_saved(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 1)
-    saved = {"0.weight": {"step": None}}
-    assert optim_state.preshape(model, [opt], saved) is False
+    opt.zero_grad(set_to_none=True)  # no gradients: only its state tells it is not fresh
+    before = {p: dict(st) for p, st in opt.state.items()}
+    assert optim_state.preshape(model, [opt], _adamw_saved(model)) is False
+    assert all(opt.state[p][k] is v for p, st in before.items() for k, v in st.items()), "left as it was"
 
 
 def test_names_torch_does_not_give_are_undone():
@@ -145,17 +159,9 @@ def test_names_torch_does_not_give_are_undone():
     optimizer as fresh as it was (the caller then runs torch's initialization)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from goodput_ckpt.format.schema import TensorEntry
-
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def entry(shape):
-        return TensorEntry("k", "float32", tuple(shape), ())
-
-    saved = {
-        n: {"step": entry(()), "exp_avg": entry(p.shape), "exp_avg_sq": entry(p.shape)} for n, p in model.named_parameters()
-    }
+    saved = _adamw_saved(model)
     assert optim_state.preshape(model, [opt], saved)
     _, osd = get_state_dict(model, [opt], options=StateDictOptions())
     assert optim_state.matches(osd, saved)
