@@ -354,7 +354,7 @@ def plan_restore(
     def saved(name: str) -> dict[str, Any]:
         return saved_states(manifest, f"{OPTIMIZER}.{name}.state." if models.named else f"{OPTIMIZER}.state.")
 
-    msd, osd = models.state_dicts(saved if models.has_optimizer else None)
+    msd, osd = models.state_dicts(saved)  # called only for models with optimizers
     plan.dest[MODEL] = msd
     if models.has_optimizer:
         plan.dest[OPTIMIZER] = osd
