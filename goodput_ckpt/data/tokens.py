@@ -69,7 +69,7 @@ _READ_AHEAD = 16
 #: file, reading in the consumer's thread 0.90-0.92x in the same session (docs/benchmarks.md).
 _LOCAL_READ_AHEAD = 4
 #: Consecutive blocks of a shard fetched by one request on a remote store: each request costs
-#: the client about 1.5 ms of CPU (botocore's signing and parsing, measured against SeaweedFS),
+#: the client about 1-1.5 ms of CPU (botocore's signing and parsing; benchmarks/probe_s3_request_cost.py),
 #: so fewer, larger requests leave more of the cores to the reads. 2 with 16 read ahead (16 MiB
 #: requests, 8 in flight) measured 0.98-1.07x a plain streaming read on SeaweedFS, 1 with 8
 #: (the earlier default, 8 requests of 8 MiB) 0.89-0.99x. 4 with 8 measured about the same as
@@ -117,7 +117,7 @@ class TokenStream(IterableDataset):
         blocks_per_request: consecutive blocks of a shard fetched by one request, streamed into
             their buffers in turn (a request is sent once all its blocks fit in ``read_ahead``).
             Default: 2 on remote stores (16 MiB GETs into 8 MiB buffers, 8 in flight: each
-            request costs the client about 1.5 ms of CPU; on SeaweedFS this reached 0.98-1.07x a
+            request costs the client about 1-1.5 ms of CPU; on SeaweedFS this reached 0.98-1.07x a
             plain streaming read where 8 GETs of one block reached 0.89-0.99x), 1 on a local
             disk.
         storage_options: options of ``open_store``.

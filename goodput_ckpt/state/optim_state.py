@@ -3,9 +3,9 @@
 torch's ``get_state_dict`` needs an optimizer's state to exist before DCP can load into it, so
 for a fresh optimizer it runs ``optimizer.step()`` once with zero gradients and ``lr=0``
 (``_init_optim_state``). That step allocates and zero-fills every state tensor and then runs the
-optimizer's arithmetic over all of them: for AdamW on 320 MiB of parameters it took 0.64 s on
-the development machine, where allocating the same state took 0.15 s zero-filled and nothing
-measurable uninitialized. A restore then overwrites every byte of it.
+optimizer's arithmetic over all of them: for AdamW on 320 MiB of parameters it took 0.64-0.70 s
+on the development machine, where allocating the same state took 0.16-0.17 s zero-filled and
+0.3 ms uninitialized (``benchmarks/probe_optim_init.py``, 5 repeats). A restore then overwrites every byte of it.
 
 Here a restore into a fresh optimizer creates the state it is about to load, shaped as the
 checkpoint saved it: for each parameter, each saved state tensor of the parameter's shape is
