@@ -31,7 +31,7 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from ..format.commit_record import COMMITTED, read_commit_record
 from ..format.manifest import Manifest
-from ..storage.base import Store
+from ..storage.base import BackgroundCommit, Store
 from .retention import scan_steps
 from .step_layout import child_uri, parse_step_dir, step_dir_name
 
@@ -126,6 +126,8 @@ def claim_job_file(root: Store, job_id: str) -> str:
     root.prepare()
     try:
         root.put_commit_record(JOB_FILE, data, replace=False)
+        if isinstance(root, BackgroundCommit):  # a staged volume writes it in the background
+            root.durable_future().result()
     except CheckpointExistsError:
         pass  # another process of this root got there first: its id is the root's
     found = read_job_file(root)

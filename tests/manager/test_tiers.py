@@ -224,6 +224,17 @@ def test_damaged_persistent_file_read_directly_passes_to_an_older_step(saved, tm
         assert r["digest"] == want
 
 
+def test_a_new_job_on_the_same_local_dirs_restores_nothing(saved, tmp_path):
+    """Issue 32: job B (a fresh root) on job A's local directories, with node 1 lost so that
+    node 0 holds A's replicas of node 1's files too: B restores none of A's steps, and leaves
+    them where they are."""
+    _, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local / "node1")
+    results = _restore(tmp_path, tmp_path / "fresh-root", local)
+    assert all(r["step"] is None and r["error"] is None for r in results), results
+    assert (job_dir(local / "node0") / "step_00000006" / "manifest.json").exists()
+
+
 def test_damaged_replica_is_not_used(saved, tmp_path):
     """Node 1 lost, node 0's copies of node 1's files damaged, nothing persisted: the newest
     local steps cannot be rebuilt, and the restore says so instead of loading bad bytes."""

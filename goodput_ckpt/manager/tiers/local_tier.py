@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, overload
+from typing import Any
 
 import torch.distributed as dist
 
@@ -135,7 +135,7 @@ class LocalTier:
             then reported failed though this node may keep a local copy), and how long the
             replication took (``None`` without replicas).
         """
-        err = self._agree(step, err)
+        err, _ = self._agree(step, err)
         if err is not None:
             return err, None
         shared: tuple[bytes, Manifest] | None = None
@@ -143,7 +143,7 @@ class LocalTier:
             shared = self._share_manifest(step)
         except BaseException as e:  # noqa: BLE001 - reported as the save's failure
             err = as_checkpoint_error(e, f"committing step {step} on node {self.layout.node}")
-        err = self._agree(step, err)  # all ranks replicate, or none
+        err, _ = self._agree(step, err)  # all ranks replicate, or none
         if err is not None or shared is None:
             return err, None
         record, manifest = shared
@@ -173,14 +173,9 @@ class LocalTier:
             return False
         return save is None or save - self.persister.persisted_save >= self.persist_every
 
-    @overload
-    def _agree(self, step: int, err: CheckpointError | None) -> CheckpointError | None: ...
-    @overload
-    def _agree(self, step: int, err: CheckpointError | None, *, decision: bool) -> tuple[CheckpointError | None, bool]: ...
-
-    def _agree(self, step: int, err: CheckpointError | None, *, decision: bool | None = None) -> Any:
-        """``err``, or the first other rank's failure: the same verdict on every rank; with
-        ``decision``, also the coordinator's ``decision`` on every rank."""
+    def _agree(self, step: int, err: CheckpointError | None, *, decision: bool = False) -> tuple[CheckpointError | None, bool]:
+        """``err``, or the first other rank's failure: the same verdict on every rank; and the
+        coordinator's ``decision``, on every rank."""
         outcomes: list[Any] = [(None if err is None else str(err), decision)]
         if self.pg is not None:
             outcomes = [None] * self.layout.world_size
@@ -188,7 +183,7 @@ class LocalTier:
         if err is None and any(o is not None for o, _ in outcomes):
             rank = next(r for r, (o, _) in enumerate(outcomes) if o is not None)
             err = CheckpointError(f"step {step} failed on rank {rank}: {outcomes[rank][0]}")
-        return err if decision is None else (err, bool(outcomes[0][1]))
+        return err, bool(outcomes[0][1])
 
     def _share_manifest(self, step: int) -> tuple[bytes, Manifest]:
         """The coordinator's commit record of ``step`` on every rank, committed on every node."""
