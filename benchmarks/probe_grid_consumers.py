@@ -1,6 +1,6 @@
 """What the consumers of a grid pay for a small manifest that describes many cells (issue 33).
 
-The manifest is ``tests/format/_manifests.many_cells_manifest`` (about 190 KB, one grid of
+The manifest is ``tests/format/_manifests.many_cells_manifest`` (about 186 KB, one grid of
 4 M one-byte cells over 1,024 files; ``--files``/``--runs`` change it). Measured, each in a
 fresh process, ``--repeats`` times:
 

@@ -2,7 +2,7 @@
 
 Why a module of its own: every report of a missing, resized or damaged file names the keys
 stored there (``verify``, ``inspect``, the reader, the tiers, ``reshard``'s source), and a
-format-v2 grid must not be expanded into its cells to answer that. A 190 KB manifest can
+format-v2 grid must not be expanded into its cells to answer that. A 186 KB manifest can
 describe 4 M cells (a grid of one-byte blocks over 1,024 files); expanding them cost ``verify
 --quick`` 10-60 s and about 500 MB when the files were missing. Here a grid is looked at run by
 run: a run's cells share one byte range, in files that form an arithmetic progression, so

@@ -36,7 +36,7 @@ def staircase_manifest(n: int) -> bytes:
 def many_cells_manifest(files: int = 1024, runs: int = 4096) -> bytes:
     """A small manifest whose one grid describes ``files x runs`` one-byte cells (issue 33):
     ``uint8[files * runs]`` in blocks of one element, run ``k`` putting its ``files`` cells at
-    byte ``64 k`` of every file. The default is about 200 KB describing 4 M cells; a consumer
+    byte ``64 k`` of every file. The default is 186 KB describing 4 M cells; a consumer
     that expands the grid into records pays seconds and hundreds of MB for it."""
     names = [f"data_{i:05d}.bin" for i in range(files)]
     doc = {
