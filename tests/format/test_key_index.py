@@ -125,3 +125,12 @@ def test_tensor_bytes_expands_no_cell(monkeypatch):
     monkeypatch.setattr(GridChunks, "__getitem__", lambda self, k: expanded.append(k))
     assert m.tensor_bytes() == 1024 * 4096
     assert expanded == []
+
+
+def test_the_budget_covers_a_real_16k_rank_record_with_every_file_missing():
+    """The 70B record with its training state at 16,384 ranks (benchmarks/bench_scale.py's
+    simulation): 16,384 files, 6,527 runs. Whole-file queries for every file scan at most every
+    run each (70 M run-elements were measured, docs/scale.md's shape); the cap leaves room."""
+    from goodput_ckpt.format.key_index import MAX_KEY_INDEX_WORK
+
+    assert 16_384 * 6_527 < MAX_KEY_INDEX_WORK
