@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from helpers.datasets import Ids
 
 from goodput_ckpt import CheckpointManager
 from goodput_ckpt.data import ElasticSampler
@@ -16,17 +16,6 @@ from goodput_ckpt.data import ElasticSampler
 BATCH = 2
 
 
-class Ids(Dataset):
-    """Sample ``i`` is the integer ``i``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def _loader(n: int, rank: int, world: int, batch: int = BATCH, **kwargs):

@@ -12,20 +12,13 @@ import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from helpers.datasets import Ids
+
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.data.position import MAX_SEGMENTS
 from goodput_ckpt.errors import CheckpointError, TopologyChangeError
 
 
-class Ids(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def _loader(n, ws, rank, *, batch, workers, seed=0, drop_last=True):
