@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from ..format.commit_record import COMMITTED, read_commit_record
+from ..format.json_document import parse_json_document
 from ..format.manifest import Manifest
 from ..storage.base import BackgroundCommit, Store
 from .retention import scan_steps
@@ -91,24 +92,15 @@ def read_job_file(root: Store) -> str | None:
 
     Raises:
         CorruptCheckpointError: a job file that is not one of ours (too large, not JSON, another
-            format or version, a malformed id): the root is refused rather than adopted.
-        CheckpointError: the root cannot be read.
+            format, a malformed id): the root is refused rather than adopted.
+        CheckpointError: the root cannot be read, or its job file is of a version this library
+            does not read.
     """
     data = root.read_small(JOB_FILE, max_bytes=JOB_FILE_LIMIT)
     if data is None:
         return None
     where = f"{root.uri.rstrip('/')}/{JOB_FILE}"
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptCheckpointError(f"{where} is not a goodput-ckpt job file (not JSON)", path=where) from None
-    if not isinstance(doc, dict) or doc.get("format") != JOB_FORMAT:
-        raise CorruptCheckpointError(f"{where} is not a goodput-ckpt job file", path=where)
-    if doc.get("version") != JOB_FILE_VERSION:
-        raise CorruptCheckpointError(
-            f"{where}: job file version {doc.get('version')!r} is not supported (known: {JOB_FILE_VERSION})",
-            path=where,
-        )
+    doc = parse_json_document(data, where, format_name=JOB_FORMAT, version=JOB_FILE_VERSION, what="job file")
     job_id = doc.get("id")
     if not is_job_id(job_id):
         raise CorruptCheckpointError(f"{where}: the job id is malformed", path=where)

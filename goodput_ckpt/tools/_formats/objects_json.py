@@ -31,6 +31,7 @@ import torch
 
 from ...errors import CheckpointError, CorruptCheckpointError
 from ...format.dcp_metadata import dtype_name, torch_dtype
+from ...format.json_document import parse_json_document
 
 __all__ = ["SIDECAR_FORMAT", "decode_value", "dump_sidecar", "encode_value", "load_sidecar"]
 
@@ -162,18 +163,7 @@ def load_sidecar(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, lis
         CorruptCheckpointError: not a sidecar of a known version, or malformed.
         CheckpointError: a sidecar version this library does not read.
     """
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where} is not valid JSON ({e})", path=where) from None
-    if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT:
-        raise CorruptCheckpointError(f"{where} is not a {SIDECAR_FORMAT} sidecar", path=where)
-    if doc.get("version") != SIDECAR_VERSION:
-        raise CheckpointError(
-            f"{where} has sidecar version {doc.get('version')!r}; this goodput-ckpt reads version {SIDECAR_VERSION}",
-            path=where,
-            version=doc.get("version"),
-        )
+    doc = parse_json_document(data, where, format_name=SIDECAR_FORMAT, version=SIDECAR_VERSION, what="sidecar")
     objects, pd, md = doc.get("objects", {}), doc.get("planner_data"), doc.get("metadata", {})
     if not isinstance(objects, dict) or not isinstance(md, dict) or not (pd is None or isinstance(pd, dict)):
         raise CorruptCheckpointError(f"{where}: 'objects', 'planner_data' or 'metadata' has the wrong type", path=where)
