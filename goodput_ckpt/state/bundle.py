@@ -171,7 +171,9 @@ class RestorePlan:
     elastic_blobs: dict[str, torch.Tensor] = field(default_factory=dict)
     #: Whether DCP reads ``elastic_blobs`` into this rank (the coordinator) or it receives them.
     elastic_reads: bool = False
-    elastic_batch_size: int | None = None
+    #: The batch size the saved loader recorded (metadata, unchecked: the position holder checks
+    #: it before it multiplies anything by it).
+    saved_batch_size: Any = None
     where: str = ""
     #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
     rederive_rng: tuple[int, int, int] | None = None
@@ -379,13 +381,14 @@ def plan_restore(
         if plan.elastic_reads:  # the others receive the blobs from the coordinator
             plan.dest[DATALOADER] = plan.elastic_blobs
         plan.dataloader = dataloader
-        plan.elastic_batch_size = meta["dataloader"].get("batch_size")
+        plan.saved_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
         if schema1:
             plan.dest[DATALOADER] = {rk: blob_template(manifest, f"{DATALOADER}.{rk}", where)}
         else:
             plan.dest[DATALOADER] = {ROWS: loader_row(rows_width(manifest, DATALOADER, ws, None, where), topology.rank, ws)}
         plan.dataloader = dataloader
+        plan.saved_batch_size = meta["dataloader"].get("batch_size")
     for name, obj in stateful.items():
         plan.dest[name] = obj.state_dict()
         plan.stateful[name] = obj
