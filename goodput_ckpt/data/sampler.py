@@ -212,8 +212,8 @@ class ElasticSampler(Sampler[int]):
             total = consumed + since * (batch_size or 0)
             if total > share + (batch_size or 1) - 1:
                 raise ValueError(
-                    f"consumed {consumed} + {since} step(s) since the snapshot x batch_size {batch_size} = "
-                    f"{total}, more than the share of {share} and a short last batch"
+                    f"consumed {consumed} + _steps_since_snapshot {since} x batch_size {batch_size} = "
+                    f"{total} samples, more than the share of {share} and a short last batch"
                 )
         except ValueError as e:
             raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
