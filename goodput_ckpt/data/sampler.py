@@ -201,10 +201,10 @@ class ElasticSampler(Sampler[int]):
                 that is not a positive integer, or steps since the snapshot without a batch size.
         """
         try:
+            if batch_size is not None:  # before anything multiplies by it
+                saved_int(batch_size, 1, _MAX_STEPS, "the metadata's batch_size")
             consumed = saved_int(st.get("consumed"), 0, share, f"consumed (of a share of {share})")
             saved_int(since, 0, share, f"_steps_since_snapshot (of a share of {share})")
-            if batch_size is not None:
-                saved_int(batch_size, 1, _MAX_STEPS, "the metadata's batch_size")
             if since and batch_size is None:
                 raise ValueError(
                     f"_steps_since_snapshot = {since}, but the metadata records no batch_size to count them in"

@@ -9,10 +9,8 @@ are tests/state/test_restore_hostile.py.
 
 from __future__ import annotations
 
-import copy
 import io
 import random
-import zipfile
 
 import numpy as np
 import pytest
@@ -26,7 +24,8 @@ from goodput_ckpt.state.dataloader import ROW_HEADER, decode_dataloader_row
 from goodput_ckpt.state.per_rank import checked_rng
 from goodput_ckpt.state.rng import capture_rng, check_layout, restore_rng, rng_layout
 
-from helpers.budget import OverBudget, TorchWork, counted_calls, python_peak
+from helpers.budget import TorchWork, counted_calls, python_peak
+from helpers.hostile_states import cyclic as _cyclic, deflated as _deflated, saved as _saved
 
 N, BATCH = 56, 4
 
@@ -164,12 +163,6 @@ def test_a_string_batch_size_is_refused_before_it_multiplies_memory():
 # -- the bounded walk ---------------------------------------------------------------------------
 
 
-def _cyclic() -> list:
-    x: list = [1, 2]
-    x.append(x)
-    return x
-
-
 def test_a_self_containing_state_is_refused_by_name_in_bounded_work():
     states = _states()
     states[1]["dataset_state"] = _roundtrip(_cyclic())  # weights_only takes it
@@ -205,12 +198,6 @@ def test_nesting_deeper_than_the_limit_is_refused():
 
 def _row(blob: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(len(blob).to_bytes(ROW_HEADER, "little") + blob), dtype=torch.uint8).view(1, -1)
-
-
-def _saved(value) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
 
 
 def test_a_decoded_loader_row_is_walked_once_for_cycles():
@@ -255,15 +242,6 @@ def test_a_valid_bitmap_still_restores():
 
 
 # -- the dataloader row's archive -------------------------------------------------------------------
-
-
-def _deflated(value) -> bytes:
-    src = zipfile.ZipFile(io.BytesIO(_saved(value)))
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        for info in src.infolist():
-            z.writestr(info.filename, src.read(info.filename))
-    return out.getvalue()
 
 
 def test_a_deflate_bomb_in_a_loader_row_is_refused_before_it_inflates():
