@@ -65,6 +65,12 @@ HOSTILE = {
     "tests/cli/test_cli_escaping.py": ("hostile: control characters escaped in human output [tests]", "cli"),
     "tests/storage/test_redact.py": ("hostile: credentials in URLs never echoed [tests]", "all"),
     "tests/storage/test_contract.py": ("hostile: capped small reads, one error type per event [tests]", "all"),
+    # Issue 33: the training state (loader rows, data positions, generator slots), bounded like the manifest.
+    "tests/data/test_saved_state_hostile.py": (
+        "hostile: saved loader state: counts in range, cycles, stride-0 bitmaps, bombs, RNG slot names, token shards; "
+        "counted work [tests]", "local"),
+    "tests/state/test_restore_hostile.py": (
+        "hostile: loader state through restore, same topology and elastic: refused, nothing applied [tests]", "local"),
 }
 #: Two-tier checkpoints (issue 18): lost nodes, damaged copies, SIGKILL during local saves,
 #: replication and persistent uploads; ``--tiers`` runs only these.
