@@ -18,7 +18,8 @@ is always a prefix.
 
 **State.** Each worker's ``state_dict()`` (taken by ``StatefulDataLoader`` with every yielded
 batch, so prefetched batches are not counted) holds the per-shard counts at the start of the
-stretch (``base``) and how far it got in its own shards (``progress``). Same topology: the loader
+stretch (``base``) and how far it got in its own shards (``progress``), and each shard's size,
+so that a shard replaced under its name is refused (:mod:`._token_state`). Same topology: the loader
 hands each worker its own state back. Another world size or worker count: the manager's restore
 hands every old rank's loader state to :meth:`TokenStream.elastic_resume`, which takes, per shard,
 the furthest count any old reader reached, as the new ``base``; the new (rank, worker) pairs then
@@ -355,8 +356,7 @@ class TokenStream(IterableDataset):
 
     @staticmethod
     def find_states(loader_state: Any, what: str = "the dataloader state") -> list[dict]:
-        """Every TokenStream state inside a decoded loader state (one per worker); the walk is
-        bounded (``find_marked``)."""
+        """Every TokenStream state inside a decoded loader state (one per worker), found by a bounded walk."""
         return find_marked(loader_state, MARK, what)
 
     def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
@@ -373,9 +373,8 @@ class TokenStream(IterableDataset):
             self._saved(st, what)
 
     def elastic_resume(self, loader_states: list[Any], *, batch_size: int | None = None, where: str = "checkpoint") -> str:
-        """Take up the per-shard counts of all old ranks' readers (module docstring); the next
-        ``iter()`` deals the unfinished shards over the current (rank, worker) pairs.
-        :meth:`prepare_elastic_resume`, then its result called."""
+        """Take up the per-shard counts of all old ranks' readers (module docstring; checked and
+        merged by :meth:`prepare_elastic_resume`); the next ``iter()`` deals the unfinished shards."""
         return self.prepare_elastic_resume(loader_states, batch_size=batch_size, where=where)()
 
     def prepare_elastic_resume(self, loader_states: list[Any], *, batch_size: Any = None, where: str = "checkpoint") -> Callable[[], str]:
@@ -402,9 +401,8 @@ class TokenStream(IterableDataset):
         if not found:
             raise TopologyChangeError(f"{where}: the dataloader states hold no TokenStream state", path=where)
         lengths = self.lengths()
-        done = sum(consumed)
         note = (
-            f"token stream taken up elastically: {done} of {sum(lengths)} sequences read, "
+            f"token stream taken up elastically: {sum(consumed)} of {sum(lengths)} sequences read, "
             f"{sum(c < n for c, n in zip(consumed, lengths))} unfinished shard(s) dealt over "
             f"{self.num_replicas} rank(s)"
         )

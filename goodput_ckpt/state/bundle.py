@@ -212,6 +212,9 @@ def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
     ws = meta.get("world_size")
     if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
         raise bad(f"world_size must be a positive integer, got {ws!r:.40}")
+    step = meta.get("step", 0)  # seeds re-derived generators (state.rng.derived_seed: a signed 64-bit field)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63:
+        raise bad(f"step must be an integer in [0, 2^63), got {step!r:.40}")
     sections = meta.get("sections")
     if not isinstance(sections, list) or not all(isinstance(s, str) for s in sections):
         raise bad("sections must be a list of strings")
