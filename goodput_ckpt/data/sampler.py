@@ -179,11 +179,13 @@ class ElasticSampler(Sampler[int]):
         return pos, ws, rank
 
     def _pending_count(self, pos: EpochPosition, what: str) -> int:
-        """Samples of the epoch still pending at ``pos`` (O(dataset length)).
+        """Samples of the epoch still pending at ``pos`` (O(dataset length) once it has a history).
 
         Raises:
             CorruptCheckpointError: a segment names more samples than its ranks could have read.
         """
+        if not pos.segments and pos.done is None:
+            return len(self.dataset)  # a fresh epoch: nothing to unpack
         try:
             return pos.pending(torch.arange(len(self.dataset))).numel()
         except ValueError as e:
