@@ -69,13 +69,17 @@ def checked_token_counts(
         for i, s in enumerate(saved_sizes or ()):
             saved_int(s, 0, MAX_FILE_BYTES, f"sizes[{i}]")
         _check_sizes(saved_sizes or (), sizes, shards, what)
-        base = [saved_int(c, 0, lengths[i], f"base[{i}] (shard {shards[i]!r} holds {lengths[i]})") for i, c in enumerate(base_raw)]
+        base = [
+            saved_int(c, 0, lengths[i], f"base[{i}] (shard {shards[i]!r} holds {lengths[i]})")
+            for i, c in enumerate(base_raw)
+        ]
         progress: dict[int, int] = {}
         for k, c in progress_raw.items():
             if not (isinstance(k, str) and _INDEX.fullmatch(k) and int(k) < n):
                 raise ValueError(f"progress key {k!r:.40} is not a shard index in [0, {n})")
             i = int(k)
-            progress[i] = saved_int(c, base[i], lengths[i], f"progress[{k!r}] (shard {shards[i]!r} holds {lengths[i]}, base {base[i]})")
+            field = f"progress[{k!r}] (shard {shards[i]!r} holds {lengths[i]}, base {base[i]})"
+            progress[i] = saved_int(c, base[i], lengths[i], field)
     except ValueError as e:
         raise CorruptCheckpointError(f"{what}: TokenStream counts do not fit its {n} shard(s): {e}", key="dataloader") from None
     return base, progress

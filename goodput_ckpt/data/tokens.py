@@ -377,7 +377,9 @@ class TokenStream(IterableDataset):
         merged by :meth:`prepare_elastic_resume`); the next ``iter()`` deals the unfinished shards."""
         return self.prepare_elastic_resume(loader_states, batch_size=batch_size, where=where)()
 
-    def prepare_elastic_resume(self, loader_states: list[Any], *, batch_size: Any = None, where: str = "checkpoint") -> Callable[[], str]:
+    def prepare_elastic_resume(
+        self, loader_states: list[Any], *, batch_size: Any = None, where: str = "checkpoint"
+    ) -> Callable[[], str]:
         """Check every old rank's states and merge their counts, changing nothing; returns the
         function that applies them (and returns the note).
 

@@ -99,7 +99,8 @@ CASES = [
     ("since_minus_12", _set("/_steps_since_snapshot", -12), CorruptCheckpointError, "_steps_since_snapshot"),
     ("epoch_2_70", _set("position.epoch", 2**70), CorruptCheckpointError, "epoch"),
     ("epoch_inf", _set("position.epoch", float("inf")), CorruptCheckpointError, "epoch"),
-    ("done_stride0", _set("position.done", torch.zeros(1, dtype=torch.uint8).expand(1 << 20)), CorruptCheckpointError, "'done' bitmap"),
+    ("done_stride0", _set("position.done", torch.zeros(1, dtype=torch.uint8).expand(1 << 20)),  # 1 MiB from a byte
+     CorruptCheckpointError, "'done' bitmap"),
     ("cycle", _set("/dataset_state", _cyclic()), CorruptCheckpointError, "contains itself"),
 ]
 
