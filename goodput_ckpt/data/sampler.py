@@ -223,14 +223,15 @@ class ElasticSampler(Sampler[int]):
 
     def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
         """Before a same-topology restore applies ``loader_state`` (``CheckpointManager.restore``
-        calls this before it loads anything): its sampler state, if it holds one, must be this
+        calls this in the load's read phase, so a bad row fails every rank; ``where`` names the
+        location and the row): its sampler state, if it holds one, must be this
         rank's and every count in range, as :meth:`elastic_resume` checks each old rank's.
 
         Raises:
             TopologyChangeError: the state is another rank's or world size's.
             CheckpointError, CorruptCheckpointError: as :meth:`elastic_resume`.
         """
-        what = f"{where}: this rank's dataloader row"
+        what = where  # the manager names the location and the row
         got = self.find_state(loader_state, what)
         if got is None:
             return

@@ -361,14 +361,15 @@ class TokenStream(IterableDataset):
 
     def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
         """Before a same-topology restore applies ``loader_state`` (``CheckpointManager.restore``
-        calls this before it loads anything): every TokenStream state in it checked as
+        calls this in the load's read phase, so a bad row fails every rank; ``where`` names the
+        location and the row): every TokenStream state in it checked as
         :meth:`load_state_dict` will check it in the workers.
 
         Raises:
             CorruptCheckpointError, CheckpointError: see :mod:`._token_state`.
         """
         del batch_size  # counts are per sequence
-        what = f"{where}: this rank's dataloader row"
+        what = where  # the manager names the location and the row
         for st in self.find_states(loader_state, what):
             self._saved(st, what)
 

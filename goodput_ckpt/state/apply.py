@@ -44,8 +44,9 @@ class DecodedState:
 def decode_restore(plan: RestorePlan) -> DecodedState:
     """Decode and check this rank's per-rank state (its RNG row, its dataloader row; what the
     read phase decoded already is taken from there) without touching a live object. The loader's
-    position holder (an ``ElasticSampler``, a ``TokenStream``) checks the saved position here
-    too, every count in range, so that a bad one is refused before the model is loaded.
+    position holder (an ``ElasticSampler``, a ``TokenStream``) checks the saved position too,
+    every count in range (this rank's own row in the read phase, so that a bad one fails every
+    rank), so that a bad one is refused before :func:`apply_restore` loads anything.
 
     Raises:
         CorruptCheckpointError: the saved RNG state does not load, or a saved count or position
@@ -53,19 +54,16 @@ def decode_restore(plan: RestorePlan) -> DecodedState:
         CheckpointError: a dataloader state does not decode (or this rank saved none).
     """
     out = DecodedState(rng=checked_rng(plan.dest[RNG], plan.rng_layout, plan.where) if plan.restore_rng else None)
-    holder = elastic_sampler_of(plan.dataloader) if plan.dataloader is not None else None
     if plan.elastic_from:
+        holder = elastic_sampler_of(plan.dataloader)
         out.old_loader_states = states = old_loader_states(plan.elastic_blobs)
         prepare = getattr(holder, "prepare_elastic_resume", None)
         if callable(prepare):
             out.resume = prepare(states, batch_size=plan.saved_batch_size, where=plan.where)
         else:  # a holder of another kind: it checks when it applies
             out.resume = lambda: holder.elastic_resume(states, batch_size=plan.saved_batch_size, where=plan.where)
-    elif plan.dataloader is not None:
-        out.loader_state = decode_own_loader_state(plan.dest[DATALOADER])
-        check = getattr(holder, "check_saved_state", None)
-        if callable(check):
-            check(out.loader_state, batch_size=plan.saved_batch_size, where=plan.where)
+    elif plan.dataloader is not None:  # checked too, in the read phase if DCP decoded the row there
+        out.loader_state = decode_own_loader_state(plan.dest[DATALOADER], plan.loader_check)
     return out
 
 

@@ -33,7 +33,7 @@ group) reads those blobs from storage; the others receive their bytes from it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,11 +174,24 @@ class RestorePlan:
     #: The batch size the saved loader recorded (metadata, unchecked: the position holder checks
     #: it before it multiplies anything by it).
     saved_batch_size: Any = None
+    #: Same topology: checks this rank's decoded loader state before anything is applied (its
+    #: position holder's ``check_saved_state``; schema 2 runs it in DCP's read phase already).
+    loader_check: Callable[[Any], None] | None = None
     where: str = ""
     #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
     rederive_rng: tuple[int, int, int] | None = None
     #: Schema 2: the slots of the RNG row this rank restores (``state.rng``).
     rng_layout: list[tuple[str, str, int]] | None = None
+
+
+def _position_check(plan: RestorePlan, dataloader: Any, rank: int) -> Callable[[Any], None] | None:
+    """The check of ``rank``'s saved position by the loader's holder (``ElasticSampler``,
+    ``TokenStream``), or ``None``; reads ``plan.saved_batch_size`` when it runs."""
+    check = getattr(elastic_sampler_of(dataloader), "check_saved_state", None)
+    if not callable(check):
+        return None
+    where = f"{plan.where}: the dataloader row of rank {rank}"
+    return lambda state: check(state, batch_size=plan.saved_batch_size, where=where)
 
 
 def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
@@ -386,12 +399,14 @@ def plan_restore(
         plan.dataloader = dataloader
         plan.saved_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
+        plan.saved_batch_size = meta["dataloader"].get("batch_size")
+        plan.loader_check = _position_check(plan, dataloader, topology.rank)
         if schema1:
             plan.dest[DATALOADER] = {rk: blob_template(manifest, f"{DATALOADER}.{rk}", where)}
         else:
-            plan.dest[DATALOADER] = {ROWS: loader_row(rows_width(manifest, DATALOADER, ws, None, where), topology.rank, ws)}
+            width = rows_width(manifest, DATALOADER, ws, None, where)
+            plan.dest[DATALOADER] = {ROWS: loader_row(width, topology.rank, ws, plan.loader_check)}
         plan.dataloader = dataloader
-        plan.saved_batch_size = meta["dataloader"].get("batch_size")
     for name, obj in stateful.items():
         plan.dest[name] = obj.state_dict()
         plan.stateful[name] = obj

@@ -209,3 +209,37 @@ def test_a_replaced_token_shard_is_refused_by_name(tmp_path):
             mgr.restore(model=model, optimizer=opt, dataloader=fresh)
         assert opt.param_groups[0]["lr"] == 0.5
         assert len(list(fresh)) == 8, "the fresh stream reads from its start (7 + 9 sequences, 2 a batch)"
+
+
+def _one_bad_row(rank: int, world: int, root: str) -> None:
+    def loader():
+        sampler = ElasticSampler(Ids(), seed=3, num_replicas=world, rank=rank)
+        return StatefulDataLoader(Ids(), batch_size=BATCH, sampler=sampler, num_workers=0), sampler
+
+    ld, sampler = loader()
+    it = iter(ld)
+    next(it)
+    state = ld.state_dict()
+    if rank == 1:
+        _set("consumed", -1)(state)
+    saving = SavedLoader(state)
+    saving.sampler = sampler
+    model, opt = _model_and_optimizer(0.1)
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, model=model, optimizer=opt, dataloader=saving)
+        target, _ = loader()
+        before = copy.deepcopy(target.state_dict())
+        model, opt = _model_and_optimizer(0.5)
+        with pytest.raises(CheckpointError, match=r"dataloader row of rank 1.*consumed"):
+            mgr.restore(model=model, optimizer=opt, dataloader=target)
+        assert opt.param_groups[0]["lr"] == 0.5 and target.state_dict() == before
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_one_ranks_bad_row_fails_the_restore_on_every_rank(tmp_path):
+    """Checked in DCP's read phase: rank 0, whose own row is good, is refused too, by rank 1's
+    row, instead of training on while rank 1 fails."""
+    from helpers.dist import run_ranks
+
+    run_ranks(_one_bad_row, 2, str(tmp_path / "run"), report_dir=tmp_path / "report", timeout=240)
