@@ -196,21 +196,18 @@ class ElasticSampler(Sampler[int]):
         """The samples a saved rank consumed of its ``share``: ``consumed`` plus, when the loader
         snapshots every few steps, the steps since its snapshot times the batch size (the last
         batch of a share may be short, so that product may exceed the share by less than a
-        batch; never more).
+        batch; never more). Without a recorded batch size (a loader with a ``batch_sampler``)
+        those steps are not counted, as before: the samples they read are read again.
 
         Raises:
-            CorruptCheckpointError: a count that is not an integer in its range, a batch size
-                that is not a positive integer, or steps since the snapshot without a batch size.
+            CorruptCheckpointError: a count that is not an integer in its range, or a batch size
+                that is not a positive integer.
         """
         try:
             if batch_size is not None:  # before anything multiplies by it
                 saved_int(batch_size, 1, _MAX_STEPS, "the metadata's batch_size")
             consumed = saved_int(st.get("consumed"), 0, share, f"consumed (of a share of {share})")
             saved_int(since, 0, share, f"_steps_since_snapshot (of a share of {share})")
-            if since and batch_size is None:
-                raise ValueError(
-                    f"_steps_since_snapshot = {since}, but the metadata records no batch_size to count them in"
-                )
             total = consumed + since * (batch_size or 0)
             if total > share + (batch_size or 1) - 1:
                 raise ValueError(

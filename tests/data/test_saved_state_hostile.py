@@ -141,6 +141,15 @@ def test_valid_states_pass_both_paths():
     assert "24 sample(s) consumed" in note
 
 
+def test_steps_since_the_snapshot_without_a_batch_size_are_not_refused():
+    """A loader with a ``batch_sampler`` records no batch size: the loader fast-forwards its own
+    steps under the same topology, so its state is not refused for them."""
+    states = _states()
+    states[1]["_steps_since_snapshot"] = 2
+    _sampler(2, 1).check_saved_state(states[1], batch_size=None)
+    _sampler(3, 0).prepare_elastic_resume(states, batch_size=None)
+
+
 @pytest.mark.parametrize("batch_size", [-1, 0, 2.5, "4", True])
 def test_the_metadata_batch_size_must_be_a_positive_integer(batch_size):
     states = _states()
