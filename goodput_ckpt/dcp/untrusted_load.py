@@ -115,21 +115,20 @@ def walk_state(
     containers = (dict, list, tuple)
     if not isinstance(state, containers):
         return
-    seen: set[int] = set()  # every container entered; ids stay valid: ``state`` holds them all
+    seen: set[int] = set()  # every container yielded; ids stay valid: ``state`` holds them all
     path: list[int] = []  # ids of the containers on the way down to the current one
     on_path: set[int] = set()
     stack: list[Iterator[Any]] = []
 
-    def push(x: Any) -> bool:
+    def push(x: Any) -> None:
+        seen.add(id(x))  # yielded once, entered or not
         if enter is not None and not enter(x):
-            return False
+            return
         if len(path) >= MAX_STATE_DEPTH:
             raise CorruptCheckpointError(f"{what} nests deeper than {MAX_STATE_DEPTH} levels", key=key)
-        seen.add(id(x))
         path.append(id(x))
         on_path.add(id(x))
         stack.append(iter(x.values() if isinstance(x, dict) else x))
-        return True
 
     yield state
     push(state)

@@ -195,6 +195,14 @@ def test_shared_sublists_cost_one_step_each():
     assert sum(1 for _ in walk_state(d, "d")) == 62
 
 
+def test_a_sampler_state_shared_by_two_parents_is_found_once():
+    states = _states()
+    st = _sampler_state(states[1])
+    states[1]["dataset_state"] = [st, {"again": st}]  # one object, three references
+    found, _ = ElasticSampler.find_state(_roundtrip(states[1]))
+    assert found["consumed"] == st["consumed"]
+
+
 def test_nesting_deeper_than_the_limit_is_refused():
     deep: list = []
     for _ in range(MAX_STATE_DEPTH + 5):
