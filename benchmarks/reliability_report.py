@@ -70,6 +70,11 @@ HOSTILE = {
     "tests/format/test_key_index.py": ("hostile: keys of a byte range found run by run, bounded work [tests]", "format"),
     "tests/manager/test_retention_unsafe_keys.py": (
         "hostile: unsafe keys in step directories skipped, retention goes on [tests]", "s3 (moto)"),
+    # Issue 33: the training state (loader rows, data positions, generator slots), bounded like the manifest.
+    "tests/data/test_saved_state_hostile.py": (
+        "hostile: saved loader state: counts, cycles, stride-0 bitmaps, bombs, RNG slots, token shards [tests]", "local"),
+    "tests/state/test_restore_hostile.py": (
+        "hostile: loader state through restore, same topology and elastic: refused, nothing applied [tests]", "local"),
 }
 #: Two-tier checkpoints (issue 18): lost nodes, damaged copies, SIGKILL during local saves,
 #: replication and persistent uploads; ``--tiers`` runs only these.

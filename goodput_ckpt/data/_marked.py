@@ -5,20 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..dcp.untrusted_load import walk_state
+
 __all__ = ["find_marked"]
 
 
-def find_marked(state: Any, mark: str) -> list[dict]:
-    """Every dict in the nested ``state`` that has the key ``mark`` (not looking inside those)."""
-    found: list[dict] = []
-    stack = [state]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            if x.get(mark) is not None:
-                found.append(x)
-            else:
-                stack.extend(reversed(list(x.values())))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
-    return found
+def find_marked(state: Any, mark: str, what: str = "the dataloader state") -> list[dict]:
+    """Every dict in the nested ``state`` that has the key ``mark`` (not looking inside those),
+    in order. The state comes from a checkpoint: the walk is bounded (``walk_state``: each
+    container once, no cycles, bounded nesting).
+
+    Raises:
+        CorruptCheckpointError: ``state`` contains itself or nests too deeply, naming ``what``.
+    """
+
+    def marked(x: Any) -> bool:
+        return isinstance(x, dict) and x.get(mark) is not None
+
+    walk = walk_state(state, what, key="dataloader", enter=lambda x: not marked(x))
+    return [x for x in walk if marked(x)]

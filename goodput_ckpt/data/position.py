@@ -22,10 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_SEGMENTS", "EpochPosition", "epoch_order", "rank_share"]
+from ..format.schema import MAX_WORLD_SIZE
+from ._saved import saved_int, saved_tensor
+
+__all__ = ["MAX_EPOCH", "MAX_SEGMENTS", "EpochPosition", "epoch_order", "rank_share"]
 
 #: Segments kept before they are folded into the ``done`` bitmap (restarts within one epoch).
 MAX_SEGMENTS = 16
+#: The largest epoch a saved position may name: ``seed + epoch`` seeds ``torch.manual_seed``,
+#: which takes 64 bits, and seeds are below 2^63. Far above any real epoch count.
+MAX_EPOCH = 1 << 62
+#: Bound on a saved count when the epoch's length is not known.
+_MAX_COUNT = 1 << 62
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -114,23 +122,40 @@ class EpochPosition:
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> EpochPosition:
-        """Inverse of :meth:`to_state`. Raises ``ValueError`` for a malformed state."""
+    def from_state(cls, state: dict, n: int | None = None) -> EpochPosition:
+        """Inverse of :meth:`to_state`, every value checked before it is used (:mod:`._saved`):
+        ``epoch`` an integer in [0, :data:`MAX_EPOCH`], at most :data:`MAX_SEGMENTS` segments of
+        a world size in [1, ``MAX_WORLD_SIZE``] and as many counts, each in [0, ``n``], and
+        ``done`` a contiguous uint8 tensor of ``ceil(n / 8)`` bytes (not a stride-0 view whose
+        few stored bytes stand for gigabytes). ``n``: the epoch's length, when known.
+
+        Raises:
+            ValueError: a malformed state, naming the field.
+        """
+        hi = _MAX_COUNT if n is None else n
         try:
-            epoch = int(state["epoch"])
-            segs = tuple((int(ws), tuple(int(c) for c in counts)) for ws, counts in state["segments"])
+            if not isinstance(state, dict):
+                raise ValueError(f"a dict, got {type(state).__name__}")
+            epoch = saved_int(state.get("epoch"), 0, MAX_EPOCH, "epoch")
+            raw = state.get("segments")
+            if not isinstance(raw, (list, tuple)) or len(raw) > MAX_SEGMENTS:
+                # to_state never writes more: they are folded into 'done'
+                raise ValueError(f"segments must be a list of at most {MAX_SEGMENTS} segments")
+            segs = []
+            for k, seg in enumerate(raw):
+                if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and isinstance(seg[1], (list, tuple))):
+                    raise ValueError(f"segment {k} must be [world_size, counts]")
+                ws = saved_int(seg[0], 1, MAX_WORLD_SIZE, f"segment {k}'s world size")
+                if len(seg[1]) != ws:
+                    raise ValueError(f"segment {k} of {ws} rank(s) holds {len(seg[1])} counts")
+                segs.append((ws, tuple(saved_int(c, 0, hi, f"segment {k}'s count of rank {r}") for r, c in enumerate(seg[1]))))
             done = state.get("done")
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed elastic sampler position: {type(e).__name__}: {e}") from None
-        if done is not None and not (isinstance(done, torch.Tensor) and done.dtype == torch.uint8):
-            raise ValueError("malformed elastic sampler position: 'done' must be a uint8 tensor")
-        if len(segs) > MAX_SEGMENTS:  # to_state never writes more: they are folded into 'done'
-            raise ValueError(f"malformed elastic sampler position: {len(segs)} segments, at most {MAX_SEGMENTS}")
-        if done is not None and done.dim() != 1:
-            raise ValueError("malformed elastic sampler position: 'done' must be one-dimensional")
-        if any(ws < 1 or len(c) != ws or min(c) < 0 for ws, c in segs):
-            raise ValueError(f"malformed elastic sampler position: bad segments {segs!r:.200}")
-        return cls(epoch, segs, done)
+            if done is not None:
+                numel = -(-n // 8) if n is not None else done.numel() if isinstance(done, torch.Tensor) else 0
+                done = saved_tensor(done, torch.uint8, numel, "the 'done' bitmap")
+        except ValueError as e:
+            raise ValueError(f"malformed elastic sampler position: {e}") from None
+        return cls(epoch, tuple(segs), done)
 
 
 def _consumed(length: int, world_size: int, counts: tuple[int, ...]) -> torch.Tensor:

@@ -20,15 +20,17 @@ Restores:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ..errors import CheckpointError, TopologyChangeError
+from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
+from ..format.schema import MAX_WORLD_SIZE
 from ._marked import find_marked
+from ._saved import saved_int
 from .position import EpochPosition, epoch_order, rank_share
 
 __all__ = ["ElasticSampler"]
@@ -36,6 +38,8 @@ __all__ = ["ElasticSampler"]
 #: Marks the iterator's state dict inside a loader's state, and names its version.
 MARK = "goodput_elastic_sampler"
 VERSION = 1
+#: Bound on a saved step count or batch size (they multiply: Python ints, so no overflow).
+_MAX_STEPS = 1 << 62
 
 
 class ElasticSampler(Sampler[int]):
@@ -133,20 +137,115 @@ class ElasticSampler(Sampler[int]):
             )
 
     @staticmethod
-    def find_state(loader_state: Any) -> tuple[dict, int] | None:
+    def find_state(loader_state: Any, what: str = "the dataloader state") -> tuple[dict, int] | None:
         """This sampler's iterator state inside a decoded ``StatefulDataLoader`` state, and the
         loader's steps since that snapshot (``snapshot_every_n_steps`` > 1); ``None`` if absent.
+        The walk is bounded (``find_marked``); ``what`` names the state in errors.
 
         Raises:
             CheckpointError: more than one sampler state in one loader state.
+            CorruptCheckpointError: the state contains itself or nests too deeply, or its steps
+                since the snapshot are not a non-negative integer.
         """
-        found = find_marked(loader_state, MARK)
+        found = find_marked(loader_state, MARK, what)
         if not found:
             return None
         if len(found) > 1:
-            raise CheckpointError(f"a dataloader state holds {len(found)} ElasticSampler states; expected one")
+            raise CheckpointError(f"{what} holds {len(found)} ElasticSampler states; expected one", key="dataloader")
         since = loader_state.get("_steps_since_snapshot", 0) if isinstance(loader_state, dict) else 0
-        return found[0], int(since or 0)
+        try:
+            return found[0], saved_int(since if since is not None else 0, 0, _MAX_STEPS, "_steps_since_snapshot")
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{what}: {e}", key="dataloader") from None
+
+    # -- reading a saved state: one validation for both restore paths ---------------------------
+    def _saved_position(self, st: dict, what: str) -> tuple[EpochPosition, int, int]:
+        """``(position, world_size, rank)`` of a saved iterator state, after its version and
+        identity, each checked (:meth:`.EpochPosition.from_state`, world size and rank in range).
+
+        Raises:
+            CheckpointError: an unknown version, or another sampler (seed, size, shuffle, drop_last).
+            CorruptCheckpointError: a malformed value, naming ``what`` and the field.
+        """
+        if st.get(MARK) != VERSION:
+            raise CheckpointError(
+                f"{what}: ElasticSampler state version {st.get(MARK)!r:.40} is not supported (this "
+                f"goodput-ckpt reads {VERSION})",
+                version=st.get(MARK),
+            )
+        self._check_identity(st, what)
+        try:
+            pos = EpochPosition.from_state(st.get("position"), len(self.dataset))
+            ws = saved_int(st.get("world_size"), 1, MAX_WORLD_SIZE, "world_size")
+            rank = saved_int(st.get("rank"), 0, ws - 1, "rank")
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
+        return pos, ws, rank
+
+    def _pending_count(self, pos: EpochPosition, what: str) -> int:
+        """Samples of the epoch still pending at ``pos`` (O(dataset length) once it has a history).
+
+        Raises:
+            CorruptCheckpointError: a segment names more samples than its ranks could have read.
+        """
+        if not pos.segments and pos.done is None:
+            return len(self.dataset)  # a fresh epoch: nothing to unpack
+        try:
+            return pos.pending(torch.arange(len(self.dataset))).numel()
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{what}: ElasticSampler position: {e}", key="dataloader") from None
+
+    @staticmethod
+    def _saved_consumed(st: dict, since: int, batch_size: Any, share: int, what: str) -> int:
+        """The samples a saved rank consumed of its ``share``: ``consumed`` plus, when the loader
+        snapshots every few steps, the steps since its snapshot times the batch size (the last
+        batch of a share may be short, so that product may exceed the share by less than a
+        batch; never more). Without a recorded batch size (a loader with a ``batch_sampler``)
+        those steps are not counted, as before: the samples they read are read again.
+
+        Raises:
+            CorruptCheckpointError: a count that is not an integer in its range, or a batch size
+                that is not a positive integer.
+        """
+        try:
+            if batch_size is not None:  # before anything multiplies by it
+                saved_int(batch_size, 1, _MAX_STEPS, "the metadata's batch_size")
+            consumed = saved_int(st.get("consumed"), 0, share, f"consumed (of a share of {share})")
+            saved_int(since, 0, share, f"_steps_since_snapshot (of a share of {share})")
+            total = consumed + since * (batch_size or 0)
+            if total > share + (batch_size or 1) - 1:
+                raise ValueError(
+                    f"consumed {consumed} + _steps_since_snapshot {since} x batch_size {batch_size} = "
+                    f"{total} samples, more than the share of {share} and a short last batch"
+                )
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
+        return min(total, share)
+
+    def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
+        """Before a same-topology restore applies ``loader_state`` (``CheckpointManager.restore``
+        calls this in the load's read phase, so a bad row fails every rank; ``where`` names the
+        location and the row): its sampler state, if it holds one, must be this
+        rank's and every count in range, as :meth:`elastic_resume` checks each old rank's.
+
+        Raises:
+            TopologyChangeError: the state is another rank's or world size's.
+            CheckpointError, CorruptCheckpointError: as :meth:`elastic_resume`.
+        """
+        what = where  # the manager names the location and the row
+        got = self.find_state(loader_state, what)
+        if got is None:
+            return
+        st, since = got
+        pos, ws, rank = self._saved_position(st, what)
+        if (ws, rank) != (self.num_replicas, self.rank):
+            raise TopologyChangeError(
+                f"{what}: an ElasticSampler state of rank {rank} of {ws} for rank {self.rank} of {self.num_replicas}",
+                path=where,
+                key="dataloader",
+            )
+        share = _share(self._pending_count(pos, what), ws, drop_last=self.drop_last)
+        self._saved_consumed(st, since, batch_size, share, what)
 
     def adopt_saved_epoch(self, loader_state: Any) -> None:
         """After a same-topology restore: make ``epoch`` the saved one at once (the loader itself
@@ -154,15 +253,10 @@ class ElasticSampler(Sampler[int]):
         got = self.find_state(loader_state)
         if got is None:
             return
-        state = got[0]
-        self._check_identity(state, "the dataloader state")
-        try:
-            pos = EpochPosition.from_state(state["position"])
-            consumed = int(state["consumed"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"the dataloader state's ElasticSampler position: {e}", key="dataloader") from None
+        pos, _, _ = self._saved_position(got[0], "the dataloader state")
         self._pending, self.epoch, self._saved_epoch = None, pos.epoch, pos.epoch
         share = len(self._positions(pos))
+        consumed = self._saved_consumed(got[0], 0, None, share, "the dataloader state")
         if consumed >= share:
             # The save came after this rank's last sample of the epoch, and so after every
             # rank's (shares are equal and steps synchronous). The loader may start a fresh
@@ -174,6 +268,16 @@ class ElasticSampler(Sampler[int]):
         """Take up the global position saved by all old ranks (``loader_states[r]`` is old
         checkpoint rank ``r``'s decoded loader state); the next ``iter()`` splits the pending
         samples among the current ranks. Returns a note saying what was resumed.
+        :meth:`prepare_elastic_resume`, then its result called.
+        """
+        return self.prepare_elastic_resume(loader_states, batch_size=batch_size, where=where)()
+
+    def prepare_elastic_resume(
+        self, loader_states: list[Any], *, batch_size: Any, where: str = "checkpoint"
+    ) -> Callable[[], str]:
+        """Check every old rank's state and compute the new position, changing nothing; returns
+        the function that applies it (and returns the note). ``CheckpointManager.restore`` calls
+        this before it loads anything, and the result once everything else is loaded.
 
         The old sampler ranks are those the states name: with tensor or pipeline parallelism
         several checkpoint ranks share one data-parallel sampler rank (and must agree on it).
@@ -182,38 +286,26 @@ class ElasticSampler(Sampler[int]):
             TopologyChangeError: the old ranks do not agree on the epoch or history, a sampler
                 rank is missing, or one state holds no ElasticSampler position.
             CheckpointError: the sampler differs (seed, dataset size, shuffle, drop_last).
+            CorruptCheckpointError: a count, the position or the batch size is malformed or out
+                of range, naming the old rank's row and the field.
         """
         base: EpochPosition | None = None
+        length = 0  # samples pending at ``base``
         by_rank: dict[int, int] = {}  # sampler rank -> samples consumed
         old_ws = None
         for r, ls in enumerate(loader_states):
-            got = self.find_state(ls)
+            what = f"{where}: the dataloader row of old rank {r}"
+            got = self.find_state(ls, what)
             if got is None:
-                raise TopologyChangeError(
-                    f"{where}: rank {r}'s dataloader state holds no ElasticSampler position", path=where, key="dataloader"
-                )
+                raise TopologyChangeError(f"{what} holds no ElasticSampler position", path=where, key="dataloader")
             st, since = got
-            if st.get(MARK) != VERSION:
-                raise CheckpointError(
-                    f"{where}: ElasticSampler state version {st.get(MARK)!r} is not supported (this "
-                    f"goodput-ckpt reads {VERSION})",
-                    version=st.get(MARK),
-                )
-            self._check_identity(st, where)
-            try:
-                pos = EpochPosition.from_state(st["position"])
-                ws, rank, consumed = int(st["world_size"]), int(st["rank"]), int(st["consumed"]) + since * (batch_size or 0)
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{where}: rank {r}'s ElasticSampler state: {e}", key="dataloader") from None
-            old_ws = ws if old_ws is None else old_ws
+            pos, ws, rank = self._saved_position(st, what)
             if base is None:
-                base = pos
-            if (
-                ws != old_ws
-                or (pos.epoch, pos.segments) != (base.epoch, base.segments)
-                or not _same(pos.done, base.done)
-                or by_rank.get(rank, consumed) != consumed
-            ):
+                base, length, old_ws = pos, self._pending_count(pos, what), ws  # once: O(n)
+            in_step = ws == old_ws and (pos.epoch, pos.segments) == (base.epoch, base.segments) and _same(pos.done, base.done)
+            if in_step:  # counted against the share of its position: the one every rank saved
+                consumed = self._saved_consumed(st, since, batch_size, _share(length, ws, drop_last=self.drop_last), what)
+            if not in_step or by_rank.get(rank, consumed) != consumed:
                 raise TopologyChangeError(
                     f"{where}: old rank {r} saved another data position (sampler rank {rank} of {ws}, epoch "
                     f"{pos.epoch}) than the ranks before it (epoch {base.epoch}); the ranks were not in step",
@@ -221,24 +313,36 @@ class ElasticSampler(Sampler[int]):
                     key="dataloader",
                 )
             by_rank[rank] = consumed
-        assert base is not None and old_ws is not None
-        if sorted(by_rank) != list(range(old_ws)):
+        if base is None or old_ws is None:
+            raise TopologyChangeError(f"{where}: no old rank's dataloader state", path=where, key="dataloader")
+        if len(by_rank) != old_ws:  # every key is a rank in [0, old_ws)
             raise TopologyChangeError(
-                f"{where}: the checkpoint holds the positions of sampler ranks {sorted(by_rank)}, not all of 0..{old_ws - 1}",
+                f"{where}: the checkpoint holds the positions of sampler ranks {sorted(by_rank)[:16]}, not all of "
+                f"0..{old_ws - 1}",
                 path=where,
                 key="dataloader",
             )
         n = len(self.dataset)
-        length = base.pending(torch.arange(n)).numel()  # once: O(n), whatever the old world size
-        counts = [min(by_rank[r], rank_share(length, old_ws, r, drop_last=self.drop_last).numel()) for r in range(old_ws)]
+        counts = [by_rank[r] for r in range(old_ws)]
         new = base.advanced(old_ws, counts, n)
-        self._pending, self.epoch, self._saved_epoch = new, new.epoch, None
         left = new.pending(torch.arange(n)).numel()
-        return (
+        note = (
             f"data position taken up elastically: epoch {new.epoch}, {sum(counts)} sample(s) consumed "
             f"by {old_ws} old sampler rank(s) in the last stretch, {left} of {n} pending, split among "
             f"{self.num_replicas} rank(s)"
         )
+
+        def apply() -> str:
+            self._pending, self.epoch, self._saved_epoch = new, new.epoch, None
+            return note
+
+        return apply
+
+
+def _share(length: int, world_size: int, *, drop_last: bool) -> int:
+    """How many of ``length`` pending samples each of ``world_size`` ranks reads (the size of
+    ``rank_share``, without building it)."""
+    return length // world_size if drop_last else -(-length // world_size)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -252,11 +356,11 @@ class _ElasticIterator(Iterator[int]):
         self.sampler = sampler
         self._set(position, 0)
 
-    def _set(self, position: EpochPosition, consumed: int) -> None:
+    def _set(self, position: EpochPosition, consumed: int, indices: torch.Tensor | None = None) -> None:
+        """Read ``position`` from its ``consumed``-th sample on (``indices``: its share, if known;
+        ``consumed`` was checked against it)."""
         self.position = position
-        self.indices = self.sampler._positions(position).tolist()
-        if not 0 <= consumed <= len(self.indices):
-            raise CheckpointError(f"ElasticSampler: {consumed} consumed of a share of {len(self.indices)}")
+        self.indices = (self.sampler._positions(position) if indices is None else indices).tolist()
         self.consumed = consumed
 
     def __iter__(self) -> _ElasticIterator:
@@ -284,23 +388,21 @@ class _ElasticIterator(Iterator[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Same-topology restore through the loader (the elastic path goes through
-        :meth:`ElasticSampler.elastic_resume` instead)."""
+        :meth:`ElasticSampler.elastic_resume` instead): checked as that path checks each old
+        rank's state (``ElasticSampler._saved_position``, ``_saved_consumed``)."""
         s = self.sampler
-        if state.get(MARK) != VERSION:
-            raise CheckpointError(f"ElasticSampler state version {state.get(MARK)!r} is not supported")
-        s._check_identity(state, "the dataloader state")
-        if (state.get("world_size"), state.get("rank")) != (s.num_replicas, s.rank):
+        what = "the dataloader state"
+        pos, ws, rank = s._saved_position(state, what)
+        if (ws, rank) != (s.num_replicas, s.rank):
             raise TopologyChangeError(
-                f"ElasticSampler state of rank {state.get('rank')} of {state.get('world_size')} loaded into "
+                f"ElasticSampler state of rank {rank} of {ws} loaded into "
                 f"rank {s.rank} of {s.num_replicas}; restore it through CheckpointManager.restore",
                 key="dataloader",
             )
-        try:
-            pos = EpochPosition.from_state(state["position"])
-        except (KeyError, ValueError) as e:
-            raise CheckpointError(f"ElasticSampler state: {e}", key="dataloader") from None
         saved_epoch, s._saved_epoch = s._saved_epoch, None
         if saved_epoch is not None and s.epoch != saved_epoch:
             return  # set_epoch chose another epoch since the restore: it starts from its beginning
+        indices = s._positions(pos)
+        consumed = s._saved_consumed(state, 0, None, indices.numel(), what)
         s.epoch = pos.epoch
-        self._set(pos, int(state["consumed"]))
+        self._set(pos, consumed, indices)

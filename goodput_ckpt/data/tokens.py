@@ -18,7 +18,8 @@ is always a prefix.
 
 **State.** Each worker's ``state_dict()`` (taken by ``StatefulDataLoader`` with every yielded
 batch, so prefetched batches are not counted) holds the per-shard counts at the start of the
-stretch (``base``) and how far it got in its own shards (``progress``). Same topology: the loader
+stretch (``base``) and how far it got in its own shards (``progress``), and each shard's size,
+so that a shard replaced under its name is refused (:mod:`._token_state`). Same topology: the loader
 hands each worker its own state back. Another world size or worker count: the manager's restore
 hands every old rank's loader state to :meth:`TokenStream.elastic_resume`, which takes, per shard,
 the furthest count any old reader reached, as the new ``base``; the new (rank, worker) pairs then
@@ -30,7 +31,7 @@ snapshots lag, and an elastic restore would read a few sequences again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,6 +44,7 @@ from ..errors import CheckpointError, TopologyChangeError
 from ..storage import open_store
 from ._blocks import BlockPool, Buffer, read_blocks
 from ._marked import find_marked
+from ._token_state import check_token_identity, checked_token_counts
 
 __all__ = ["TokenStream"]
 
@@ -159,6 +161,7 @@ class TokenStream(IterableDataset):
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self._seq_bytes = seq_len * np.dtype(_DTYPES[dtype]).itemsize
         self._lengths: list[int] | None = None  # sequences per shard, read once (sizes)
+        self._sizes: list[int] | None = None  # bytes per shard, recorded in the state
         self._base = [0] * len(self.shards)  # per-shard sequences consumed when this stretch began
         self._progress: dict[int, int] = {}  # this reader's own shards: sequences consumed
         self._slot = (self.rank, 0, self.num_replicas, 1)
@@ -187,6 +190,7 @@ class TokenStream(IterableDataset):
             missing = [s for s, n in zip(self.shards, sizes) if n is None]
             if missing:
                 raise CheckpointError(f"token shards missing under {store.uri}: {missing[:5]}", path=store.uri)
+            self._sizes = list(sizes)
             self._lengths = [n // self._seq_bytes for n in sizes]
         return self._lengths
 
@@ -323,6 +327,8 @@ class TokenStream(IterableDataset):
             "slot": list(self._slot),
             "base": list(self._base),
             "progress": {str(i): c for i, c in progress.items()},
+            # What the counts were taken of: a shard replaced under its name is refused by it.
+            **({"sizes": list(self._sizes)} if self._sizes is not None else {}),
         }
 
     def __getstate__(self) -> dict[str, Any]:
@@ -336,64 +342,76 @@ class TokenStream(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Same-topology restore (through the loader, inside each worker)."""
-        self._check(state, "the dataloader state")
-        self._base, self._progress = self._counts(state, "the dataloader state")
+        self._base, self._progress = self._saved(state, "the dataloader state")
         self._live = None
 
-    def _check(self, state: dict, where: str) -> None:
-        if state.get(MARK) != VERSION:
-            raise CheckpointError(f"{where}: TokenStream state version {state.get(MARK)!r} is not supported")
-        saved = {k: state.get(k) for k in self._identity()}
-        if saved != self._identity():
-            raise CheckpointError(
-                f"{where}: the TokenStream differs from the saved one (shards, seq_len or dtype); "
-                "its per-shard counts cannot be applied",
-                key="dataloader",
-            )
-
-    def _counts(self, state: dict, where: str) -> tuple[list[int], dict[int, int]]:
-        """The saved per-shard counts (``base``, ``progress``), checked against this stream's
-        shards before they index anything: one count per shard, shard indices in range (a
-        negative one would silently move another shard's position), counts not negative."""
-        n = len(self.shards)
-        try:
-            base = [int(c) for c in state["base"]]
-            progress = {int(i): int(c) for i, c in state["progress"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"{where}: malformed TokenStream counts ({type(e).__name__}: {e})", key="dataloader") from None
-        if len(base) != n or any(not 0 <= i < n for i in progress) or min([*base, *progress.values()], default=0) < 0:
-            raise CheckpointError(
-                f"{where}: TokenStream counts do not fit its {n} shard(s): {len(base)} base count(s), "
-                f"shard indices {sorted(progress)[:5]}",
-                key="dataloader",
-            )
-        return base, progress
+    def _saved(self, state: Any, what: str) -> tuple[list[int], dict[int, int]]:
+        """A saved state's ``(base, progress)``, after its identity, and every count checked
+        against the shards as they are now (:mod:`._token_state`); one check for both restore
+        paths."""
+        check_token_identity(state, MARK, VERSION, self._identity(), what)
+        lengths = self.lengths()
+        assert self._sizes is not None
+        return checked_token_counts(state, self.shards, lengths, self._sizes, what)
 
     @staticmethod
-    def find_states(loader_state: Any) -> list[dict]:
-        """Every TokenStream state inside a decoded loader state (one per worker)."""
-        return find_marked(loader_state, MARK)
+    def find_states(loader_state: Any, what: str = "the dataloader state") -> list[dict]:
+        """Every TokenStream state inside a decoded loader state (one per worker), found by a bounded walk."""
+        return find_marked(loader_state, MARK, what)
+
+    def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
+        """Before a same-topology restore applies ``loader_state`` (``CheckpointManager.restore``
+        calls this in the load's read phase, so a bad row fails every rank; ``where`` names the
+        location and the row): every TokenStream state in it checked as
+        :meth:`load_state_dict` will check it in the workers.
+
+        Raises:
+            CorruptCheckpointError, CheckpointError: see :mod:`._token_state`.
+        """
+        del batch_size  # counts are per sequence
+        what = where  # the manager names the location and the row
+        for st in self.find_states(loader_state, what):
+            self._saved(st, what)
 
     def elastic_resume(self, loader_states: list[Any], *, batch_size: int | None = None, where: str = "checkpoint") -> str:
-        """Take up the per-shard counts of all old ranks' readers (module docstring); the next
-        ``iter()`` deals the unfinished shards over the current (rank, worker) pairs."""
+        """Take up the per-shard counts of all old ranks' readers (module docstring; checked and
+        merged by :meth:`prepare_elastic_resume`); the next ``iter()`` deals the unfinished shards."""
+        return self.prepare_elastic_resume(loader_states, batch_size=batch_size, where=where)()
+
+    def prepare_elastic_resume(
+        self, loader_states: list[Any], *, batch_size: Any = None, where: str = "checkpoint"
+    ) -> Callable[[], str]:
+        """Check every old rank's states and merge their counts, changing nothing; returns the
+        function that applies them (and returns the note).
+
+        Raises:
+            TopologyChangeError: no old rank saved a TokenStream state.
+            CorruptCheckpointError, CheckpointError: see :mod:`._token_state`, naming the old
+                rank's row.
+        """
         del batch_size  # counts are per sequence, exact whatever the batch size
-        states = [st for ls in loader_states for st in self.find_states(ls)]
-        if not states:
-            raise TopologyChangeError(f"{where}: the dataloader states hold no TokenStream state", path=where)
         consumed = [0] * len(self.shards)
-        for st in states:
-            self._check(st, where)
-            base, progress = self._counts(st, where)
-            for i, c in enumerate(base):
-                consumed[i] = max(consumed[i], c)
-            for i, c in progress.items():
-                consumed[i] = max(consumed[i], c)
-        self._base, self._progress, self._live = consumed, {}, None
+        found = 0
+        for r, ls in enumerate(loader_states):
+            what = f"{where}: the dataloader row of old rank {r}"
+            for st in self.find_states(ls, what):
+                base, progress = self._saved(st, what)
+                found += 1
+                for i, c in enumerate(base):
+                    consumed[i] = max(consumed[i], c)
+                for i, c in progress.items():
+                    consumed[i] = max(consumed[i], c)
+        if not found:
+            raise TopologyChangeError(f"{where}: the dataloader states hold no TokenStream state", path=where)
         lengths = self.lengths()
-        done = sum(min(c, n) for c, n in zip(consumed, lengths))
-        return (
-            f"token stream taken up elastically: {done} of {sum(lengths)} sequences read, "
+        note = (
+            f"token stream taken up elastically: {sum(consumed)} of {sum(lengths)} sequences read, "
             f"{sum(c < n for c, n in zip(consumed, lengths))} unfinished shard(s) dealt over "
             f"{self.num_replicas} rank(s)"
         )
+
+        def apply() -> str:
+            self._base, self._progress, self._live = consumed, {}, None
+            return note
+
+        return apply

@@ -10,6 +10,10 @@ DCP reader and the converters):
   :data:`MAX_INFLATION` of slack for foreign writers) is refused before it is decoded. The
   declared sizes bound the decoder: torch allocates each record at its declared size and the
   inflater stops there.
+- ``weights_only`` builds any graph of lists, tuples and dicts the pickle describes: a list
+  that contains itself, or sublists shared so often that a walk which does not remember what
+  it saw takes exponential time. :func:`walk_state` walks a decoded value once per container,
+  refusing cycles and nesting deeper than :data:`MAX_STATE_DEPTH` by name.
 - torch's refusal message is long, carries ANSI codes, and names the refused global near its
   end, so cutting it short hid the one fact a user needs. :func:`weights_only_refusal` keeps
   that fact and drops the codes.
@@ -21,15 +25,19 @@ import io
 import os
 import re
 import zipfile
-from typing import BinaryIO
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["MAX_INFLATION", "check_inflation", "weights_only_refusal"]
+__all__ = ["MAX_INFLATION", "MAX_STATE_DEPTH", "check_inflation", "walk_state", "weights_only_refusal"]
 
 #: How many bytes a value's archive may decode to beyond the bytes it stores. torch.save
 #: never compresses, so its archives never use any of this.
 MAX_INFLATION = 1 << 20
+#: How deeply the lists, tuples and dicts of a decoded value may nest. A ``StatefulDataLoader``
+#: state nests about 6 deep (loader, snapshot, worker snapshots, fetcher, dataset, sampler).
+MAX_STATE_DEPTH = 64
 _ZIP_MAGIC = b"PK\x03\x04"  # torch tells a zip archive from a legacy pickle by these bytes
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _BOILERPLATE = ("Weights only load failed", "Check the documentation", "Please file an issue", "(1)", "(2)")
@@ -85,6 +93,63 @@ def _declared(f: BinaryIO, what: str, key: str | None) -> tuple[int | None, int]
         raise CorruptCheckpointError(f"{what} is not a readable zip archive ({e})", key=key) from None
     finally:
         f.seek(0)
+
+
+def walk_state(
+    state: Any, what: str, *, key: str | None = None, enter: Callable[[Any], bool] | None = None
+) -> Iterator[Any]:
+    """Every dict, list and tuple in ``state``, each once, depth first in order (dict values,
+    not keys): a container shared by several parents is entered the first time only, so the
+    walk costs one step per container and reference whatever the sharing.
+
+    Args:
+        state: a value ``torch.load(weights_only=True)`` decoded.
+        what: how to name it in the error (a key, a row).
+        key: the state-dict key, carried by the error.
+        enter: called on each container yielded; ``False``: do not walk inside it.
+
+    Raises:
+        CorruptCheckpointError: a container holds itself (directly or further down), or the
+            nesting is deeper than :data:`MAX_STATE_DEPTH`.
+    """
+    containers = (dict, list, tuple)
+    if not isinstance(state, containers):
+        return
+    seen: set[int] = set()  # every container yielded; ids stay valid: ``state`` holds them all
+    path: list[int] = []  # ids of the containers on the way down to the current one
+    on_path: set[int] = set()
+    stack: list[Iterator[Any]] = []
+
+    def push(x: Any) -> None:
+        seen.add(id(x))  # yielded once, entered or not
+        if enter is not None and not enter(x):
+            return
+        if len(path) >= MAX_STATE_DEPTH:
+            raise CorruptCheckpointError(f"{what} nests deeper than {MAX_STATE_DEPTH} levels", key=key)
+        path.append(id(x))
+        on_path.add(id(x))
+        stack.append(iter(x.values() if isinstance(x, dict) else x))
+
+    yield state
+    push(state)
+    while stack:
+        child = next(stack[-1], _END)
+        if child is _END:
+            stack.pop()
+            on_path.discard(path.pop())
+        elif isinstance(child, containers):
+            if id(child) in on_path:
+                raise CorruptCheckpointError(
+                    f"{what} contains itself: a {type(child).__name__} {len(path)} level(s) down holds one "
+                    "of the containers it is inside (a cycle)",
+                    key=key,
+                )
+            if id(child) not in seen:
+                yield child
+                push(child)
+
+
+_END = object()
 
 
 def weights_only_refusal(e: BaseException) -> str:

@@ -12,6 +12,7 @@ loader states, after the coordinator shared them) or schema 1's blobs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,26 +31,39 @@ logger = logging.getLogger("goodput_ckpt.state")
 @dataclass
 class DecodedState:
     """What a restore decodes from the filled destination before it changes anything: this
-    rank's generators (checked), and its dataloader state or, elastic, the old ranks' states."""
+    rank's generators (checked), and its dataloader state or, elastic, the old ranks' states
+    with the checked position that applies them."""
 
     rng: dict[str, torch.Tensor] | None = None
     loader_state: Any = None
     old_loader_states: list[Any] | None = None
+    #: Elastic: applies the position the old loader states were checked into; returns its note.
+    resume: Callable[[], str] | None = None
 
 
 def decode_restore(plan: RestorePlan) -> DecodedState:
     """Decode and check this rank's per-rank state (its RNG row, its dataloader row; what the
-    read phase decoded already is taken from there) without touching a live object.
+    read phase decoded already is taken from there) without touching a live object. The loader's
+    position holder (an ``ElasticSampler``, a ``TokenStream``) checks the saved position too,
+    every count in range (this rank's own row in the read phase, so that a bad one fails every
+    rank), so that a bad one is refused before :func:`apply_restore` loads anything.
 
     Raises:
-        CorruptCheckpointError: the saved RNG state does not load.
+        CorruptCheckpointError: the saved RNG state does not load, or a saved count or position
+            is malformed or out of range.
         CheckpointError: a dataloader state does not decode (or this rank saved none).
     """
     out = DecodedState(rng=checked_rng(plan.dest[RNG], plan.rng_layout, plan.where) if plan.restore_rng else None)
     if plan.elastic_from:
-        out.old_loader_states = old_loader_states(plan.elastic_blobs)
-    elif plan.dataloader is not None:
-        out.loader_state = decode_own_loader_state(plan.dest[DATALOADER])
+        holder = elastic_sampler_of(plan.dataloader)
+        out.old_loader_states = states = old_loader_states(plan.elastic_blobs)
+        prepare = getattr(holder, "prepare_elastic_resume", None)
+        if callable(prepare):
+            out.resume = prepare(states, batch_size=plan.saved_batch_size, where=plan.where)
+        else:  # a holder of another kind: it checks when it applies
+            out.resume = lambda: holder.elastic_resume(states, batch_size=plan.saved_batch_size, where=plan.where)
+    elif plan.dataloader is not None:  # checked too, in the read phase if DCP decoded the row there
+        out.loader_state = decode_own_loader_state(plan.dest[DATALOADER], plan.loader_check)
     return out
 
 
@@ -70,9 +84,8 @@ def apply_restore(plan: RestorePlan) -> None:
     for name, obj in plan.stateful.items():
         obj.load_state_dict(plan.dest[name])
     if plan.elastic_from:
-        assert decoded.old_loader_states is not None
-        sampler = elastic_sampler_of(plan.dataloader)
-        note = sampler.elastic_resume(decoded.old_loader_states, batch_size=plan.elastic_batch_size, where=plan.where)
+        assert decoded.resume is not None
+        note = decoded.resume()
         plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
         logger.info("%s: %s", plan.where, note)
     elif plan.dataloader is not None:

@@ -33,7 +33,7 @@ group) reads those blobs from storage; the others receive their bytes from it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,12 +171,27 @@ class RestorePlan:
     elastic_blobs: dict[str, torch.Tensor] = field(default_factory=dict)
     #: Whether DCP reads ``elastic_blobs`` into this rank (the coordinator) or it receives them.
     elastic_reads: bool = False
-    elastic_batch_size: int | None = None
+    #: The batch size the saved loader recorded (metadata, unchecked: the position holder checks
+    #: it before it multiplies anything by it).
+    saved_batch_size: Any = None
+    #: Same topology: checks this rank's decoded loader state before anything is applied (its
+    #: position holder's ``check_saved_state``; schema 2 runs it in DCP's read phase already).
+    loader_check: Callable[[Any], None] | None = None
     where: str = ""
     #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
     rederive_rng: tuple[int, int, int] | None = None
     #: Schema 2: the slots of the RNG row this rank restores (``state.rng``).
     rng_layout: list[tuple[str, str, int]] | None = None
+
+
+def _position_check(plan: RestorePlan, dataloader: Any, rank: int) -> Callable[[Any], None] | None:
+    """The check of ``rank``'s saved position by the loader's holder (``ElasticSampler``,
+    ``TokenStream``), or ``None``; reads ``plan.saved_batch_size`` when it runs."""
+    check = getattr(elastic_sampler_of(dataloader), "check_saved_state", None)
+    if not callable(check):
+        return None
+    where = f"{plan.where}: the dataloader row of rank {rank}"
+    return lambda state: check(state, batch_size=plan.saved_batch_size, where=where)
 
 
 def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
@@ -210,6 +225,9 @@ def training_meta(manifest: Manifest, where: str) -> dict[str, Any]:
     ws = meta.get("world_size")
     if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
         raise bad(f"world_size must be a positive integer, got {ws!r:.40}")
+    step = meta.get("step", 0)  # seeds re-derived generators (state.rng.derived_seed: a signed 64-bit field)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63:
+        raise bad(f"step must be an integer in [0, 2^63), got {step!r:.40}")
     sections = meta.get("sections")
     if not isinstance(sections, list) or not all(isinstance(s, str) for s in sections):
         raise bad("sections must be a list of strings")
@@ -379,12 +397,15 @@ def plan_restore(
         if plan.elastic_reads:  # the others receive the blobs from the coordinator
             plan.dest[DATALOADER] = plan.elastic_blobs
         plan.dataloader = dataloader
-        plan.elastic_batch_size = meta["dataloader"].get("batch_size")
+        plan.saved_batch_size = meta["dataloader"].get("batch_size")
     elif want_dl:
+        plan.saved_batch_size = meta["dataloader"].get("batch_size")
+        plan.loader_check = _position_check(plan, dataloader, topology.rank)
         if schema1:
             plan.dest[DATALOADER] = {rk: blob_template(manifest, f"{DATALOADER}.{rk}", where)}
         else:
-            plan.dest[DATALOADER] = {ROWS: loader_row(rows_width(manifest, DATALOADER, ws, None, where), topology.rank, ws)}
+            width = rows_width(manifest, DATALOADER, ws, None, where)
+            plan.dest[DATALOADER] = {ROWS: loader_row(width, topology.rank, ws, plan.loader_check)}
         plan.dataloader = dataloader
     for name, obj in stateful.items():
         plan.dest[name] = obj.state_dict()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..dcp.untrusted_load import check_inflation, walk_state
 from ..errors import CheckpointError
 
 __all__ = [
@@ -101,16 +102,28 @@ def encode_dataloader_state(loader: Any, *, key: str) -> torch.Tensor:
 
 
 def decode_dataloader_state(blob: torch.Tensor, *, key: str) -> Any:
-    """The state dict stored by :func:`encode_dataloader_state` (weights_only)."""
+    """The state dict stored by :func:`encode_dataloader_state` (weights_only), bounded like any
+    value nobody vouches for (``dcp.untrusted_load``): its archive may not inflate past its size
+    (a deflate bomb), and the decoded state is walked once to refuse a cycle or absurd nesting,
+    before anything walks it without a bound (a loader's own ``load_state_dict``).
+
+    Raises:
+        CorruptCheckpointError: an inflating archive, or a cyclic or too deeply nested state.
+        CheckpointError: the blob does not load with ``weights_only=True``.
+    """
     raw = blob.contiguous().numpy().tobytes()
+    what = f"the saved dataloader state {key!r}"
+    check_inflation(raw, what, key=key)
     try:
-        return torch.load(io.BytesIO(raw), weights_only=True)
+        state = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(
-            f"the saved dataloader state {key!r} cannot be loaded with weights_only=True "
-            f"({type(e).__name__}: {str(e)[:300]})",
+            f"{what} cannot be loaded with weights_only=True ({type(e).__name__}: {str(e)[:300]})",
             key=key,
         ) from None
+    for _ in walk_state(state, what, key=key):
+        pass
+    return state
 
 
 def encode_dataloader_row(loader: Any, *, key: str) -> torch.Tensor:

@@ -177,9 +177,19 @@ _GROUPS = (("python", "python_gauss"), ("numpy", "numpy_pos", "numpy_gauss"))
 
 
 def _slot_spec(name: str) -> tuple[str, int | None] | None:
-    if name.startswith("cuda") and name[4:].isdigit() and len(name) <= 8:
+    if _cuda_index(name) is not None:
         return ("uint8", _CUDA_STATE_BYTES)
     return _SLOTS.get(name)
+
+
+def _cuda_index(name: str) -> int | None:
+    """The device of a ``cuda{i}`` slot name, or ``None``: ``i`` written in ASCII digits as
+    :func:`rng_layout` writes it (``str.isdigit`` also takes ``'²'``, which ``int`` refuses; and
+    ``cuda01`` would name device 1 twice)."""
+    digits = name[4:]
+    if not (name.startswith("cuda") and 0 < len(digits) <= 4 and digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits) if digits == str(int(digits)) else None
 
 
 def _check_groups(names: Any) -> None:
@@ -307,6 +317,12 @@ def restore_rng(state: dict[str, torch.Tensor]) -> list[str]:
         devices this process does not have); the caller warns with them.
     """
     notes: list[str] = []
+    # Every name is parsed before any generator is set (a bad one must not leave half the
+    # streams restored); check_rng refused names that are not slots already.
+    cuda = sorted((i, k) for k in state if (i := _cuda_index(k)) is not None)
+    unknown = sorted(k for k in state if _slot_spec(k) is None)
+    if unknown:
+        raise ValueError(f"generator state {unknown[0]!r:.40} is not a generator this version knows")
     if "python" in state:
         random.setstate(_python_state(state))
     if "numpy" in state:
@@ -317,16 +333,14 @@ def restore_rng(state: dict[str, torch.Tensor]) -> list[str]:
             np.random.set_state(_numpy_state(state))
     if "torch" in state:
         torch.set_rng_state(state["torch"].contiguous())
-    cuda_keys = sorted((k for k in state if k.startswith("cuda")), key=lambda k: int(k[4:]))
-    if cuda_keys:
+    if cuda:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        for k in cuda_keys:
-            i = int(k[4:])
+        for i, k in cuda:
             if i < have:
                 torch.cuda.set_rng_state(state[k].contiguous(), i)
-        if len(cuda_keys) != have:
+        if len(cuda) != have:
             notes.append(
-                f"the checkpoint holds the RNG state of {len(cuda_keys)} CUDA device(s) and this "
+                f"the checkpoint holds the RNG state of {len(cuda)} CUDA device(s) and this "
                 f"process has {have}; devices beyond the smaller count keep their current state"
             )
     return notes

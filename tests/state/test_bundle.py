@@ -91,3 +91,13 @@ def test_normalize_checks_shapes():
         normalize({"a.b": m}, None)
     with pytest.raises(TypeError):
         normalize(m, "adam")
+
+
+def test_the_metadata_step_is_bounded_before_it_seeds_generators():
+    """Issue 33: the step seeds re-derived generators after a topology change (a signed 64-bit
+    field); 2**70 failed in ``apply_restore`` after the model was loaded."""
+    good = {"schema": 2, "step": 1, "world_size": 2, "sections": ["model"], "rng": None, "dataloader": None}
+    for step in (2**70, -1, 1.5, "3", True, float("inf")):
+        with pytest.raises(CorruptCheckpointError, match="step"):
+            training_meta(_manifest({META_KEY: {**good, "step": step}}), "loc")
+    assert training_meta(_manifest({META_KEY: {**good, "step": 2**63 - 1}}), "loc")["step"] == 2**63 - 1
