@@ -27,6 +27,7 @@ __all__ = [
     "TopologyChangeError",
     "as_checkpoint_error",
     "find_checkpoint_error",
+    "find_interrupt",
     "remember_swallowed",
 ]
 
@@ -152,6 +153,13 @@ def _chain(exc: BaseException):
                 stack.append(nxt)
 
 
+def find_interrupt(exc: BaseException) -> KeyboardInterrupt | SystemExit | None:
+    """The ``KeyboardInterrupt`` or ``SystemExit`` inside ``exc`` (``exc`` itself, its chain, or
+    the per-rank ``failures`` of torch's ``CheckpointException``, which wraps a Ctrl-C that hits
+    ``dcp.save``/``dcp.load``), or ``None``."""
+    return next((e for e in _chain(exc) if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+
+
 def remember_swallowed(err: CheckpointError) -> None:
     """Remember ``err`` because torch is about to drop its type.
 
@@ -178,7 +186,15 @@ def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
     Returns the :class:`CheckpointError` inside ``exc`` (see :func:`find_checkpoint_error`), with
     ``exc`` as its cause when it has none; otherwise a new one that says ``what`` failed and why,
     chained to ``exc``.
+
+    Raises:
+        KeyboardInterrupt, SystemExit: the one inside ``exc`` (DCP wraps a Ctrl-C that hits a save
+            or a load into its ``CheckpointException``). An interrupt is never turned into a
+            ``CheckpointError``: code that catches those to keep training would swallow Ctrl-C.
     """
+    stop = find_interrupt(exc)
+    if stop is not None:
+        raise stop from None  # its own traceback, not DCP's wrapping around it
     found = find_checkpoint_error(exc)
     if found is not None:
         if found.__cause__ is None and found is not exc:

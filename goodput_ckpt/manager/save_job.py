@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -41,7 +42,7 @@ from .staging.confirmed_writer import ConfirmedWriter
 from .staging.deferred_copy import DeferredCopies
 from .timeline import SaveRecord, TimelineSink
 
-__all__ = ["AfterWrite", "ErrorCallback", "SaveJob", "SaveJobs"]
+__all__ = ["AfterWrite", "ErrorCallback", "SaveJob", "SaveJobs", "abandoned", "interpreter_exiting"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
 
@@ -52,6 +53,38 @@ ErrorCallback = Callable[[int, CheckpointError], None]
 #: (two tiers: the manifest to every node, replicas, the persist hand-off); it returns the save's
 #: error (``error`` or its own) and never raises.
 AfterWrite = Callable[["SaveJob", "CheckpointError | None"], "CheckpointError | None"]
+
+
+def interpreter_exiting() -> bool:
+    """Whether the interpreter has stopped its main thread (the script ended, or an exception
+    such as a Ctrl-C left it) with this background work still running: Python then refuses new
+    work on every thread pool ("cannot schedule new futures after interpreter shutdown"), and
+    nobody will call ``wait()`` or ``close()`` to hear about a failure."""
+    return not threading.main_thread().is_alive()
+
+
+def _on_interpreter_exit(fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the interpreter begins to exit, before ``concurrent.futures`` stops its
+    pools: ``threading``'s exit hooks run newest first, and ``concurrent.futures`` registers its
+    own when it is imported, before any manager exists. (``atexit`` runs too late: by then every
+    pool refuses work.) ``threading._register_atexit`` is private, but it is what
+    ``concurrent.futures`` itself uses (Python 3.9+); without it, a save in flight at exit is
+    reported as abandoned instead of finished."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    try:
+        register(fn)
+    except RuntimeError:  # the interpreter is already exiting
+        pass
+
+
+def abandoned(step: int) -> str:
+    """The one line that reports a background save or persist the interpreter's exit cut off."""
+    return (
+        f"the save of step {step} was abandoned: the interpreter exited while it was in flight "
+        "(call wait() or close() before exiting to finish it); that step stays incomplete"
+    )
 
 
 @dataclass(eq=False)
@@ -107,6 +140,7 @@ class SaveJobs:
         # One long-lived thread writes async saves (created on the first): dcp.async_save would
         # start a new thread per save, and on busy cores waiting for it to start costs ms.
         self._worker: ThreadPoolExecutor | None = None
+        self._abandoned = False  # the interpreter exited before the save in flight finished
 
     @property
     def in_flight_step(self) -> int | None:
@@ -156,6 +190,8 @@ class SaveJobs:
         job.writer.copies = later
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
+            ref = weakref.ref(self)  # the hook must not keep a dropped manager's buffers alive
+            _on_interpreter_exit(lambda: (jobs := ref()) is not None and jobs.finish_at_exit())
         self._staging.arm(later)
         try:
             job.done = self._worker.submit(self.write, job, staged, later, handed_off)
@@ -186,6 +222,8 @@ class SaveJobs:
             self.wait_durable(job)
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             err = as_checkpoint_error(e, f"saving step {job.step} to {job.uri}")
+        if err is not None and (self._abandoned or interpreter_exiting()):
+            err = CheckpointError(abandoned(job.step), path=job.uri)  # not the pool's "cannot schedule"
         if self._after_write is not None:
             err = self._after_write(job, err)
         self._emit(job.record, handed_off, err)
@@ -202,6 +240,10 @@ class SaveJobs:
             self.last_error = err
             if self._unraised is None:
                 self._unraised = err
+        if self._abandoned or interpreter_exiting():  # nobody will call wait() or close()
+            if not self._abandoned:  # one line, no traceback
+                logger.warning("%s", abandoned(step))
+            return
         logger.error("background save of step %d failed: %s", step, err)
         if self._on_error is not None:
             try:
@@ -250,6 +292,24 @@ class SaveJobs:
             self._inflight = None
         if report and (err := self.take_unraised()) is not None:
             raise err
+
+    def finish_at_exit(self) -> None:
+        """At interpreter exit, while thread pools still take work: wait for the save in flight,
+        up to ``timeout_s``. Past that, or on a second Ctrl-C, it is abandoned, with one line.
+        Its own failure, if any, was already reported by the save thread."""
+        job = self._inflight
+        if job is None or job.done is None or job.done.done():
+            return
+        logger.info("finishing the save of step %d before the interpreter exits", job.step)
+        try:
+            job.done.result(timeout=self._timeout_s)
+        except (FutureTimeout, KeyboardInterrupt):
+            self._abandoned = True
+            if isinstance(job.writer, ConfirmedWriter):  # the exit joins the save thread: no commit
+                job.writer.failure = CheckpointError(abandoned(job.step), path=job.uri)
+            logger.warning("%s", abandoned(job.step))
+        except BaseException:  # noqa: BLE001 - reported by the save thread; exiting anyway
+            pass
 
     def take_unraised(self) -> CheckpointError | None:
         """The first background failure not yet raised, now counted as raised."""
