@@ -9,6 +9,7 @@ decisions on every rank, over the manager's own group.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -31,6 +32,8 @@ __all__ = [
     "raise_if_any_rank_failed",
 ]
 
+
+logger = logging.getLogger("goodput_ckpt.manager")
 
 #: torch's warning when ``dcp.save``/``dcp.load`` run with ``no_dist=True``: it assumes a missing
 #: process group, while the manager passes ``no_dist`` on purpose (one process, or a two-tier
@@ -98,7 +101,10 @@ def agree_on_latest(
     choice: list[Any] = [None, None]
     if is_coordinator:
         try:
-            choice[0] = clean_before_restore(root, keep_last=keep_last)
+            fresh: list[str] = []
+            choice[0] = clean_before_restore(root, keep_last=keep_last, fresh_start=fresh)
+            if fresh:  # a wrong or empty root must not start training from scratch in silence
+                logger.warning("restore: %s; training starts from step 0", fresh[0])
         except CheckpointError as e:
             choice[1] = str(e)
     if pg is not None:

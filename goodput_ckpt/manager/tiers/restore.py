@@ -182,10 +182,11 @@ def restore_tiers(
     layout, pg = tier.layout, tier.pg
     persisted: list[int] = []
     listing_error = None
+    fresh: list[str] = []  # what the persistent tier holds when nothing there is complete
     if layout.rank == 0 and persistent is not None:
 
         def listing() -> list[int]:
-            clean_before_restore(persistent, keep_last=keep_last)
+            clean_before_restore(persistent, keep_last=keep_last, fresh_start=fresh)
             return scan_steps(persistent).complete
 
         listed = _or_error(f"listing {persistent.uri}", listing)
@@ -221,6 +222,12 @@ def restore_tiers(
             )
         candidates = [step]
     if not candidates:
+        if layout.rank == 0:  # a wrong or empty root must not start training from scratch in silence
+            held = fresh[0] if fresh else "no persistent tier"
+            logger.warning(
+                "restore: %s, and no node's local directory (node 0's: %s) holds a committed step; "
+                "training starts from step 0", held, tier.uri,
+            )  # fmt: skip
         return None
     reasons = []
     for s in candidates:
