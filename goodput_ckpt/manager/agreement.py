@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -30,6 +31,7 @@ __all__ = [
     "open_group",
     "raise_first_failure",
     "raise_if_any_rank_failed",
+    "union_of_steps",
 ]
 
 
@@ -86,6 +88,25 @@ def fail_on_every_rank(
         dcp.save({}, storage_writer=writer, process_group=pg)
     except (Exception, CheckpointException):
         pass  # the failure it was made for; ``err`` is raised by the caller
+
+
+def union_of_steps(pg: dist.ProcessGroup | None, world_size: int, list_steps: Callable[[], list[int]] | None) -> set[int]:
+    """Every rank: the union of the committed steps the listing ranks see (``list_steps``, on
+    the ranks that list: the coordinator, and with two tiers each node's first rank), so that a
+    save of an existing step is refused on every rank alike, before any rank enters ``dcp.save``.
+    One gather, at a manager's first save. A listing that fails counts as empty (logged): the
+    save then fails in the background, as it would have without this check."""
+    mine: list[int] = []
+    if list_steps is not None:
+        try:
+            mine = list_steps()
+        except CheckpointError as e:
+            logger.warning("could not list the existing steps (a save of one will fail when it commits): %s", e)
+    if pg is None:
+        return set(mine)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=pg)
+    return {s for steps in gathered for s in steps or ()}
 
 
 def agree_on_latest(

@@ -38,7 +38,7 @@ from ..dcp.load_planner import GridLoadPlanner
 from ..dcp.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
-from ..errors import CheckpointError, as_checkpoint_error, warn_user
+from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, as_checkpoint_error
 from ..state import (
     EXTRA_KEY,
     Topology,
@@ -52,7 +52,9 @@ from ..state.per_rank import DATALOADER, ROWS
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
 from ..storage.base import FileOrigin
-from .agreement import agree_on_latest, deliberate_no_dist, fail_on_every_rank, open_group, raise_if_any_rank_failed
+from .agreement import (
+    agree_on_latest, deliberate_no_dist, fail_on_every_rank, open_group, raise_if_any_rank_failed, union_of_steps,
+)  # fmt: skip
 from .config import ManagerConfig
 from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
@@ -162,6 +164,7 @@ class CheckpointManager:
         else:
             self._topology = Topology(rank=0, world_size=1)
         self._tiers: Tiers | None = None
+        self._steps_seen: set[int] | None = None  # committed steps listed at the first save, every rank
         self._saves = SaveJobs(
             pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
             on_commit=self._apply_retention, on_error=on_error,
@@ -281,6 +284,8 @@ class CheckpointManager:
             # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
             fail_on_every_rank(self._pg, uri, failed, options)
             raise failed
+        if not self.config.overwrite:
+            self._refuse_existing(step, uri)
         t_waited = time.perf_counter()
         try:
             models = normalize(model, optimizer)
@@ -318,6 +323,23 @@ class CheckpointManager:
             raise
         del state
         self._saves.submit(job, staged, later, blocked_from=t0, waited=t_waited)
+
+    def _refuse_existing(self, step: int, uri: str) -> None:
+        """Raise ``CheckpointExistsError`` on every rank alike when ``step`` is committed on some
+        tier, at the call (a background save would fail only at its commit, reported at
+        ``close()``). No collective per save: the steps listed at the first save (one gather,
+        :func:`.agreement.union_of_steps`) and those this manager saved since are the same on
+        every rank. A step saved by another process meanwhile still fails at its commit."""
+        if self._steps_seen is None:
+            layout = None if self._tiers is None else self._tiers.local.layout
+            lists = self.is_coordinator or (layout is not None and layout.rank == layout.ranks_of(layout.node)[0])
+            self._steps_seen = union_of_steps(self._pg, self._topology.world_size, self.steps if lists else None)
+        if step in self._steps_seen or step in self._saves.committed:
+            raise CheckpointExistsError(
+                f"step {step} already has a committed checkpoint ({self._root.uri}"
+                f"{'' if self._tiers is None else ' or the local tier'}): {OVERWRITE_HINT}, or save another step",
+                path=uri,
+            )
 
     def wait_staged(self) -> None:
         """Finish the background staging copies of the save in flight, in this thread.
@@ -453,9 +475,8 @@ class CheckpointManager:
                 loader_states=loader_states,
             )  # fmt: skip
         )
-        for note in plan.notes:
+        for note in plan.notes:  # one channel: the log (docs/manager.md, "What a restore reports")
             logger.warning("restore of step %d: %s", step, note)
-            warn_user(f"restore of step {step}: {note}")
         logger.info("restored step %d from %s", step, uri)
 
     def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
@@ -498,10 +519,12 @@ class CheckpointManager:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Wait for the save in flight; raise the first background failure not yet raised.
+        """Wait for the save in flight; raise the background failures not yet raised.
 
         Raises:
-            CheckpointError: a background save failed since the last report.
+            CheckpointError: a background save failed since the last report (one failure as
+                itself; several as one error naming every failed step, newest first, with the
+                count).
         """
         self._check_open()
         self._saves.finish_previous(report=False)

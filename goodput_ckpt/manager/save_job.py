@@ -18,6 +18,7 @@ filled in here and nowhere else.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -53,6 +54,40 @@ ErrorCallback = Callable[[int, CheckpointError], None]
 #: (two tiers: the manifest to every node, replicas, the persist hand-off); it returns the save's
 #: error (``error`` or its own) and never raises.
 AfterWrite = Callable[["SaveJob", "CheckpointError | None"], "CheckpointError | None"]
+
+
+#: The failed saves a report names one by one (newest first); older ones are only counted, so
+#: that a disk that stays full for a thousand saves costs neither memory nor a huge message.
+REPORTED_FAILURES = 10
+
+
+def all_failures(failed: list[tuple[int, CheckpointError]], count: int) -> CheckpointError:
+    """One error for the ``count`` background failures not yet raised (``failed``: the newest
+    of them with their steps, oldest first).
+
+    Why: with a full disk every later save fails too, and raising only the first one hid
+    that the newest checkpoints were all lost. One failure is raised as itself; several as
+    one error of their common type (else ``CheckpointError``), newest first with the count,
+    each by the first line of its message, chained to the newest.
+    """
+    if count == 1:
+        return failed[-1][1]
+    newest = failed[::-1]
+    lines = "; ".join(f"step {s}: {_first_line(e)}" for s, e in newest)
+    older = count - len(newest)
+    kinds = {type(e) for _, e in newest}
+    cls = kinds.pop() if len(kinds) == 1 else CheckpointError
+    err = cls(
+        f"{count} background saves failed, newest first: {lines}" + (f"; and {older} older" if older else ""),
+        path=newest[0][1].path,
+    )
+    err.__cause__ = newest[0][1]
+    return err
+
+
+def _first_line(err: CheckpointError) -> str:
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def interpreter_exiting() -> bool:
@@ -134,13 +169,16 @@ class SaveJobs:
         self._on_error = on_error
         self._after_write = after_write
         self.last_error: CheckpointError | None = None
-        self._unraised: CheckpointError | None = None
+        # The failures not yet raised: the newest few with their steps, and how many in all.
+        self._unraised: collections.deque[tuple[int, CheckpointError]] = collections.deque(maxlen=REPORTED_FAILURES)
+        self._unraised_count = 0
         self._lock = threading.Lock()  # guards last_error / _unraised (save thread vs caller)
         self._inflight: SaveJob | None = None
         # One long-lived thread writes async saves (created on the first): dcp.async_save would
         # start a new thread per save, and on busy cores waiting for it to start costs ms.
         self._worker: ThreadPoolExecutor | None = None
         self._abandoned = False  # the interpreter exited before the save in flight finished
+        self.committed: set[int] = set()  # steps saved by this manager (the same on every rank)
 
     @property
     def in_flight_step(self) -> int | None:
@@ -173,6 +211,7 @@ class SaveJobs:
         self._emit(job.record, started, err, stall_from=blocked_from)
         if err is not None:
             raise err
+        self.committed.add(job.step)
         self._on_commit(job.step)
 
     # -- an async save ------------------------------------------------------------------------------
@@ -229,6 +268,7 @@ class SaveJobs:
         self._emit(job.record, handed_off, err)
         if err is None:
             logger.info("committed step %d at %s", job.step, job.uri)
+            self.committed.add(job.step)
             self._on_commit(job.step)
             return
         self.report_failure(job.step, err)
@@ -238,8 +278,8 @@ class SaveJobs:
         ``on_error``, and raised once at the next ``wait``/``close``. Any thread."""
         with self._lock:
             self.last_error = err
-            if self._unraised is None:
-                self._unraised = err
+            self._unraised.append((step, err))
+            self._unraised_count += 1
         if self._abandoned or interpreter_exiting():  # nobody will call wait() or close()
             if not self._abandoned:  # one line, no traceback
                 logger.warning("%s", abandoned(step))
@@ -312,10 +352,13 @@ class SaveJobs:
             pass
 
     def take_unraised(self) -> CheckpointError | None:
-        """The first background failure not yet raised, now counted as raised."""
+        """The background failures not yet raised, now counted as raised: the one failure
+        itself, or one error that lists every failed step (:func:`all_failures`)."""
         with self._lock:
-            err, self._unraised = self._unraised, None
-        return err
+            failed, count = list(self._unraised), self._unraised_count
+            self._unraised.clear()
+            self._unraised_count = 0
+        return all_failures(failed, count) if failed else None
 
     def shutdown(self) -> None:
         """Stop the save thread; a save still in flight here timed out in :meth:`finish_previous`,

@@ -151,7 +151,10 @@ def test_disk_full_under_the_manager_keeps_training_going(tmpfs):
     assert [s for s, _ in calls] == [3, 4], calls
     for _, e in calls:
         assert type(e) is CheckpointError and "disk is full" in str(e), e
-    assert "disk is full" in str(info.value) and "step_00000003" in str(info.value)
+    # wait() reports every failed step, newest first, with the count (issue 32: only the first before)
+    assert str(info.value).startswith("2 background saves failed, newest first: step 4: "), info.value
+    assert str(info.value).index("step_00000004") < str(info.value).index("step_00000003"), info.value
+    assert "disk is full" in str(info.value) and type(info.value) is CheckpointError
     assert "step_00000004" in str(mgr.last_error)
     mgr = CheckpointManager(root, keep_last=3, timeline=False)
     try:
