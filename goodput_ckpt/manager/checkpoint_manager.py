@@ -56,6 +56,7 @@ from .agreement import (
     agree_on_latest, deliberate_no_dist, fail_on_every_rank, open_group, raise_if_any_rank_failed, union_of_steps,
 )  # fmt: skip
 from .config import ManagerConfig
+from .disk_full import make_room
 from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
 from .staging.async_staging import AsyncStaging
@@ -106,6 +107,11 @@ class CheckpointManager:
         thread_count, chunk_size: passed to ``CheckpointWriter`` (``thread_count`` also to the
             reader); ``verify``: check hashes on restore.
         timeout_s: the longest wait for a previous save (``save``, ``restore``, ``close``).
+        free_space_on_full: when a save fails because the local disk (the root, or with two
+            tiers the node's local directory) is full, delete the failed save's files, other
+            incomplete steps and the oldest complete step beyond the newest one, and try the save
+            once more (:mod:`.disk_full`). Default ``False``: the save fails, as does every later
+            one until space is freed.
         timeline: where the per-save timeline goes (:mod:`goodput_ckpt.manager.timeline`): ``True``
             (default) appends JSON lines to ``ROOT/goodput-timeline.jsonl`` when the root is a
             local directory (elsewhere it stays in memory); a local file path; a callable that
@@ -141,6 +147,7 @@ class CheckpointManager:
         persist_every: int = 1,
         local_keep_last: int | None = None,
         local_world_size: int | None = None,
+        free_space_on_full: bool = False,
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
@@ -148,7 +155,7 @@ class CheckpointManager:
             allow_topology_change=allow_topology_change, overwrite=overwrite, thread_count=thread_count,
             chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
             local_dir=None if local_dir is None else os.fspath(local_dir), replicas=replicas,
-            persist_every=persist_every, local_keep_last=local_keep_last,
+            persist_every=persist_every, local_keep_last=local_keep_last, free_space_on_full=free_space_on_full,
         )  # fmt: skip
         if on_error is not None and not callable(on_error):
             raise TypeError("on_error must be callable(step, error)")
@@ -169,6 +176,7 @@ class CheckpointManager:
             pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
             on_commit=self._apply_retention, on_error=on_error,
             after_write=None if self.config.local_dir is None else self._after_local_write,
+            make_room=self._make_room if self.config.free_space_on_full else None,
         )  # fmt: skip
         if self.config.local_dir is not None:
             self._tiers = Tiers.open(
@@ -355,6 +363,22 @@ class CheckpointManager:
         (policy: :mod:`.retention`; the save thread calls it). Best effort: failures are logged."""
         if self.is_coordinator and self._tiers is None:  # two tiers: each tier applies its own
             apply_retention(self._root, committed=committed, keep_last=self.config.keep_last)
+
+    def _make_room(self, job: SaveJob) -> bool:
+        """Every rank, after a save failed, with ``free_space_on_full``: see :mod:`.disk_full`."""
+        rank, world = self._topology.rank, self._topology.world_size
+        if self._tiers is None:
+            return make_room(
+                self._pg, self._root, rank=rank, world_size=world, owner_of=dict.fromkeys(range(world), 0),
+                step=job.step, needed=job.record.bytes,
+            )  # fmt: skip
+        local = self._tiers.local
+        persisting = local.persister.in_flight_step if local.persister is not None else None
+        return make_room(
+            self._pg, local.store, rank=rank, world_size=world, step=job.step, needed=job.record.bytes,
+            owner_of={r: local.layout.ranks_of(local.layout.node_of(r))[0] for r in range(world)},
+            protect={persisting} - {None},
+        )  # fmt: skip
 
     def _after_local_write(self, job: SaveJob, err: CheckpointError | None) -> CheckpointError | None:
         """Two tiers, the save thread, every rank: spread the local save (manifest to every node,

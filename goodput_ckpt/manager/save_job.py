@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp.save_planner import ReplicaGroupingSavePlanner
 from ..dcp.writer import CheckpointWriter
-from ..errors import CheckpointError, as_checkpoint_error
+from ..errors import CheckpointError, as_checkpoint_error, find_interrupt
 from ..state.per_rank import WIDENED_ROWS
 from .agreement import deliberate_no_dist
 from .staging.async_staging import AsyncStaging
@@ -145,6 +145,9 @@ class SaveJobs:
         on_error: the user's ``on_error`` (see :data:`ErrorCallback`), or ``None``.
         after_write: with two tiers, spreads each local save (every rank calls it after every
             write, failed or not, since it is collective); see :data:`AfterWrite`.
+        make_room: ``make_room(job)``, every rank, after ``dcp.save`` failed: whether the disk
+            was full and room was made, so that the save is tried once more (collective; see
+            :mod:`.disk_full`). ``None``: never retried.
 
     Attributes:
         last_error: the most recent failure of a background save, or ``None``.
@@ -160,6 +163,7 @@ class SaveJobs:
         on_commit: Callable[[int], None],
         on_error: ErrorCallback | None,
         after_write: AfterWrite | None = None,
+        make_room: Callable[[SaveJob], bool] | None = None,
     ) -> None:
         self.pg = pg
         self._staging = staging
@@ -168,6 +172,7 @@ class SaveJobs:
         self._on_commit = on_commit
         self._on_error = on_error
         self._after_write = after_write
+        self._make_room = make_room
         self.last_error: CheckpointError | None = None
         # The failures not yet raised: the newest few with their steps, and how many in all.
         self._unraised: collections.deque[tuple[int, CheckpointError]] = collections.deque(maxlen=REPORTED_FAILURES)
@@ -198,10 +203,7 @@ class SaveJobs:
         """
         err: CheckpointError | None = None
         try:
-            dcp.save(
-                state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS), process_group=self.pg,
-                no_dist=deliberate_no_dist(self.pg is None),
-            )  # fmt: skip
+            self._dcp_save(job, state)
             job.record.written(time.perf_counter() - started)
             self.wait_durable(job)
         except (Exception, CheckpointException) as e:
@@ -250,10 +252,7 @@ class SaveJobs:
             try:
                 later.finish()
                 job.record.guarded(later.blocked_seconds())
-                dcp.save(
-                    staged, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS), process_group=self.pg,
-                    no_dist=deliberate_no_dist(self.pg is None),
-                )  # fmt: skip
+                self._dcp_save(job, staged)
             finally:
                 del staged
                 self._staging.release()
@@ -292,6 +291,22 @@ class SaveJobs:
                 logger.exception("on_error callback raised")
 
     # -- shared -----------------------------------------------------------------------------------
+    def _dcp_save(self, job: SaveJob, state: dict[str, Any]) -> None:
+        """``dcp.save`` of ``state`` through ``job.writer``, every rank together. When it fails and
+        ``make_room`` (``free_space_on_full``) says the disk was full and room was made, once
+        more: every rank gets the same failure from DCP and the same answer from ``make_room``
+        (a collective), so every rank retries or none."""
+        for attempt in range(2):
+            try:
+                dcp.save(
+                    state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS),
+                    process_group=self.pg, no_dist=deliberate_no_dist(self.pg is None),
+                )  # fmt: skip
+                return
+            except (Exception, CheckpointException) as e:
+                if attempt or self._make_room is None or find_interrupt(e) is not None or not self._make_room(job):
+                    raise
+
     def wait_durable(self, job: SaveJob) -> None:
         """Wait until the committed checkpoint is durable at its final location (later than the
         commit only with local staging onto a volume), so retention and ``steps()`` see it."""
