@@ -195,7 +195,9 @@ def describe_fresh_start(root: Store, scan: StepScan) -> str:
             held = "does not exist"
         elif base is not None and os.path.isdir(base):
             try:
-                others = len([n for n in os.listdir(base) if n != TIMELINE_NAME])
+                from .job import JOB_FILE  # here: job.py lists steps through this module
+
+                others = len([n for n in os.listdir(base) if n not in (TIMELINE_NAME, JOB_FILE)])
             except OSError:
                 others = 0
             if others:
