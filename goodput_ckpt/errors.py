@@ -11,10 +11,7 @@ message are kept in its ``failures`` mapping. :func:`find_checkpoint_error` digs
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
-import warnings
 from collections import OrderedDict
 
 __all__ = [
@@ -204,20 +201,3 @@ def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
     err = CheckpointError(f"{what} failed: {type(exc).__name__}: {detail[:2000]}")
     err.__cause__ = exc
     return err
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message)`` attributed to the nearest caller outside this package.
-
-    A fixed ``stacklevel`` breaks silently whenever a call chain gains or loses a frame (the
-    two-tier restore's warnings pointed into the package after one refactor); this finds the
-    first frame outside the package instead, as Python 3.12's ``skip_file_prefixes`` does. It
-    lives here, in the bottom layer, so that every layer can warn the same way.
-    """
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level + 1)
