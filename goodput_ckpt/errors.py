@@ -11,10 +11,7 @@ message are kept in its ``failures`` mapping. :func:`find_checkpoint_error` digs
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
-import warnings
 from collections import OrderedDict
 
 __all__ = [
@@ -27,6 +24,7 @@ __all__ = [
     "TopologyChangeError",
     "as_checkpoint_error",
     "find_checkpoint_error",
+    "find_interrupt",
     "remember_swallowed",
 ]
 
@@ -152,6 +150,13 @@ def _chain(exc: BaseException):
                 stack.append(nxt)
 
 
+def find_interrupt(exc: BaseException) -> KeyboardInterrupt | SystemExit | None:
+    """The ``KeyboardInterrupt`` or ``SystemExit`` inside ``exc`` (``exc`` itself, its chain, or
+    the per-rank ``failures`` of torch's ``CheckpointException``, which wraps a Ctrl-C that hits
+    ``dcp.save``/``dcp.load``), or ``None``."""
+    return next((e for e in _chain(exc) if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+
+
 def remember_swallowed(err: CheckpointError) -> None:
     """Remember ``err`` because torch is about to drop its type.
 
@@ -178,7 +183,15 @@ def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
     Returns the :class:`CheckpointError` inside ``exc`` (see :func:`find_checkpoint_error`), with
     ``exc`` as its cause when it has none; otherwise a new one that says ``what`` failed and why,
     chained to ``exc``.
+
+    Raises:
+        KeyboardInterrupt, SystemExit: the one inside ``exc`` (DCP wraps a Ctrl-C that hits a save
+            or a load into its ``CheckpointException``). An interrupt is never turned into a
+            ``CheckpointError``: code that catches those to keep training would swallow Ctrl-C.
     """
+    stop = find_interrupt(exc)
+    if stop is not None:
+        raise stop from None  # its own traceback, not DCP's wrapping around it
     found = find_checkpoint_error(exc)
     if found is not None:
         if found.__cause__ is None and found is not exc:
@@ -188,20 +201,3 @@ def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
     err = CheckpointError(f"{what} failed: {type(exc).__name__}: {detail[:2000]}")
     err.__cause__ = exc
     return err
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message)`` attributed to the nearest caller outside this package.
-
-    A fixed ``stacklevel`` breaks silently whenever a call chain gains or loses a frame (the
-    two-tier restore's warnings pointed into the package after one refactor); this finds the
-    first frame outside the package instead, as Python 3.12's ``skip_file_prefixes`` does. It
-    lives here, in the bottom layer, so that every layer can warn the same way.
-    """
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level + 1)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._version import __version__
-from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, find_interrupt
 from ..storage.base import redact
 from ._output import Output, StdoutClosed, escape, to_jsonable
 from ._registry import Command, load_commands
@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None, *, stdout=None, stderr=None) -> int:
         out.warn("interrupted")
         return 130
     except BaseException as e:  # noqa: BLE001 - every error becomes a message and an exit code
+        if isinstance(find_interrupt(e), KeyboardInterrupt):  # a Ctrl-C that DCP wrapped
+            out.warn("interrupted")
+            return 130
         code, kind = _classify(e)
         if code is None:
             raise

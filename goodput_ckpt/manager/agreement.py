@@ -9,7 +9,9 @@ decisions on every rank, over the manager's own group.
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -30,8 +32,11 @@ __all__ = [
     "open_group",
     "raise_first_failure",
     "raise_if_any_rank_failed",
+    "union_of_steps",
 ]
 
+
+logger = logging.getLogger("goodput_ckpt.manager")
 
 #: torch's warning when ``dcp.save``/``dcp.load`` run with ``no_dist=True``: it assumes a missing
 #: process group, while the manager passes ``no_dist`` on purpose (one process, or a two-tier
@@ -86,6 +91,25 @@ def fail_on_every_rank(
         pass  # the failure it was made for; ``err`` is raised by the caller
 
 
+def union_of_steps(pg: dist.ProcessGroup | None, world_size: int, list_steps: Callable[[], list[int]] | None) -> set[int]:
+    """Every rank: the union of the committed steps the listing ranks see (``list_steps``, on
+    the ranks that list: the coordinator, and with two tiers each node's first rank), so that a
+    save of an existing step is refused on every rank alike, before any rank enters ``dcp.save``.
+    One gather, at a manager's first save. A listing that fails counts as empty (logged): the
+    save then fails in the background, as it would have without this check."""
+    mine: list[int] = []
+    if list_steps is not None:
+        try:
+            mine = list_steps()
+        except CheckpointError as e:
+            logger.warning("could not list the existing steps (a save of one will fail when it commits): %s", e)
+    if pg is None:
+        return set(mine)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=pg)
+    return {s for steps in gathered for s in steps or ()}
+
+
 def agree_on_latest(
     root: Store, pg: dist.ProcessGroup | None, *, is_coordinator: bool, keep_last: int | None, root_uri: str
 ) -> int | None:
@@ -96,9 +120,14 @@ def agree_on_latest(
     Raises:
         CheckpointError: on every rank, when the coordinator could not list the root.
     """
-    return decide_on_coordinator(
-        pg, is_coordinator, lambda: clean_before_restore(root, keep_last=keep_last), f"listing checkpoints under {root_uri}"
-    )
+    def decide() -> int | None:
+        fresh: list[str] = []
+        latest = clean_before_restore(root, keep_last=keep_last, fresh_start=fresh)
+        if fresh:  # a wrong or empty root must not start training from scratch in silence
+            logger.warning("restore: %s; training starts from step 0", fresh[0])
+        return latest
+
+    return decide_on_coordinator(pg, is_coordinator, decide, f"listing checkpoints under {root_uri}")
 
 
 def raise_first_failure(local_err: CheckpointError | None, messages: list[str | None]) -> None:

@@ -38,7 +38,7 @@ from ..dcp.load_planner import GridLoadPlanner
 from ..dcp.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
-from ..errors import CheckpointError, as_checkpoint_error, warn_user
+from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, as_checkpoint_error
 from ..state import (
     EXTRA_KEY,
     Topology,
@@ -59,8 +59,10 @@ from .agreement import (
     fail_on_every_rank,
     open_group,
     raise_if_any_rank_failed,
+    union_of_steps,
 )
 from .config import ManagerConfig
+from .disk_full import make_room
 from .job import JobRecord, JobState, claim_job_file, job_metadata, job_of, survey_job
 from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
@@ -113,6 +115,11 @@ class CheckpointManager:
         thread_count, chunk_size: passed to ``CheckpointWriter`` (``thread_count`` also to the
             reader); ``verify``: check hashes on restore.
         timeout_s: the longest wait for a previous save (``save``, ``restore``, ``close``).
+        free_space_on_full: when a save fails because the local disk (the root, or with two
+            tiers the node's local directory) is full, delete the failed save's files, other
+            incomplete steps and the oldest complete step beyond the newest one, and try the save
+            once more (:mod:`.disk_full`). Default ``False``: the save fails, as does every later
+            one until space is freed.
         timeline: where the per-save timeline goes (:mod:`goodput_ckpt.manager.timeline`): ``True``
             (default) appends JSON lines to ``ROOT/goodput-timeline.jsonl`` when the root is a
             local directory (elsewhere it stays in memory); a local file path; a callable that
@@ -148,6 +155,7 @@ class CheckpointManager:
         persist_every: int = 1,
         local_keep_last: int | None = None,
         local_world_size: int | None = None,
+        free_space_on_full: bool = False,
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
@@ -155,7 +163,7 @@ class CheckpointManager:
             allow_topology_change=allow_topology_change, overwrite=overwrite, thread_count=thread_count,
             chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
             local_dir=None if local_dir is None else os.fspath(local_dir), replicas=replicas,
-            persist_every=persist_every, local_keep_last=local_keep_last,
+            persist_every=persist_every, local_keep_last=local_keep_last, free_space_on_full=free_space_on_full,
         )  # fmt: skip
         if on_error is not None and not callable(on_error):
             raise TypeError("on_error must be callable(step, error)")
@@ -172,10 +180,12 @@ class CheckpointManager:
             self._topology = Topology(rank=0, world_size=1)
         self._tiers: Tiers | None = None
         self._job: JobState = self._survey_job()
+        self._steps_seen: set[int] | None = None  # committed steps listed at the first save, every rank
         self._saves = SaveJobs(
             pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
             on_commit=self._apply_retention, on_error=on_error,
             after_write=None if self.config.local_dir is None else self._after_local_write,
+            make_room=self._make_room if self.config.free_space_on_full else None,
         )  # fmt: skip
         if self.config.local_dir is not None:
             self._tiers = Tiers.open(
@@ -307,6 +317,8 @@ class CheckpointManager:
             # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
             fail_on_every_rank(self._pg, uri, failed, options)
             raise failed
+        if not self.config.overwrite:
+            self._refuse_existing(step, uri)
         t_waited = time.perf_counter()
         try:
             models = normalize(model, optimizer)
@@ -348,6 +360,23 @@ class CheckpointManager:
         del state
         self._saves.submit(job, staged, later, blocked_from=t0, waited=t_waited)
 
+    def _refuse_existing(self, step: int, uri: str) -> None:
+        """Raise ``CheckpointExistsError`` on every rank alike when ``step`` is committed on some
+        tier, at the call (a background save would fail only at its commit, reported at
+        ``close()``). No collective per save: the steps listed at the first save (one gather,
+        :func:`.agreement.union_of_steps`) and those this manager saved since are the same on
+        every rank. A step saved by another process meanwhile still fails at its commit."""
+        if self._steps_seen is None:
+            layout = None if self._tiers is None else self._tiers.local.layout
+            lists = self.is_coordinator or (layout is not None and layout.rank == layout.ranks_of(layout.node)[0])
+            self._steps_seen = union_of_steps(self._pg, self._topology.world_size, self.steps if lists else None)
+        if step in self._steps_seen or step in self._saves.committed:
+            raise CheckpointExistsError(
+                f"step {step} already has a committed checkpoint ({self._root.uri}"
+                f"{'' if self._tiers is None else ' or the local tier'}): {OVERWRITE_HINT}, or save another step",
+                path=uri,
+            )
+
     def _claim_root(self) -> None:
         """Before the job's first save: the coordinator records the job's id at the root."""
         if self._job.recorded:
@@ -382,6 +411,22 @@ class CheckpointManager:
         (policy: :mod:`.retention`; the save thread calls it). Best effort: failures are logged."""
         if self.is_coordinator and self._tiers is None:  # two tiers: each tier applies its own
             apply_retention(self._root, committed=committed, keep_last=self.config.keep_last)
+
+    def _make_room(self, job: SaveJob) -> bool:
+        """Every rank, after a save failed, with ``free_space_on_full``: see :mod:`.disk_full`."""
+        rank, world = self._topology.rank, self._topology.world_size
+        if self._tiers is None:
+            return make_room(
+                self._pg, self._root, rank=rank, world_size=world, owner_of=dict.fromkeys(range(world), 0),
+                step=job.step, needed=job.record.bytes,
+            )  # fmt: skip
+        local = self._tiers.local
+        persisting = local.persister.in_flight_step if local.persister is not None else None
+        return make_room(
+            self._pg, local.store, rank=rank, world_size=world, step=job.step, needed=job.record.bytes,
+            owner_of={r: local.layout.ranks_of(local.layout.node_of(r))[0] for r in range(world)},
+            protect={persisting} - {None},
+        )  # fmt: skip
 
     def _after_local_write(self, job: SaveJob, err: CheckpointError | None) -> CheckpointError | None:
         """Two tiers, the save thread, every rank: spread the local save (manifest to every node,
@@ -506,9 +551,8 @@ class CheckpointManager:
                 loader_states=loader_states,
             )  # fmt: skip
         )
-        for note in plan.notes:
+        for note in plan.notes:  # one channel: the log (docs/manager.md, "What a restore reports")
             logger.warning("restore of step %d: %s", step, note)
-            warn_user(f"restore of step {step}: {note}")
         logger.info("restored step %d from %s", step, uri)
 
     def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
@@ -552,10 +596,12 @@ class CheckpointManager:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Wait for the save in flight; raise the first background failure not yet raised.
+        """Wait for the save in flight; raise the background failures not yet raised.
 
         Raises:
-            CheckpointError: a background save failed since the last report.
+            CheckpointError: a background save failed since the last report (one failure as
+                itself; several as one error naming every failed step, newest first, with the
+                count).
         """
         self._check_open()
         self._saves.finish_previous(report=False)

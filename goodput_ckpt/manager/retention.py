@@ -26,8 +26,12 @@ from ..format.commit_record import MISSING, TORN, read_commit_record
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
+from .timeline import TIMELINE_NAME
 
-__all__ = ["StepScan", "apply_retention", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
+__all__ = [
+    "StepScan", "apply_retention", "clean_before_restore", "delete_step", "describe_fresh_start", "retention_victims",
+    "scan_steps",
+]
 
 logger = logging.getLogger("goodput_ckpt.retention")
 
@@ -117,18 +121,22 @@ def delete_step(root: Store, step: int, files: list[str]) -> None:
     logger.info("deleted the checkpoint of step %d under %s", step, root.uri)
 
 
-def clean_before_restore(root: Store, *, keep_last: int | None) -> int | None:
+def clean_before_restore(root: Store, *, keep_last: int | None, fresh_start: list[str] | None = None) -> int | None:
     """The coordinator's clean-up before a restore, when nothing of the job is in flight: delete
     every incomplete step (a leftover) and complete ones beyond ``keep_last`` (a run killed
     between a commit and its retention left one too many), abort the multipart uploads killed
     saves left under the root on object stores, and return the newest complete step.
 
-    Deletions and aborts are best effort (logged).
+    Deletions and aborts are best effort (logged). ``fresh_start``: when nothing is complete,
+    what the root holds is appended to it (:func:`describe_fresh_start`), for the caller to log
+    once it knows that no other tier holds a step either.
 
     Raises:
         CheckpointError: the root cannot be listed.
     """
     scan = scan_steps(root)
+    if fresh_start is not None and scan.latest is None:
+        fresh_start.append(describe_fresh_start(root, scan))
     doomed = set(scan.incomplete)
     if scan.latest is not None:
         doomed.update(retention_victims(scan, committed=scan.latest, keep_last=keep_last))
@@ -181,3 +189,36 @@ def _abort_orphaned_uploads(root: Store) -> None:
         return
     if aborted:
         logger.info("aborted %d unfinished upload(s) under %s left by interrupted saves", len(aborted), root.uri)
+
+
+def describe_fresh_start(root: Store, scan: StepScan) -> str:
+    """What a restore found under ``root`` when nothing there is complete (``scan``: its listing
+    before the clean-up), for the warning that training starts from step 0.
+
+    Why: a mistyped or wrong root made ``restore()`` return ``None`` in silence, and the job
+    trained from scratch. A root that does not exist, one that holds files but no step
+    directory (a wrong root: a parent, or a step directory itself), and one that holds only
+    incomplete saves (every save was interrupted or failed) are told apart. ``root.uri`` is
+    redacted (credentials never reach a message).
+    """
+    if scan.incomplete:
+        steps = ", ".join(str(s) for s in scan.incomplete[:5]) + (", ..." if len(scan.incomplete) > 5 else "")
+        held = (
+            f"holds no complete checkpoint, only {len(scan.incomplete)} incomplete save(s) (step {steps}: "
+            "interrupted or failed, now deleted)"
+        )
+    else:
+        held = "holds no checkpoint"
+        base = root.traits.local_path
+        if base is not None and not os.path.exists(base):
+            held = "does not exist"
+        elif base is not None and os.path.isdir(base):
+            try:
+                from .job import JOB_FILE  # here: job.py lists steps through this module
+
+                others = len([n for n in os.listdir(base) if n not in (TIMELINE_NAME, JOB_FILE)])
+            except OSError:
+                others = 0
+            if others:
+                held = f"holds {others} entr{'y' if others == 1 else 'ies'} but no step_* checkpoint (is it the right root?)"
+    return f"{root.uri} {held}"

@@ -20,6 +20,7 @@ fsspec backend ``storage_options`` keeps its fsspec meaning: the filesystem's ow
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -81,7 +82,49 @@ def _local_path(uri: str | os.PathLike) -> str | None:
         return unquote(parsed.path)
     if "://" in text:
         return None
+    _refuse_broken_url(text)
     return text
+
+
+#: ``scheme:`` at the start of a string (two characters at least: ``C:`` is a Windows drive).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(.*)", re.DOTALL)
+
+
+def _refuse_broken_url(text: str) -> None:
+    """Refuse a string that looks like a URL but does not parse as one (``s3:/bucket/run``,
+    ``s3:bucket``, ``foo:/x``): taken as a local path it would put a checkpoint meant for a
+    bucket into ``./s3:/bucket/run`` on local disk, silently.
+
+    Refused: any scheme followed by ``:/`` but not ``://``, and a bucket scheme
+    (:data:`_BUCKET_SCHEMES`) followed by anything but ``//``. Kept as local paths: a drive
+    letter (``C:/x``), a name with a colon that is no such scheme (``run:3``, ``data:v2``,
+    ``./s3:/x``, ``/data/a:b``).
+
+    Raises:
+        ValueError: naming the spelling it probably meant.
+    """
+    m = _SCHEME.fullmatch(text)
+    if m is None:
+        return
+    scheme, rest = m.group(1), m.group(2)
+    if not rest.startswith("/") and scheme.lower() not in _BUCKET_SCHEMES:
+        return
+    meant = f"{scheme}://{'/' if scheme.lower() in ('file', 'local') else ''}{rest.lstrip('/')}"
+    known = scheme.lower() in _BUCKET_SCHEMES or scheme.lower() in ("file", "local") or _known_to_fsspec(scheme)
+    shown = f"{scheme}:{rest[: len(rest) - len(rest.lstrip('/'))]}" + redact(meant).split("://", 1)[1].lstrip("/")
+    local = "" if known else f", or './{shown}' for a local path"
+    raise ValueError(
+        f"checkpoint location {shown!r} looks like a URL but is not one (a URL has '://' after "
+        f"its scheme); did you mean {redact(meant)!r}{local}?"
+    )
+
+
+#: Schemes whose URLs name a bucket: ``s3:bucket`` is a typo, never a local name.
+_BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "r2"})
+
+
+def _known_to_fsspec(scheme: str) -> bool:
+    return fsspec_protocol(f"{scheme.lower()}://") is not None
 
 
 def is_supported_uri(uri: object) -> bool:

@@ -81,3 +81,16 @@ def test_hostile_foreign_inputs_are_exit_1(tmp_path):
     (d / "model.objects.json").write_text(json.dumps(side))
     code, _, err = run("convert", d, tmp_path / "o2", "--to", "goodput")
     assert code == EXIT_FAILED and "Traceback" not in err and "shape" in err
+
+
+def test_a_ctrl_c_that_dcp_wrapped_exits_130(tmp_path, monkeypatch):
+    """torch's DCP wraps a KeyboardInterrupt that hits a save or a load into its
+    CheckpointException (a BaseException); the CLI still exits 130, as for a bare Ctrl-C."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def interrupted(*a, **k):
+        raise CheckpointException("save", {0: KeyboardInterrupt()})
+
+    monkeypatch.setattr(convert_tool, "convert_checkpoint", interrupted)
+    code, _, err = run("convert", tmp_path / "a", tmp_path / "b", "--to", "goodput")
+    assert code == 130 and "interrupted" in err and "Traceback" not in err

@@ -151,7 +151,10 @@ def test_disk_full_under_the_manager_keeps_training_going(tmpfs):
     assert [s for s, _ in calls] == [3, 4], calls
     for _, e in calls:
         assert type(e) is CheckpointError and "disk is full" in str(e), e
-    assert "disk is full" in str(info.value) and "step_00000003" in str(info.value)
+    # wait() reports every failed step, newest first, with the count (issue 32: only the first before)
+    assert str(info.value).startswith("2 background saves failed, newest first: step 4: "), info.value
+    assert str(info.value).index("step_00000004") < str(info.value).index("step_00000003"), info.value
+    assert "disk is full" in str(info.value) and type(info.value) is CheckpointError
     assert "step_00000004" in str(mgr.last_error)
     mgr = CheckpointManager(root, keep_last=3, timeline=False)
     try:
@@ -203,3 +206,49 @@ def test_file_size_limit(forker, tmp_path):
         mgr.close()
     record("file-size limit (RLIMIT_FSIZE): dcp.save and CheckpointManager", "local", trials=2,
            faults_injected=2, detected_or_recovered=2, data_lost=0)  # fmt: skip
+
+
+def _fill_after_step_2(tmpfs, **opts) -> tuple[CheckpointManager, list[int]]:
+    """Steps 1-6 of 3 MiB through a manager with ``keep_last=2``; after step 2 something else
+    fills the disk up to 1 MiB of free space. Returns the manager (open) and the steps saved."""
+    mgr = CheckpointManager(tmpfs / "run", keep_last=2, timeline=False, **opts)
+    model = TrialModel(3 << 10)
+    for step in range(1, 7):
+        if step == 3:
+            mgr.wait()
+            fill(tmpfs, 1 * MiB)
+        model.fill(step)
+        mgr.save(step, model=model)
+    return mgr, list(range(1, 7))
+
+
+def test_a_full_disk_reports_every_failed_step_at_close(tmpfs):
+    """By default nothing is deleted to make room: every save after the disk filled fails, and
+    close() names all of them, newest first, with the count (before: only step 3)."""
+    mgr, _ = _fill_after_step_2(tmpfs)
+    with pytest.raises(CheckpointError) as info:
+        mgr.close()
+    msg = str(info.value)
+    assert msg.startswith("4 background saves failed, newest first: step 6: "), msg
+    assert [msg.index(f"step {s}: ") for s in (6, 5, 4, 3)] == sorted(msg.index(f"step {s}: ") for s in (6, 5, 4, 3))
+    assert "disk is full" in msg
+    with CheckpointManager(tmpfs / "run", timeline=False) as again:
+        assert again.steps() == [1, 2]
+
+
+def test_free_space_on_full_deletes_the_oldest_step_and_retries_once(tmpfs, caplog):
+    """With free_space_on_full=True each save that finds the disk full deletes the oldest
+    complete step beyond the newest one and is tried once more: training keeps a checkpoint of
+    every step, within the room the disk has."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="goodput_ckpt"):
+        mgr, _ = _fill_after_step_2(tmpfs, free_space_on_full=True)
+        mgr.close()  # nothing failed
+    assert mgr.last_error is None
+    freed = [r.getMessage() for r in caplog.records if r.name.startswith("goodput_ckpt") and "free_space_on_full" in r.getMessage()]
+    assert freed and all("is full; deleted step(s)" in m and "trying once more" in m for m in freed), freed
+    with CheckpointManager(tmpfs / "run", timeline=False) as again:
+        assert again.steps()[-1] == 6
+        restored = TrialModel(3 << 10)
+        assert again.restore(model=restored) == 6 and restored.holds(6)

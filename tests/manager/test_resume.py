@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import train_job  # noqa: E402
+from helpers.logs import logged_warnings  # noqa: E402
 from helpers.trees import assert_tree_equal  # noqa: E402
 
 from goodput_ckpt import CheckpointManager  # noqa: E402
@@ -188,7 +189,7 @@ def test_restart_at_one_rank_from_two_rank_checkpoint(resumed_job):
     torch.manual_seed(5)
     rng_before = torch.get_rng_state()
     mgr = CheckpointManager(root, allow_topology_change=True)
-    with pytest.warns(UserWarning, match="skipped"):
+    with logged_warnings("skipped"):
         step = mgr.restore(model=model, optimizer=opt, dataloader=loader, scheduler=sched)
     mgr.close()
     assert step == STEPS - 1

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import tiers_job
 from helpers.dist import run_ranks
+from helpers.logs import logged_warnings
 from helpers.tiers import job_dir
 
 from goodput_ckpt import CheckpointManager
@@ -89,7 +90,7 @@ def test_nothing_lost_restores_newest_from_local(saved, tmp_path):
         assert r["error"] is None and r["step"] == 6
         assert r["digest"] == want
         assert set(r["record"]["sources"]) == {"local"}
-        assert r["warnings"] == []
+        assert r["warnings"] == [] and r["user_warnings"] == []
         # With nothing to repair, a restore synchronizes the ranks 6 times (on 2 cores with 4
         # ranks each one costs milliseconds): the persistent listing rides on the inventory
         # gather, no second repair gather when nothing is missing, no barrier for commit
@@ -112,6 +113,12 @@ def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
             assert "replica" in r["record"]["sources"] and "persistent" not in r["record"]["sources"]
         else:
             assert set(r["record"]["sources"]) == {"local"}
+        assert r["user_warnings"] == []  # one channel: the log
+    # exactly one warning, on node 1's first rank: the node, the step and the tier used
+    warned = [w for r in results for w in r["warnings"]]
+    assert len(warned) == 1 and warned == results[2]["warnings"], warned
+    assert "restore of step 6: node 1 holds no copy of it" in warned[0] and "another node's replica" in warned[0]
+    assert len(warned[0]) < 300, warned
     # node 1's ranks loaded what they received from memory: nothing was written to the lost
     # node's directory and read back, and no copy there claims to be whole
     assert not list((local / "node1").rglob("*.bin")) and not list((local / "node1").rglob("manifest.json"))
@@ -173,7 +180,12 @@ def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):
     # rank 0 reads only its own file (the small replicated optimizer values are all in it, see
     # dcp/save_planner.py), and that file came from its replica
     assert results[0]["record"]["sources"] == {"replica": 1}
-    assert any(bad.name in w and "checksum mismatch" in w for w in results[0]["warnings"]), results[0]["warnings"]
+    # one warning (node 0's first rank), naming the file, the damaged bytes' keys and the tier used
+    warned = [w for r in results for w in r["warnings"]]
+    assert len(warned) == 1 and warned == results[0]["warnings"], warned
+    assert f"node 0's copy of {bad.name} is damaged (bytes [" in warned[0] and "keys: " in warned[0], warned
+    assert "padding only" not in warned[0] and warned[0].endswith("read from another node's replica"), warned
+    assert all(r["user_warnings"] == [] for r in results)
     assert set(results[2]["record"]["sources"]) == {"local"}
 
 
@@ -189,7 +201,8 @@ def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path)
         assert "persistent" in r["record"]["sources"]
     # node 0's ranks were told which local file was bad, where, and that the next tier was used
     warned = results[0]["warnings"]
-    assert any("checksum mismatch" in w and "node0" in w and "next tier" in w for w in warned), warned
+    assert any("node 0's copy of" in w and "is damaged" in w and "read from the persistent tier" in w for w in warned), warned
+    assert all(len(w) < 400 and "Restore an earlier" not in w for r in results for w in r["warnings"]), warned
     # the steps after it, which no tier could rebuild, are gone from the local tier
     assert not (job_dir(local / "node0") / "step_00000006").exists()
 
@@ -319,9 +332,11 @@ def test_one_process_two_tiers(tmp_path):
     assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
 
 
-def test_one_process_damaged_local_copy_warns_at_the_callers_line(tmp_path):
+def test_one_process_damaged_local_copy_warns_once(tmp_path):
     """Same-size damage in the local copy is found by the load itself; the file comes from the
-    persistent tier, and the warning names it and points at the line that called restore."""
+    persistent tier, and one log record names it, the keys hit and the tier used (issue 32:
+    before, a log record and a UserWarning of about 600 characters each, with advice the
+    restore was already following)."""
     import torch
 
     model, opt = tiers_job.make(0)
@@ -336,13 +351,13 @@ def test_one_process_damaged_local_copy_warns_at_the_callers_line(tmp_path):
     fresh, fresh_opt = tiers_job.make(0)
     torch.nn.init.zeros_(fresh[0].weight)
     with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2) as mgr:
-        with pytest.warns(UserWarning, match=bad.name) as caught:
+        with logged_warnings(bad.name) as records:
             assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
         assert mgr.timeline[-1]["sources"] == {"persistent": 1}
-    named = [w for w in caught if bad.name in str(w.message)]
-    assert {Path(w.filename).name for w in named} == {Path(__file__).name}
-    # the damaged range is named with the tensors it hits
-    assert all("padding only" not in str(w.message) and "Affected keys: " in str(w.message) for w in named), named
+    (named,) = [r.getMessage() for r in records if bad.name in r.getMessage()]
+    # the damaged range is named with the tensors it hits, and the tier the file came from
+    assert "is damaged (bytes [" in named and "keys: " in named and "padding only" not in named, named
+    assert named.endswith("read from the persistent tier") and len(named) < 300, named
     assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
 
 
@@ -390,7 +405,28 @@ def test_local_copy_that_cannot_be_committed_does_not_fail_the_restore(tmp_path)
     fresh, fresh_opt = tiers_job.make(0)
     torch.nn.init.zeros_(fresh[0].weight)
     with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2) as mgr:
-        with pytest.warns(UserWarning, match="could not be committed"):
+        with logged_warnings("could not be committed"):
             assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
         assert mgr.timeline[-1]["sources"] == {"local": 1}
     assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(4)
+
+
+def test_one_process_lost_local_directory_warns_once_naming_node_step_and_tier(tmp_path):
+    """The whole local directory is gone: the restore reads the step from the persistent tier
+    and says so in one log record (issue 32: before, nothing at all)."""
+    import torch
+
+    model, opt = tiers_job.make(0)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=1, keep_last=2) as mgr:
+        for step in range(2):
+            tiers_job.train(model, opt, step)
+            mgr.save(step, model=model, optimizer=opt)
+    shutil.rmtree(tmp_path / "local")
+    fresh, fresh_opt = tiers_job.make(0)
+    torch.nn.init.zeros_(fresh[0].weight)
+    with CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local")) as mgr:
+        with logged_warnings("holds no copy") as records:
+            assert mgr.restore(model=fresh, optimizer=fresh_opt) == 1
+    (warned,) = [r.getMessage() for r in records]
+    assert warned.startswith("restore of step 1: node 0 holds no copy of it") and "the persistent tier" in warned
+    assert tiers_job.digest(fresh, fresh_opt) == tiers_job.reference_digest(2)

@@ -79,11 +79,13 @@ def test_a_failed_save_is_recorded_as_failed(tmp_path):
     mgr = CheckpointManager(tmp_path, timeline=seen.append, overwrite=False)
     mgr.save(5, model=model, optimizer=opt)
     mgr.wait()
-    mgr.save(5, model=model, optimizer=opt)  # the same step again: refused in the background
+    with CheckpointManager(tmp_path, timeline=False, async_save=False) as other:
+        other.save(6, model=model, optimizer=opt)  # another process, after this manager listed the steps
+    mgr.save(6, model=model, optimizer=opt)  # so refused only in the background, at the commit
     with pytest.raises(CheckpointError):
         mgr.wait()
     mgr.close()
-    assert [(r["step"], r["ok"]) for r in seen] == [(5, True), (5, False)]
+    assert [(r["step"], r["ok"]) for r in seen] == [(5, True), (6, False)]
     assert "already holds a committed checkpoint" in seen[1]["error"] and seen[1]["gbps"] is None
     assert not (tmp_path / TIMELINE_NAME).exists()  # a callable replaces the default file
     assert summarize_timeline(seen)["failed_saves"] == 1

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -128,6 +129,8 @@ def restore_step(
     model, opt = make(rank, width)
     torch.manual_seed(123 + rank)  # restore must overwrite whatever this leaves
     error = None
+    logged = _LogKeeper()
+    logging.getLogger("goodput_ckpt").addHandler(logged)
     with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
         warnings.simplefilter("always")
         try:
@@ -140,11 +143,24 @@ def restore_step(
     Path(out, f"restored-rank{rank}.json").write_text(
         json.dumps({
             "step": step, "error": error, "digest": digest(model, opt), "record": record[-1] if record else None,
-            "warnings": [str(w.message) for w in caught if "restore of step" in str(w.message) or "local tier" in str(w.message)],
+            # the restore's reports: WARNING records of the goodput_ckpt loggers, and no UserWarning
+            "warnings": [m for m in logged.messages if "restore of step" in m or "local tier" in m],
+            "user_warnings": [str(w.message) for w in caught if "restore of step" in str(w.message) or "local tier" in str(w.message)],
             "collectives": dict(collectives),
             "torch_warnings": [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)],
         })
     )
+
+
+class _LogKeeper(logging.Handler):
+    """Keeps the messages of the WARNING records it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def reference_digest(steps: int, width: int = 64) -> dict[str, str]:

@@ -25,6 +25,7 @@ from goodput_ckpt.state.rng import derived_seed
 from goodput_ckpt.tools.reshard import reshard_checkpoint
 
 from helpers.dist import run_ranks  # noqa: E402
+from helpers.logs import logged_warnings  # noqa: E402
 
 N = 40
 
@@ -117,7 +118,7 @@ def test_checkpoint_without_loader_state_restores_with_a_loader(tmp_path):
     mgr = CheckpointManager(tmp_path, async_save=False)
     mgr.save(1, model=model)
     loader, _ = _loader(0, 4)
-    with pytest.warns(UserWarning, match="starts from its beginning"):
+    with logged_warnings("starts from its beginning"):
         assert mgr.restore(model=model, dataloader=loader) == 1
     assert len(_ids(loader)) == N
     mgr.close()

@@ -56,7 +56,6 @@ from ...errors import (
     IncompleteCheckpointError,
     as_checkpoint_error,
     find_checkpoint_error,
-    warn_user,
 )
 from ...format.commit_record import COMMITTED, KeyIndex, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -183,10 +182,11 @@ def restore_tiers(
     layout, pg = tier.layout, tier.pg
     persisted: list[int] = []
     listing_error = None
+    fresh: list[str] = []  # what the persistent tier holds when nothing there is complete
     if layout.rank == 0 and persistent is not None:
 
         def listing() -> list[int]:
-            clean_before_restore(persistent, keep_last=keep_last)
+            clean_before_restore(persistent, keep_last=keep_last, fresh_start=fresh)
             return scan_steps(persistent).complete
 
         listed = _or_error(f"listing {persistent.uri}", listing)
@@ -222,6 +222,12 @@ def restore_tiers(
             )
         candidates = [step]
     if not candidates:
+        if layout.rank == 0:  # a wrong or empty root must not start training from scratch in silence
+            held = fresh[0] if fresh else "no persistent tier"
+            logger.warning(
+                "restore: %s, and no node's local directory (node 0's: %s) holds a committed step; "
+                "training starts from step 0", held, tier.uri,
+            )  # fmt: skip
         return None
     reasons = []
     for s in candidates:
@@ -284,11 +290,13 @@ def _record(tier: LocalTier, persistent: Store | None, s: int, on_record_nodes: 
 
 def _check_local(
     store: Store, s: int, manifest: Manifest, files: dict[str, set[int]], verify: bool
-) -> tuple[set[str], list[str]]:
+) -> tuple[set[str], dict[str, str]]:
     """The files of ``files`` this node's copy of ``s`` lacks, or holds with a damaged chunk
-    among those this rank reads (``files``: name -> chunk indices), and warnings."""
+    among those this rank reads (``files``: name -> chunk indices), and why, where it is not
+    simply absent (name -> a short reason, for :func:`_report_arrivals`)."""
     step_store = store_of(store, s)
-    missing, notes = set(), []
+    missing: set[str] = set()
+    notes: dict[str, str] = {}
     keys = KeyIndex(manifest)
     for name in sorted(files):
         entry = manifest.files[name]
@@ -296,15 +304,28 @@ def _check_local(
         if size != entry.size:
             missing.add(name)
             if size is not None:
-                notes.append(f"{step_store.uri}/{name} is {size} bytes, the manifest records {entry.size}")
+                notes[name] = f"is {size} bytes, the manifest records {entry.size}"
             continue
         if verify:
             try:
                 check_file(step_store, entry, manifest.chunk_size, only=files[name], keys=keys)
             except CheckpointError as e:
                 missing.add(name)
-                notes.append(str(e))
+                notes[name] = _damage(e)
     return missing, notes
+
+
+def _damage(err: CheckpointError) -> str:
+    """A short reason for a damaged or unreadable file, from the error's fields (byte range and
+    keys) rather than its message, whose advice ("restore an earlier checkpoint or a replica")
+    the restore is already following."""
+    found = find_checkpoint_error(err) or err
+    if isinstance(found, CorruptCheckpointError) and found.byte_range is not None:
+        keys = found.key or "padding only"
+        keys = keys if len(keys) <= 160 else keys[:157] + "..."
+        return f"is damaged (bytes [{found.byte_range[0]}, {found.byte_range[1]}), keys: {keys})"
+    text = str(found)
+    return f"cannot be read ({text if len(text) <= 200 else text[:197] + '...'})"
 
 
 def store_of(root: Store, s: int, options: dict[str, Any] | None = None) -> Store:
@@ -342,7 +363,7 @@ def _attempt(
     if theirs.id != tier.job.id and not (theirs.id is None and persisted):
         # Only the persistent root, the job's home, may hold steps saved before job identities.
         return f"its commit record belongs to another job ({theirs.id or 'none recorded'}), not to job {tier.job.id}"
-    plan, need, missing, notes, local_err = None, {}, set(), [], None
+    plan, need, missing, notes, local_err = None, {}, set(), {}, None
     try:
         plan = plan_for(manifest, where)
         need = chunks_read_by(dest_of(plan), manifest)
@@ -352,13 +373,15 @@ def _attempt(
         local_err = as_checkpoint_error(e, f"planning the restore of step {s}")
     agree = None if agree_of is None or plan is None else agree_of(plan)
     raise_if_any_rank_failed(pg, layout.world_size, local_err, agree=agree)
-    _warn_unusable(s, layout.node, notes)
     # What this node's copy lacks is not written into it first, which would cost a write and a
     # read of every byte before the load (a persistent restore took 2-2.5x a one-tier one):
     # from another node, each rank receives the chunks it reads into memory; files from the
     # persistent tier are read there by the load. The load checks both as it reads them. The
     # node's copy stays without them (and uncommitted); the next save makes a new local step.
-    got = _mend(tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options, direct=True)
+    got = _mend(
+        tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options, direct=True,
+        why=notes,
+    )  # fmt: skip
     if isinstance(got, str):
         return got
     arrived, node_whole = got.tiers, got.node_whole
@@ -384,8 +407,9 @@ def _attempt(
         # too, and a damaged one fails the step as any bad fetch does) and load again, from
         # this node's copy alone.
         missing, notes = _check_local(tier.store, s, manifest, need, verify=verify)
-        _warn_unusable(s, layout.node, notes)
-        again = _mend(tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options)
+        again = _mend(
+            tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options, why=notes,
+        )  # fmt: skip
         if isinstance(again, str):
             return again
         arrived.update(again.tiers)
@@ -420,20 +444,44 @@ def _commit_node_copy(tier: LocalTier, s: int, data: bytes) -> None:
 
     e = _or_error(f"committing node {layout.node}'s copy of step {s}", commit_here)
     if e is not None:
-        logger.warning("restore of step %d: node %d's local copy keeps no commit record: %s", s, layout.node, e)
-        warn_user(f"restore of step {s}: node {layout.node}'s local copy could not be committed ({e}); "
-                  "the restore goes on, and that copy will not count as a local checkpoint")  # fmt: skip
+        logger.warning(
+            "restore of step %d: node %d's local copy could not be committed (%s); it will not count as a local "
+            "checkpoint", s, layout.node, e,
+        )  # fmt: skip
 
 
 def _warn_unusable_tier(node: int, err: CheckpointError) -> None:
-    logger.warning("node %d's local tier cannot be read, its ranks use the other tiers: %s", node, err)
-    warn_user(f"node {node}'s local tier cannot be read ({err}); its ranks use the other tiers")
+    logger.warning("node %d's local tier cannot be read (%s); its ranks use the other tiers", node, err)
 
 
-def _warn_unusable(s: int, node: int, notes: list[str]) -> None:
-    for note in notes:
-        logger.warning("restore of step %d: the local copy on node %d is not usable, using the next tier: %s", s, node, note)
-        warn_user(f"restore of step {s}: node {node}'s local copy: {note}; using the next tier")
+#: How :func:`_report_arrivals` names the tier a file was read from.
+_FROM = {REPLICA: "another node's replica", PERSISTENT: "the persistent tier"}
+
+
+def _report_arrivals(
+    tier: LocalTier, s: int, nodes: dict[int, dict[int, dict[str, int]]], why: list[dict[str, str]],
+    node_arrivals: dict[str, str],
+) -> None:  # fmt: skip
+    """A node's first rank, once its ranks got every file they read that its copy of ``s``
+    lacks or holds damaged (``node_arrivals``: file -> the tier it came from): one warning for a
+    node that holds no copy of ``s`` at all (a lost node), else one per file, with why
+    (``why``: every rank's reasons). Only the facts: the restore already did what can be done."""
+    layout = tier.layout
+    if not node_arrivals or layout.rank not in layout.ranks_of(layout.node)[:1]:
+        return
+    if s not in nodes.get(layout.node, {}):
+        used = " and ".join(_FROM[t] for t in sorted(set(node_arrivals.values())))
+        logger.warning(
+            "restore of step %d: node %d holds no copy of it (%s); its ranks read %d file(s) from %s",
+            s, layout.node, tier.uri, len(node_arrivals), used,
+        )  # fmt: skip
+        return
+    reasons = {n: r for rank, w in enumerate(why) if layout.node_of(rank) == layout.node for n, r in w.items()}
+    for name in sorted(node_arrivals):
+        logger.warning(
+            "restore of step %d: node %d's copy of %s %s; read from %s",
+            s, layout.node, name, reasons.get(name, "is missing"), _FROM[node_arrivals[name]],
+        )  # fmt: skip
 
 
 def _load_checked(
@@ -478,6 +526,7 @@ def _mend(
     persistent_options: dict[str, Any] | None,
     *,
     direct: bool = False,
+    why: dict[str, str] | None = None,
 ) -> _Arrivals | str:
     """Fetch the files of ``missing`` (those this rank reads that its node's copy lacks or holds
     damaged, with the hash chunks it reads of each) into its node's copy: from another node's copy over the group, else the persistent
@@ -489,9 +538,12 @@ def _mend(
     from another node, the chunks it reads, into memory (:attr:`_Arrivals.received`); from the
     persistent tier, nothing yet (the files count as arrived from it, and the load reads them
     there). The load checks both as it reads them. The arrivals are then this rank's own.
+
+    ``why``: why this rank's node lacks some of them (:func:`_check_local`), for the warnings.
     """
     layout, pg = tier.layout, tier.pg
-    reports = _gather(pg, layout.world_size, {name: sorted(missing[name]) for name in sorted(missing)})
+    gathered = _gather(pg, layout.world_size, ({name: sorted(missing[name]) for name in sorted(missing)}, why or {}))
+    reports, whys = [r for r, _ in gathered], [w for _, w in gathered]
     if not any(reports):
         return _Arrivals({})  # nothing to fetch anywhere: no second gather
     plan_moves, fetch, why = _route(tier, manifest, s, nodes, reports, persisted, per_rank=direct)
@@ -514,7 +566,7 @@ def _mend(
         )  # fmt: skip
     arrived = {m.name: REPLICA for m in plan_moves if m.dst == layout.rank and m.name not in failed}
     for name, err in failed.items():
-        logger.warning("restore of step %d: a replica of %s was not usable, using the next tier: %s", s, name, err)
+        logger.warning("restore of step %d: the replica of %s %s; using the next tier", s, name, _damage(err))
     want = sorted(set(fetch.get(layout.rank, [])) | set(failed))
     errors = []
     if want and not persisted:
@@ -545,6 +597,7 @@ def _mend(
         return f"rank {bad[0][0]} could not get its files: {bad[0][1]}"
     # One gather carries both: what arrived on this rank's node, by any of its ranks.
     node = {n: t for r, (_, got) in enumerate(outcomes) if layout.node_of(r) == layout.node for n, t in got.items()}
+    _report_arrivals(tier, s, nodes, whys, node)
     if direct:
         return _Arrivals(arrived, received, node_whole=not node)
     return _Arrivals(node)
