@@ -3,8 +3,9 @@
 Each method trains the same model (seeded; a stack of ``--layers`` square linear layers of width
 ``--width``, Adam, so the checkpoint holds the model and two optimizer moments) with a real
 ``lightning.Trainer`` on the CPU for ``--epochs`` epochs of one step each; ``ModelCheckpoint``
-saves after every epoch. The plugin's ``save_checkpoint`` is timed (the training loop waits for
-exactly that call: the stall of a synchronous save), and the last checkpoint is loaded once with
+saves after every epoch. Two times per save: the *stall* (how long the training thread spends in
+the plugin's ``save_checkpoint``) and the *save* (how long the inner plugin takes to write it;
+for a synchronous plugin the two are the same call). The last checkpoint is loaded once with
 ``load_checkpoint`` (timed) to check that it reads back.
 
 Methods:
@@ -12,7 +13,9 @@ Methods:
   file, no fsync: the file may sit in the page cache when the save returns);
 - ``torch+fsync``: the same, then the file fsynced (durable, as ours is);
 - ``goodput``: ``GoodputCheckpointIO()`` (raw bytes hashed with blake3, every file fsynced, the
-  manifest committed last; the load verifies every chunk).
+  manifest committed last; the load verifies every chunk);
+- ``torch-async``: Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``;
+- ``goodput-async``: ``AsyncGoodputCheckpointIO()`` (Lightning's wrapper, removals in order).
 
 Rules: the first save of each run is a warm-up (the machine hands back memory that sat free, and
 the first touch of it is slow: docs/benchmarks.md, Noise) and is not counted; each repeat runs
@@ -41,7 +44,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
-from goodput_ckpt.integrations.lightning import GoodputCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from goodput_ckpt.integrations.lightning import AsyncGoodputCheckpointIO, GoodputCheckpointIO
 
 warnings.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -83,11 +88,21 @@ def _timed(base: type):
     return Timed
 
 
-METHODS = {"torch": _timed(TorchCheckpointIO), "torch+fsync": _timed(_FsyncTorchIO), "goodput": _timed(GoodputCheckpointIO)}
+def _plugins(method: str):
+    """(the plugin the Trainer gets, the timed plugin that writes, the timed plugin the loop calls)."""
+    if method.endswith("-async"):
+        inner = (_timed(TorchCheckpointIO) if method.startswith("torch") else _timed(GoodputCheckpointIO))()
+        outer = (_timed(AsyncCheckpointIO) if method.startswith("torch") else _timed(AsyncGoodputCheckpointIO))(inner)
+        return outer, inner, outer
+    io = {"torch": _timed(TorchCheckpointIO), "torch+fsync": _timed(_FsyncTorchIO), "goodput": _timed(GoodputCheckpointIO)}[method]()
+    return io, io, io
+
+
+METHODS = ["torch", "torch+fsync", "goodput", "torch-async", "goodput-async"]
 
 
 def run_once(method: str, root: str, args) -> dict:
-    io = METHODS[method]()
+    io, inner, outer = _plugins(method)
     pl.seed_everything(0, verbose=False)
     model = _Model(args.width, args.layers)
     data = DataLoader(TensorDataset(torch.randn(4, args.width)), batch_size=4)
@@ -97,14 +112,15 @@ def run_once(method: str, root: str, args) -> dict:
         enable_model_summary=False, default_root_dir=root, plugins=[io],
         callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, save_last=False)],
     )  # fmt: skip
-    trainer.fit(model, data)
+    trainer.fit(model, data)  # its teardown waits for the async saves
     last = os.path.join(ckpts, sorted(os.listdir(ckpts))[-1])
     t = time.perf_counter()
     loaded = io.load_checkpoint(last)
     load_s = time.perf_counter() - t
     assert torch.equal(loaded["state_dict"]["net.0.weight"], model.state_dict()["net.0.weight"])
     shutil.rmtree(ckpts)
-    return {"save_s": statistics.median(io.save_s[1:]), "load_s": load_s, "saves": len(io.save_s)}
+    assert len(inner.save_s) == len(outer.save_s) == args.epochs
+    return {"stall_s": statistics.median(outer.save_s[1:]), "save_s": statistics.median(inner.save_s[1:]), "load_s": load_s}
 
 
 def main() -> None:
@@ -131,7 +147,7 @@ def main() -> None:
     summary = {
         "checkpoint_mib": round(params * 4 * 3 / 2**20, 1),  # weights + Adam's two moments, fp32
         "repeats": args.repeats,
-        **{m: {k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)] for k in ("save_s", "load_s")}
+        **{m: {k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)] for k in ("stall_s", "save_s", "load_s")}
            for m, rs in results.items()},
     }  # fmt: skip
     if args.json:
@@ -139,8 +155,8 @@ def main() -> None:
         return
     print(f"checkpoint about {summary['checkpoint_mib']} MiB of tensors, {args.repeats} repeats (min / median / max, s)")
     for m in names:
-        s, ld = summary[m]["save_s"], summary[m]["load_s"]
-        print(f"  {m:12s} save {s[0]:.3f} / {s[1]:.3f} / {s[2]:.3f}   load {ld[0]:.3f} / {ld[1]:.3f} / {ld[2]:.3f}")
+        row = "   ".join(f"{k[:-2]} " + " / ".join(f"{v:.3f}" for v in summary[m][k]) for k in ("stall_s", "save_s", "load_s"))
+        print(f"  {m:14s} {row}")
 
 
 if __name__ == "__main__":
