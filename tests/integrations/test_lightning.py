@@ -28,16 +28,17 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 class TinyModel(pl.LightningModule):
     """Two linear layers, Adam (state: step tensors, tuples in param groups) and a StepLR."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16, betas: tuple = (0.9, 0.999)) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.save_hyperparameters()  # the checkpoint then holds hyper_parameters and hparams_name
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2, betas=self.hparams.betas)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
 
 
@@ -114,7 +115,9 @@ def test_checkpoint_dict_round_trips_exactly(tmp_path):
     torch_io.save_checkpoint(trainer_dict, tmp_path / "torch.ckpt")
     _assert_bit_exact(torch_io.load_checkpoint(tmp_path / "torch.ckpt"), io.load_checkpoint(tmp_path / "again"))
     # Lightning's own keys are all there, with their Python types.
-    assert {"epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks"} <= set(trainer_dict)
+    assert {"epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks",
+            "hyper_parameters", "hparams_name"} <= set(trainer_dict)  # fmt: skip
+    assert trainer_dict["hyper_parameters"] == {"hidden": 16, "betas": (0.9, 0.999)}
     assert type(trainer_dict["optimizer_states"][0]["param_groups"][0]["betas"]) is tuple
 
 
@@ -159,3 +162,16 @@ def test_map_location_and_storage_options(tmp_path):
         io.load_checkpoint(tmp_path / "a.ckpt", map_location=lambda s, loc: s)
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "b.ckpt", storage_options="fast")
+
+
+def test_s3_save_load_and_remove(tmp_path, moto):
+    """A Lightning checkpoint dict to s3:// and back (a real S3 server on 127.0.0.1), and its removal."""
+    _fit(tmp_path / "ckpts", 1, GoodputCheckpointIO())
+    trainer_dict = GoodputCheckpointIO().load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
+    io = GoodputCheckpointIO(**moto.options())
+    uri = moto.uri("run/epoch=0-step=4.ckpt")
+    io.save_checkpoint(trainer_dict, uri)
+    assert f"run/epoch=0-step=4.ckpt/{MANIFEST_NAME}" in moto.keys("run/")
+    _assert_bit_exact(trainer_dict, io.load_checkpoint(uri))
+    io.remove_checkpoint(uri)
+    assert moto.keys("run/") == []
