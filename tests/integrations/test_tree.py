@@ -112,3 +112,15 @@ def test_unknown_skeleton_version_is_refused(tmp_path):
     dcp.save(flat, storage_writer=CheckpointWriter(tmp_path / "v99", metadata=meta), no_dist=True)
     with pytest.raises(CheckpointError, match="version 99"):
         load_tree(tmp_path / "v99")
+
+
+def test_core_and_integrations_package_import_no_trainer_library():
+    """The core keeps no dependency on trainers: only the adapter module imports its library."""
+    import subprocess
+    import sys
+
+    code = "import sys, goodput_ckpt, goodput_ckpt.integrations, goodput_ckpt.integrations._tree; " \
+           "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules))"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
