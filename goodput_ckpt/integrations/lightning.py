@@ -33,6 +33,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from ..dcp.hashed_write import clear_or_refuse_existing, remove_stale_files
+from ..errors import CheckpointError
 from ..format.commit_record import MISSING, read_commit_record
 from ..storage import open_store
 from ._tree import load_tree, save_tree
@@ -92,9 +93,16 @@ class GoodputCheckpointIO(CheckpointIO):
         Raises:
             CheckpointNotFoundError: no committed checkpoint at ``path``.
             CorruptCheckpointError: a damaged file (named), or a damaged record.
+            CheckpointError: ``path`` is a single file (another plugin's checkpoint).
             TypeError: a ``map_location`` this plugin cannot apply (a callable).
         """
         device = _device_of(map_location)
+        if _is_plain_file(path):
+            raise CheckpointError(
+                f"{os.fspath(path)} is a single file, not a goodput-ckpt checkpoint location (one saved by "
+                "Lightning's default TorchCheckpointIO?): GoodputCheckpointIO loads the checkpoints it saved",
+                path=os.fspath(path),
+            )
         tree = load_tree(
             path, verify=self.verify, trust_pickle=weights_only is False, thread_count=self.thread_count, **self._options()
         )  # fmt: skip
@@ -111,6 +119,9 @@ class GoodputCheckpointIO(CheckpointIO):
         our writers name data files. A location without our commit record is left alone and
         logged. The directory itself goes when it is left empty (local disk, volumes).
         """
+        if _is_plain_file(path):
+            logger.warning("not removing %s: a single file, not a goodput-ckpt checkpoint location", os.fspath(path))
+            return
         store = open_store(path, self._options())
         record = read_commit_record(store, count_files=False)
         if record.status == MISSING:
@@ -127,6 +138,12 @@ class GoodputCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Nothing to release: every save and load opens and closes its own writer or reader."""
+
+
+def _is_plain_file(path: str | os.PathLike) -> bool:
+    """A local path (no URL scheme) that is a regular file: another plugin's checkpoint."""
+    text = os.fspath(path)
+    return "://" not in str(text) and os.path.isfile(text)
 
 
 def _device_of(map_location: Any) -> torch.device | None:

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from goodput_ckpt import CorruptCheckpointError  # noqa: E402
+from goodput_ckpt import CheckpointError, CorruptCheckpointError  # noqa: E402
 from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from goodput_ckpt.integrations.lightning import AsyncGoodputCheckpointIO, GoodputCheckpointIO  # noqa: E402
 
@@ -151,6 +151,16 @@ def test_remove_deletes_only_our_checkpoint(tmp_path):
     (tmp_path / "mixed.ckpt" / "notes.txt").write_text("keep me")
     io.remove_checkpoint(tmp_path / "mixed.ckpt")
     assert sorted(p.name for p in (tmp_path / "mixed.ckpt").iterdir()) == ["notes.txt"]
+
+
+def test_another_plugins_file_is_named_and_left_alone(tmp_path):
+    """A torch.save file from Lightning's default plugin (a directory reused after a switch)."""
+    path = tmp_path / "epoch=0-step=4.ckpt"
+    pl.plugins.io.TorchCheckpointIO().save_checkpoint({"w": torch.ones(1)}, path)
+    with pytest.raises(CheckpointError, match="TorchCheckpointIO"):
+        GoodputCheckpointIO().load_checkpoint(path)
+    GoodputCheckpointIO().remove_checkpoint(path)
+    assert path.is_file()
 
 
 def test_map_location_and_storage_options(tmp_path):
