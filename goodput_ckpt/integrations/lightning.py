@@ -204,8 +204,10 @@ class AsyncGoodputCheckpointIO(AsyncCheckpointIO):
             raise self._error
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load once the saves queued before this call are done (waits for them)."""
+        """Load once the saves queued before this call are done (waits for them), then load on
+        the caller's thread."""
         self._ensure_setup()
+        self._executor.submit(lambda: None).result()  # the queue is in order: a barrier
         if self._error:
             raise self._error
-        return self._executor.submit(self.checkpoint_io.load_checkpoint, *args, **kwargs).result()
+        return self.checkpoint_io.load_checkpoint(*args, **kwargs)

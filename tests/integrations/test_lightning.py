@@ -106,6 +106,17 @@ def test_lightning_async_wrapper_resumes_bit_exact(tmp_path):
     _assert_bit_exact(whole, resumed)
 
 
+def test_async_load_and_remove_wait_for_the_saves_before_them(tmp_path):
+    io = AsyncGoodputCheckpointIO()
+    state = {"w": torch.randn(256, 1024), "epoch": 3}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["epoch"] == 3  # not CheckpointNotFoundError
+    io.save_checkpoint(state, tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "b.ckpt")
+    io.teardown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]
+
+
 def test_checkpoint_dict_round_trips_exactly(tmp_path):
     io = GoodputCheckpointIO()
     _fit(tmp_path / "ckpts", 1, io)
