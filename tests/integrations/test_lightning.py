@@ -48,15 +48,17 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=False)
 
 
-def _fit(ckpt_dir: Path, max_epochs: int, plugin, ckpt_path=None) -> tuple[TinyModel, pl.Trainer]:
+def _fit(ckpt_dir: Path, max_epochs: int, plugin, ckpt_path=None, *, loader=None, max_steps=-1,
+         every_n_train_steps=None) -> tuple[TinyModel, pl.Trainer]:  # fmt: skip
     pl.seed_everything(0, verbose=False)
     model = TinyModel()
+    every = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1, every_n_train_steps=every_n_train_steps)
     trainer = pl.Trainer(
-        max_epochs=max_epochs, accelerator="cpu", devices=1, deterministic=True, logger=False,
+        max_epochs=max_epochs, max_steps=max_steps, accelerator="cpu", devices=1, deterministic=True, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=ckpt_dir.parent,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1)], plugins=[plugin],
+        callbacks=[every], plugins=[plugin],
     )  # fmt: skip
-    trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    trainer.fit(model, (loader or _loader)(), ckpt_path=ckpt_path)  # built after the seed: its sampler draws from it
     return model, trainer
 
 
@@ -93,6 +95,26 @@ def test_stopped_and_resumed_run_is_bit_exact(tmp_path, make_plugin):
     resumed = _state(*_fit(ckpts, 4, make_plugin(), ckpt_path="last"))
 
     assert whole["step"] == resumed["step"] == 16
+    _assert_bit_exact(whole, resumed)
+
+
+def test_mid_epoch_resume_with_a_stateful_shuffled_loader_is_bit_exact(tmp_path):
+    """Lightning keeps a StatefulDataLoader's position (its sampler's generator state is a uint8
+    tensor) in the fit loop's state: stopped after 6 of 12 steps (4 batches an epoch), in the
+    middle of an epoch, the resumed run sees the same shuffled batches."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader():
+        return StatefulDataLoader(_loader().dataset, batch_size=8, shuffle=True)
+
+    run = {"loader": loader, "every_n_train_steps": 2}
+    whole = _state(*_fit(tmp_path / "whole" / "ckpts", -1, GoodputCheckpointIO(), max_steps=12, **run))
+    ckpts = tmp_path / "parts" / "ckpts"
+    _fit(ckpts, -1, GoodputCheckpointIO(), max_steps=6, **run)
+    saved = GoodputCheckpointIO().load_checkpoint(ckpts / "last.ckpt")
+    assert (saved["epoch"], saved["global_step"]) == (1, 6)  # in the middle of the second epoch
+    resumed = _state(*_fit(ckpts, -1, GoodputCheckpointIO(), "last", max_steps=12, **run))
+    assert whole["step"] == resumed["step"] == 12
     _assert_bit_exact(whole, resumed)
 
 
