@@ -11,8 +11,8 @@ from pathlib import Path
 
 import goodput_ckpt
 
-#: DESIGN.md's layers, bottom first. A module may import its own layer and those below it.
-LAYERS = ["errors", "storage", "format", "dcp", "data", "state", "manager", "tools", "cli"]
+#: DESIGN.md's layers, bottom first (integrations/: adapters for trainers, issue 39, above tools). A module may import its own layer and those below it.
+LAYERS = ["errors", "storage", "format", "dcp", "data", "state", "manager", "tools", "integrations", "cli"]
 #: Top-level modules outside the list: the version sits at the bottom; the package root
 #: (``from goodput_ckpt import ...``) re-exports the public API, so only tools/ and cli/ use it.
 _RANK = {"_version": 0, "errors": 0, **{name: i for i, name in enumerate(LAYERS)}, "": LAYERS.index("tools")}
