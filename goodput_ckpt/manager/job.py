@@ -227,8 +227,10 @@ class JobState:
 
 def survey_job(root: Store, local_node_dir: str | None, open_tier: Any) -> JobState:
     """The coordinator's view of its job before the first save or restore: the root's id (or a
-    new one, recorded at the first save), and the save numbers the tiers hold (``local_node_dir``:
-    the coordinator's node directory with two tiers; ``open_tier(uri)``: a store of it).
+    new one, recorded at the first save), and, with two tiers, the save numbers the tiers hold
+    (``local_node_dir``: the coordinator's node directory, ``None`` with one tier;
+    ``open_tier(uri)``: a store of it). With one tier, save numbers go on from the restored
+    step's, or start at 1 in a process that restores nothing.
 
     Raises:
         CheckpointError / CorruptCheckpointError: the root cannot be read, or its job file is
@@ -237,6 +239,10 @@ def survey_job(root: Store, local_node_dir: str | None, open_tier: Any) -> JobSt
     job_id = read_job_file(root)
     if job_id is None:
         return JobState(new_job_id(), recorded=False)
+    if local_node_dir is None:
+        # One tier: no persist cadence to keep, so no listing of the root here (a restore lists
+        # it anyway, and its record's save number continues the count).
+        return JobState(job_id, recorded=True)
     persisted = newest_save(root, job_id)
-    local = newest_save(open_tier(local_job_dir(local_node_dir, job_id)), job_id) if local_node_dir is not None else 0
+    local = newest_save(open_tier(local_job_dir(local_node_dir, job_id)), job_id)
     return JobState(job_id, recorded=True, next_save=max(local, persisted) + 1, persisted_save=persisted)

@@ -91,7 +91,8 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     fmgr.save(1, model=model, optimizer=opt)
     fmgr.wait()
     if rank == 1:
-        fmgr._saves._unraised = CheckpointError("the upload of step 1 never became durable")
+        # A failure this rank alone saw, reported as the save thread reports one.
+        fmgr._saves.report_failure(1, CheckpointError("the upload of step 1 never became durable"))
         with pytest.raises(CheckpointError, match="never became durable"):
             fmgr.save(2, model=model, optimizer=opt)
     else:
