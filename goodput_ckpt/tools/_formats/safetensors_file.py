@@ -75,13 +75,14 @@ class SafetensorsSource(Source):
             if sidecar is not None:
                 data = read_small_capped(store, sidecar, MAX_SIDECAR_BYTES, "sidecar")
                 if data is not None:
-                    objects, pd, md = load_sidecar(data, f"{store.uri}/{sidecar}")
+                    objects, pd, md, int_keys = load_sidecar(data, f"{store.uri}/{sidecar}")
                     for key in objects:
                         if key in self.items:
                             raise CorruptCheckpointError(f"{sidecar}: {key!r} is both a tensor and an object", key=key)
                         self.items[key] = ObjectMeta(key)
                     self._objects = objects
                     self.planner_data = pd
+                    self.int_keys = int_keys
                     self.metadata = md
         except BaseException:
             self.close()

@@ -35,6 +35,7 @@ from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFound
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc, ordered_map
 from .goodput import encode_torch_save
+from .key_types import find_int_keys, nest
 
 __all__ = ["TorchSource", "write_torch"]
 
@@ -90,7 +91,10 @@ class TorchSource(Source):
             raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict (a mapping)", path=path)
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        flat, mapping = flatten_state_dict(dict(obj))
+        try:
+            flat, mapping = flatten_state_dict(dict(obj))
+        except ValueError as e:  # two keys with one spelling, such as 0 and "0"
+            raise CheckpointError(f"{path}: {e}; convert needs distinct names for the keys of a mapping", path=path) from None
         self._flat: dict[str, Any] = {}
         for key, v in flat.items():
             if isinstance(v, torch.Tensor):
@@ -102,6 +106,7 @@ class TorchSource(Source):
                 self.items[key] = ObjectMeta(key)
                 self._flat[key] = v
         self.planner_data = {k: list(p) for k, p in mapping.items()}
+        self.int_keys = find_int_keys(obj, mapping)
         # A non-contiguous tensor is made contiguous once, for all its ranges.
         self._contiguous = LoadingCache(1, lambda key: self._flat[key].contiguous())
 
@@ -154,7 +159,6 @@ def write_torch(
 ) -> list[str]:
     """Write ``source`` as one ``torch.save`` file at the local ``path`` (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
     from torch.serialization import skip_data
 
     if os.path.exists(path) and not overwrite:
@@ -175,7 +179,7 @@ def write_torch(
         flat[obj.key] = source.object_value(obj.key)
     flat = {k: flat[k] for k in source.items}
     pd = source.planner_data
-    nested = unflatten_state_dict(flat, {k: tuple(v) for k, v in pd.items()}) if pd and set(pd) == set(flat) else flat
+    nested = nest(flat, pd, source.int_keys) if pd and set(pd) == set(flat) else flat
     order: list[int] = []
     _tensor_order(nested, order)
     if any(i not in fakes for i in order):
