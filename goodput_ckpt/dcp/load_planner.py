@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..format.dcp_metadata import grid_of
 from ..format.grid import GridChunks
+from .state_fit import check_fit
 from .rank_rows import RankRow, find_rank_rows, put_back_rank_rows, resolve_rank_row
 
 try:  # torch's own helper since 2.0; private, so keep a fallback for a torch that moves it
@@ -134,6 +135,7 @@ class GridLoadPlanner(DefaultLoadPlanner):
         md = self.metadata
         if md is None:
             raise AssertionError("set_up_planner was not called")
+        check_fit(self.state_dict, md.state_dict_metadata, strict=not self.allow_partial_load)  # the cause, in one line
         if not _has_grid(md):
             return super().create_local_plan()
         # torch's create_default_local_load_plan with read_items_for in place of its per-item
