@@ -52,7 +52,7 @@ from typing import Any
 
 from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ..state.per_rank import DATALOADER, RNG, ROWS
-from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
+from ._common import NO_PROGRESS, Progress, open_location, refuse_plain_file, require_positive, same_location
 from ._formats.base import TensorMeta
 from ._formats.goodput import GoodputSource, write_goodput
 from .inspect import TRAINING_STATE_KEY, section_of
@@ -144,6 +144,7 @@ def reshard_checkpoint(
         raise ValueError(f"rank_state must be one of {', '.join(RANK_STATE_POLICIES)}, got {rank_state!r}")
     t0 = time.perf_counter()
     src_store = open_location(src, src_options)
+    refuse_plain_file(src_store)
     dst_store = open_location(dst, dst_options)
     if same_location(src_store, dst_store):
         raise ValueError(
