@@ -116,9 +116,15 @@ def read_dcp(store: Store) -> DcpView:
                 problems.append(("metadata", METADATA_NAME, f"{key!r} has DCP metadata of type {type(smd).__name__}", [key]))
     except CheckpointError as e:
         problems.append(("metadata", METADATA_NAME, str(e), [e.key] if e.key else []))
-    sizes = {name: store.size(name) for name in files}
+    sizes: dict[str, int | None] = {}
     for name, need in files.items():
-        size, keys = sizes[name], keys_in.get(name, [])
+        keys = keys_in.get(name, [])
+        try:
+            size = sizes[name] = store.size(name)
+        except CheckpointError as e:  # a name that leaves the directory, a link ...
+            sizes[name] = None
+            problems.append(("unreadable", name, str(e), keys))
+            continue
         shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
         if size is None:
             problems.append(("missing", name, f"data file {store.uri.rstrip('/')}/{name} named in .metadata is missing; keys stored in it: {shown}", keys))

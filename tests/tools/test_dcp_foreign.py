@@ -112,3 +112,17 @@ def test_a_metadata_that_needs_pickle_is_refused_by_name(tmp_path, one_rank):
     (one_rank / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match="restricted unpickler"):
         inspect_checkpoint(str(one_rank))
+
+
+def test_a_file_name_that_leaves_the_directory_is_a_problem_not_a_crash(tmp_path, one_rank):
+    """``.metadata`` is untrusted: its relative paths go through the store's name check."""
+    import pickle
+
+    from goodput_ckpt.tools._formats.dcp_metadata import load_metadata
+
+    md = load_metadata((one_rank / ".metadata").read_bytes(), "x", trust_pickle=False)
+    for info in md.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (one_rank / ".metadata").write_bytes(pickle.dumps(md))
+    r = verify_checkpoint(str(one_rank))
+    assert r.status == "corrupt" and [p.kind for p in r.problems] == ["unreadable"]
