@@ -66,7 +66,7 @@ COMMAND = Command(
     summary="convert between goodput, torch DCP, torch.save and safetensors",
     description=(
         "Convert a checkpoint between formats, streaming with bounded memory:\n"
-        "  goodput      this library's format v1 (a directory with manifest.json)\n"
+        "  goodput      this library's format (a directory with manifest.json)\n"
         "  dcp          torch DCP's FileSystemWriter layout (.metadata + __*.distcp)\n"
         "  torch        a single torch.save file (local paths only)\n"
         "  safetensors  NAME.safetensors, or a directory of HF-style shards with\n"

@@ -36,7 +36,9 @@ def _render(r, out: Output, *, items: bool) -> None:
     if r.format == DCP_FORMAT:
         out.print(f"  format      {r.format} (torch DCP's FileSystemWriter layout, metadata version {escape(r.version or '?')})")
     else:
-        out.print(f"  format      {r.format} v{r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})")
+        out.print(f"  format      {r.format}, format version {r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})")
+        if r.training_schema is not None:
+            out.print(f"  training    CheckpointManager state, training-state schema {r.training_schema}")
         out.print(f"  created     {escape(r.created_at or '?')}")
     out.print(f"  step        {r.step if r.step is not None else '-'}")
     out.print(f"  world size  {r.world_size or '-'}")

@@ -27,7 +27,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 def render(report, out: Output) -> None:
     what = "sizes checked" if report.quick or report.notes else f"{human_bytes(report.bytes_hashed)} hashed in {report.seconds:.2f} s ({report.gbps:.2f} GB/s)"
-    fmt = f"format v{report.version}" if report.version is not None else escape(report.format)
+    fmt = f"format version {report.version}" if report.version is not None else escape(report.format)
     if report.ok:
         out.print(f"OK  {escape(report.uri)}: {fmt}, world size {report.world_size or '-'}, {report.files} file(s), {what}")
     else:

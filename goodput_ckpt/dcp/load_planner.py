@@ -1,4 +1,4 @@
-"""A DCP load planner that computes a rank's reads from format-v2 grids by arithmetic.
+"""A DCP load planner that computes a rank's reads from format-version-2 grids by arithmetic.
 
 Why: torch's ``DefaultLoadPlanner`` intersects every local chunk with every saved chunk of the
 tensor (``create_read_items_for_chunk_list``, a sweep over all of them), so one rank's planning
@@ -9,7 +9,7 @@ dimension: planning costs O(reads), whatever the saved world size.
 
 :class:`GridLoadPlanner` is ``DefaultLoadPlanner`` with that one step replaced; its read items are
 the ones torch's planner makes (same indices, offsets and lengths), which a test checks. Tensors
-with explicit chunks (format v1, irregular shardings) and byte objects go through torch's own code.
+with explicit chunks (version 1 manifests, irregular shardings) and byte objects go through torch's own code.
 ``CheckpointManager`` uses it; with plain ``dcp.load`` pass ``planner=GridLoadPlanner()``.
 """
 

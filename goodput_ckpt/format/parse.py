@@ -236,7 +236,7 @@ class _Shared:
     def __init__(self) -> None:
         self.tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.budget = TilingBudget()
-        self.cells = [MAX_GRID_CELLS]  # what grids may still describe (format v2)
+        self.cells = [MAX_GRID_CELLS]  # what grids may still describe (format version 2)
 
 
 def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared, version: int) -> TensorEntry:

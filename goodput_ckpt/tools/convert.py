@@ -1,4 +1,4 @@
-"""``convert``: between format v1 (``goodput``), torch DCP (``dcp``), ``torch.save`` (``torch``)
+"""``convert``: between the goodput format (``goodput``), torch DCP (``dcp``), ``torch.save`` (``torch``)
 and safetensors (``safetensors``), streaming with bounded memory.
 
 Input detection (:func:`detect_format`): a directory (or prefix) with ``manifest.json`` is

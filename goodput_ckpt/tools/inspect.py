@@ -101,6 +101,9 @@ class InspectReport:
     pattern: list[str] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    #: The training-state schema of a ``CheckpointManager`` checkpoint (``None`` otherwise): a
+    #: number of its own, not the format version (docs/format.md, *Versioning*).
+    training_schema: int | None = None
 
 
 def inspect_checkpoint(
@@ -131,6 +134,12 @@ def inspect_checkpoint(
     if check_files:
         report.problems.extend(p.message for p in file_problems(store, manifest))
     return report
+
+
+def _training_schema(metadata: dict[str, Any]) -> int | None:
+    ts = metadata.get(TRAINING_STATE_KEY)
+    schema = ts.get("schema") if isinstance(ts, dict) else None
+    return schema if isinstance(schema, int) and not isinstance(schema, bool) else None
 
 
 def _metadata_step(metadata: dict[str, Any]) -> int | None:
@@ -211,4 +220,5 @@ def _describe(uri: str, m: Manifest, patterns: list[str] | None) -> InspectRepor
         items=rows,
         pattern=patterns,
         metadata=dict(m.metadata),
+        training_schema=_training_schema(m.metadata),
     )

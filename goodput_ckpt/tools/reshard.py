@@ -4,7 +4,7 @@ Every tensor is split along dim 0 the way FSDP2's ``Shard(0)`` (``torch.chunk``)
 ``ceil(n / M)`` rows per rank, the last ranks possibly fewer or none. Rank ``r``'s pieces of
 every tensor go into rank ``r``'s file, so each rank of a job restarted at ``M`` ranks reads one
 contiguous byte range per tensor. ``M = 1`` consolidates: one file, whole tensors. The output is
-an ordinary format-v1 checkpoint: ``dcp.load`` with ``CheckpointReader`` loads it at any world
+an ordinary goodput-format checkpoint: ``dcp.load`` with ``CheckpointReader`` loads it at any world
 size, fastest at ``M`` ranks with ``Shard(0)``.
 
 Streaming: tensors are read from the source and written chunk by chunk (hash chunks of

@@ -138,7 +138,7 @@ class Source(ABC):
 
     @abstractmethod
     def object_bytes(self, key: str) -> bytes:
-        """Object ``key`` in the ``torch.save`` encoding of format v1 (no unpickling needed
+        """Object ``key`` in the ``torch.save`` encoding of the goodput format (no unpickling needed
         where the source already stores it that way)."""
 
     @abstractmethod

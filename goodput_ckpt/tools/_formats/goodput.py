@@ -1,4 +1,4 @@
-"""Format v1 (ours) as a converter source, and the streaming format-v1 writer.
+"""The goodput format (ours) as a converter source, and its streaming writer.
 
 Reading: every byte is verified against the manifest's blake3 digests before it is used. A
 range read that covers whole hash chunks reads them straight into the destination and hashes
@@ -117,7 +117,7 @@ class _VerifiedRanges:
 
 
 class GoodputSource(Source):
-    """A committed format-v1 checkpoint, opened for converting or resharding."""
+    """A committed goodput-format checkpoint, opened for converting or resharding."""
 
     format = "goodput"
 
@@ -287,7 +287,7 @@ def write_goodput(
     metadata: Mapping[str, Any],
     progress: Progress = NO_PROGRESS,
 ) -> WriteSummary:
-    """Write the items of ``source`` named in ``assign`` as a format-v1 checkpoint at ``store``.
+    """Write the items of ``source`` named in ``assign`` as a goodput-format checkpoint at ``store``.
 
     ``assign[key]`` is ``None`` for a tensor split along dim 0 over ``world_size`` ranks (see
     :func:`dim0_regions`), or the rank whose file holds the whole item. Each rank's items go

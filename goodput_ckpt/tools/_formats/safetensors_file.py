@@ -34,7 +34,7 @@ from .objects_json import MAX_SIDECAR_BYTES, load_sidecar
 
 __all__ = ["SafetensorsSource", "open_safetensors", "split_file_uri"]
 
-#: safetensors dtype names, by format-v1 (torch) name.
+#: safetensors dtype names, by the goodput format's (torch's) name.
 ST_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
