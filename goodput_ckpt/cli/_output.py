@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["Output", "escape", "human_bytes", "parse_size", "table", "to_jsonable"]
+__all__ = ["Output", "escape", "human_bytes", "human_rate", "human_seconds", "parse_size", "table", "to_jsonable"]
 
 #: Characters a terminal acts on or hides: C0 and C1 controls (CR, backspace, ESC that starts
 #: cursor moves and erases), DEL, and the invisible format characters (zero-width ones, line
@@ -46,6 +46,19 @@ def human_bytes(n: int | float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_rate(nbytes: int | float, seconds: float) -> str:
+    """Bytes per second in the unit their size calls for (``"512 B/s"``, ``"164.3 MiB/s"``):
+    a fixed GB/s printed ``0.00 GB/s`` for a small conversion."""
+    if not seconds > 0:
+        return "-"
+    return human_bytes(nbytes / seconds) + "/s"
+
+
+def human_seconds(seconds: float) -> str:
+    """``0.0123`` -> ``"12 ms"``, ``2.5`` -> ``"2.50 s"``."""
+    return f"{1000 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._output import Output, escape, human_bytes
+from ._output import Output, escape, human_bytes, human_rate, human_seconds
 from ._registry import Command
 
 
@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 
 def render(report, out: Output) -> None:
-    what = "sizes checked" if report.quick or report.notes else f"{human_bytes(report.bytes_hashed)} hashed in {report.seconds:.2f} s ({report.gbps:.2f} GB/s)"
+    what = "sizes checked" if report.quick or report.notes else f"{human_bytes(report.bytes_hashed)} hashed in {human_seconds(report.seconds)} ({human_rate(report.bytes_hashed, report.seconds)})"
     fmt = f"format version {report.version}" if report.version is not None else escape(report.format)
     if report.ok:
         out.print(f"OK  {escape(report.uri)}: {fmt}, world size {report.world_size or '-'}, {report.files} file(s), {what}")
