@@ -32,13 +32,10 @@ instead of our stall, with the same lost work, restart and restore. The unexplai
 time is charged to both (:data:`SYNC_BASIS`):
 ``goodput_sync = training / (total - stall + saves × sync)``.
 
-Why charge ``other`` to both: it is mostly machine noise (on a loaded machine it was 11.8 % of
-the run), which a synchronous run would suffer as much. Leaving it out of the synchronous
-estimate alone made the comparison follow the machine's load (ours 58.5 % against a
-synchronous 63.5 % on a busy machine, the other way round on a quiet one); with it in both, the
-two differ only by the saves (``saves × (sync - stall)``), so which one is higher does not depend
-on the load. The part of ``other`` that is our background writes slowing the steps is then
-charged to the synchronous run too, which flatters us by that much; the report says so.
+Why: ``other`` is mostly machine noise, which a synchronous run suffers as much; charged to
+ours alone, the comparison followed the load (58.5 % against a synchronous 63.5 % on a busy
+machine). Now the two differ by ``saves × (sync - stall)`` only, whatever the load; our
+background writes' share of ``other`` is charged to both, which flatters us by that much.
 
 The two-tier demo (:mod:`.demo_tiers`) runs the same steps (through :func:`_kill_and_restart`
 and :func:`_account`) once with one tier and once with two, for the same failure.
@@ -67,8 +64,7 @@ MARKER = ".goodput-demo"
 #: killed with every node's local directory intact.
 FAILURES = ("node", "job")
 
-#: How the synchronous estimate is made, for the report (module docstring).
-SYNC_BASIS = (
+SYNC_BASIS = (  # how the synchronous estimate is made, for the report (module docstring)
     "estimated, not measured: this run's time with each kept save's stall replaced by a blocking save; "
     "the lost work, restart, restore and the unexplained 'other' time are charged to both"
 )
