@@ -257,8 +257,8 @@ def _bytes_only(method: str, cfg: dict[str, Any], rep: int, step: int, rank: int
 
     from goodput_ckpt.manager.step_layout import step_dir_name
 
-    node_dir = Path(cfg["base"], f"rep{rep}", "local", f"node{rank // LOCAL_WORLD}", step_dir_name(step))
-    (path,) = node_dir.glob(f"rank{rank:05d}-*.bin")
+    node_dir = Path(cfg["base"], f"rep{rep}", "local", f"node{rank // LOCAL_WORLD}")
+    (path,) = node_dir.glob(f"job-*/{step_dir_name(step)}/rank{rank:05d}-*.bin")  # the job's own directory
     size = path.stat().st_size
     buf = bytearray(size)
     view = memoryview(buf)

@@ -65,6 +65,11 @@ HOSTILE = {
     "tests/cli/test_cli_escaping.py": ("hostile: control characters escaped in human output [tests]", "cli"),
     "tests/storage/test_redact.py": ("hostile: credentials in URLs never echoed [tests]", "all"),
     "tests/storage/test_contract.py": ("hostile: capped small reads, one error type per event [tests]", "all"),
+    "tests/format/test_grid_consumers.py": (
+        "hostile: 186 KB manifest of 4 M grid cells: verify, inspect, load, reshard per run, counted [tests]", "local"),
+    "tests/format/test_key_index.py": ("hostile: keys of a byte range found run by run, bounded work [tests]", "format"),
+    "tests/manager/test_retention_unsafe_keys.py": (
+        "hostile: unsafe keys in step directories skipped, retention goes on [tests]", "s3 (moto)"),
 }
 #: Two-tier checkpoints (issue 18): lost nodes, damaged copies, SIGKILL during local saves,
 #: replication and persistent uploads; ``--tiers`` runs only these.

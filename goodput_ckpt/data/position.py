@@ -47,9 +47,9 @@ def rank_share(length: int, world_size: int, rank: int, *, drop_last: bool) -> t
     tail waits (it stays pending); without, the list is padded by repeating it from its start so
     that every rank gets ``ceil(length / world_size)`` and no rank runs a step fewer than another.
     """
-    if length == 0:
-        return torch.empty(0, dtype=torch.int64)
     per = length // world_size if drop_last else -(-length // world_size)
+    if per == 0:  # nothing pending, or (drop_last) fewer pending than ranks: an empty share each
+        return torch.empty(0, dtype=torch.int64)
     return torch.arange(rank, per * world_size, world_size, dtype=torch.int64) % length
 
 

@@ -79,12 +79,16 @@ class ElasticSampler(Sampler[int]):
         self.rank = int(rank)
         self.epoch = 0
         self._pending: EpochPosition | None = None  # a restored position, for the next iter()
+        #: After a same-topology restore (:meth:`adopt_saved_epoch`): the saved epoch, whose
+        #: position the loader applies to the next iterator unless ``set_epoch`` chose another.
+        self._saved_epoch: int | None = None
         self._order: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)  # (n, epoch) -> permutation
 
     # -- the DistributedSampler interface ---------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``iter()`` reads. Setting the epoch a restore left keeps the
-        restored position; any other epoch starts from its beginning."""
+        restored position; any other epoch starts from its beginning, after an elastic restore
+        and after a same-topology one alike (the loader's saved position is then not applied)."""
         if epoch != self.epoch:
             self._pending = None
         self.epoch = int(epoch)
@@ -148,10 +152,23 @@ class ElasticSampler(Sampler[int]):
         """After a same-topology restore: make ``epoch`` the saved one at once (the loader itself
         applies the saved state lazily, when its next iterator starts)."""
         got = self.find_state(loader_state)
-        if got is not None:
-            self._check_identity(got[0], "the dataloader state")
-            self._pending = None
-            self.epoch = EpochPosition.from_state(got[0]["position"]).epoch
+        if got is None:
+            return
+        state = got[0]
+        self._check_identity(state, "the dataloader state")
+        try:
+            pos = EpochPosition.from_state(state["position"])
+            consumed = int(state["consumed"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"the dataloader state's ElasticSampler position: {e}", key="dataloader") from None
+        self._pending, self.epoch, self._saved_epoch = None, pos.epoch, pos.epoch
+        share = len(self._positions(pos))
+        if consumed >= share:
+            # The save came after this rank's last sample of the epoch, and so after every
+            # rank's (shares are equal and steps synchronous). The loader may start a fresh
+            # iterator instead of applying the saved one: it must find the epoch read, as the
+            # elastic path does, not read it again.
+            self._pending = pos.advanced(self.num_replicas, [share] * self.num_replicas, len(self.dataset))
 
     def elastic_resume(self, loader_states: list[Any], *, batch_size: int | None, where: str = "checkpoint") -> str:
         """Take up the global position saved by all old ranks (``loader_states[r]`` is old
@@ -215,7 +232,7 @@ class ElasticSampler(Sampler[int]):
         length = base.pending(torch.arange(n)).numel()  # once: O(n), whatever the old world size
         counts = [min(by_rank[r], rank_share(length, old_ws, r, drop_last=self.drop_last).numel()) for r in range(old_ws)]
         new = base.advanced(old_ws, counts, n)
-        self._pending, self.epoch = new, new.epoch
+        self._pending, self.epoch, self._saved_epoch = new, new.epoch, None
         left = new.pending(torch.arange(n)).numel()
         return (
             f"data position taken up elastically: epoch {new.epoch}, {sum(counts)} sample(s) consumed "
@@ -282,5 +299,8 @@ class _ElasticIterator(Iterator[int]):
             pos = EpochPosition.from_state(state["position"])
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"ElasticSampler state: {e}", key="dataloader") from None
+        saved_epoch, s._saved_epoch = s._saved_epoch, None
+        if saved_epoch is not None and s.epoch != saved_epoch:
+            return  # set_epoch chose another epoch since the restore: it starts from its beginning
         s.epoch = pos.epoch
         self._set(pos, int(state["consumed"]))

@@ -13,14 +13,13 @@ each read ``manifest.json`` and judged it in their own words. Now each of them c
 - ``committed``: a valid record, with its :class:`~.schema.Manifest`.
 
 It is also the one home of what a reader checks against a committed manifest: the data files'
-sizes (:func:`file_problems`), which keys own a byte range (:class:`KeyIndex`), whether chunks
-match their digests (:func:`bad_chunks`) and the error that says they do not
-(:func:`checksum_error`). No torch here.
+sizes (:func:`file_problems`), whether chunks match their digests (:func:`bad_chunks`) and the
+error that says they do not (:func:`checksum_error`); which keys own a byte range
+(:class:`KeyIndex`) lives in :mod:`.key_index` and is re-exported here. No torch here.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,9 +28,10 @@ import blake3
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..storage.base import Store
+from .key_index import KeyIndex
 from .parse import parse_manifest
 from .seal import seal_of
-from .schema import MANIFEST_NAME, FileEntry, Manifest, ObjectEntry, TensorEntry
+from .schema import MANIFEST_NAME, FileEntry, Manifest
 
 __all__ = [
     "COMMITTED",
@@ -220,60 +220,6 @@ def read_commit_record(
     except CheckpointError as e:  # parse_manifest raises the base class only for a version
         return CommitRecord(UNSUPPORTED, uri, error=e, record_bytes=len(data))
     return CommitRecord(COMMITTED, uri, manifest=manifest, record_bytes=len(data), digest=seal_of(data))
-
-
-# -- which keys own a byte range -------------------------------------------------------------
-
-
-class KeyIndex:
-    """Which state-dict keys own the bytes ``[lo, hi)`` of a data file (for problem reports).
-
-    Built on the first query (most reads never report a problem, and the index costs memory
-    in proportion to the chunk count); each query is a binary search, so reporting many
-    problems in a large checkpoint stays cheap.
-    """
-
-    def __init__(self, manifest: Manifest) -> None:
-        self._manifest = manifest
-        self._built = False
-
-    def _build(self) -> None:
-        # Idempotent: two threads that build at once build the same index.
-        manifest = self._manifest
-        per_file: dict[str, list[tuple[int, int, str]]] = {}
-        for key, e in manifest.items.items():
-            if isinstance(e, TensorEntry):
-                for c in e.chunks:
-                    per_file.setdefault(c.file, []).append((c.offset, c.offset + max(c.length, 1), key))
-            elif isinstance(e, ObjectEntry):
-                per_file.setdefault(e.file, []).append((e.offset, e.offset + max(e.length, 1), key))
-        self._ranges = {f: sorted(r) for f, r in per_file.items()}
-        self._starts = {f: [r[0] for r in rs] for f, rs in self._ranges.items()}
-        # Items never overlap (the manifest is validated), so the longest item bounds how far
-        # back an overlapping one can start.
-        self._longest = {f: max((e - s for s, e, _ in rs), default=0) for f, rs in self._ranges.items()}
-        self._built = True
-
-    def keys(self, file: str, lo: int, hi: int) -> list[str]:
-        """Keys (in file order, without repeats) whose bytes overlap ``[lo, hi)`` of ``file``."""
-        if not self._built:
-            self._build()
-        ranges = self._ranges.get(file, [])
-        starts = self._starts.get(file, [])
-        i = bisect.bisect_left(starts, lo - self._longest.get(file, 0))
-        out: list[str] = []
-        seen: set[str] = set()
-        while i < len(ranges) and ranges[i][0] < hi:
-            s, e, key = ranges[i]
-            if s < hi and lo < e and key not in seen:
-                seen.add(key)
-                out.append(key)
-            i += 1
-        return out
-
-    def joined(self, file: str, lo: int, hi: int) -> str:
-        """:meth:`keys` as one comma-separated string (an error's ``key``)."""
-        return ", ".join(self.keys(file, lo, hi))
 
 
 # -- the data files against the manifest -----------------------------------------------------

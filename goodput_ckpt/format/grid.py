@@ -68,6 +68,11 @@ class GridChunks(Sequence[ChunkEntry]):
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the cells: they tile the shape, so O(dimensions), not O(cells)."""
+        return math.prod(self.shape) * self.esize
+
     def __reduce__(self) -> tuple[type[GridChunks], tuple[Any, ...]]:
         # Pickled as its constructor's arguments (the parsed record goes to a load's ranks
         # pickled: dcp/manifest_share.py); counts and run starts are derived again.

@@ -194,7 +194,14 @@ class Manifest:
         return seal_manifest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     def tensor_bytes(self) -> int:
-        return sum(c.length for e in self.items.values() if isinstance(e, TensorEntry) for c in e.chunks)
+        """Bytes of every tensor's saved chunks: O(items) for grids (their cells tile the
+        shape, :attr:`~.grid.GridChunks.nbytes`), never a record per cell (issue 33)."""
+        total = 0
+        for e in self.items.values():
+            if isinstance(e, TensorEntry):
+                nbytes = getattr(e.chunks, "nbytes", None)  # a grid (format/grid.py imports this module)
+                total += nbytes if nbytes is not None else sum(c.length for c in e.chunks)
+        return total
 
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())

@@ -24,6 +24,7 @@ from .staging.confirmed_writer import ConfirmedWriter
 __all__ = [
     "NO_DIST_WARNING",
     "agree_on_latest",
+    "decide_on_coordinator",
     "deliberate_no_dist",
     "fail_on_every_rank",
     "open_group",
@@ -95,17 +96,9 @@ def agree_on_latest(
     Raises:
         CheckpointError: on every rank, when the coordinator could not list the root.
     """
-    choice: list[Any] = [None, None]
-    if is_coordinator:
-        try:
-            choice[0] = clean_before_restore(root, keep_last=keep_last)
-        except CheckpointError as e:
-            choice[1] = str(e)
-    if pg is not None:
-        dist.broadcast_object_list(choice, group=pg, group_src=0)
-    if choice[1] is not None:
-        raise CheckpointError(f"listing checkpoints under {root_uri} failed on the coordinator: {choice[1]}")
-    return choice[0]
+    return decide_on_coordinator(
+        pg, is_coordinator, lambda: clean_before_restore(root, keep_last=keep_last), f"listing checkpoints under {root_uri}"
+    )
 
 
 def raise_first_failure(local_err: CheckpointError | None, messages: list[str | None]) -> None:
@@ -148,3 +141,23 @@ def raise_if_any_rank_failed(
                     f"the ranks disagree on {agree[0]}: rank 0 has {gathered[0][1]!r}, rank {rank} has "
                     f"{value!r}"
                 )
+
+
+def decide_on_coordinator(pg: dist.ProcessGroup | None, is_coordinator: bool, decide: Any, what: str) -> Any:
+    """``decide()`` on the coordinator, its result on every rank (one broadcast).
+
+    Raises:
+        CheckpointError: on every rank, when ``decide`` raised a ``CheckpointError`` on the
+            coordinator (its message, after ``what``).
+    """
+    box: list[Any] = [None, None]
+    if is_coordinator:
+        try:
+            box[0] = decide()
+        except CheckpointError as e:
+            box[1] = str(e)
+    if pg is not None:
+        dist.broadcast_object_list(box, group=pg, group_src=0)
+    if box[1] is not None:
+        raise CheckpointError(f"{what} failed on the coordinator: {box[1]}")
+    return box[0]

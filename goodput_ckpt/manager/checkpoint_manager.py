@@ -52,14 +52,23 @@ from ..state.per_rank import DATALOADER, ROWS
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
 from ..storage.base import FileOrigin
-from .agreement import agree_on_latest, deliberate_no_dist, fail_on_every_rank, open_group, raise_if_any_rank_failed
+from .agreement import (
+    agree_on_latest,
+    decide_on_coordinator,
+    deliberate_no_dist,
+    fail_on_every_rank,
+    open_group,
+    raise_if_any_rank_failed,
+)
 from .config import ManagerConfig
+from .job import JobRecord, JobState, claim_job_file, job_metadata, job_of, survey_job
 from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
 from .staging.async_staging import AsyncStaging
 from .staging.confirmed_writer import ConfirmedWriter
 from .step_layout import child_uri, step_dir_name
 from .tiers import Tiers
+from .tiers.nodes import local_root
 from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, tensor_nbytes
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
@@ -162,6 +171,7 @@ class CheckpointManager:
         else:
             self._topology = Topology(rank=0, world_size=1)
         self._tiers: Tiers | None = None
+        self._job: JobState = self._survey_job()
         self._saves = SaveJobs(
             pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
             on_commit=self._apply_retention, on_error=on_error,
@@ -171,8 +181,24 @@ class CheckpointManager:
             self._tiers = Tiers.open(
                 self.config, root_uri=self.root_uri, storage_options=self._storage_options, pg=self._pg,
                 topology=self._topology, local_world_size=local_world_size, timeline=self._timeline,
-                on_failure=self._saves.report_failure,
+                on_failure=self._saves.report_failure, job=self._job,
             )  # fmt: skip
+
+    def _survey_job(self) -> JobState:
+        """The job this manager's checkpoints belong to (:mod:`.job`), decided by the coordinator
+        from the root's job file and the save numbers the tiers hold (one broadcast)."""
+        local_dir = self.config.local_dir
+        return decide_on_coordinator(
+            self._pg, self.is_coordinator,
+            lambda: survey_job(self._root, None if local_dir is None else local_root(local_dir, 0), lambda u: open_store(u, {})),
+            f"reading the job identity of {self._root.uri}",
+        )  # fmt: skip
+
+    @property
+    def job_id(self) -> str:
+        """The id of the job whose checkpoints this manager saves and restores (:mod:`.job`):
+        the one recorded at the root, or a new one that the first save records there."""
+        return self._job.id
 
     def _timeline_target(self, timeline: Any) -> Any:
         if timeline is True:
@@ -289,6 +315,9 @@ class CheckpointManager:
                 step, models=models, dataloader=dataloader, stateful=stateful, topology=self._topology,
                 save_rng=self.config.save_rng, extra=extra,
             )  # fmt: skip
+            self._claim_root()
+            metadata.update(job_metadata(self._job.id, self._job.next_save))
+            self._job.next_save += 1  # a failed save's number is not reused: persists come early, never late
             writer_options = dict(
                 thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
                 overwrite=self.config.overwrite, metadata=metadata, **options,
@@ -318,6 +347,26 @@ class CheckpointManager:
             raise
         del state
         self._saves.submit(job, staged, later, blocked_from=t0, waited=t_waited)
+
+    def _claim_root(self) -> None:
+        """Before the job's first save: the coordinator records the job's id at the root."""
+        if self._job.recorded:
+            return
+        if self.is_coordinator:
+            found = claim_job_file(self._root, self._job.id)
+            if found != self._job.id:
+                raise CheckpointError(
+                    f"{self._root.uri} was claimed by another job (id {found}) after this one started: "
+                    "two jobs cannot share a root",
+                    path=self._root.uri,
+                )
+        self._job.recorded = True
+
+    def _restored(self, job: JobRecord) -> None:
+        """After a step of ``job`` was restored: this job's saves go on from its save number."""
+        if job.id == self._job.id and job.save is not None:
+            self._job.next_save = job.save + 1
+            self._job.persisted_save = min(self._job.persisted_save, job.save)
 
     def wait_staged(self) -> None:
         """Finish the background staging copies of the save in flight, in this thread.
@@ -392,14 +441,18 @@ class CheckpointManager:
             uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg,
             **self._storage_options,
         )  # fmt: skip
-        plan, local_err = None, None
+        plan, job, local_err = None, None, None
         try:
-            plan = self._plan(reader.shared_manifest(), uri, models, dataloader, stateful)  # one read, not one per rank
+            manifest = reader.shared_manifest()  # one read, not one per rank
+            job = job_of(manifest, uri)  # checked before anything is loaded
+            plan = self._plan(manifest, uri, models, dataloader, stateful)
         except CheckpointError as e:
             local_err = e
         raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err, agree=_share_agreement(plan))
         assert plan is not None
         self._load(step, uri, plan, reader, started, t0)
+        assert job is not None
+        self._restored(job)
         return step
 
     def _plan(self, manifest: Any, where: str, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> Any:
@@ -487,6 +540,7 @@ class CheckpointManager:
             return None
         choice, plan = found
         self._apply(choice.step, self._tiers.step_uri(choice.step), plan, readers[-1], started, t0, choice.sources)
+        self._restored(job_of(choice.manifest, self._tiers.step_uri(choice.step)))  # checked by the tiers' restore
         return choice.step
 
     def _agree_on_latest(self) -> int | None:

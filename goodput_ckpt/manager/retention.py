@@ -48,13 +48,32 @@ class StepScan:
 def scan_steps(root: Store) -> StepScan:
     """List ``root`` once (steps ascending); on a store without atomic commit records, also read
     each step's record to tell a torn one from a commit."""
-    files = list_step_dirs(root)
+    skipped: list[str] = []
+    files = list_step_dirs(root, skipped)
+    if skipped:
+        _warn_skipped(root, skipped)
     torn: set[int] = set()
     if not root.traits.atomic_commit_record:
         for step, names in files.items():
             if MANIFEST_NAME in names and _record_is_torn(root, step, names):
                 torn.add(step)
     return StepScan(files, torn)
+
+
+#: (root, name) of the unsafe names already warned about: one warning each per process, not one
+#: per save (bounded by what is stored under the root).
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_skipped(root: Store, names: list[str]) -> None:
+    """Name, once, the objects in step directories that no store call may touch (see
+    :func:`~.step_layout.list_step_dirs`): they stay where they are, and retention goes on."""
+    new = [n for n in names if (root.uri, n) not in _warned]
+    if new:
+        _warned.update((root.uri, n) for n in new)
+        shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        logger.warning("skipping %d object(s) under %s whose names are not safe relative paths (left in place, "
+                       "never read or deleted; remove them by hand): %s", len(new), root.uri, shown)  # fmt: skip
 
 
 def _record_is_torn(root: Store, step: int, names: list[str]) -> bool:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import re
 
-from ..storage.base import Store
+from ..errors import CheckpointError
+from ..storage.base import Store, check_relative_name
 
 __all__ = ["STEP_DIR_PREFIX", "child_uri", "list_step_dirs", "parse_step_dir", "step_dir_name"]
 
@@ -57,8 +58,14 @@ def child_uri(root: str, name: str) -> str:
     return f"{base}/{name}"
 
 
-def list_step_dirs(store: Store) -> dict[int, list[str]]:
+def list_step_dirs(store: Store, skipped: list[str] | None = None) -> dict[int, list[str]]:
     """Step directories under the manager root ``store``, from one listing.
+
+    A name in a step directory that is not a safe relative path (an S3 key such as
+    ``step_00000005/../../x``, planted by hand or by another tool: the stores refuse to touch it)
+    is left out, and appended to ``skipped`` when given. Why: a caller would otherwise try to
+    delete or read it and fail on every call; retention stalled on such a key forever, keeping
+    the step's other files (issue 33).
 
     Returns:
         step -> names of the files in that step directory, relative to it (sorted by step).
@@ -71,6 +78,13 @@ def list_step_dirs(store: Store) -> dict[int, list[str]]:
         if not sep:
             continue
         step = parse_step_dir(head)
-        if step is not None:
-            steps.setdefault(step, []).append(rest)
+        if step is None:
+            continue
+        try:
+            check_relative_name(rest)
+        except CheckpointError:
+            if skipped is not None:
+                skipped.append(name)
+            continue
+        steps.setdefault(step, []).append(rest)
     return dict(sorted(steps.items()))

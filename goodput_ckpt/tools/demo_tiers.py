@@ -167,7 +167,9 @@ def _median_per_step(records: list[dict[str, Any]], event: str, key: str) -> flo
 def _run_mode(
     cfg: DemoConfig, name: str, logs: str, ref: Any, ref_dir: str, emit: EventCallback, *, two_tiers: bool
 ) -> DemoMode:
+    from ..manager.job import local_job_dir, read_job_file
     from ..manager.timeline import read_timeline
+    from ..storage import open_store
 
     slug = name.replace(" ", "-")
     base = os.path.join(cfg.workdir, slug)
@@ -201,8 +203,9 @@ def _run_mode(
     compared, mismatches = _compare(ref_dir, run_dir, cfg.world_size)
     checkpoints = _verify_steps(root, cfg.storage_options, tier="persistent")
     if local_dir is not None:
+        job_id = read_job_file(open_store(root, cfg.storage_options))  # each job's local steps lie in its own directory
         for node in range(NODES):
-            checkpoints += _verify_steps(local_dir.format(node=node), {}, tier=f"local node {node}")
+            checkpoints += _verify_steps(local_job_dir(local_dir.format(node=node), job_id), {}, tier=f"local node {node}")
     acc = _account(ref, first, second, killed_at)
     records = read_timeline(timeline)
     files = _sources(_restart_records(timeline, killed_at)) if two_tiers else {}

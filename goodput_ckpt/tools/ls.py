@@ -89,7 +89,7 @@ def list_checkpoints(
     store = open_location(root, options)
     refuse_plain_file(store)
     names = store.list()
-    local = _local_steps(local_dir) if local_dir is not None else {}
+    local = _local_steps(local_dir, _job_of_root(store)) if local_dir is not None else {}
     if not names and local:
         names = []
     elif not names:
@@ -139,8 +139,22 @@ def list_checkpoints(
     return report
 
 
-def _local_steps(template: str) -> dict[int, list[tuple[int, str, Any]]]:
-    """Step -> (node, its local location, its manifest) for every committed node copy."""
+def _job_of_root(store: Any) -> str | None:
+    """The id of the job the root belongs to (``None``: no job file, or an unreadable one, which
+    the listing of the root itself reports)."""
+    from ..manager.job import read_job_file
+
+    try:
+        return read_job_file(store)
+    except CheckpointError:
+        return None
+
+
+def _local_steps(template: str, job_id: str | None) -> dict[int, list[tuple[int, str, Any]]]:
+    """Step -> (node, its local location, its manifest) for every committed node copy of the
+    root's job (``job_id``; ``None``: a root from before job identities, whose node copies lie
+    in the node directories themselves)."""
+    from ..manager.job import local_job_dir
     from ..manager.step_layout import list_step_dirs, step_dir_name
     from ..manager.tiers.nodes import node_dirs
     from ..storage import open_store
@@ -151,7 +165,7 @@ def _local_steps(template: str) -> dict[int, list[tuple[int, str, Any]]]:
         raise CheckpointError(f"--local-dir: {e}") from None
     out: dict[int, list[tuple[int, str, Any]]] = {}
     for node, path in nodes.items():
-        local = open_store(path, {})
+        local = open_store(local_job_dir(path, job_id), {})
         for step, files in list_step_dirs(local).items():
             record = read_commit_record(local, step_dir_name(step), listing=files)
             if record.status == COMMITTED:

@@ -31,3 +31,19 @@ def staircase_manifest(n: int) -> bytes:
         "items": {"w": {"kind": "tensor", "dtype": "uint8", "shape": [n, n], "chunks": chunks}},
     }  # fmt: skip
     return seal_manifest(json.dumps(doc, separators=(",", ":")).encode())
+
+
+def many_cells_manifest(files: int = 1024, runs: int = 4096) -> bytes:
+    """A small manifest whose one grid describes ``files x runs`` one-byte cells (issue 33):
+    ``uint8[files * runs]`` in blocks of one element, run ``k`` putting its ``files`` cells at
+    byte ``64 k`` of every file. The default is 186 KB describing 4 M cells; a consumer
+    that expands the grid into records pays seconds and hundreds of MB for it."""
+    names = [f"data_{i:05d}.bin" for i in range(files)]
+    doc = {
+        "format": "goodput-ckpt", "version": 2, "world_size": files, "byte_order": "little",
+        "hash": {"algorithm": "blake3", "chunk_size": 1 << 30},
+        "files": {n: {"size": 64 * runs, "chunks": ["0" * 64]} for n in names},
+        "items": {"w": {"kind": "tensor", "dtype": "uint8", "shape": [files * runs], "requires_grad": False,
+                        "grid": {"block": [1], "runs": [[files, 0, 1, 64 * k] for k in range(runs)]}}},
+    }  # fmt: skip
+    return seal_manifest(json.dumps(doc, separators=(",", ":")).encode())

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import tiers_job
 from helpers.dist import run_ranks
+from helpers.tiers import job_dir
 
 from goodput_ckpt import CheckpointManager
 from goodput_ckpt.manager.tiers.nodes import NodeLayout, local_root
@@ -73,10 +74,10 @@ def test_saves_land_on_each_tier(saved):
     persisted = sorted(p.name for p in (saved / "persist").glob("step_*"))
     assert persisted == ["step_00000002", "step_00000005"]
     for node in (0, 1):
-        steps = sorted(p.name for p in (saved / "local" / f"node{node}").glob("step_*"))
+        steps = sorted(p.name for p in job_dir(saved / "local" / f"node{node}").glob("step_*"))
         assert steps == ["step_00000004", "step_00000005", "step_00000006"]
         # every rank's files are on both nodes: its own node's, and the previous node's replicas
-        names = {p.name.split(".")[0] for p in (saved / "local" / f"node{node}" / "step_00000006").glob("*.bin")}
+        names = {p.name.split(".")[0] for p in (job_dir(saved / "local" / f"node{node}") / "step_00000006").glob("*.bin")}
         assert names == {f"rank{r:05d}-00" for r in range(WORLD)}
 
 
@@ -147,9 +148,9 @@ def test_a_node_holding_another_valid_record_of_the_step_gets_the_agreed_one(sav
     sealed and whole): the restore loads with node 0's record and writes it over node 1's, so
     the copy on disk never pairs one save's record with another's data files."""
     persist, local = _scenario(saved, tmp_path)
-    record = local / "node1" / "step_00000006" / "manifest.json"
-    shutil.copyfile(local / "node1" / "step_00000005" / "manifest.json", record)
-    agreed = (local / "node0" / "step_00000006" / "manifest.json").read_bytes()
+    record = job_dir(local / "node1") / "step_00000006" / "manifest.json"
+    shutil.copyfile(job_dir(local / "node1") / "step_00000005" / "manifest.json", record)
+    agreed = (job_dir(local / "node0") / "step_00000006" / "manifest.json").read_bytes()
     assert record.read_bytes() != agreed
     results = _restore(tmp_path, persist, local)
     want = tiers_job.reference_digest(7)
@@ -161,7 +162,7 @@ def test_a_node_holding_another_valid_record_of_the_step_gets_the_agreed_one(sav
 
 def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):
     persist, local = _scenario(saved, tmp_path)
-    (bad,) = (local / "node0" / "step_00000006").glob("rank00000-*.bin")
+    (bad,) = (job_dir(local / "node0") / "step_00000006").glob("rank00000-*.bin")
     raw = bytearray(bad.read_bytes())
     raw[100] ^= 0x10
     bad.write_bytes(bytes(raw))
@@ -190,7 +191,7 @@ def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path)
     warned = results[0]["warnings"]
     assert any("checksum mismatch" in w and "node0" in w and "next tier" in w for w in warned), warned
     # the steps after it, which no tier could rebuild, are gone from the local tier
-    assert not (local / "node0" / "step_00000006").exists()
+    assert not (job_dir(local / "node0") / "step_00000006").exists()
 
 
 def test_both_local_tiers_lost_restore_newest_persistent(saved, tmp_path):
@@ -223,12 +224,24 @@ def test_damaged_persistent_file_read_directly_passes_to_an_older_step(saved, tm
         assert r["digest"] == want
 
 
+def test_a_new_job_on_the_same_local_dirs_restores_nothing(saved, tmp_path):
+    """Issue 32: job B (a fresh root) on job A's local directories, with node 1 lost so that
+    node 0 holds A's replicas of node 1's files too: B restores none of A's steps, and leaves
+    them where they are."""
+    _, local = _scenario(saved, tmp_path)
+    shutil.rmtree(local / "node1")
+    results = _restore(tmp_path, tmp_path / "fresh-root", local)
+    assert all(r["step"] is None and r["error"] is None for r in results), results
+    assert (job_dir(local / "node0") / "step_00000006" / "manifest.json").exists()
+
+
 def test_damaged_replica_is_not_used(saved, tmp_path):
     """Node 1 lost, node 0's copies of node 1's files damaged, nothing persisted: the newest
     local steps cannot be rebuilt, and the restore says so instead of loading bad bytes."""
     persist, local = _scenario(saved, tmp_path)
     shutil.rmtree(local / "node1")
-    shutil.rmtree(persist)
+    for step_dir in persist.glob("step_*"):  # the steps, not the root's job file: still this job
+        shutil.rmtree(step_dir)
     for f in (local / "node0").rglob("rank0000[23]-*.bin"):
         raw = bytearray(f.read_bytes())
         raw[-1] ^= 0x01
@@ -316,7 +329,7 @@ def test_one_process_damaged_local_copy_warns_at_the_callers_line(tmp_path):
         for step in range(4):
             tiers_job.train(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
-    (bad,) = (tmp_path / "local" / "step_00000003").glob("*.bin")
+    (bad,) = (job_dir(tmp_path / "local") / "step_00000003").glob("*.bin")
     raw = bytearray(bad.read_bytes())
     raw[len(raw) // 3] ^= 0x01
     bad.write_bytes(bytes(raw))
@@ -371,7 +384,7 @@ def test_local_copy_that_cannot_be_committed_does_not_fail_the_restore(tmp_path)
         for step in range(4):
             tiers_job.train(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
-    record = tmp_path / "local" / "step_00000003" / "manifest.json"
+    record = job_dir(tmp_path / "local") / "step_00000003" / "manifest.json"
     record.unlink()
     record.mkdir()  # not a file: writing the record there fails
     fresh, fresh_opt = tiers_job.make(0)

@@ -121,7 +121,7 @@ def _what_was_cut(persist: Path, local: Path) -> str:
     if any(not (d / "manifest.json").exists() for d in persist.glob("step_*")):
         cut.append("a persistent upload")
     for node in (0, 1):
-        for d in (local / f"node{node}").glob("step_*"):
+        for d in (local / f"node{node}").glob("job-*/step_*"):
             ranks = {f.name[:9] for f in d.glob("rank*.bin")}
             if not (d / "manifest.json").exists():
                 cut.append(f"a local save or its commit on node {node}")

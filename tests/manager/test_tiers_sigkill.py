@@ -33,12 +33,12 @@ PHASE_TIMEOUT_S = 240.0
 
 def _local_write(persist: Path, local: Path) -> bool:
     """A step directory on node 0 with data files but no commit record yet."""
-    return any(not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in (local / "node0").glob("step_*"))
+    return any(not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in (local / "node0").glob("job-*/step_*"))
 
 
 def _replication(persist: Path, local: Path) -> bool:
     """Node 1 committed a step but has not received all of node 0's files yet."""
-    for d in (local / "node1").glob("step_*"):
+    for d in (local / "node1").glob("job-*/step_*"):
         if (d / "manifest.json").exists() and len(list(d.glob("rank*.bin"))) < WORLD:
             return True
     return False

@@ -161,12 +161,15 @@ def main(argv: list[str]) -> None:
     ``SAVED step`` (flushed) after each save returns: ``tiers_job.py RANK WORLD PORT ROOT LOCAL
     WIDTH OPTIONS_JSON`` (the SIGKILL tests of test_tiers_sigkill.py)."""
     rank, world, port, root, local, width, opts = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4], int(argv[5]), json.loads(argv[6])
+    resume = opts.pop("resume", False)  # restore first and go on from the restored step
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model, opt = make(rank, width)
     with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
-        for step in range(10_000):
+        restored = mgr.restore(model=model, optimizer=opt) if resume else None
+        print("RESTORED", restored, flush=True)
+        for step in range(0 if restored is None else restored + 1, 10_000):
             train(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
             print("SAVED", step, flush=True)

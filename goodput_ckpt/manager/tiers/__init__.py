@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ...errors import CheckpointError
 from ...state import Topology
+from ..job import JobState
 from ..retention import scan_steps
 from ..timeline import TimelineSink
 from .local_tier import LocalTier
@@ -49,6 +50,7 @@ class Tiers:
         local_world_size: int | None,
         timeline: TimelineSink,
         on_failure: Callable[[int, CheckpointError], None],
+        job: JobState,
     ) -> Tiers:
         """Set up the tiers (collective when ``pg`` is given: a gloo group for the persist thread).
 
@@ -68,12 +70,12 @@ class Tiers:
         keep_local = config.local_keep_last if config.local_keep_last is not None else config.keep_last
         local = LocalTier(
             template=config.local_dir, layout=layout, pg=pg, persister=None, persist_every=config.persist_every,
-            keep_last=keep_local, overwrite=config.overwrite,
+            keep_last=keep_local, overwrite=config.overwrite, job=job,
         )  # fmt: skip
         persister = Persister(
             root_uri=root_uri, storage_options=storage_options, local=local.store, rank=topology.rank,
             world_size=topology.world_size, pg=persist_pg, keep_last=config.keep_last, overwrite=config.overwrite,
-            timeline=timeline, on_failure=on_failure,
+            timeline=timeline, on_failure=on_failure, job=job,
         )  # fmt: skip
         local.persister = persister
         return cls(local, persister, keep_local, config.verify)

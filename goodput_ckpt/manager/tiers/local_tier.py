@@ -35,6 +35,7 @@ from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ...storage import open_store
 from ...storage.base import Store
+from ..job import JobState, foreign_entries, job_of, local_job_dir
 from ..retention import apply_retention
 from ..step_layout import child_uri, step_dir_name
 from .file_moves import Move, run_moves
@@ -69,9 +70,14 @@ class LocalTier:
         persist_every: int,
         keep_last: int | None,
         overwrite: bool,
+        job: JobState,
     ) -> None:
         self.layout = layout
-        self.uri = local_root(template, layout.node)
+        self.job = job
+        #: This node's directory (``local_dir`` with ``{node}`` filled in) and, inside it, the
+        #: job's own tier: other jobs' steps there are never seen, replaced or deleted (``..job``).
+        self.node_dir = local_root(template, layout.node)
+        self.uri = local_job_dir(self.node_dir, job.id)
         self.store: Store = open_store(self.uri, {})
         if self.store.traits.local_path is None:
             raise ValueError(f"local_dir must be a directory on this node's disk, got {template!r}")
@@ -80,8 +86,20 @@ class LocalTier:
         self.persist_every = persist_every
         self.keep_last = keep_last
         self.overwrite = overwrite
-        self._saves = 0
         self._check_not_shared()
+        if layout.rank in layout.ranks_of(layout.node)[:1]:
+            self._warn_foreign()
+
+    def _warn_foreign(self) -> None:
+        """This node's first rank: one warning naming what ``local_dir`` holds of other jobs
+        (or of saves made before job identities), which this job ignores and never deletes."""
+        others = foreign_entries(self.node_dir, self.job.id)
+        if others:
+            shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            logger.warning(
+                "node %d: %s holds checkpoints of other jobs (%s); job %s ignores them and never deletes them",
+                self.layout.node, self.node_dir, shown, self.job.id,
+            )  # fmt: skip
 
     def _check_not_shared(self) -> None:
         """Refuse two nodes whose local directories are one directory (a ``local_dir`` without
@@ -117,7 +135,7 @@ class LocalTier:
             then reported failed though this node may keep a local copy), and how long the
             replication took (``None`` without replicas).
         """
-        err = self._agree(step, err)
+        err, _ = self._agree(step, err)
         if err is not None:
             return err, None
         shared: tuple[bytes, Manifest] | None = None
@@ -125,7 +143,7 @@ class LocalTier:
             shared = self._share_manifest(step)
         except BaseException as e:  # noqa: BLE001 - reported as the save's failure
             err = as_checkpoint_error(e, f"committing step {step} on node {self.layout.node}")
-        err = self._agree(step, err)  # all ranks replicate, or none
+        err, _ = self._agree(step, err)  # all ranks replicate, or none
         if err is not None or shared is None:
             return err, None
         record, manifest = shared
@@ -135,27 +153,37 @@ class LocalTier:
             err = self._replicate(step, manifest)
             seconds = time.perf_counter() - t0
         # Every rank learns the outcome (a replica that failed on one node fails the save on
-        # all, so all hand the same persists over), and none returns before every node committed.
-        err = self._agree(step, err)
-        if err is None:
-            self._saves += 1
-            if self.persister is not None and self._saves % self.persist_every == 0:
-                self.persister.submit(PersistJob(step, record, manifest))
+        # all, so all hand the same persists over), and none returns before every node committed;
+        # the coordinator's persist decision rides on the same gather.
+        save = job_of(manifest, self.step_uri(step)).save
+        err, due = self._agree(step, err, decision=self._persist_due(save))
+        if err is None and due and self.persister is not None:
+            self.persister.submit(PersistJob(step, record, manifest, save or 0))
         if self.layout.rank in self.layout.ranks_of(self.layout.node)[:1]:
             persisting = self.persister.in_flight_step if self.persister is not None else None
             apply_retention(self.store, committed=step, keep_last=self.keep_last, protect={persisting} - {None})
         return err, seconds
 
-    def _agree(self, step: int, err: CheckpointError | None) -> CheckpointError | None:
-        """``err``, or the first other rank's failure: the same verdict on every rank."""
-        if self.pg is None:
-            return err
-        outcomes: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(outcomes, None if err is None else str(err), group=self.pg)
-        if err is None and any(o is not None for o in outcomes):
-            rank = next(r for r, o in enumerate(outcomes) if o is not None)
-            err = CheckpointError(f"step {step} failed on rank {rank}: {outcomes[rank]}")
-        return err
+    def _persist_due(self, save: int | None) -> bool:
+        """Whether the save numbered ``save`` goes to the persistent tier: once ``persist_every``
+        saves were committed since the newest one handed to it (``..job``), counted from the
+        save numbers the tiers hold, so the count survives restarts. Only the coordinator's
+        answer counts (:meth:`after_save`)."""
+        if self.persister is None:
+            return False
+        return save is None or save - self.persister.persisted_save >= self.persist_every
+
+    def _agree(self, step: int, err: CheckpointError | None, *, decision: bool = False) -> tuple[CheckpointError | None, bool]:
+        """``err``, or the first other rank's failure: the same verdict on every rank; and the
+        coordinator's ``decision``, on every rank."""
+        outcomes: list[Any] = [(None if err is None else str(err), decision)]
+        if self.pg is not None:
+            outcomes = [None] * self.layout.world_size
+            dist.all_gather_object(outcomes, (None if err is None else str(err), decision), group=self.pg)
+        if err is None and any(o is not None for o, _ in outcomes):
+            rank = next(r for r, (o, _) in enumerate(outcomes) if o is not None)
+            err = CheckpointError(f"step {step} failed on rank {rank}: {outcomes[rank][0]}")
+        return err, bool(outcomes[0][1])
 
     def _share_manifest(self, step: int) -> tuple[bytes, Manifest]:
         """The coordinator's commit record of ``step`` on every rank, committed on every node."""

@@ -31,6 +31,7 @@ from ...format.manifest import MANIFEST_NAME, Manifest
 from ...storage import open_store
 from ...storage.base import Store
 from ..agreement import raise_if_any_rank_failed
+from ..job import JobState
 from ..retention import apply_retention
 from ..step_layout import child_uri, step_dir_name
 from ..timeline import PersistRecord, TimelineSink
@@ -48,6 +49,8 @@ class PersistJob:
     step: int
     record: bytes
     manifest: Manifest
+    #: The step's save number (``..job``; 0: unknown).
+    save: int = 0
 
 
 class Persister:
@@ -76,6 +79,7 @@ class Persister:
         overwrite: bool,
         timeline: TimelineSink,
         on_failure: Callable[[int, CheckpointError], None],
+        job: JobState,
     ) -> None:
         self.root_uri = root_uri
         self.storage_options = storage_options
@@ -89,6 +93,16 @@ class Persister:
         self._running: Future | None = None
         self._step: int | None = None
         self._lock = threading.Lock()
+        self._job = job
+        #: The save number of the last step that persisted, for when the one in flight fails.
+        self._confirmed_save = job.persisted_save
+
+    @property
+    def persisted_save(self) -> int:
+        """The save number of the newest step handed to this tier (``..job``): the count of
+        saves not yet persisted starts from it. A failed persist gives back the last one that
+        succeeded, so the next save is persisted instead of ``persist_every`` later."""
+        return self._job.persisted_save
 
     @property
     def in_flight_step(self) -> int | None:
@@ -100,6 +114,8 @@ class Persister:
         """Start persisting ``job`` (after the previous persist finished: see the module doc)."""
         self.wait()
         with self._lock:
+            if job.save:
+                self._job.persisted_save = job.save
             self._step = job.step
             self._running = self._worker.submit(self._persist, job)
 
@@ -142,8 +158,13 @@ class Persister:
             )  # fmt: skip
         )
         if err is not None:
+            with self._lock:
+                if self._job.persisted_save == job.save:
+                    self._job.persisted_save = self._confirmed_save
             self._on_failure(job.step, err)
         else:
+            with self._lock:
+                self._confirmed_save = max(self._confirmed_save, job.save)
             logger.info("persisted step %d to %s", job.step, where)
 
     def _clear(self, dst: Store) -> CheckpointError | None:

@@ -62,6 +62,7 @@ from ...format.commit_record import COMMITTED, KeyIndex, read_commit_record
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ...storage import open_store
 from ...storage.base import FileOrigin, Store
+from ..job import job_of
 from ..retention import apply_retention, clean_before_restore, delete_step, scan_steps
 from ..step_layout import child_uri, list_step_dirs, step_dir_name
 from ..agreement import raise_first_failure, raise_if_any_rank_failed
@@ -335,6 +336,12 @@ def _attempt(
         return data
     where = tier.step_uri(s)
     manifest = parse_manifest(data, location=where)
+    theirs = _or_error(f"reading the job of {where}", lambda: job_of(manifest, where))  # the same on every rank
+    if isinstance(theirs, CheckpointError):
+        return str(theirs)
+    if theirs.id != tier.job.id and not (theirs.id is None and persisted):
+        # Only the persistent root, the job's home, may hold steps saved before job identities.
+        return f"its commit record belongs to another job ({theirs.id or 'none recorded'}), not to job {tier.job.id}"
     plan, need, missing, notes, local_err = None, {}, set(), [], None
     try:
         plan = plan_for(manifest, where)
