@@ -6,7 +6,7 @@ they commit is compared with the one ``bench_scale`` builds for the same layout 
 ``finish`` inputs: every item's shape, dtype, grid block and runs, every file's size, and the
 record's size in bytes (the two differ only in the data files' digests, which the simulation
 invents, the save token and ``dcp.storage_meta``). Then it times reading each real record
-(``parse_manifest``), and the same record written as format v1, in rounds that rotate their
+(``parse_manifest``), and the same record written as version 1 of the format did, in rounds that rotate their
 order, and prints each against the 2-rank one per round (min / median / max): the issue-19
 acceptance figure.
 """
@@ -93,7 +93,7 @@ def run_check(worlds: list[int]) -> int:
             same = _shape_of(real) == _shape_of(sim)
             failures += not same
             records["v2", world] = real
-            # The same checkpoint's record as format v1 wrote it (every chunk listed).
+            # The same checkpoint's record as version 1 of the format wrote it (every chunk listed).
             records["v1", world] = dataclasses.replace(parse_manifest(real), version=1).to_json()
             print(
                 f"  W={world:>2}: items and files {'match' if same else 'DIFFER'}; record {len(real):,} bytes real, "

@@ -139,12 +139,7 @@ def _chain(exc: BaseException):
             continue
         seen.add(id(e))
         yield e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            for wrapped in failures.values():
-                # torch wraps each rank's error as (exception, traceback frames).
-                parts = wrapped if isinstance(wrapped, tuple) else (getattr(wrapped, "exc", wrapped),)
-                stack.extend(p for p in parts if isinstance(p, BaseException))
+        stack.extend(err for _, err in _rank_errors(e))
         for nxt in (e.__cause__, e.__context__):
             if nxt is not None:
                 stack.append(nxt)
@@ -155,6 +150,19 @@ def find_interrupt(exc: BaseException) -> KeyboardInterrupt | SystemExit | None:
     the per-rank ``failures`` of torch's ``CheckpointException``, which wraps a Ctrl-C that hits
     ``dcp.save``/``dcp.load``), or ``None``."""
     return next((e for e in _chain(exc) if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+
+
+def _rank_errors(exc: BaseException) -> list[tuple[object, BaseException]]:
+    """``(rank, error)`` for each rank's error inside torch's ``CheckpointException`` (its
+    ``failures``), in its order; empty for any other exception."""
+    failures = getattr(exc, "failures", None)
+    out: list[tuple[object, BaseException]] = []
+    if isinstance(failures, dict):
+        for rank, wrapped in failures.items():
+            # torch wraps each rank's error as (exception, traceback frames).
+            parts = wrapped if isinstance(wrapped, tuple) else (getattr(wrapped, "exc", wrapped),)
+            out.extend((rank, p) for p in parts if isinstance(p, BaseException))
+    return out
 
 
 def remember_swallowed(err: CheckpointError) -> None:
@@ -182,7 +190,9 @@ def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
 
     Returns the :class:`CheckpointError` inside ``exc`` (see :func:`find_checkpoint_error`), with
     ``exc`` as its cause when it has none; otherwise a new one that says ``what`` failed and why,
-    chained to ``exc``.
+    chained to ``exc``. For torch's ``CheckpointException`` the why is the first rank's own error,
+    not its text (a traceback per rank, the cause on the last line): the traceback stays on
+    ``__cause__``.
 
     Raises:
         KeyboardInterrupt, SystemExit: the one inside ``exc`` (DCP wraps a Ctrl-C that hits a save
@@ -197,7 +207,9 @@ def as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
         if found.__cause__ is None and found is not exc:
             found.__cause__ = exc
         return found
-    detail = str(exc).strip() or type(exc).__name__
-    err = CheckpointError(f"{what} failed: {type(exc).__name__}: {detail[:2000]}")
+    ranks = _rank_errors(exc)
+    where, cause = (f" on rank {ranks[0][0]}", ranks[0][1]) if ranks else ("", exc)
+    detail = str(cause).strip() or type(cause).__name__
+    err = CheckpointError(f"{what} failed{where}: {type(cause).__name__}: {detail[:2000]}")
     err.__cause__ = exc
     return err

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["Output", "escape", "human_bytes", "parse_size", "table", "to_jsonable"]
+__all__ = ["Output", "escape", "human_bytes", "human_rate", "human_seconds", "parse_size", "table", "to_jsonable"]
 
 #: Characters a terminal acts on or hides: C0 and C1 controls (CR, backspace, ESC that starts
 #: cursor moves and erases), DEL, and the invisible format characters (zero-width ones, line
@@ -44,6 +46,19 @@ def human_bytes(n: int | float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_rate(nbytes: int | float, seconds: float) -> str:
+    """Bytes per second in the unit their size calls for (``"512 B/s"``, ``"164.3 MiB/s"``):
+    a fixed GB/s printed ``0.00 GB/s`` for a small conversion."""
+    if not seconds > 0:
+        return "-"
+    return human_bytes(nbytes / seconds) + "/s"
+
+
+def human_seconds(seconds: float) -> str:
+    """``0.0123`` -> ``"12 ms"``, ``2.5`` -> ``"2.50 s"``."""
+    return f"{1000 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
@@ -94,11 +109,40 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-class _Bar:
-    """A thread-safe tqdm bar for one phase (workers advance it concurrently)."""
+#: A command that ends within this many seconds never shows a bar. Counted from the command's
+#: start, not the phase's: start-up (importing torch and DCP takes seconds on a busy machine)
+#: and earlier phases count, so a short phase late in a long command draws at once.
+BAR_DELAY = 1.0
+#: The size used when the terminal reports none: a pseudo-terminal whose size nobody set
+#: (``script``, ``docker exec -t``, many CI and agent harnesses) reports 0 columns and 0 rows,
+#: and tqdm lays a bar out for 0 columns as an empty string, and hides every bar below row 0.
+FALLBACK_SIZE = (80, 24)
+#: Bytes done and in all, the rate and the time left, whatever the terminal's width.
+_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}]"
 
-    def __init__(self, stream: TextIO) -> None:
+
+def _bar_size(stream: TextIO) -> dict[str, Any]:
+    """tqdm's size arguments: follow the terminal when it reports a size; otherwise a fixed
+    ``$COLUMNS`` x ``$LINES``, or :data:`FALLBACK_SIZE`."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, ValueError, OSError):
+        size = os.terminal_size((0, 0))
+    if size.columns > 0 and size.lines > 0:
+        return {"dynamic_ncols": True}
+    fixed = []
+    for name, default in zip(("COLUMNS", "LINES"), FALLBACK_SIZE):
+        env = os.environ.get(name, "")
+        fixed.append(int(env) if env.isdigit() and 0 < int(env) < 10_000 else default)
+    return {"ncols": fixed[0], "nrows": fixed[1]}
+
+
+class _Bar:
+    """A thread-safe tqdm bar, one phase at a time (workers advance it concurrently)."""
+
+    def __init__(self, stream: TextIO, started: float) -> None:
         self._stream = stream
+        self._started = started
         self._bar = None
         self._lock = threading.Lock()  # tqdm.update is not safe from several threads
 
@@ -108,14 +152,24 @@ class _Bar:
         with self._lock:
             if self._bar is not None:
                 self._bar.close()
-            # delay: work that ends within a second never shows a bar.
-            self._bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=self._stream, delay=1.0, leave=False, dynamic_ncols=True)  # fmt: skip
+            delay = max(0.0, BAR_DELAY - (time.monotonic() - self._started))
+            self._bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
+                             delay=delay, leave=False, bar_format=_BAR_FORMAT, **_bar_size(self._stream))  # fmt: skip
 
     def advance(self, n: int) -> None:
         with self._lock:
             if self._bar is not None:
                 self._bar.update(n)
+
+    def note(self, text: str) -> None:
+        """One line of text above the bar (the bar is cleared, the line written, the bar redrawn)."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.clear()
+            self._stream.write(escape(text, keep_newlines=True) + "\n")
+            self._stream.flush()
+            if self._bar is not None:
+                self._bar.refresh()
 
     def close(self) -> None:
         with self._lock:
@@ -133,7 +187,8 @@ class Output:
     """Where a command's results go: text or ``--json`` on stdout, messages on stderr.
 
     A progress bar is drawn only when stderr is a terminal, ``--json`` is off and
-    ``--no-progress`` was not given.
+    ``--no-progress`` was not given, and only once the command has run :data:`BAR_DELAY`
+    seconds (counted from this object's creation, which ``main`` does before any heavy import).
     """
 
     def __init__(self, *, json_mode: bool = False, progress: bool = True, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
@@ -141,14 +196,24 @@ class Output:
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.show_progress = progress and not json_mode and _isatty(self.stderr)
+        self._started = time.monotonic()
+        self._bar: _Bar | None = None
 
     def progress(self):
         """A :class:`~goodput_ckpt.tools._common.Progress` for the library call."""
         if self.show_progress:
-            return _Bar(self.stderr)
+            self._bar = _Bar(self.stderr, self._started)
+            return self._bar
         from ..tools._common import NO_PROGRESS
 
         return NO_PROGRESS
+
+    def note(self, text: str) -> None:
+        """A line on stderr that does not tear a bar being drawn (above it, when one is)."""
+        if self._bar is not None:
+            self._bar.note(text)
+        else:
+            self.warn(text)
 
     def emit_json(self, obj: Any) -> None:
         self._write(json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n", flush=True)

@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         args.uri, size=args.size, repeats=args.repeats, thread_count=args.threads,
         torch_thread_count=args.torch_threads, keep=args.keep,
         **({} if args.quiet is None else {"quiet": args.quiet}),
-        progress=None if args.no_progress else out.warn, **args.options,
+        progress=None if args.no_progress else out.note, bar=out.progress(), **args.options,
     )  # fmt: skip
     if args.plot:
         from ..tools._bench_plot import plot_report

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._main_helpers import add_two_store_options, two_store_options
-from ._output import Output, escape, human_bytes, parse_size
+from ._output import Output, escape, human_bytes, human_rate, human_seconds, parse_size
 from ._registry import Command
 
 _FORMATS = ("goodput", "dcp", "torch", "safetensors")
@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     else:
         out.print(
             f"converted {escape(r.src)} ({r.src_format}) -> {escape(r.dst)} ({r.dst_format}): {r.tensors} tensors, {r.objects} objects, "
-            f"{human_bytes(r.tensor_bytes)} in {r.seconds:.2f} s ({r.gbps:.2f} GB/s)"
+            f"{human_bytes(r.tensor_bytes)} in {human_seconds(r.seconds)} ({human_rate(r.tensor_bytes, r.seconds)})"
         )
         if r.selection == "model":
             out.print("exported the model alone, 'model.' stripped (--all exports everything)")
@@ -66,7 +66,7 @@ COMMAND = Command(
     summary="convert between goodput, torch DCP, torch.save and safetensors",
     description=(
         "Convert a checkpoint between formats, streaming with bounded memory:\n"
-        "  goodput      this library's format v1 (a directory with manifest.json)\n"
+        "  goodput      this library's format (a directory with manifest.json)\n"
         "  dcp          torch DCP's FileSystemWriter layout (.metadata + __*.distcp)\n"
         "  torch        a single torch.save file (local paths only)\n"
         "  safetensors  NAME.safetensors, or a directory of HF-style shards with\n"

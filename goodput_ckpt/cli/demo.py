@@ -109,7 +109,8 @@ def render(r, out: Output) -> None:
         out.print(
             f"With synchronous checkpoints (a blocking dcp.save with torch's FileSystemWriter, "
             f"{r.sync_save_s:.2f} s each, {ratio:.1f}x our stall):\n"
-            f"            goodput {100 * r.goodput_sync:.1f} % for the same failure"
+            f"            goodput {100 * r.goodput_sync:.1f} % for the same failure\n"
+            f"            ({r.sync_basis})"
         )
     out.print(f"\nLogs: {r.logs}.  Next: goodput-ckpt ls {r.root} --verify")
 

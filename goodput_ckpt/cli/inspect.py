@@ -7,6 +7,9 @@ import argparse
 from ._output import Output, escape, human_bytes, table
 from ._registry import Command
 
+#: ``tools._dcp_foreign.DCP_FORMAT``, not imported from there: that module imports torch.
+DCP_FORMAT = "torch-dcp"
+
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("uri", help="checkpoint location")
@@ -30,11 +33,17 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 def _render(r, out: Output, *, items: bool) -> None:
     out.print(escape(r.uri))
-    out.print(f"  format      {r.format} v{r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})")
-    out.print(f"  created     {escape(r.created_at or '?')}")
+    if r.format == DCP_FORMAT:
+        out.print(f"  format      {r.format} (torch DCP's FileSystemWriter layout, metadata version {escape(r.version or '?')})")
+    else:
+        out.print(f"  format      {r.format}, format version {r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})")
+        if r.training_schema is not None:
+            out.print(f"  training    CheckpointManager state, training-state schema {r.training_schema}")
+        out.print(f"  created     {escape(r.created_at or '?')}")
     out.print(f"  step        {r.step if r.step is not None else '-'}")
-    out.print(f"  world size  {r.world_size}")
-    out.print(f"  files       {r.files}, {human_bytes(r.file_bytes)} (hash chunks of {human_bytes(r.chunk_size)})")
+    out.print(f"  world size  {r.world_size or '-'}")
+    hashes = f"hash chunks of {human_bytes(r.chunk_size)}" if r.chunk_size else "no hashes"
+    out.print(f"  files       {r.files}, {human_bytes(r.file_bytes)} ({hashes})")
     out.print(f"  items       {r.tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.objects} objects ({human_bytes(r.object_bytes)})")
     out.print()
     out.print(table(["SECTION", "TENSORS", "OBJECTS", "BYTES"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._main_helpers import add_two_store_options, two_store_options
-from ._output import Output, escape, human_bytes
+from ._output import Output, escape, human_bytes, human_rate, human_seconds
 from ._registry import Command
 
 
@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         out.print(
             f"resharded {escape(r.src)} ({r.src_world_size} rank{'s' if r.src_world_size != 1 else ''}) -> {escape(r.dst)} "
             f"({r.world_size} rank{'s' if r.world_size != 1 else ''}): {r.tensors} tensors, {r.objects} objects, "
-            f"{human_bytes(r.tensor_bytes)} in {r.seconds:.2f} s ({r.gbps:.2f} GB/s)"
+            f"{human_bytes(r.tensor_bytes)} in {human_seconds(r.seconds)} ({human_rate(r.tensor_bytes, r.seconds)})"
         )
         if r.per_rank_kept or r.per_rank_dropped:
             out.print(f"per-rank state ({r.rank_state}): {len(r.per_rank_kept)} kept, {len(r.per_rank_dropped)} dropped")

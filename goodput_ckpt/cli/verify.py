@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._output import Output, escape, human_bytes
+from ._output import Output, escape, human_bytes, human_rate, human_seconds
 from ._registry import Command
 
 
@@ -26,9 +26,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 
 def render(report, out: Output) -> None:
-    what = "sizes checked" if report.quick else f"{human_bytes(report.bytes_hashed)} hashed in {report.seconds:.2f} s ({report.gbps:.2f} GB/s)"
+    what = "sizes checked" if report.quick or report.notes else f"{human_bytes(report.bytes_hashed)} hashed in {human_seconds(report.seconds)} ({human_rate(report.bytes_hashed, report.seconds)})"
+    fmt = f"format version {report.version}" if report.version is not None else escape(report.format)
     if report.ok:
-        out.print(f"OK  {escape(report.uri)}: format v{report.version}, world size {report.world_size}, {report.files} file(s), {what}")
+        out.print(f"OK  {escape(report.uri)}: {fmt}, world size {report.world_size or '-'}, {report.files} file(s), {what}")
     else:
         n = len(report.problems)
         out.print(f"{report.status.upper()}  {escape(report.uri)}: {n} problem{'s' if n != 1 else ''}")
@@ -36,6 +37,8 @@ def render(report, out: Output) -> None:
             out.print(f"  [{escape(p.kind)}] {escape(p.message)}")
     for w in report.warnings:
         out.print(f"  warning: {escape(w.message)}")
+    for n in report.notes:
+        out.print(f"  note: {escape(n)}")
 
 
 COMMAND = Command(

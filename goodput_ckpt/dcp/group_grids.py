@@ -1,4 +1,4 @@
-"""Grid detection (format v2) for every tensor of a save at once, on the ranks' own tables.
+"""Grid detection (format version 2) for every tensor of a save at once, on the ranks' own tables.
 
 Why: at 16,384 ranks a 70B state with AdamW has 17 M rows (1.1 GB of tables). Detecting each
 tensor's grid on its own needs its rows side by side, so every table used to be transposed into

@@ -1,6 +1,6 @@
 """Writing data files chunk by chunk while hashing them, and publishing the manifest.
 
-This is the write half of format v1 without the DCP protocol around it. ``CheckpointWriter``
+This is the write half of the goodput format without the DCP protocol around it. ``CheckpointWriter``
 uses it for every rank's files; the tools that produce checkpoints without ``dcp.save``
 (``reshard``, ``convert``) use the same code, so every checkpoint is laid out, hashed and
 committed one way.

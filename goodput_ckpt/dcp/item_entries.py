@@ -118,7 +118,7 @@ def items_from_ranks(
 ) -> dict[str, TensorEntry | ObjectEntry]:
     """Manifest items for DCP's global ``metadata`` and every rank's writes, in DCP's order.
 
-    With ``grids`` (format v2), a tensor whose chunks form a grid is stored as one
+    With ``grids`` (format version 2), a tensor whose chunks form a grid is stored as one
     :class:`~goodput_ckpt.format.grid.GridChunks`; otherwise (and in v1) its chunks are listed.
 
     Raises:

@@ -1,4 +1,4 @@
-"""A DCP load planner that computes a rank's reads from format-v2 grids by arithmetic.
+"""A DCP load planner that computes a rank's reads from format-version-2 grids by arithmetic.
 
 Why: torch's ``DefaultLoadPlanner`` intersects every local chunk with every saved chunk of the
 tensor (``create_read_items_for_chunk_list``, a sweep over all of them), so one rank's planning
@@ -9,7 +9,7 @@ dimension: planning costs O(reads), whatever the saved world size.
 
 :class:`GridLoadPlanner` is ``DefaultLoadPlanner`` with that one step replaced; its read items are
 the ones torch's planner makes (same indices, offsets and lengths), which a test checks. Tensors
-with explicit chunks (format v1, irregular shardings) and byte objects go through torch's own code.
+with explicit chunks (version 1 manifests, irregular shardings) and byte objects go through torch's own code.
 ``CheckpointManager`` uses it; with plain ``dcp.load`` pass ``planner=GridLoadPlanner()``.
 """
 
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..format.dcp_metadata import grid_of
 from ..format.grid import GridChunks
+from .state_fit import check_fit
 from .rank_rows import RankRow, find_rank_rows, put_back_rank_rows, resolve_rank_row
 
 try:  # torch's own helper since 2.0; private, so keep a fallback for a torch that moves it
@@ -134,6 +135,7 @@ class GridLoadPlanner(DefaultLoadPlanner):
         md = self.metadata
         if md is None:
             raise AssertionError("set_up_planner was not called")
+        check_fit(self.state_dict, md.state_dict_metadata, strict=not self.allow_partial_load)  # the cause, in one line
         if not _has_grid(md):
             return super().create_local_plan()
         # torch's create_default_local_load_plan with read_items_for in place of its per-item

@@ -6,7 +6,7 @@ ranks x values entries, each built, written, parsed and shipped to every rank on
 34 µs apiece, seconds at 16,384 ranks for a training job's six generator tensors per rank
 (docs/scale.md). Stored as row ``r`` of one ``(W, *shape)`` tensor, the same values are one item
 whatever ``W``: every rank writes a shard of it, as with an FSDP weight, and the coordinator
-records them as one grid (format v2).
+records them as one grid (format version 2).
 
 A :class:`RankRow` is what a state dict holds in place of that tensor on rank ``r``: the row, and
 where it lies. It speaks torch DCP's checkpointable protocol (``__create_write_items__``,

@@ -1,4 +1,4 @@
-"""``CheckpointReader``: a torch DCP ``StorageReader`` for format v1.
+"""``CheckpointReader``: a torch DCP ``StorageReader`` for the goodput format.
 
 DCP call order (all ranks)::
 

@@ -1,6 +1,6 @@
 """Raw tensor bytes without copies: the bridge between tensors and byte buffers.
 
-Format v1 stores every tensor as its C-order, little-endian bytes. For a contiguous CPU tensor
+The goodput format stores every tensor as its C-order, little-endian bytes. For a contiguous CPU tensor
 those bytes are already in memory, so the writer hashes and writes slices of them directly and
 the reader reads file bytes straight into destination tensors. Anything else (a non-contiguous
 view, a tensor on an accelerator) is materialized piece by piece, so that host memory stays
@@ -20,9 +20,9 @@ __all__ = ["TensorByteSource", "byte_view", "check_byte_order"]
 
 
 def check_byte_order() -> None:
-    """Format v1 is little-endian; refuse to silently write or read swapped bytes."""
+    """The goodput format is little-endian; refuse to silently write or read swapped bytes."""
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-        raise CheckpointError("goodput-ckpt format v1 requires a little-endian host")
+        raise CheckpointError("the goodput-ckpt format requires a little-endian host")
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -1,4 +1,4 @@
-"""``CheckpointWriter``: a torch DCP ``StorageWriter`` that writes format v1.
+"""``CheckpointWriter``: a torch DCP ``StorageWriter`` that writes the goodput format.
 
 DCP call order, and which ranks make each call (see torch's ``StorageWriter``)::
 
@@ -98,7 +98,7 @@ def _now_utc() -> str:
 
 
 class CheckpointWriter(StorageWriter, AsyncStager):
-    """Write a DCP checkpoint in goodput-ckpt format v1.
+    """Write a DCP checkpoint in the goodput format.
 
     Args:
         uri: where the checkpoint goes: a local path or ``file://`` URL, ``s3://bucket/prefix``,

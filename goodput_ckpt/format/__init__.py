@@ -1,4 +1,4 @@
-"""Checkpoint format v1: the manifest schema, its validation, and DCP ``Metadata`` rebuilding."""
+"""The goodput checkpoint format (format version 2, reading 1 and 2): the manifest schema, its validation, and DCP ``Metadata`` rebuilding."""
 
 from .manifest import (
     ALIGNMENT,

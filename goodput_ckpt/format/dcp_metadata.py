@@ -54,7 +54,7 @@ def dtype_name(dtype: torch.dtype, key: str = "") -> str:
         _DTYPE_NAMES[dtype] = name
     if name not in DTYPE_SIZES:
         raise CheckpointError(
-            f"tensor {key!r} has dtype {dtype}, which format v1 cannot store "
+            f"tensor {key!r} has dtype {dtype}, which the goodput format cannot store "
             f"(supported: {', '.join(sorted(DTYPE_SIZES))})",
             key=key or None,
         )
@@ -129,7 +129,7 @@ class _GridChunkList(Sequence[ChunkStorageMetadata]):
 
 def grid_of(chunks: Sequence[ChunkStorageMetadata]) -> GridChunks | None:
     """The grid behind a tensor's DCP chunk list when :func:`to_dcp_metadata` made it from a
-    format-v2 grid, else ``None``: a planner can then find the cells a box overlaps by arithmetic
+    format-version-2 grid, else ``None``: a planner can then find the cells a box overlaps by arithmetic
     instead of walking every saved chunk."""
     return chunks._grid if isinstance(chunks, _GridChunkList) else None
 
@@ -178,7 +178,7 @@ class _StorageIndex(Mapping[MetadataIndex, StoredRange]):
 def to_dcp_metadata(manifest: Manifest) -> Metadata:
     """Rebuild DCP ``Metadata`` (with :class:`StoredRange` storage data) from a manifest.
 
-    Grid tensors (format v2) cost O(1) here: their chunk lists and storage data are views made
+    Grid tensors (format version 2) cost O(1) here: their chunk lists and storage data are views made
     on demand (O(tensors) in all, not O(chunks)); explicit chunks are listed.
     """
     sd_md: dict[str, Any] = {}

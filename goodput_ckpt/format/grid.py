@@ -1,4 +1,4 @@
-"""Compact shardings (format v2): a tensor split into a regular grid of blocks, stored as one entry.
+"""Compact shardings (format version 2): a tensor split into a regular grid of blocks, stored as one entry.
 
 Why: in v1 every saved chunk is its own manifest entry, so the commit record grows with ranks x
 tensors (a 70B model with AdamW on 1,024 ranks: 2.2 M entries, 249 MB). Nearly every real

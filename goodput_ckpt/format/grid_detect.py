@@ -1,4 +1,4 @@
-"""Find the grid (format v2) behind one tensor's saved chunks, given as arrays.
+"""Find the grid (format version 2) behind one tensor's saved chunks, given as arrays.
 
 Why arrays: the coordinator of a save builds the commit record from every rank's chunks, ranks x
 tensors of them (2.2 M for a 70B state with AdamW at 1,024 ranks, 35 M at 16,384). Walked as

@@ -1,4 +1,4 @@
-"""The manifest: the JSON commit record of a checkpoint (format v1). No torch here.
+"""The manifest: the JSON commit record of a checkpoint (the goodput format). No torch here.
 
 The manifest lists every file with its size and the blake3 of each fixed-size chunk, and every
 state-dict item with where its bytes live. It is written last; a location without a valid

@@ -43,6 +43,7 @@ from .schema import (
     TensorEntry,
 )
 from .gc_pause import gc_paused
+from .nesting import int_keys_problem
 from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
 from .seal import check_seal, refuse_damaged_version
 from .tiling import TilingBudget, TilingError, check_tiling
@@ -235,7 +236,7 @@ class _Shared:
     def __init__(self) -> None:
         self.tuples: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.budget = TilingBudget()
-        self.cells = [MAX_GRID_CELLS]  # what grids may still describe (format v2)
+        self.cells = [MAX_GRID_CELLS]  # what grids may still describe (format version 2)
 
 
 def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared, version: int) -> TensorEntry:
@@ -320,6 +321,9 @@ def _check_dcp(dcp: dict) -> None:
     if storage_meta is not None and not isinstance(storage_meta, dict):
         raise _Bad("dcp: field 'storage_meta' must be an object or null")
     planner_data = dcp.get("planner_data")
+    why = int_keys_problem(dcp.get("int_keys"), planner_data)
+    if why is not None:
+        raise _Bad(f"field dcp.int_keys is malformed: it {why}")
     if planner_data is None:
         return
     if not isinstance(planner_data, dict):

@@ -1,4 +1,4 @@
-"""The manifest's schema (formats v1 and v2): constants, limits and the dataclasses a parsed manifest is.
+"""The manifest's schema (format versions 1 and 2): constants, limits and the dataclasses a parsed manifest is.
 
 No torch and no validation here: :mod:`.parse` turns bytes into these records after checking
 every field, :mod:`.seal` appends and checks the manifest's own digest, and
@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "goodput-ckpt"
-#: The version writers emit: v2 stores regular shardings compactly (:mod:`.grid`).
+#: The format version writers emit (the manifest's ``version``; not the training-state schema
+#: of ``state/bundle.py``, a separate number): version 2 stores regular shardings compactly (:mod:`.grid`).
 FORMAT_VERSION = 2
 #: Versions readers accept; v1 checkpoints stay readable and verifiable.
 SUPPORTED_VERSIONS = (1, 2)
@@ -117,7 +118,7 @@ class ChunkEntry:
 @_pickled_by_init
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """A tensor: its saved chunks are a tuple, or a :class:`~.grid.GridChunks` (format v2's
+    """A tensor: its saved chunks are a tuple, or a :class:`~.grid.GridChunks` (format version 2's
     compact grid, a read-only sequence of the same :class:`ChunkEntry` records)."""
 
     key: str

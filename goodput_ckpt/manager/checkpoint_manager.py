@@ -1,7 +1,7 @@
 """``CheckpointManager``: steps, retention, the latest complete checkpoint, async saves, resume.
 
 One checkpoint per step under a root (``ROOT/step_{step:08d}``, named by :mod:`.step_layout`), each a
-format-v1 location written by :class:`~goodput_ckpt.CheckpointWriter` and holding the training
+goodput-format location written by :class:`~goodput_ckpt.CheckpointWriter` and holding the training
 state bundle of :mod:`goodput_ckpt.state`. Call order (every rank of the job makes every call)::
 
     mgr = CheckpointManager(root, keep_last=3)              # collective: creates a gloo group

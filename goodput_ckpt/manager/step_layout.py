@@ -6,7 +6,7 @@ them) and the tools (``ls``, ``inspect``) always agree. No torch here.
 ::
 
     ROOT/
-      step_00001000/        a checkpoint location (format v1: manifest.json + data files)
+      step_00001000/        a checkpoint location (goodput format: manifest.json + data files)
       step_00002000/
       anything-else/        ignored by the listing
 

@@ -6,7 +6,7 @@ Each returns a dataclass report that the CLI renders as a table or JSON:
 - :func:`inspect_checkpoint` (``inspect``): version, step, world size, sections, item table;
 - :func:`list_checkpoints` (``ls``): the checkpoints under a manager root and their status;
 - :func:`reshard_checkpoint` (``reshard``): rewrite for M ranks (dim-0 split), streaming;
-- :func:`convert_checkpoint` (``convert``): between format v1, torch DCP, ``torch.save`` and
+- :func:`convert_checkpoint` (``convert``): between the goodput format, torch DCP, ``torch.save`` and
   safetensors, streaming;
 - :func:`bench_storage` (``bench``): save, load, stall and verify throughput of a storage location,
   against torch's own writers;

@@ -4,6 +4,8 @@ keys live where, and the checksum error, are in :mod:`goodput_ckpt.format.commit
 from __future__ import annotations
 
 import os
+import struct
+import zipfile
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -14,7 +16,9 @@ __all__ = [
     "NO_PROGRESS",
     "Progress",
     "open_location",
+    "is_dcp_location",
     "refuse_plain_file",
+    "sniff_file",
     "require_positive",
     "same_location",
 ]
@@ -54,18 +58,53 @@ def open_location(uri: str | os.PathLike, options: Mapping[str, Any] | None = No
     return open_store(uri, options)
 
 
+def sniff_file(path: str) -> str | None:
+    """``"safetensors"``, ``"torch"`` (a ``torch.save`` zip archive or legacy pickle) or ``None``,
+    from a local file's first bytes: the one recognition of single-file checkpoints."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = os.path.getsize(path)
+    if len(head) == 9 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
+        return "safetensors"
+    if zipfile.is_zipfile(path) or head[:1] == b"\x80":  # torch's zip archive, or a legacy pickle
+        return "torch"
+    return None
+
+
+_FILE_KINDS = {"torch": "a torch.save file", "safetensors": "a safetensors file", None: "a file"}
+
+
 def refuse_plain_file(store: Store) -> None:
-    """Say so when the location is a plain file: a checkpoint is a directory.
+    """Say so, naming the file's type, when the location is a plain file: a checkpoint is a
+    directory. Every command that reads a checkpoint directory calls this first (one detection,
+    one message, exit status 2 on the command line).
 
     Raises:
         CheckpointNotFoundError: the location is a local file.
     """
-    if store.traits.local_path is not None and os.path.isfile(store.traits.local_path):
-        raise CheckpointNotFoundError(
-            f"{store.uri} is a file, not a checkpoint directory (to read a torch.save or "
-            "safetensors file, convert it: goodput-ckpt convert SRC DST --to goodput)",
-            path=store.uri,
-        )
+    path = store.traits.local_path
+    if path is None or not os.path.isfile(path):
+        return
+    try:
+        kind = sniff_file(path)
+    except OSError:
+        kind = None
+    raise CheckpointNotFoundError(
+        f"{store.uri} is {_FILE_KINDS[kind]}, not a checkpoint directory"
+        + (f"; convert it first: goodput-ckpt convert {store.uri} DST --to goodput" if kind else ""),
+        path=store.uri,
+    )
+
+
+#: torch DCP's commit record (``FileSystemWriter``), the mark of a stock DCP checkpoint.
+DCP_METADATA_NAME = ".metadata"
+
+
+def is_dcp_location(store: Store) -> bool:
+    """A stock torch DCP checkpoint: DCP's ``.metadata`` and no goodput manifest (which wins)."""
+    from ..format.manifest import MANIFEST_NAME
+
+    return store.size(DCP_METADATA_NAME) is not None and store.size(MANIFEST_NAME) is None
 
 
 def require_positive(name: str, value: int | None) -> None:

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from ._common import NO_PROGRESS, Progress
 from ._bench_methods import BenchMethod, goodput_method, is_save_or_load_failure, torch_method, wait_durable
 from ._bench_report import BENCH_SCHEMA, GB, SAMPLES, BenchReport, MethodResult
 from ._bench_measure import DEFAULT_QUIET, Load, run_rotation, save_and_load, wait_quiet
@@ -77,6 +78,7 @@ def bench(
     seed: int = 0,
     quiet: float = DEFAULT_QUIET,
     progress: Callable[[str], None] | None = None,
+    bar: Progress = NO_PROGRESS,
     **options: Any,
 ) -> BenchReport:
     """Measure save, load, stall and verify on ``uri``; see the module docstring.
@@ -96,6 +98,9 @@ def bench(
             leave the CPUs and the disk idle (0: do not wait); the default is
             ``benchmarks/bench_local.py``'s too.
         progress: called with one line of text as each step starts and ends.
+        bar: receives the bytes each step moved once it is done (one phase, ``bench``): a
+            save-and-load step moves the state 3 times (warm-up save, timed save, load) and once
+            more when the method verifies; a stall step once.
         **options: backend options for goodput's stores (``-o KEY=VALUE``). For S3 the
             endpoint, region and addressing style are also given to torch's ``FsspecWriter``.
 
@@ -143,13 +148,16 @@ def bench(
             if res.available:
                 _save_load_or_give_up(m, res, state, dest, scratch, rep, repeats, keep=keep and rep == last,
                                       quiet=quiet, colds=colds, say=say)  # fmt: skip
+            bar.advance(_SAVE_LOAD_PASSES[m.verify is not None] * state.nbytes)
 
         def stall(name: str, rep: int) -> None:
             m, res = by_name[name]
             if res.available:
                 _stall_or_give_up(m, res, state, scratch, rep, repeats, quiet=quiet, say=say)
+            bar.advance(state.nbytes)
 
         names = [m.name for m in methods]
+        bar.start(repeats * sum(_SAVE_LOAD_PASSES[m.verify is not None] + 1 for m in methods) * state.nbytes, "bench")
         order = run_rotation(names, repeats, save_load)  # the procedure bench_local.py runs too
         run_rotation(names, repeats, stall)  # after every timed save, so that no staging copy precedes one
         report = BenchReport(
@@ -161,11 +169,17 @@ def bench(
             quiet=quiet, order=order, loadavg=[list(load0), list(os.getloadavg())],
         )  # fmt: skip
     finally:
+        bar.close()
         if not keep:
             say(f"removing {scratch.root}")
             scratch.cleanup()
     report.seconds = time.perf_counter() - t_start
     return report
+
+
+#: Times a save-and-load step moves the state, by whether the method verifies (warm-up save,
+#: timed save, load, and the verify's read): what the bar counts.
+_SAVE_LOAD_PASSES = {False: 3, True: 4}
 
 
 def _save_load_or_give_up(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, repeats: int, *,

@@ -1,4 +1,4 @@
-"""``convert``: between format v1 (``goodput``), torch DCP (``dcp``), ``torch.save`` (``torch``)
+"""``convert``: between the goodput format (``goodput``), torch DCP (``dcp``), ``torch.save`` (``torch``)
 and safetensors (``safetensors``), streaming with bounded memory.
 
 Input detection (:func:`detect_format`): a directory (or prefix) with ``manifest.json`` is
@@ -25,9 +25,7 @@ formats work on any store.
 from __future__ import annotations
 
 import os
-import struct
 import time
-import zipfile
 from fnmatch import fnmatchcase
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +35,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpo
 from ..format.commit_record import no_record_message
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Store
-from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
+from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location, sniff_file
 from ._formats.base import Source, TensorMeta
 from ._formats.select import SelectedSource
 from ._formats.input_checks import check_planner_data
@@ -87,17 +85,6 @@ def _local_file(uri: str) -> str | None:
     return text
 
 
-def _sniff(path: str) -> str | None:
-    with open(path, "rb") as f:
-        head = f.read(9)
-    size = os.path.getsize(path)
-    if len(head) == 9 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
-        return "safetensors"
-    if zipfile.is_zipfile(path) or head[:1] == b"\x80":  # torch's zip archive, or a legacy pickle
-        return "torch"
-    return None
-
-
 def detect_format(uri: str, **options: Any) -> str:
     """The format of the checkpoint at ``uri`` (one of :data:`FORMATS`).
 
@@ -108,7 +95,7 @@ def detect_format(uri: str, **options: Any) -> str:
     """
     local = _local_file(uri)
     if local is not None and os.path.isfile(local):
-        fmt = _sniff(local)
+        fmt = sniff_file(local)
         if fmt is None:
             raise CheckpointError(f"{uri} is neither a safetensors nor a torch.save file; pass the input format explicitly", path=str(uri))
         return fmt

@@ -1,5 +1,9 @@
 """``inspect``: what a checkpoint holds, from its manifest alone (no data is read, no torch).
 
+A stock torch DCP checkpoint (``.metadata`` + ``.distcp`` files) is described from its
+``.metadata`` instead (keys, dtypes, shapes, sizes, world size; :mod:`._dcp_foreign`, which
+imports torch to unpickle it under a restricted unpickler), with ``format`` ``torch-dcp``.
+
 Sections group items by the first component of their key, the way the training-state bundle
 names them::
 
@@ -25,7 +29,7 @@ from typing import Any
 from ..format.commit_record import file_problems, read_commit_record
 from ..format.manifest import DTYPE_SIZES, FORMAT_NAME, Manifest, TensorEntry
 from ..manager.step_layout import parse_step_dir
-from ._common import open_location, refuse_plain_file
+from ._common import is_dcp_location, open_location, refuse_plain_file
 
 __all__ = ["InspectReport", "ItemRow", "SECTIONS", "SectionRow", "inspect_checkpoint", "section_of"]
 
@@ -78,7 +82,8 @@ class InspectReport:
 
     uri: str
     format: str
-    version: int
+    #: The format version (an int); for ``torch-dcp``, DCP's metadata version (a string) or ``None``.
+    version: int | str | None
     library_version: str
     torch_version: str
     created_at: str
@@ -96,6 +101,9 @@ class InspectReport:
     pattern: list[str] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    #: The training-state schema of a ``CheckpointManager`` checkpoint (``None`` otherwise): a
+    #: number of its own, not the format version (docs/format.md, *Versioning*).
+    training_schema: int | None = None
 
 
 def inspect_checkpoint(
@@ -118,12 +126,20 @@ def inspect_checkpoint(
     """
     store = open_location(uri, options)
     refuse_plain_file(store)
-    manifest = read_commit_record(store).manifest_or_raise()
     patterns = [pattern] if isinstance(pattern, str) else (list(pattern) if pattern else None)
+    if is_dcp_location(store):
+        return _describe_dcp(store, patterns, check_files)
+    manifest = read_commit_record(store).manifest_or_raise()
     report = _describe(store.uri, manifest, patterns)
     if check_files:
         report.problems.extend(p.message for p in file_problems(store, manifest))
     return report
+
+
+def _training_schema(metadata: dict[str, Any]) -> int | None:
+    ts = metadata.get(TRAINING_STATE_KEY)
+    schema = ts.get("schema") if isinstance(ts, dict) else None
+    return schema if isinstance(schema, int) and not isinstance(schema, bool) else None
 
 
 def _metadata_step(metadata: dict[str, Any]) -> int | None:
@@ -132,6 +148,33 @@ def _metadata_step(metadata: dict[str, Any]) -> int | None:
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             return step
     return None
+
+
+def _describe_dcp(store: Any, patterns: list[str] | None, check_files: bool) -> InspectReport:
+    from ._dcp_foreign import DCP_FORMAT, read_dcp
+
+    view = read_dcp(store)
+    sections = {name: SectionRow(name) for name in SECTIONS}
+    rows: list[ItemRow] = []
+    for it in view.items:
+        sec = section_of(it.key)
+        row = ItemRow(it.key, sec, it.kind, it.dtype, it.shape, it.shards, it.bytes)
+        if it.kind == "tensor":
+            sections[sec].tensors += 1
+        else:
+            sections[sec].objects += 1
+        sections[sec].bytes += it.bytes
+        if patterns is None or any(fnmatch.fnmatchcase(it.key, p) for p in patterns):
+            rows.append(row)
+    tensors = [i for i in view.items if i.kind == "tensor"]
+    return InspectReport(
+        uri=view.uri, format=DCP_FORMAT, version=view.version, library_version="", torch_version="", created_at="",
+        step=parse_step_dir(posixpath.basename(view.uri.rstrip("/"))), world_size=view.world_size or 0, chunk_size=0,
+        files=len(view.files), file_bytes=view.file_bytes, tensor_bytes=sum(i.bytes for i in tensors),
+        object_bytes=sum(i.bytes for i in view.items if i.kind == "object"), tensors=len(tensors),
+        objects=len(view.items) - len(tensors), sections=[s for s in sections.values() if s.tensors or s.objects],
+        items=rows, pattern=patterns, problems=[p[2] for p in view.problems] if check_files else [],
+    )  # fmt: skip
 
 
 def _describe(uri: str, m: Manifest, patterns: list[str] | None) -> InspectReport:
@@ -177,4 +220,5 @@ def _describe(uri: str, m: Manifest, patterns: list[str] | None) -> InspectRepor
         items=rows,
         pattern=patterns,
         metadata=dict(m.metadata),
+        training_schema=_training_schema(m.metadata),
     )

@@ -24,7 +24,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.commit_record import COMMITTED, CORRUPT, MISSING, UNSUPPORTED, foreign_layout_message, read_commit_record
 from ..format.manifest import MANIFEST_NAME
 from ..manager.step_layout import child_uri
-from ._common import NO_PROGRESS, Progress, open_location, require_positive
+from ._common import NO_PROGRESS, Progress, open_location, refuse_plain_file, require_positive
 from .verify import verify_checkpoint
 
 __all__ = ["CheckpointRow", "ListReport", "list_checkpoints"]
@@ -87,6 +87,7 @@ def list_checkpoints(
     """
     require_positive("thread_count", thread_count)
     store = open_location(root, options)
+    refuse_plain_file(store)
     names = store.list()
     local = _local_steps(local_dir, _job_of_root(store)) if local_dir is not None else {}
     if not names and local:

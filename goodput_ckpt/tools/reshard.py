@@ -4,7 +4,7 @@ Every tensor is split along dim 0 the way FSDP2's ``Shard(0)`` (``torch.chunk``)
 ``ceil(n / M)`` rows per rank, the last ranks possibly fewer or none. Rank ``r``'s pieces of
 every tensor go into rank ``r``'s file, so each rank of a job restarted at ``M`` ranks reads one
 contiguous byte range per tensor. ``M = 1`` consolidates: one file, whole tensors. The output is
-an ordinary format-v1 checkpoint: ``dcp.load`` with ``CheckpointReader`` loads it at any world
+an ordinary goodput-format checkpoint: ``dcp.load`` with ``CheckpointReader`` loads it at any world
 size, fastest at ``M`` ranks with ``Shard(0)``.
 
 Streaming: tensors are read from the source and written chunk by chunk (hash chunks of
@@ -52,7 +52,7 @@ from typing import Any
 
 from ..dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ..state.per_rank import DATALOADER, RNG, ROWS
-from ._common import NO_PROGRESS, Progress, open_location, require_positive, same_location
+from ._common import NO_PROGRESS, Progress, open_location, refuse_plain_file, require_positive, same_location
 from ._formats.base import TensorMeta
 from ._formats.goodput import GoodputSource, write_goodput
 from .inspect import TRAINING_STATE_KEY, section_of
@@ -144,6 +144,7 @@ def reshard_checkpoint(
         raise ValueError(f"rank_state must be one of {', '.join(RANK_STATE_POLICIES)}, got {rank_state!r}")
     t0 = time.perf_counter()
     src_store = open_location(src, src_options)
+    refuse_plain_file(src_store)
     dst_store = open_location(dst, dst_options)
     if same_location(src_store, dst_store):
         raise ValueError(

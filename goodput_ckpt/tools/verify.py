@@ -12,6 +12,11 @@ What is checked, in order:
 2. every listed file exists with exactly its recorded size;
 3. unless ``quick``: every hash chunk of every file matches its blake3 digest.
 
+A stock torch DCP checkpoint (``.metadata`` + ``.distcp`` files) is verified as far as DCP
+allows (:mod:`._dcp_foreign`): every file ``.metadata`` names is present and holds the byte
+ranges it claims, and the claims are consistent; DCP records no checksums, so no bytes are
+hashed, and ``notes`` says so. Its ``format`` is ``torch-dcp``.
+
 Every problem is reported, not only the first, each with the file, the byte range and the keys
 whose bytes lie there. Files at the location that the manifest does not list are reported as
 warnings (leftovers of a failed save; they do not make a checkpoint corrupt).
@@ -46,9 +51,9 @@ from ..format.commit_record import (
     file_problems,
     read_commit_record,
 )
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from ..format.manifest import FORMAT_NAME, MANIFEST_NAME, FileEntry, Manifest
 from ..storage import FileSource, Store
-from ._common import NO_PROGRESS, Progress, open_location, refuse_plain_file, require_positive
+from ._common import NO_PROGRESS, Progress, is_dcp_location, open_location, refuse_plain_file, require_positive
 
 __all__ = ["DEFAULT_VERIFY_THREADS", "Problem", "TASK_BYTES", "VerifyReport", "verify_checkpoint"]
 
@@ -93,6 +98,7 @@ class VerifyReport:
     uri: str
     status: str
     quick: bool
+    format: str = FORMAT_NAME
     version: int | None = None
     world_size: int | None = None
     files: int = 0
@@ -102,6 +108,8 @@ class VerifyReport:
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
+    #: What could not be checked and why (a DCP checkpoint has no hashes).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -141,6 +149,11 @@ def verify_checkpoint(
     t0 = time.perf_counter()
     store = open_location(uri, options)
     report = VerifyReport(uri=store.uri, status="ok", quick=quick)
+    refuse_plain_file(store)
+    if is_dcp_location(store):
+        _check_dcp(store, report)
+        report.seconds = time.perf_counter() - t0
+        return report
     manifest = _check_manifest(store, report)
     if manifest is not None:
         keys = KeyIndex(manifest)
@@ -153,8 +166,22 @@ def verify_checkpoint(
     return report
 
 
+def _check_dcp(store: Store, report: VerifyReport) -> None:
+    from ._dcp_foreign import DCP_FORMAT, NO_HASHES, read_dcp
+
+    view = read_dcp(store)
+    report.format = DCP_FORMAT
+    report.world_size = view.world_size
+    report.files = len(view.files)
+    report.bytes_total = view.file_bytes
+    report.notes.append(NO_HASHES)
+    for kind, file, message, keys in view.problems:
+        report.problems.append(Problem(kind, message, file=file, keys=keys))
+    if report.problems:
+        report.status = "corrupt"
+
+
 def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
-    refuse_plain_file(store)
     record = read_commit_record(store)
     if record.status == MISSING:
         if not record.file_count or record.foreign:

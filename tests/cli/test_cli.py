@@ -79,7 +79,7 @@ def test_verify_incomplete(incomplete):
 def test_inspect(sample_ckpt, incomplete, tmp_path):
     code, out, _ = run("inspect", sample_ckpt[0])
     assert code == 0
-    for text in (f"goodput-ckpt v{FORMAT_VERSION}", "step        100", "world size  1", "SECTION", "optimizer", "KEY", "model.embed.weight", "1001x64"):
+    for text in (f"goodput-ckpt, format version {FORMAT_VERSION}", "step        100", "world size  1", "SECTION", "optimizer", "KEY", "model.embed.weight", "1001x64"):
         assert text in out, text
     code, out, _ = run("inspect", sample_ckpt[0], "--keys", "rng.*", "--json")
     doc = json.loads(out)

@@ -94,3 +94,34 @@ def test_a_ctrl_c_that_dcp_wrapped_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr(convert_tool, "convert_checkpoint", interrupted)
     code, _, err = run("convert", tmp_path / "a", tmp_path / "b", "--to", "goodput")
     assert code == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_a_dcp_failure_is_one_line_and_its_chain_only_with_debug(tmp_path, monkeypatch):
+    """Issue 35, item 3: the cause on the first (only) line; DCP's per-rank tracebacks with
+    --debug. The error is a real one (torch's planner refusing a shape inside dcp.load), raised
+    where ``verify`` would raise."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import goodput_ckpt.tools.verify as verify_tool
+    from goodput_ckpt import CheckpointReader, CheckpointWriter
+    from goodput_ckpt.errors import as_checkpoint_error
+
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.ones(4, 2)}, storage_writer=CheckpointWriter(path), no_dist=True)
+    try:
+        dcp.load({"w": torch.zeros(3, 3)}, storage_reader=CheckpointReader(path), no_dist=True)
+    except CheckpointException as e:
+        err = as_checkpoint_error(e, "loading step 1")
+
+    def fail(*_a, **_k):
+        raise err
+
+    monkeypatch.setattr(verify_tool, "verify_checkpoint", fail)
+    code, _, text = run("verify", path)
+    assert code == EXIT_FAILED and len(text.splitlines()) == 1, text
+    assert text.startswith("goodput-ckpt verify: error: loading step 1 failed on rank 0: ValueError: Size mismatch")
+    code, _, text = run("verify", path, "--debug")
+    assert code == EXIT_FAILED and "Traceback" in text and "CheckpointException" in text
+    assert text.rstrip().splitlines()[-1].startswith("goodput-ckpt verify: error: loading step 1 failed on rank 0")

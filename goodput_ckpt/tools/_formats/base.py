@@ -116,6 +116,8 @@ class Source(ABC):
         items: key -> :class:`TensorMeta` or :class:`ObjectMeta`, in the source's order.
         planner_data: key -> path in the nested state dict (DCP's flattening), or ``None``
             when the source is flat.
+        int_keys: key -> positions of its ``planner_data`` path that were integer mapping
+            keys (:mod:`goodput_ckpt.format.nesting`); empty when all were strings.
         metadata: user metadata carried along (JSON).
         world_size: ranks that wrote it, when known.
     """
@@ -127,6 +129,7 @@ class Source(ABC):
     def __init__(self) -> None:
         self.items: dict[str, TensorMeta | ObjectMeta] = {}
         self.planner_data: dict[str, list[Any]] | None = None
+        self.int_keys: dict[str, list[int]] = {}
         self.metadata: dict[str, Any] = {}
 
     @abstractmethod
@@ -135,7 +138,7 @@ class Source(ABC):
 
     @abstractmethod
     def object_bytes(self, key: str) -> bytes:
-        """Object ``key`` in the ``torch.save`` encoding of format v1 (no unpickling needed
+        """Object ``key`` in the ``torch.save`` encoding of the goodput format (no unpickling needed
         where the source already stores it that way)."""
 
     @abstractmethod

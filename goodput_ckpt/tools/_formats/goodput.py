@@ -1,4 +1,4 @@
-"""Format v1 (ours) as a converter source, and the streaming format-v1 writer.
+"""The goodput format (ours) as a converter source, and its streaming writer.
 
 Reading: every byte is verified against the manifest's blake3 digests before it is used. A
 range read that covers whole hash chunks reads them straight into the destination and hashes
@@ -117,7 +117,7 @@ class _VerifiedRanges:
 
 
 class GoodputSource(Source):
-    """A committed format-v1 checkpoint, opened for converting or resharding."""
+    """A committed goodput-format checkpoint, opened for converting or resharding."""
 
     format = "goodput"
 
@@ -135,6 +135,8 @@ class GoodputSource(Source):
                 self.items[key] = ObjectMeta(key)
         pd = self.manifest.dcp.get("planner_data")
         self.planner_data = pd if isinstance(pd, dict) else None
+        ik = self.manifest.dcp.get("int_keys")  # checked by the manifest parser
+        self.int_keys = ik if isinstance(ik, dict) and self.planner_data is not None else {}
         self.metadata = dict(self.manifest.metadata)
         self.dcp_version = self.manifest.dcp.get("version") if isinstance(self.manifest.dcp.get("version"), str) else None
 
@@ -285,7 +287,7 @@ def write_goodput(
     metadata: Mapping[str, Any],
     progress: Progress = NO_PROGRESS,
 ) -> WriteSummary:
-    """Write the items of ``source`` named in ``assign`` as a format-v1 checkpoint at ``store``.
+    """Write the items of ``source`` named in ``assign`` as a goodput-format checkpoint at ``store``.
 
     ``assign[key]`` is ``None`` for a tensor split along dim 0 over ``world_size`` ranks (see
     :func:`dim0_regions`), or the rank whose file holds the whole item. Each rank's items go
@@ -372,6 +374,10 @@ def _manifest(source, written, placements, names, ranks, entries: list[FileEntry
     planner_data = None
     if source.planner_data is not None:
         planner_data = {k: list(v) for k, v in source.planner_data.items() if k in items}
+    dcp: dict[str, Any] = {"version": getattr(source, "dcp_version", None) or _DCP_VERSION, "planner_data": planner_data, "storage_meta": None}
+    int_keys = {k: list(v) for k, v in source.int_keys.items() if planner_data is not None and k in planner_data}
+    if int_keys:  # only then: other manifests stay as they were
+        dcp["int_keys"] = int_keys
     return Manifest(
         version=FORMAT_VERSION,
         library_version=__version__,
@@ -381,6 +387,6 @@ def _manifest(source, written, placements, names, ranks, entries: list[FileEntry
         chunk_size=chunk_size,
         files={e.path: e for e in entries},
         items=items,
-        dcp={"version": getattr(source, "dcp_version", None) or _DCP_VERSION, "planner_data": planner_data, "storage_meta": None},
+        dcp=dcp,
         metadata=dict(metadata),
     )

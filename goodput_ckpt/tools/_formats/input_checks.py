@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...errors import CorruptCheckpointError, FileTooLargeError
+from ...format.nesting import int_keys_problem
 from ...format.parse import planner_path_problem
 from ...storage import Store
 from .base import Source
@@ -24,6 +25,9 @@ def check_planner_data(source: Source) -> None:
             or an index past the number of items (named by key).
     """
     pd = source.planner_data
+    why = int_keys_problem(source.int_keys or None, pd)
+    if why is not None:
+        raise CorruptCheckpointError(f"{source.uri}: the record of integer keys {why}")
     if pd is None:
         return
     bound = max(len(source.items), 1)

@@ -10,6 +10,7 @@ Document::
     {"format": "goodput-ckpt.objects", "version": 1,
      "objects": {"optim.param_groups.0.lr": 0.001, "optim.param_groups.0.betas": {"$tuple": [0.9, 0.95]}},
      "planner_data": {"model.w": ["model", "w"], ...} | null,
+     "int_keys": {"optim.state.0.exp_avg": [2], ...},   (optional: docs/format.md, dcp.int_keys)
      "metadata": {...}}
 
 Values are plain JSON where JSON can hold them exactly; other types are tagged objects with a
@@ -32,6 +33,7 @@ import torch
 from ...errors import CheckpointError, CorruptCheckpointError
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.json_document import parse_json_document
+from ...format.nesting import int_keys_problem
 
 __all__ = ["SIDECAR_FORMAT", "decode_value", "dump_sidecar", "encode_value", "load_sidecar"]
 
@@ -145,19 +147,23 @@ def _hashable(v: Any) -> Any:
     return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
 
 
-def dump_sidecar(objects: dict[str, Any], planner_data: dict[str, list[Any]] | None, metadata: dict[str, Any]) -> bytes:
-    doc = {
+def dump_sidecar(
+    objects: dict[str, Any], planner_data: dict[str, list[Any]] | None, metadata: dict[str, Any], int_keys: dict[str, list[int]] | None = None
+) -> bytes:
+    doc: dict[str, Any] = {
         "format": SIDECAR_FORMAT,
         "version": SIDECAR_VERSION,
         "objects": {k: encode_value(v, k) for k, v in objects.items()},
         "planner_data": planner_data,
         "metadata": metadata,
     }
+    if int_keys:
+        doc["int_keys"] = int_keys
     return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
 
 
-def load_sidecar(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, list[Any]] | None, dict[str, Any]]:
-    """``(objects, planner_data, metadata)`` from a sidecar document.
+def load_sidecar(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, list[Any]] | None, dict[str, Any], dict[str, list[int]]]:
+    """``(objects, planner_data, metadata, int_keys)`` from a sidecar document.
 
     Raises:
         CorruptCheckpointError: not a sidecar of a known version, or malformed.
@@ -169,4 +175,8 @@ def load_sidecar(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, lis
         raise CorruptCheckpointError(f"{where}: 'objects', 'planner_data' or 'metadata' has the wrong type", path=where)
     if pd is not None and not all(isinstance(v, list) and all(isinstance(p, (str, int)) for p in v) for v in pd.values()):
         raise CorruptCheckpointError(f"{where}: 'planner_data' must map keys to lists of path parts", path=where)
-    return {k: decode_value(v, k) for k, v in objects.items()}, pd, md
+    int_keys = doc.get("int_keys")
+    why = int_keys_problem(int_keys, pd)
+    if why is not None:
+        raise CorruptCheckpointError(f"{where}: 'int_keys' {why}", path=where)
+    return {k: decode_value(v, k) for k, v in objects.items()}, pd, md, int_keys or {}

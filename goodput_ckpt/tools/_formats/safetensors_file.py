@@ -34,7 +34,7 @@ from .objects_json import MAX_SIDECAR_BYTES, load_sidecar
 
 __all__ = ["SafetensorsSource", "open_safetensors", "split_file_uri"]
 
-#: safetensors dtype names, by format-v1 (torch) name.
+#: safetensors dtype names, by the goodput format's (torch's) name.
 ST_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
@@ -75,13 +75,14 @@ class SafetensorsSource(Source):
             if sidecar is not None:
                 data = read_small_capped(store, sidecar, MAX_SIDECAR_BYTES, "sidecar")
                 if data is not None:
-                    objects, pd, md = load_sidecar(data, f"{store.uri}/{sidecar}")
+                    objects, pd, md, int_keys = load_sidecar(data, f"{store.uri}/{sidecar}")
                     for key in objects:
                         if key in self.items:
                             raise CorruptCheckpointError(f"{sidecar}: {key!r} is both a tensor and an object", key=key)
                         self.items[key] = ObjectMeta(key)
                     self._objects = objects
                     self.planner_data = pd
+                    self.int_keys = int_keys
                     self.metadata = md
         except BaseException:
             self.close()

@@ -73,7 +73,7 @@ def write_safetensors(
         raise CheckpointError(f"safetensors cannot hold these tensors' dtypes: {', '.join(bad[:8])}; convert to goodput, dcp or torch instead")
     # Decode the objects first: an unencodable one fails before anything is written.
     objects = {m.key: source.object_value(m.key) for m in source.objects()}
-    sidecar = dump_sidecar(objects, source.planner_data, source.metadata)
+    sidecar = dump_sidecar(objects, source.planner_data, source.metadata, source.int_keys)
     shards = _shards(tensors, shard_bytes)
     if single is not None:
         names = [single]

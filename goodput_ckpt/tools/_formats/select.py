@@ -16,6 +16,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from .base import Box, Source
+from .key_types import renamed_int_keys
 
 __all__ = ["SelectedSource"]
 
@@ -47,6 +48,9 @@ class SelectedSource(Source):
         if not self._names:
             raise CheckpointError(f"{source.uri}: no key matches {', '.join(patterns)}; see `goodput-ckpt inspect` for its keys")
         self.planner_data = _renamed_paths(source.planner_data, self._names, strip_prefix)
+        if self.planner_data is not None and source.planner_data is not None:
+            dropped_parts = {new: len(source.planner_data[old]) - len(self.planner_data[new]) for new, old in self._names.items()}
+            self.int_keys = renamed_int_keys(source.int_keys, self._names, dropped_parts)
         self.metadata = {k: v for k, v in source.metadata.items() if k != "training_state"}
 
     def boxes(self, key: str) -> Sequence[Box]:
