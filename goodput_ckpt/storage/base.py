@@ -283,8 +283,9 @@ class BatchDelete(Protocol):
 class SizedListing(Protocol):
     """A store whose listing carries every file's size (S3 ``ListObjectsV2``)."""
 
-    def list_sizes(self) -> dict[str, int]:
-        """``{relative name: size in bytes}`` of the files at the location, from the listing."""
+    def list_sizes(self, *, max_entries: int | None = None) -> dict[str, int]:
+        """``{relative name: size in bytes}`` of the files at the location, from the listing;
+        with ``max_entries``, the listing stops (at a page's end) once that many were listed."""
 
 
 def delete_files(store: Store, names: Sequence[str]) -> None:
@@ -304,12 +305,18 @@ def delete_files(store: Store, names: Sequence[str]) -> None:
         store.delete(name)
 
 
+#: Objects a size listing may read beyond the names asked for (one S3 page): the commit record
+#: and a few leftovers fit; past that, the names not yet seen are asked for one by one.
+_LISTING_SLACK = 1000
+
+
 def file_sizes(store: Store, names: Collection[str]) -> dict[str, int | None]:
     """``{name: size, or None when missing}`` for ``names``.
 
     Why: checking a checkpoint's files before a restore asks one size per file; on S3 that is a
     ``HEAD`` each (16,384 sequential requests at 16,384 ranks), while one listing returns 1,000
-    sizes a request. Stores whose listing carries sizes (:class:`SizedListing`) answer from it;
+    sizes a request. The listing stops after about as many objects as names (plus a page), so a
+    location holding much else costs at most that many pages more than a ``HEAD`` each. Stores whose listing carries sizes (:class:`SizedListing`) answer from it;
     the others (a local disk, where a ``stat`` is cheap) ask ``size`` per file, and so does a
     store that refuses the listing.
 
@@ -319,7 +326,9 @@ def file_sizes(store: Store, names: Collection[str]) -> dict[str, int | None]:
     sizes: dict[str, int | None] = {}
     if isinstance(store, SizedListing) and names:
         try:
-            listed = store.list_sizes()
+            # Bounded: a location that holds much more than these files (a checkpoint at a
+            # bucket's root, nested locations) costs at most a page more than the names need.
+            listed = store.list_sizes(max_entries=len(names) + _LISTING_SLACK)
         except CheckpointError:
             listed = {}  # no permission to list (a read-only policy): ask each file instead
         sizes = {n: listed[n] for n in names if n in listed}

@@ -320,27 +320,31 @@ class S3Store:
     def list(self) -> list[str]:
         return sorted(name for name, _ in self._listing())
 
-    def list_sizes(self) -> dict[str, int]:
-        """Every file's size from the listing: 1,000 a request instead of a ``HEAD`` each
-        (:func:`~.base.file_sizes`)."""
-        return dict(self._listing())
+    def list_sizes(self, *, max_entries: int | None = None) -> dict[str, int]:
+        """Files' sizes from the listing: 1,000 a request instead of a ``HEAD`` each
+        (:func:`~.base.file_sizes`); no more pages once ``max_entries`` objects were listed."""
+        return dict(self._listing(max_entries))
 
-    def _listing(self) -> Iterator[tuple[str, int]]:
-        """``(relative name, size)`` of every object under the location, page by page."""
+    def _listing(self, max_entries: int | None = None) -> Iterator[tuple[str, int]]:
+        """``(relative name, size)`` of the objects under the location, page by page (every
+        page, or until ``max_entries`` objects were listed)."""
         client = self.client()
         base = f"{self.prefix}/" if self.prefix else ""
         token: str | None = None
+        listed = 0
         while True:
             kwargs = {"Bucket": self.bucket, "Prefix": base}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.call("listing", base, lambda: client.list_objects_v2(**kwargs))
-            for obj in page.get("Contents", ()):
+            contents = page.get("Contents", ())
+            for obj in contents:
                 rel = obj["Key"][len(base) :]
                 if rel and not rel.endswith("/"):
                     yield rel, int(obj.get("Size") or 0)
+            listed += len(contents)
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
+            if not token or (max_entries is not None and listed >= max_entries):
                 return
 
     def delete(self, name: str) -> None:

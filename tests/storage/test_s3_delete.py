@@ -25,11 +25,14 @@ def _store(target, prefix: str, counter: RequestCounter | None = None, **extra) 
     return open_store(target.uri(prefix), opts)
 
 
-def _fill(target, prefix: str, n: int) -> list[str]:
+def _fill(target, prefix: str, n: int, stem: str = "d/f") -> list[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
     client = target.client()
-    names = [f"d/f{i:05d}.bin" for i in range(n)]
-    for name in names:
-        client.put_object(Bucket=target.bucket, Key=f"{prefix}/{name}", Body=b"x" * (len(name) % 7))
+    names = [f"{stem}{i:05d}.bin" for i in range(n)]
+    with ThreadPoolExecutor(8) as pool:
+        body = lambda name: b"x" * (len(name) % 7)  # noqa: E731
+        list(pool.map(lambda name: client.put_object(Bucket=target.bucket, Key=f"{prefix}/{name}", Body=body(name)), names))
     return names
 
 
@@ -52,6 +55,17 @@ def test_sizes_come_from_one_listing(seaweed):
     assert sizes == {**{n: len(n) % 7 for n in names}, "d/missing.bin": None}
     # Two pages of the listing; only the file it did not show is asked for by itself.
     assert by_operation(counter.take()) == {"HeadObject": 1, "ListObjectsV2": 2}
+
+
+def test_a_location_holding_much_else_lists_a_bounded_number_of_pages(moto):
+    """A checkpoint's 3 files under a location that also holds 4,500 other objects, listed
+    first (``a/`` sorts before ``d/``): the listing stops after two pages, and the files it did
+    not reach are asked for by themselves (not the 5 pages of a whole listing)."""
+    _fill(moto, "run", 4500, stem="a/other")
+    names = _fill(moto, "run", 3)
+    counter = RequestCounter()
+    assert file_sizes(_store(moto, "run", counter), names) == {n: len(n) % 7 for n in names}
+    assert by_operation(counter.take()) == {"HeadObject": 3, "ListObjectsV2": 2}
 
 
 def test_sizes_without_permission_to_list_ask_each_file(moto, proxy):
