@@ -13,6 +13,13 @@ while no other save of the same job runs:
 - incomplete steps older than ``committed`` go (failed or interrupted saves);
 - never deleted: ``committed``, the newest complete step, incomplete steps newer than
   ``committed`` (they may be in the middle of being written).
+
+Retention runs in the save thread, after the commit, and the next save waits for it. Why not in
+a thread of its own: the victims may include a step the next save writes (a rollback to an
+older step number, an overwrite, an incomplete step being retried), so a deletion running
+beside that save could remove its commit record or files. A worker would have to know the
+victims before the next save starts, which is the listing it was meant to take off the path.
+With batched deletes (:func:`delete_step`) a step costs 18 requests at 16,384 ranks, not 16,385.
 """
 
 from __future__ import annotations

@@ -9,21 +9,25 @@ transient code (``InternalError``, ``SlowDown`` ...) are sent again, with the sa
 budget as a failed request (``_s3_retry``); a key that S3 says does not exist counts as deleted
 (deleting a missing file is not an error); any other per-key error (``AccessDenied``) is
 permanent and raised as a :class:`~goodput_ckpt.errors.CheckpointError` naming the keys.
-Batches are sent one after the other, in the order given.
+Batches are sent one after the other, in the order given. A server that does not implement
+``DeleteObjects`` (HTTP 501) gets one ``DeleteObject`` per key instead.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from ._s3_retry import is_transient_code
+from ._s3_retry import client_error_code, is_transient_code
 
 if TYPE_CHECKING:
     from .s3 import S3Store
 
 __all__ = ["BATCH", "delete_keys"]
+
+log = logging.getLogger("goodput_ckpt.storage.s3")
 
 #: The most keys S3 accepts in one ``DeleteObjects`` request.
 BATCH = 1000
@@ -38,7 +42,21 @@ def delete_keys(store: S3Store, keys: Sequence[str]) -> None:
         CheckpointError: a request failed after retries, or S3 refused to delete some keys.
     """
     for start in range(0, len(keys), BATCH):
-        _delete_batch(store, list(dict.fromkeys(keys[start : start + BATCH])))
+        batch = list(dict.fromkeys(keys[start : start + BATCH]))
+        try:
+            _delete_batch(store, batch)
+        except _NoBatchDelete:
+            # A server without DeleteObjects (Google Cloud Storage's XML API, some gateways):
+            # one DeleteObject per key, as before batches existed.
+            log.info("%s does not support DeleteObjects: deleting %d object(s) one at a time", store.uri, len(keys) - start)
+            for key in keys[start:]:
+                store.call("deleting", key, lambda: store.client().delete_object(Bucket=store.bucket, Key=key))
+            return
+
+
+class _NoBatchDelete(CheckpointError):
+    """The server answered ``DeleteObjects`` with ``NotImplemented`` (HTTP 501)."""
+
 
 
 def _delete_batch(store: S3Store, keys: list[str]) -> None:
@@ -47,7 +65,13 @@ def _delete_batch(store: S3Store, keys: list[str]) -> None:
 
     def attempt() -> None:
         objects = [{"Key": k} for k in pending]
-        resp = client.delete_objects(Bucket=store.bucket, Delete={"Objects": objects, "Quiet": True})
+        try:
+            resp = client.delete_objects(Bucket=store.bucket, Delete={"Objects": objects, "Quiet": True})
+        except Exception as e:
+            code, status = client_error_code(e)
+            if code == "NotImplemented" or status == 501:  # before the retries (a 5xx is transient)
+                raise _NoBatchDelete(f"{store.uri} does not support DeleteObjects") from e
+            raise
         errors: list[dict[str, Any]] = [e for e in resp.get("Errors", ()) if str(e.get("Code")) not in _GONE]
         retry = [e for e in errors if is_transient_code(str(e.get("Code")))]
         refused = [e for e in errors if not is_transient_code(str(e.get("Code")))]

@@ -86,6 +86,15 @@ def test_a_failed_batch_request_is_retried(moto, proxy):
     assert moto.keys("run/") == []
 
 
+def test_a_server_without_batch_deletes_gets_one_delete_per_key(moto, proxy):
+    names = _fill(moto, "run", 4)
+    proxy.add("501", op="POSTBucket")
+    moto.url = proxy.url
+    delete_files(_store(moto, "run"), names)
+    assert proxy.count("POSTBucket") == 1 and proxy.count("DeleteObject") == 4
+    assert moto.keys("run/") == []
+
+
 def _stubbed(moto, answers: list[dict]) -> tuple[S3Store, object]:
     import boto3
     from botocore.stub import ANY, Stubber
