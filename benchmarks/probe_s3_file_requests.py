@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     from goodput_ckpt.manager.retention import delete_step, scan_steps
     from goodput_ckpt.manager.step_layout import step_dir_name
     from goodput_ckpt.storage import open_store
-    from goodput_ckpt.storage.base import file_sizes
+    from goodput_ckpt.storage.bulk import file_sizes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=2048, help="data files in the step (one per rank)")

@@ -27,7 +27,8 @@ from typing import TypeVar
 import blake3
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from ..storage.base import Store, file_sizes
+from ..storage.base import Store
+from ..storage.bulk import file_sizes
 from .key_index import KeyIndex
 from .parse import parse_manifest
 from .seal import seal_of
@@ -250,7 +251,7 @@ def file_problems(store: Store, manifest: Manifest, keys: KeyIndex | None = None
     """Every listed data file whose size differs from its record, in manifest order (lazily: a
     reader stops at the first, a report collects them all). The sizes come from one listing
     where the store's listing carries them (S3: 1,000 a request, not a ``HEAD`` each;
-    :func:`~goodput_ckpt.storage.base.file_sizes`)."""
+    :func:`~goodput_ckpt.storage.bulk.file_sizes`)."""
     index = keys
     try:  # one listing where the store's listing has sizes, instead of a request per file
         sizes: dict[str, int | None] = file_sizes(store, manifest.files)

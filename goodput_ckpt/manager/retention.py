@@ -31,7 +31,8 @@ from collections.abc import Collection
 from ..errors import CheckpointError
 from ..format.commit_record import MISSING, TORN, read_commit_record
 from ..format.manifest import MANIFEST_NAME
-from ..storage.base import StaleUploads, Store, delete_files
+from ..storage.base import StaleUploads, Store
+from ..storage.bulk import delete_files
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
 
 __all__ = ["StepScan", "apply_retention", "clean_before_restore", "delete_step", "retention_victims", "scan_steps"]
@@ -118,7 +119,7 @@ def delete_step(root: Store, step: int, files: list[str]) -> None:
     """Delete the checkpoint of ``step``: the commit record first, so that an interrupted deletion
     leaves an incomplete checkpoint (ignored, cleaned up later), never a manifest that points at
     missing files. The data files go in batches where the store can (S3: 1,000 per request,
-    :func:`~goodput_ckpt.storage.base.delete_files`): 18 requests for a 16,384-rank step instead
+    :func:`~goodput_ckpt.storage.bulk.delete_files`): 18 requests for a 16,384-rank step instead
     of 16,385."""
     name = step_dir_name(step)
     if MANIFEST_NAME in files:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ._s3_retry import client_error_code, is_transient_code
+from .base import redact
 
 if TYPE_CHECKING:
     from .s3 import S3Store
@@ -76,9 +77,10 @@ def _delete_batch(store: S3Store, keys: list[str]) -> None:
         retry = [e for e in errors if is_transient_code(str(e.get("Code")))]
         refused = [e for e in errors if not is_transient_code(str(e.get("Code")))]
         if refused:
-            shown = ", ".join(f"{store.where(str(e.get('Key')))} ({e.get('Code')}: {str(e.get('Message') or '')[:200]})" for e in refused[:5])
+            shown = ", ".join(_describe(store, e) for e in refused[:5])
             more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
-            raise CheckpointError(f"deleting {len(refused)} object(s) failed: {shown}{more}", path=store.where(str(refused[0].get("Key"))))
+            where = store.where(str(refused[0].get("Key")))
+            raise CheckpointError(f"deleting {len(refused)} object(s) failed: {shown}{more}", path=where)
         pending[:] = [str(e.get("Key")) for e in retry]
         if pending:
             # Transient per-key failures: raise what call_with_retries retries (the same backoff
@@ -86,10 +88,15 @@ def _delete_batch(store: S3Store, keys: list[str]) -> None:
             from botocore.exceptions import ClientError
 
             first = retry[0]
-            raise ClientError(
-                {"Error": {"Code": str(first.get("Code")), "Message": f"{len(pending)} key(s) not deleted: {first.get('Message') or ''}"},
-                 "ResponseMetadata": {"HTTPStatusCode": 503}},
-                "DeleteObjects",
-            )  # fmt: skip
+            message = f"{len(pending)} key(s) not deleted: {first.get('Message') or ''}"
+            error = {"Code": str(first.get("Code")), "Message": message}
+            raise ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": 503}}, "DeleteObjects")
 
     store.call("deleting", keys[0], attempt)
+
+
+def _describe(store: S3Store, error: dict[str, Any]) -> str:
+    """One key's failure for a message: where, the code and the server's message (bounded and
+    with any URL credentials masked, as ``_s3_retry.describe`` does for whole requests)."""
+    message = redact(str(error.get("Message") or "")[:200])
+    return f"{store.where(str(error.get('Key')))} ({error.get('Code')}: {message})"

@@ -32,10 +32,10 @@ and the optional abilities are small protocols a caller tests with ``isinstance`
 - :class:`StaleUploads` (S3): ``abort_stale_uploads`` reclaims the multipart uploads that killed
   saves left open; the coordinator calls ``abort_stale_uploads_before_save`` once per save.
 - :class:`BatchDelete` (S3): ``delete_many`` removes many files in few requests (``DeleteObjects``,
-  1,000 keys each). Callers go through :func:`delete_files`, which loops over ``delete`` on the
-  other stores.
+  1,000 keys each). Callers go through :func:`~.bulk.delete_files`, which loops over ``delete``
+  on the other stores.
 - :class:`SizedListing` (S3): ``list_sizes`` gives every file's size from the listing (1,000 a
-  request) instead of one ``HEAD`` each. Callers go through :func:`file_sizes`.
+  request) instead of one ``HEAD`` each. Callers go through :func:`~.bulk.file_sizes`.
 
 Only this package knows a backend's concrete class; code above it asks the traits.
 
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -76,9 +76,7 @@ __all__ = [
     "byte_views",
     "check_relative_name",
     "committed_elsewhere_error",
-    "delete_files",
     "drop_done",
-    "file_sizes",
     "missing_file_error",
     "out_of_order_error",
     "read_capped",
@@ -286,55 +284,6 @@ class SizedListing(Protocol):
     def list_sizes(self, *, max_entries: int | None = None) -> dict[str, int]:
         """``{relative name: size in bytes}`` of the files at the location, from the listing;
         with ``max_entries``, the listing stops (at a page's end) once that many were listed."""
-
-
-def delete_files(store: Store, names: Sequence[str]) -> None:
-    """Delete ``names`` from ``store``: in batches where it can (:class:`BatchDelete`), one
-    ``delete`` each otherwise. Callers needing an order (a commit record before the files it
-    commits) make separate calls: a batch is deleted in no promised order.
-
-    Raises:
-        CheckpointError: a file could not be deleted.
-    """
-    if not names:
-        return
-    if isinstance(store, BatchDelete):
-        store.delete_many(names)
-        return
-    for name in names:
-        store.delete(name)
-
-
-#: Objects a size listing may read beyond the names asked for (one S3 page): the commit record
-#: and a few leftovers fit; past that, the names not yet seen are asked for one by one.
-_LISTING_SLACK = 1000
-
-
-def file_sizes(store: Store, names: Collection[str]) -> dict[str, int | None]:
-    """``{name: size, or None when missing}`` for ``names``.
-
-    Why: checking a checkpoint's files before a restore asks one size per file; on S3 that is a
-    ``HEAD`` each (16,384 sequential requests at 16,384 ranks), while one listing returns 1,000
-    sizes a request. The listing stops after about as many objects as names (plus a page), so a
-    location holding much else costs at most that many pages more than a ``HEAD`` each. Stores whose listing carries sizes (:class:`SizedListing`) answer from it;
-    the others (a local disk, where a ``stat`` is cheap) ask ``size`` per file, and so does a
-    store that refuses the listing.
-
-    Raises:
-        CheckpointError: a file cannot be examined.
-    """
-    sizes: dict[str, int | None] = {}
-    if isinstance(store, SizedListing) and names:
-        try:
-            # Bounded: a location that holds much more than these files (a checkpoint at a
-            # bucket's root, nested locations) costs at most a page more than the names need.
-            listed = store.list_sizes(max_entries=len(names) + _LISTING_SLACK)
-        except CheckpointError:
-            listed = {}  # no permission to list (a read-only policy): ask each file instead
-        sizes = {n: listed[n] for n in names if n in listed}
-    # Files the listing did not show are asked for one by one: a missing file is a rare event,
-    # and this way a listing that lags behind a write never reports a file that exists as missing.
-    return {n: sizes[n] if n in sizes else store.size(n) for n in names}
 
 
 #: The user-info part of a URL: everything from ``://`` to the last ``@`` before the path

@@ -322,7 +322,7 @@ class S3Store:
 
     def list_sizes(self, *, max_entries: int | None = None) -> dict[str, int]:
         """Files' sizes from the listing: 1,000 a request instead of a ``HEAD`` each
-        (:func:`~.base.file_sizes`); no more pages once ``max_entries`` objects were listed."""
+        (:func:`~.bulk.file_sizes`); no more pages once ``max_entries`` objects were listed."""
         return dict(self._listing(max_entries))
 
     def _listing(self, max_entries: int | None = None) -> Iterator[tuple[str, int]]:

@@ -1,5 +1,5 @@
 """Batched deletes and sizes from a listing on S3 (goodput_ckpt/storage/_s3_delete.py, the
-``delete_many`` / ``list_sizes`` of S3Store, and ``delete_files`` / ``file_sizes`` of base.py).
+``delete_many`` / ``list_sizes`` of S3Store, and ``delete_files`` / ``file_sizes`` of bulk.py).
 
 Requests are counted on the store's real boto3 client (``helpers.s3_requests.RequestCounter``),
 against a real SeaweedFS server; request-level faults come from the fault proxy in front of
@@ -14,7 +14,8 @@ import pytest
 
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.storage import LocalStore, S3Config, S3Store, open_store
-from goodput_ckpt.storage.base import BatchDelete, SizedListing, delete_files, file_sizes
+from goodput_ckpt.storage.base import BatchDelete, SizedListing
+from goodput_ckpt.storage.bulk import delete_files, file_sizes
 from helpers.s3_requests import RequestCounter, by_operation
 
 
