@@ -13,6 +13,13 @@ while no other save of the same job runs:
 - incomplete steps older than ``committed`` go (failed or interrupted saves);
 - never deleted: ``committed``, the newest complete step, incomplete steps newer than
   ``committed`` (they may be in the middle of being written).
+
+Retention runs in the save thread, after the commit, and the next save waits for it. Why not in
+a thread of its own: the victims may include a step the next save writes (a rollback to an
+older step number, an overwrite, an incomplete step being retried), so a deletion running
+beside that save could remove its commit record or files. A worker would have to know the
+victims before the next save starts, which is the listing it was meant to take off the path.
+With batched deletes (:func:`delete_step`) a step costs 18 requests at 16,384 ranks, not 16,385.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ..errors import CheckpointError
 from ..format.commit_record import MISSING, TORN, read_commit_record
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
+from ..storage.bulk import delete_files
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
 from .timeline import TIMELINE_NAME
 
@@ -114,10 +122,13 @@ def apply_retention(root: Store, *, committed: int, keep_last: int | None, prote
 def delete_step(root: Store, step: int, files: list[str]) -> None:
     """Delete the checkpoint of ``step``: the commit record first, so that an interrupted deletion
     leaves an incomplete checkpoint (ignored, cleaned up later), never a manifest that points at
-    missing files."""
+    missing files. The data files go in batches where the store can (S3: 1,000 per request,
+    :func:`~goodput_ckpt.storage.bulk.delete_files`): 18 requests for a 16,384-rank step instead
+    of 16,385."""
     name = step_dir_name(step)
-    for f in sorted(files, key=lambda f: f != MANIFEST_NAME):
-        root.delete(f"{name}/{f}")
+    if MANIFEST_NAME in files:
+        root.delete(f"{name}/{MANIFEST_NAME}")  # alone, and before the files it commits
+    delete_files(root, [f"{name}/{f}" for f in files if f != MANIFEST_NAME])
     logger.info("deleted the checkpoint of step %d under %s", step, root.uri)
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "is_no_such_upload",
     "is_not_found",
     "is_transient",
+    "is_transient_code",
 ]
 
 log = logging.getLogger("goodput_ckpt.storage.s3")
@@ -98,6 +99,12 @@ def is_not_found(exc: BaseException) -> bool:
 def is_no_such_upload(exc: BaseException) -> bool:
     """Whether ``exc`` says the multipart upload is gone (completed or aborted meanwhile)."""
     return client_error_code(exc)[0] == "NoSuchUpload"
+
+
+def is_transient_code(code: str) -> bool:
+    """Whether an S3 error code (of a request, or of one key in a ``DeleteObjects`` answer) is
+    worth retrying."""
+    return code in _TRANSIENT_CODES
 
 
 def is_transient(exc: BaseException) -> bool:

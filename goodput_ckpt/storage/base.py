@@ -31,6 +31,11 @@ and the optional abilities are small protocols a caller tests with ``isinstance`
   save is durable at its destination.
 - :class:`StaleUploads` (S3): ``abort_stale_uploads`` reclaims the multipart uploads that killed
   saves left open; the coordinator calls ``abort_stale_uploads_before_save`` once per save.
+- :class:`BatchDelete` (S3): ``delete_many`` removes many files in few requests (``DeleteObjects``,
+  1,000 keys each). Callers go through :func:`~.bulk.delete_files`, which loops over ``delete``
+  on the other stores.
+- :class:`SizedListing` (S3): ``list_sizes`` gives every file's size from the listing (1,000 a
+  request) instead of one ``HEAD`` each. Callers go through :func:`~.bulk.file_sizes`.
 
 Only this package knows a backend's concrete class; code above it asks the traits.
 
@@ -59,10 +64,12 @@ from ..errors import (
 __all__ = [
     "SMALL_FILE_LIMIT",
     "BackgroundCommit",
+    "BatchDelete",
     "Buffer",
     "FileOrigin",
     "FileSink",
     "FileSource",
+    "SizedListing",
     "StaleUploads",
     "Store",
     "StoreTraits",
@@ -255,6 +262,28 @@ class StaleUploads(Protocol):
         """Before a save, on one rank (the coordinator) before any rank writes: abort the uploads
         under the location idle for the store's configured age. Best effort: a failure is
         logged, never raised."""
+
+
+@runtime_checkable
+class BatchDelete(Protocol):
+    """A store that deletes many files in one request (S3 ``DeleteObjects``)."""
+
+    def delete_many(self, names: Sequence[str]) -> None:
+        """Remove ``names`` durably, in as few requests as the store allows. Missing files are
+        not an error.
+
+        Raises:
+            CheckpointError: some files could not be deleted (it names them).
+        """
+
+
+@runtime_checkable
+class SizedListing(Protocol):
+    """A store whose listing carries every file's size (S3 ``ListObjectsV2``)."""
+
+    def list_sizes(self, *, max_entries: int | None = None) -> dict[str, int]:
+        """``{relative name: size in bytes}`` of the files at the location, from the listing;
+        with ``max_entries``, the listing stops (at a page's end) once that many were listed."""
 
 
 #: The user-info part of a URL: everything from ``://`` to the last ``@`` before the path

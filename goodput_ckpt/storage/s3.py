@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
 from ._s3_client import make_client
 from ._s3_config import DEFAULT_PART_SIZE, MIN_PART_SIZE, S3Config
+from ._s3_delete import delete_keys
 from ._s3_download import S3Source
 from ._s3_retry import call_with_retries, client_error_code, is_not_found
 from ._s3_stale import abort_stale_uploads
@@ -317,27 +318,44 @@ class S3Store:
         self.call("committing", key, put)
 
     def list(self) -> list[str]:
+        return sorted(name for name, _ in self._listing())
+
+    def list_sizes(self, *, max_entries: int | None = None) -> dict[str, int]:
+        """Files' sizes from the listing: 1,000 a request instead of a ``HEAD`` each
+        (:func:`~.bulk.file_sizes`); no more pages once ``max_entries`` objects were listed."""
+        return dict(self._listing(max_entries))
+
+    def _listing(self, max_entries: int | None = None) -> Iterator[tuple[str, int]]:
+        """``(relative name, size)`` of the objects under the location, page by page (every
+        page, or until ``max_entries`` objects were listed)."""
         client = self.client()
         base = f"{self.prefix}/" if self.prefix else ""
-        names: list[str] = []
         token: str | None = None
+        listed = 0
         while True:
             kwargs = {"Bucket": self.bucket, "Prefix": base}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.call("listing", base, lambda: client.list_objects_v2(**kwargs))
-            for obj in page.get("Contents", ()):
+            contents = page.get("Contents", ())
+            for obj in contents:
                 rel = obj["Key"][len(base) :]
                 if rel and not rel.endswith("/"):
-                    names.append(rel)
+                    yield rel, int(obj.get("Size") or 0)
+            listed += len(contents)
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
-                return sorted(names)
+            if not token or (max_entries is not None and listed >= max_entries):
+                return
 
     def delete(self, name: str) -> None:
         key = self.key(name)
         client = self.client()
         self.call("deleting", key, lambda: client.delete_object(Bucket=self.bucket, Key=key))
+
+    def delete_many(self, names: Sequence[str]) -> None:
+        """``DeleteObjects``, 1,000 keys a request, per-key failures retried or raised
+        (``_s3_delete``)."""
+        delete_keys(self, [self.key(n) for n in names])
 
 
 def _total_size(resp: dict[str, Any]) -> int | None:
