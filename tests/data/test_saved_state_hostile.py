@@ -27,15 +27,13 @@ from goodput_ckpt.state.rng import capture_rng, check_layout, restore_rng, rng_l
 from helpers.budget import TorchWork, counted_calls, python_peak
 from helpers.hostile_states import cyclic as _cyclic, deflated as _deflated, saved as _saved
 
+from helpers.datasets import Ids as _Ids
+
 N, BATCH = 56, 4
 
 
-class Ids(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> int:
-        return i
+def Ids() -> _Ids:  # noqa: N802 - the dataset of N samples these tests use
+    return _Ids(N)
 
 
 def _sampler(ws: int, rank: int) -> ElasticSampler:

@@ -32,15 +32,13 @@ from goodput_ckpt.state.dataloader import ROW_HEADER
 from helpers.samples import item_range, rewrite_manifest
 from helpers.hostile_states import cyclic as _cyclic, deflated as _deflated
 
+from helpers.datasets import Ids as _Ids
+
 N, BATCH = 56, 4
 
 
-class Ids(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> int:
-        return i
+def Ids() -> _Ids:  # noqa: N802 - the dataset of N samples these tests use
+    return _Ids(N)
 
 
 class SavedLoader:
