@@ -3,6 +3,8 @@ exact comparison. One implementation for every test folder."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from typing import Any
 
 import torch
@@ -78,22 +80,26 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def assert_tree_equal(got: Any, want: Any, path: str = "") -> None:
+def assert_tree_equal(got: Any, want: Any, path: str = "", *, strict: bool = False) -> None:
     """Bit-exact equality of nested dicts, lists and tuples of tensors, NumPy arrays and plain
-    values; the message names the first path that differs."""
+    values; the message names the first path that differs. ``strict``: also the same container
+    types (a tuple is not a list), and mapping keys of the same types in the same order (an
+    integer key is not its string, as a conversion could make it)."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor) and same_tensor(got, want), f"{path}: {got!r} != {want!r}"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), f"{path}: keys {sorted(got)} != {sorted(want)}"
+    elif isinstance(want, Mapping):
+        assert isinstance(got, Mapping) and set(got) == set(want), f"{path}: keys {list(got)} != {list(want)}"
+        if strict:
+            assert [(type(k), k) for k in got] == [(type(k), k) for k in want], f"{path}: key types or order differ"
         for k in want:
-            assert_tree_equal(got[k], want[k], f"{path}.{k}")
+            assert_tree_equal(got[k], want[k], f"{path}.{k}", strict=strict)
     elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
+        assert len(got) == len(want) and (not strict or type(got) is type(want)), path
         for i, (g, w) in enumerate(zip(got, want)):
-            assert_tree_equal(g, w, f"{path}.{i}")
+            assert_tree_equal(g, w, f"{path}.{i}", strict=strict)
     elif type(want).__module__ == "numpy" and hasattr(want, "shape"):
         import numpy as np
 
         assert np.array_equal(got, want), f"{path} differs"
     else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
+        assert got == want and (not strict or type(got) is type(want)), f"{path}: {got!r} != {want!r}"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trees import assert_tree_equal
 
 pytest.importorskip("lightning")
 
@@ -67,21 +68,6 @@ def _state(model: TinyModel, trainer: pl.Trainer) -> dict:
             "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "step": trainer.global_step}  # fmt: skip
 
 
-def _assert_bit_exact(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_bit_exact(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bit_exact(x, y, f"{path}/{i}")
-    else:
-        assert a == b, path
-
-
 @pytest.mark.parametrize("make_plugin", [GoodputCheckpointIO, AsyncGoodputCheckpointIO], ids=["sync", "async"])
 def test_stopped_and_resumed_run_is_bit_exact(tmp_path, make_plugin):
     whole = _state(*_fit(tmp_path / "whole" / "ckpts", 4, make_plugin()))
@@ -95,7 +81,7 @@ def test_stopped_and_resumed_run_is_bit_exact(tmp_path, make_plugin):
     resumed = _state(*_fit(ckpts, 4, make_plugin(), ckpt_path="last"))
 
     assert whole["step"] == resumed["step"] == 16
-    _assert_bit_exact(whole, resumed)
+    assert_tree_equal(whole, resumed, strict=True)
 
 
 def test_mid_epoch_resume_with_a_stateful_shuffled_loader_is_bit_exact(tmp_path):
@@ -115,7 +101,7 @@ def test_mid_epoch_resume_with_a_stateful_shuffled_loader_is_bit_exact(tmp_path)
     assert (saved["epoch"], saved["global_step"]) == (1, 6)  # in the middle of the second epoch
     resumed = _state(*_fit(ckpts, -1, GoodputCheckpointIO(), "last", max_steps=12, **run))
     assert whole["step"] == resumed["step"] == 12
-    _assert_bit_exact(whole, resumed)
+    assert_tree_equal(whole, resumed, strict=True)
 
 
 def test_lightning_async_wrapper_resumes_bit_exact(tmp_path):
@@ -125,7 +111,7 @@ def test_lightning_async_wrapper_resumes_bit_exact(tmp_path):
     ckpts = tmp_path / "parts" / "ckpts"
     _fit(ckpts, 1, AsyncCheckpointIO(GoodputCheckpointIO()))
     resumed = _state(*_fit(ckpts, 3, AsyncCheckpointIO(GoodputCheckpointIO()), ckpt_path="last"))
-    _assert_bit_exact(whole, resumed)
+    assert_tree_equal(whole, resumed, strict=True)
 
 
 def test_async_load_and_remove_wait_for_the_saves_before_them(tmp_path):
@@ -146,7 +132,7 @@ def test_checkpoint_dict_round_trips_exactly(tmp_path):
     trainer_dict = io.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
     io.save_checkpoint(trainer_dict, tmp_path / "again")
     torch_io.save_checkpoint(trainer_dict, tmp_path / "torch.ckpt")
-    _assert_bit_exact(torch_io.load_checkpoint(tmp_path / "torch.ckpt"), io.load_checkpoint(tmp_path / "again"))
+    assert_tree_equal(torch_io.load_checkpoint(tmp_path / "torch.ckpt"), io.load_checkpoint(tmp_path / "again"), strict=True)
     # Lightning's own keys are all there, with their Python types.
     assert {"epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks",
             "hyper_parameters", "hparams_name"} <= set(trainer_dict)  # fmt: skip
@@ -215,6 +201,6 @@ def test_s3_save_load_and_remove(tmp_path, moto):
     uri = moto.uri("run/epoch=0-step=4.ckpt")
     io.save_checkpoint(trainer_dict, uri)
     assert f"run/epoch=0-step=4.ckpt/{MANIFEST_NAME}" in moto.keys("run/")
-    _assert_bit_exact(trainer_dict, io.load_checkpoint(uri))
+    assert_tree_equal(trainer_dict, io.load_checkpoint(uri), strict=True)
     io.remove_checkpoint(uri)
     assert moto.keys("run/") == []

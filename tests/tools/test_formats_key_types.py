@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Mapping
 
 import pytest
 import torch
+from helpers.trees import assert_tree_equal
 
 from goodput_ckpt.cli import EXIT_OK, main
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
@@ -27,23 +27,6 @@ def _cli(*argv) -> str:
     code = main([str(a) for a in argv], stdout=out, stderr=err)
     assert code == EXIT_OK, err.getvalue()
     return out.getvalue()
-
-
-def _same(a, b, where="") -> None:
-    """``a == b`` down to the type of every mapping key and the bytes of every tensor."""
-    if isinstance(a, Mapping):
-        assert isinstance(b, Mapping), where
-        assert [(type(k), k) for k in a] == [(type(k), k) for k in b], where
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert type(a) is type(b) and a == b, where
 
 
 def _model() -> torch.nn.Module:
@@ -93,7 +76,7 @@ def test_resumed_optimizer_steps_like_the_uninterrupted_one(tmp_path, name, with
     _cli("convert", tmp_path / "a.pt", tmp_path / "mid", "--to", via, *(["--all"] if via == "safetensors" else []))
     _cli("convert", tmp_path / "mid", tmp_path / "b.pt", "--to", "torch")
     back = torch.load(tmp_path / "b.pt", weights_only=True)
-    _same(torch.load(tmp_path / "a.pt", weights_only=True), back)
+    assert_tree_equal(torch.load(tmp_path / "a.pt", weights_only=True), back, strict=True)
 
     # A fresh job (other initial weights) resumes from the round-tripped file.
     torch.manual_seed(1)
@@ -107,8 +90,8 @@ def test_resumed_optimizer_steps_like_the_uninterrupted_one(tmp_path, name, with
 
     _step(model, opt, sched, 3)
     _step(model2, opt2, sched2, 3)
-    _same(model.state_dict(), model2.state_dict())
-    _same(opt.state_dict(), opt2.state_dict())
+    assert_tree_equal(model.state_dict(), model2.state_dict(), strict=True)
+    assert_tree_equal(opt.state_dict(), opt2.state_dict(), strict=True)
 
 
 def test_the_manifest_records_which_keys_were_integers(tmp_path):
@@ -146,7 +129,7 @@ def test_nest_and_find_agree_with_dcp_flattening():
     flat, mapping = flatten_state_dict(nested)
     ints = find_int_keys(nested, mapping)
     assert ints == {"a.0.x": [1], "a.0.7.0": [1, 2], "a.0.7.1.y": [1, 2]}
-    _same(nested, nest(flat, {k: list(v) for k, v in mapping.items()}, ints))
+    assert_tree_equal(nested, nest(flat, {k: list(v) for k, v in mapping.items()}, ints), strict=True)
 
 
 @pytest.mark.parametrize(
