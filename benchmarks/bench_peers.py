@@ -1,0 +1,408 @@
+"""Checkpoint save and load against the libraries a user would pick instead (issue 38).
+
+One process, one synthetic model-plus-optimizer state (``goodput_ckpt.tools._bench_state``, fixed
+seed), every method in the same run, the order of the methods rotating per repeat:
+
+- **local** (a scratch directory): ``ours`` (``CheckpointWriter`` / ``CheckpointReader(verify=True)``
+  through ``dcp.save``/``dcp.load``) vs ``torch-fs`` (torch's ``FileSystemWriter`` /
+  ``FileSystemReader`` at their defaults, ``sync_files=True``);
+- **s3** (SeaweedFS on 127.0.0.1, after an untimed warm-up write of 4 x 32 MiB objects: SeaweedFS
+  grows volumes on first writes): ``ours`` vs ``s3tc`` (s3torchconnector's DCP
+  ``S3StorageWriter``/``S3StorageReader`` at their defaults) and ``s3tc-t8`` (``thread_count=8``),
+  and ``fsspec`` (torch's ``FsspecWriter`` over s3fs) when s3fs imports;
+- **tiers** (node-local checkpoints of a ``Linear`` stack plus AdamW, ``benchmarks/bench_stall.py``'s
+  model): ``manager`` (our ``CheckpointManager`` with ``local_dir`` and a local persistent root,
+  ``async_staging=False``: ``save`` returns once the state is copied; ``restore`` reads the local
+  tier, verifying) vs ``nvrx-local`` (nvidia-resiliency-ext's ``LocalCheckpointManager``, with a
+  CPU adapter of its ``BasicTensorAwareStateDict``, which asserts CUDA tensors; its ``save`` is
+  ``torch.save`` + rename, no fsync, and its ``is_async=True`` calls ``torch.cuda.synchronize()``,
+  so on CPU only the synchronous save runs) and ``nvrx-local+fsync`` (the same followed by an
+  fsync of its file, i.e. as durable as ours). ``stall`` is the time ``save`` blocks the loop;
+  ``durable`` the time until the checkpoint is on disk.
+
+Each timed save follows an untimed warm-up save of the same method into a sibling location,
+removed first (``goodput_ckpt.tools._bench_save.timed_save``). Every load is checked bit-exact
+against the state. A peer that cannot run here is printed as ``skipped`` with the reason. One
+process is one rank, so the worst rank is that rank (multi-rank runs: ``bench_tiers.py``,
+``bench_requests.py``). Figures: min/median/max over ``--repeats``; each ratio is ours / theirs in
+throughput (theirs' seconds / ours' seconds) within one repeat, so the ratios share the
+machine's conditions of that moment.
+
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/bench_peers.py --size 256MiB --repeats 3 --json peers.json``
+(peers: ``pip install -e '.[bench]'``; SeaweedFS: the ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS recipe
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
+from goodput_ckpt.cli._output import parse_size  # noqa: E402
+from goodput_ckpt.tools._bench_save import timed_save  # noqa: E402
+from goodput_ckpt.tools._bench_state import make_state  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+MiB = 1 << 20
+Method = tuple[Callable[[str], Any], Callable[[str], Any]]  # save(where), load(where) -> state read
+
+
+def stats(xs: list[float]) -> dict[str, Any]:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
+
+
+def zeros_like(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    return {k: zeros_like(v) for k, v in obj.items()}
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+def rotate(names: list[str], r: int) -> list[str]:
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def run_rounds(methods: dict[str, Method], state: Any, repeats: int, remove: Callable[[str], None],
+               where: Callable[[str, str], str]) -> dict[str, Any]:  # fmt: skip
+    """Save (after a warm-up save) and load with every method once per repeat, rotating the order."""
+    secs: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in methods}
+    order = []
+    for r in range(repeats):
+        rotated = rotate(list(methods), r)
+        order.append(rotated)
+        for m in rotated:
+            save, load = methods[m]
+            target = where(m, f"r{r}")
+            secs[m]["save"].append(timed_save(save, target, warm=where(m, f"r{r}-warm"), remove=remove))
+            t0 = time.perf_counter()
+            got = load(target)
+            secs[m]["load"].append(time.perf_counter() - t0)
+            if not same(state, got):
+                raise AssertionError(f"{m}: the loaded state differs from the saved one")
+            remove(target)
+    return {"order": order, "seconds": secs}
+
+
+def ratios(res: dict[str, Any], ours: str = "ours") -> dict[str, Any]:
+    """Per peer and phase: theirs' seconds / ours' seconds in the same repeat (> 1: ours is faster)."""
+    secs = res["seconds"]
+    return {
+        peer: {p: stats([t / o for t, o in zip(secs[peer][p], secs[ours][p])]) for p in ("save", "load")}
+        for peer in secs if peer != ours
+    }  # fmt: skip
+
+
+# -- local DCP --------------------------------------------------------------------------------------
+def local_methods(state: Any) -> dict[str, Method]:
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    def ours_load(d: str) -> Any:
+        dest = zeros_like(state)
+        dcp.load(dest, storage_reader=CheckpointReader(d, verify=True))
+        return dest
+
+    def fs_load(d: str) -> Any:
+        dest = zeros_like(state)
+        dcp.load(dest, storage_reader=FileSystemReader(d))
+        return dest
+
+    return {
+        "ours": (lambda d: dcp.save(state, storage_writer=CheckpointWriter(d)), ours_load),
+        "torch-fs": (lambda d: dcp.save(state, storage_writer=FileSystemWriter(d)), fs_load),
+    }
+
+
+# -- S3 ---------------------------------------------------------------------------------------------
+def s3_methods(state: Any, url: str, bucket: str, skipped: dict[str, str]) -> dict[str, Method]:
+    opts = {"endpoint_url": url, "addressing_style": "path", "region": "us-east-1"}
+
+    def ours_load(p: str) -> Any:
+        dest = zeros_like(state)
+        dcp.load(dest, storage_reader=CheckpointReader(f"s3://{bucket}/{p}", verify=True, **opts))
+        return dest
+
+    out: dict[str, Method] = {"ours": (lambda p: dcp.save(state, storage_writer=CheckpointWriter(f"s3://{bucket}/{p}", **opts)), ours_load)}
+    try:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    except ImportError as e:
+        skipped["s3tc"] = f"s3torchconnector does not import ({e}): pip install 's3torchconnector[dcp]'"
+    else:
+        cfg = S3ClientConfig(force_path_style=True)
+
+        def client() -> Any:  # its DCP classes take no endpoint: the TESTING.md recipe
+            return S3Client("us-east-1", endpoint=url, s3client_config=cfg)
+
+        def s3tc(threads: int | None) -> Method:
+            def save(p: str) -> None:
+                kw = {} if threads is None else {"thread_count": threads}
+                w = S3StorageWriter("us-east-1", f"s3://{bucket}/{p}", s3client_config=cfg, **kw)
+                w.fs._client = client()
+                dcp.save(state, storage_writer=w)
+
+            def load(p: str) -> Any:
+                rd = S3StorageReader("us-east-1", f"s3://{bucket}/{p}", s3client_config=cfg)
+                rd.fs._client = client()
+                dest = zeros_like(state)
+                dcp.load(dest, storage_reader=rd)
+                return dest
+
+            return save, load
+
+        out["s3tc"], out["s3tc-t8"] = s3tc(None), s3tc(8)
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        skipped["fsspec"] = ("s3fs is not installed: its releases for this fsspec pin a botocore older than the "
+                             "boto3 this project uses (pip install s3fs would downgrade botocore)")  # fmt: skip
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        so = {"endpoint_url": url, "client_kwargs": {"region_name": "us-east-1"}}
+
+        def fs_load(p: str) -> Any:
+            dest = zeros_like(state)
+            dcp.load(dest, storage_reader=FsspecReader(f"s3://{bucket}/{p}", **so))
+            return dest
+
+        out["fsspec"] = (lambda p: dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/{p}", **so)), fs_load)
+    return out
+
+
+def s3_remover(client: Any, bucket: str) -> Callable[[str], None]:
+    def remove(prefix: str) -> None:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+    return remove
+
+
+# -- tiers: our manager's local tier vs nvidia-resiliency-ext's local checkpointing ----------------
+try:  # module level: its manager pickles the state-dict object itself
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict as _NvrxBasic
+except ImportError as _e:
+    _NvrxBasic, NVRX_MISSING = None, f"nvidia-resiliency-ext does not import ({_e}): pip install nvidia-resiliency-ext"
+else:
+    NVRX_MISSING = None
+
+    class CpuTensorAwareStateDict(_NvrxBasic):
+        """``BasicTensorAwareStateDict`` without its CUDA assertion (the one change CPU needs)."""
+
+        def __init__(self, state_dict: dict) -> None:  # the parent asserts is_cuda
+            self.state_dict = state_dict
+            self._is_hollow = False
+
+        def restore_tensor_device(self, non_blocking: bool = True) -> None:
+            return None  # already on the CPU
+
+
+def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
+    from bench_stall import build, state_tensors
+
+    from goodput_ckpt import CheckpointManager
+
+    import torch.distributed as dist
+
+    model, opt, _fb, _step = build(total, 8)
+    if not dist.is_initialized():  # nvrx's manager gathers the available ids over the default group
+        dist.init_process_group("gloo", init_method=f"file://{scratch / 'pg'}", rank=0, world_size=1)
+    want = [t.clone() for t in state_tensors(model, opt)]
+
+    def check(label: str) -> None:
+        if not all(torch.equal(a, b) for a, b in zip(want, state_tensors(model, opt), strict=True)):
+            raise AssertionError(f"{label}: the restored state differs from the saved one")
+
+    def scramble() -> None:
+        with torch.no_grad():
+            for t in state_tensors(model, opt):
+                t.zero_()
+
+    def manager(where: Path) -> tuple[float, float, float]:
+        with CheckpointManager(str(where / "persistent"), local_dir=str(where / "local"), async_staging=False,
+                               keep_last=1, timeline=False) as mgr:  # fmt: skip
+            mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers (as in a long job)
+            mgr.wait()
+            t0 = time.perf_counter()
+            mgr.save(1, model=model, optimizer=opt)
+            stall = time.perf_counter() - t0
+            mgr.wait()
+            durable = time.perf_counter() - t0
+        scramble()
+        with CheckpointManager(str(where / "persistent"), local_dir=str(where / "local"), timeline=False) as mgr:
+            t0 = time.perf_counter()
+            assert mgr.restore(model=model, optimizer=opt) == 1
+            restore = time.perf_counter() - t0
+        check("manager")
+        return stall, durable, restore
+
+    def nvrx(fsync: bool) -> Callable[[Path], tuple[float, float, float]]:
+        def run(where: Path) -> tuple[float, float, float]:
+            from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+            tasd = CpuTensorAwareStateDict
+            mgr = LocalCheckpointManager(str(where))
+            mgr.save(tasd({"model": model.state_dict(), "optim": opt.state_dict()}), 0)
+            t0 = time.perf_counter()
+            mgr.save(tasd({"model": model.state_dict(), "optim": opt.state_dict()}), 1)
+            stall = time.perf_counter() - t0
+            if fsync:
+                for f in where.rglob("*"):
+                    if f.is_file():
+                        fd = os.open(f, os.O_RDONLY)
+                        os.fsync(fd)
+                        os.close(fd)
+            durable = time.perf_counter() - t0
+            scramble()
+            t0 = time.perf_counter()
+            reader = LocalCheckpointManager(str(where))
+            assert reader.find_latest() == 1  # a collective: its load requires it first
+            loaded, _id = reader.load()
+            model.load_state_dict(loaded.state_dict["model"])
+            opt.load_state_dict(loaded.state_dict["optim"])
+            restore = time.perf_counter() - t0
+            check("nvrx-local")
+            return stall, durable, restore
+
+        return run
+
+    methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {"manager": manager}
+    if NVRX_MISSING is None:
+        methods["nvrx-local"], methods["nvrx-local+fsync"] = nvrx(False), nvrx(True)
+    else:
+        skipped["nvrx-local"] = NVRX_MISSING
+    skipped["nvrx-local async"] = ("its save(is_async=True) calls torch.cuda.synchronize() (no CUDA here) and its "
+                                   "AsyncRequest needs the CUDA path; replication needs a process group per node")  # fmt: skip
+    skipped["torchtitan"] = ("its CheckpointManager saves with dcp.save/async_save and torch's FileSystemWriter, "
+                             "which bench_stall.py measures (sync-torch, torch-async, torch-async-staging); its "
+                             "trainer wiring (JobConfig, model and optimizer containers) was not set up here")  # fmt: skip
+    out: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "restore": []} for m in methods}
+    order = []
+    for r in range(repeats):
+        rotated = rotate(list(methods), r)
+        order.append(rotated)
+        for m in rotated:
+            where = scratch / f"{m}-{r}"
+            stall, durable, restore = methods[m](where)
+            shutil.rmtree(where)
+            out[m]["stall"].append(stall)
+            out[m]["durable"].append(durable)
+            out[m]["restore"].append(restore)
+    dist.destroy_process_group()
+    nbytes = sum(t.numel() * t.element_size() for t in want)
+    rel = {peer: {p: stats([t / o for t, o in zip(out[peer][p], out["manager"][p])]) for p in ("stall", "durable", "restore")}
+           for peer in out if peer != "manager"}  # fmt: skip
+    return {"bytes": nbytes, "order": order, "seconds": out, "ratios": rel}
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    st = make_state(parse_size(args.size))
+    report: dict[str, Any] = {"bytes": st.nbytes, "tensors": len(st.flat), "repeats": args.repeats, "world_size": 1,
+                              "load_average_before": os.getloadavg()[0], "cpus": os.cpu_count(), "skipped": {}}  # fmt: skip
+    skipped = report["skipped"]
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        if "local" in args.targets:
+            root = Path(tmp, "local")
+            root.mkdir()
+            res = run_rounds(local_methods(st.nested), st.nested, args.repeats, lambda d: shutil.rmtree(d, ignore_errors=True),
+                             lambda m, tag: str(root / f"{m}-{tag}"))  # fmt: skip
+            report["local"] = {**res, "ratios": ratios(res)}
+        if "s3" in args.targets:
+            import boto3
+
+            from helpers.s3 import SeaweedServer, s3_env
+
+            os.environ.update(s3_env())
+            server = SeaweedServer(Path(tmp, "weed"))
+            try:
+                client = boto3.client("s3", endpoint_url=server.url, region_name="us-east-1")
+                client.create_bucket(Bucket="peers")
+                for i in range(4):  # untimed warm-up: SeaweedFS grows its volumes on the first writes
+                    client.put_object(Bucket="peers", Key=f"warm/{i}", Body=os.urandom(32 * MiB))
+                s3_remover(client, "peers")("warm")
+                res = run_rounds(s3_methods(st.nested, server.url, "peers", skipped), st.nested, args.repeats,
+                                 s3_remover(client, "peers"), lambda m, tag: f"{m}-{tag}")  # fmt: skip
+                report["s3"] = {**res, "ratios": ratios(res)}
+            finally:
+                server.stop()
+        if "tiers" in args.targets:
+            report["tiers"] = run_tiers(parse_size(args.size), args.repeats, Path(tmp), skipped)
+    report["load_average_after"] = os.getloadavg()[0]
+    return report
+
+
+def fmt(s: dict[str, Any]) -> str:
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(f"state: {report['bytes'] / MiB:.0f} MiB in {report['tensors']} tensors; {report['repeats']} repeats; 1 rank; "
+          f"load average {report['load_average_before']:.2f} before, {report['load_average_after']:.2f} after, "
+          f"on {report['cpus']} CPUs")  # fmt: skip
+    for target in ("local", "s3"):
+        if target not in report:
+            continue
+        r = report[target]
+        print(f"{target}: order " + " | ".join(", ".join(o) for o in r["order"]))
+        for m, s in r["seconds"].items():
+            mib = report["bytes"] / MiB
+            print(f"  {m:9s} save {mib / statistics.median(s['save']):6.0f} MiB/s  load {mib / statistics.median(s['load']):6.0f} MiB/s (medians)")
+        for peer, rr in r["ratios"].items():
+            print(f"  ours vs {peer:9s} save {fmt(rr['save'])}  load {fmt(rr['load'])}  (median (min-max) of theirs/ours seconds)")
+    if "tiers" in report:
+        r = report["tiers"]
+        print(f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW): order " + " | ".join(", ".join(o) for o in r["order"]))
+        for m, s in r["seconds"].items():
+            print(f"  {m:16s} stall {statistics.median(s['stall']):.3f} s  durable {statistics.median(s['durable']):.3f} s  "
+                  f"restore {statistics.median(s['restore']):.3f} s (medians)")  # fmt: skip
+        for peer, rr in r["ratios"].items():
+            print(f"  manager vs {peer:16s} stall {fmt(rr['stall'])}  durable {fmt(rr['durable'])}  restore {fmt(rr['restore'])}")
+    for name, why in report["skipped"].items():
+        print(f"skipped {name}: {why}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="256MiB", help="state size (default 256MiB)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--targets", default="local,s3,tiers", help="comma-separated: local, s3, tiers")
+    ap.add_argument("--dir", default=None, help="scratch parent directory (default: the system's temp)")
+    ap.add_argument("--json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    args.targets = set(args.targets.split(","))
+    report = run(args)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
