@@ -10,15 +10,23 @@ seed), every method in the same run, the order of the methods rotating per repea
   grows volumes on first writes): ``ours`` vs ``s3tc`` (s3torchconnector's DCP
   ``S3StorageWriter``/``S3StorageReader`` at their defaults) and ``s3tc-t8`` (``thread_count=8``),
   and ``fsspec`` (torch's ``FsspecWriter`` over s3fs) when s3fs imports;
-- **tiers** (node-local checkpoints of a ``Linear`` stack plus AdamW, ``benchmarks/bench_stall.py``'s
-  model): ``manager`` (our ``CheckpointManager`` with ``local_dir`` and a local persistent root,
-  ``async_staging=False``: ``save`` returns once the state is copied; ``restore`` reads the local
-  tier, verifying) vs ``nvrx-local`` (nvidia-resiliency-ext's ``LocalCheckpointManager``, with a
-  CPU adapter of its ``BasicTensorAwareStateDict``, which asserts CUDA tensors; its ``save`` is
-  ``torch.save`` + rename, no fsync, and its ``is_async=True`` calls ``torch.cuda.synchronize()``,
-  so on CPU only the synchronous save runs) and ``nvrx-local+fsync`` (the same followed by an
-  fsync of its file, i.e. as durable as ours). ``stall`` is the time ``save`` blocks the loop;
-  ``durable`` the time until the checkpoint is on disk.
+- **tiers** (checkpoints of a ``Linear`` stack plus AdamW, ``benchmarks/bench_stall.py``'s model, on
+  local disk, through each library's checkpoint manager; a one-rank gloo group, which nvrx and
+  torchtitan need): ``manager`` (our ``CheckpointManager`` on one local root, ``async_staging=False``:
+  ``save`` returns once the state is copied into reused buffers; ``restore`` verifies every chunk)
+  and ``manager-2tier`` (the same with ``local_dir`` and a second local directory as the persistent
+  tier: ``durable`` then includes the copy to the persistent tier) vs ``nvrx-local``
+  (nvidia-resiliency-ext's ``LocalCheckpointManager``, with a CPU adapter of its
+  ``BasicTensorAwareStateDict``, which asserts CUDA tensors; its ``save`` is ``torch.save`` + rename,
+  no fsync, and its ``is_async=True`` calls ``torch.cuda.synchronize()``, so on CPU only the
+  synchronous save runs), ``nvrx-local+fsync`` (the same followed by an fsync of its file, as durable
+  as ours) and torchtitan's ``CheckpointManager`` with ``async_mode`` ``disabled`` (``titan-sync``)
+  and ``async`` (``titan-async``: ``dcp.async_save`` with torch's ``FileSystemWriter``, which stages
+  into fresh memory), given Stateful stand-ins for its optimizer and LR-scheduler containers
+  (the same ``state_dict``/``load_state_dict`` calls). ``stall`` is the time ``save`` blocks the
+  loop (plus ``maybe_wait_for_staging`` for torchtitan); ``durable`` the time until the checkpoint
+  is on disk; ``restore`` a new manager's load into the scrambled model and optimizer. Each
+  manager's first save is untimed (buffers, groups).
 
 Each timed save follows an untimed warm-up save of the same method into a sibling location,
 removed first (``goodput_ckpt.tools._bench_save.timed_save``). Every load is checked bit-exact
@@ -223,6 +231,31 @@ else:
             return None  # already on the CPU
 
 
+class _TitanOptimizers:
+    """What torchtitan's manager needs of its ``OptimizersContainer``: a Stateful (the same calls)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.opt)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.opt, sd)
+
+
+class _NoSchedulers:
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        return None
+
+
 def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
     from bench_stall import build, state_tensors
 
@@ -244,23 +277,59 @@ def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) 
             for t in state_tensors(model, opt):
                 t.zero_()
 
-    def manager(where: Path) -> tuple[float, float, float]:
-        with CheckpointManager(str(where / "persistent"), local_dir=str(where / "local"), async_staging=False,
-                               keep_last=1, timeline=False) as mgr:  # fmt: skip
-            mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers (as in a long job)
-            mgr.wait()
+    def manager(two_tiers: bool) -> Callable[[Path], tuple[float, float, float]]:
+        def run(where: Path) -> tuple[float, float, float]:
+            kw: dict[str, Any] = {"local_dir": str(where / "local")} if two_tiers else {}
+            root = str(where / "persistent")
+            with CheckpointManager(root, async_staging=False, keep_last=1, timeline=False, **kw) as mgr:
+                mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers (as in a long job)
+                mgr.wait()
+                t0 = time.perf_counter()
+                mgr.save(1, model=model, optimizer=opt)
+                stall = time.perf_counter() - t0
+                mgr.wait()
+                durable = time.perf_counter() - t0
+            scramble()
+            with CheckpointManager(root, timeline=False, **kw) as mgr:
+                t0 = time.perf_counter()
+                assert mgr.restore(model=model, optimizer=opt) == 1
+                restore = time.perf_counter() - t0
+            check("manager")
+            return stall, durable, restore
+
+        return run
+
+    def titan(mode: str) -> Callable[[Path], tuple[float, float, float]]:
+        def run(where: Path) -> tuple[float, float, float]:
+            from torchtitan.components.checkpointer.dcp import CheckpointManager as Titan
+
+            cfg = Titan.Config(enable=True, folder="ckpt", interval=1, async_mode=mode, last_save_model_only=False, keep_latest_k=0)
+
+            def make() -> Any:
+                return Titan(cfg, dataloader=None, model_parts=[model], optimizers=_TitanOptimizers(model, opt),
+                             lr_schedulers=_NoSchedulers(), states={}, sd_adapter=None, base_folder=str(where))  # fmt: skip
+
+            m = make()
+            m.save(1)  # the first save (its async mode's gloo group, staging memory)
+            m.maybe_wait_for_staging()
+            m.maybe_wait_for_saving()
             t0 = time.perf_counter()
-            mgr.save(1, model=model, optimizer=opt)
+            m.save(2)
+            m.maybe_wait_for_staging()
             stall = time.perf_counter() - t0
-            mgr.wait()
+            m.maybe_wait_for_saving()
             durable = time.perf_counter() - t0
-        scramble()
-        with CheckpointManager(str(where / "persistent"), local_dir=str(where / "local"), timeline=False) as mgr:
+            m.close()
+            scramble()
             t0 = time.perf_counter()
-            assert mgr.restore(model=model, optimizer=opt) == 1
+            m = make()
+            assert m.load(2)
             restore = time.perf_counter() - t0
-        check("manager")
-        return stall, durable, restore
+            m.close()
+            check(f"torchtitan {mode}")
+            return stall, durable, restore
+
+        return run
 
     def nvrx(fsync: bool) -> Callable[[Path], tuple[float, float, float]]:
         def run(where: Path) -> tuple[float, float, float]:
@@ -292,16 +361,19 @@ def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) 
 
         return run
 
-    methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {"manager": manager}
+    methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {"manager": manager(False), "manager-2tier": manager(True)}
     if NVRX_MISSING is None:
         methods["nvrx-local"], methods["nvrx-local+fsync"] = nvrx(False), nvrx(True)
     else:
         skipped["nvrx-local"] = NVRX_MISSING
     skipped["nvrx-local async"] = ("its save(is_async=True) calls torch.cuda.synchronize() (no CUDA here) and its "
                                    "AsyncRequest needs the CUDA path; replication needs a process group per node")  # fmt: skip
-    skipped["torchtitan"] = ("its CheckpointManager saves with dcp.save/async_save and torch's FileSystemWriter, "
-                             "which bench_stall.py measures (sync-torch, torch-async, torch-async-staging); its "
-                             "trainer wiring (JobConfig, model and optimizer containers) was not set up here")  # fmt: skip
+    try:
+        import torchtitan.components.checkpointer.dcp  # noqa: F401
+    except Exception as e:  # it imports much of its trainer
+        skipped["torchtitan"] = f"torchtitan's checkpointer does not import ({type(e).__name__}: {e}): pip install torchtitan"
+    else:
+        methods["titan-sync"], methods["titan-async"] = titan("disabled"), titan("async")
     out: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "restore": []} for m in methods}
     order = []
     for r in range(repeats):
