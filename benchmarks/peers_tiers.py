@@ -109,7 +109,8 @@ def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) 
         def run(where: Path) -> tuple[float, float, float]:
             from torchtitan.components.checkpointer.dcp import CheckpointManager as Titan
 
-            cfg = Titan.Config(enable=True, folder="ckpt", interval=1, async_mode=mode, last_save_model_only=False, keep_latest_k=0)
+            cfg = Titan.Config(enable=True, folder="ckpt", interval=1, async_mode=mode, last_save_model_only=False, keep_latest_k=0,
+                               initial_load_model_only=False)
 
             def make() -> Any:
                 return Titan(cfg, dataloader=None, model_parts=[model], optimizers=_TitanOptimizers(model, opt),
