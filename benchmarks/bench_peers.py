@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -94,10 +95,23 @@ def rotate(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def wall_and_cpu(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """Wall seconds, this process's CPU seconds (every thread; servers are other processes), result."""
+    c0, t0 = _cpu(), time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, _cpu() - c0, out
+
+
 def run_rounds(methods: dict[str, Method], state: Any, repeats: int, remove: Callable[[str], None],
                where: Callable[[str, str], str]) -> dict[str, Any]:  # fmt: skip
     """Save (after a warm-up save) and load with every method once per repeat, rotating the order."""
     secs: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in methods}
+    cpu: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in methods}
     order = []
     for r in range(repeats):
         rotated = rotate(list(methods), r)
@@ -105,14 +119,16 @@ def run_rounds(methods: dict[str, Method], state: Any, repeats: int, remove: Cal
         for m in rotated:
             save, load = methods[m]
             target = where(m, f"r{r}")
-            secs[m]["save"].append(timed_save(save, target, warm=where(m, f"r{r}-warm"), remove=remove))
-            t0 = time.perf_counter()
-            got = load(target)
-            secs[m]["load"].append(time.perf_counter() - t0)
+            wall, c, _ = timed_save(save, target, warm=where(m, f"r{r}-warm"), remove=remove, clock=wall_and_cpu)
+            secs[m]["save"].append(wall)
+            cpu[m]["save"].append(c)
+            wall, c, got = wall_and_cpu(lambda: load(target))  # noqa: B023 - called at once
+            secs[m]["load"].append(wall)
+            cpu[m]["load"].append(c)
             if not same(state, got):
                 raise AssertionError(f"{m}: the loaded state differs from the saved one")
             remove(target)
-    return {"order": order, "seconds": secs}
+    return {"order": order, "seconds": secs, "cpu_seconds": cpu}
 
 
 def ratios(res: dict[str, Any], ours: str = "ours") -> dict[str, Any]:
@@ -266,7 +282,9 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"{target}: order " + " | ".join(", ".join(o) for o in r["order"]))
         for m, s in r["seconds"].items():
             mib = report["bytes"] / MiB
-            print(f"  {m:9s} save {mib / statistics.median(s['save']):6.0f} MiB/s  load {mib / statistics.median(s['load']):6.0f} MiB/s (medians)")
+            c = r["cpu_seconds"][m]
+            print(f"  {m:9s} save {mib / statistics.median(s['save']):6.0f} MiB/s, {statistics.median(c['save']):.2f} CPU-s  "
+                  f"load {mib / statistics.median(s['load']):6.0f} MiB/s, {statistics.median(c['load']):.2f} CPU-s (medians)")  # fmt: skip
         for peer, rr in r["ratios"].items():
             print(f"  ours vs {peer:9s} save {fmt(rr['save'])}  load {fmt(rr['load'])}  (median (min-max) of theirs/ours seconds)")
     if "tiers" in report:
