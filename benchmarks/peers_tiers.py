@@ -18,7 +18,6 @@ import torch
 
 from bench_peers import rotate, stats
 
-# -- tiers: our manager's local tier vs nvidia-resiliency-ext's local checkpointing ----------------
 try:  # module level: its manager pickles the state-dict object itself
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict as _NvrxBasic
 except ImportError as _e:
@@ -63,15 +62,26 @@ class _NoSchedulers:
 
 
 def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
+    """Every manager once per repeat in a rotating order, in a one-rank gloo group (nvrx's manager
+    gathers the checkpoint ids over the default group; torchtitan's async mode makes a gloo group)."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{scratch / 'pg'}", rank=0, world_size=1)
+    try:
+        return _run_tiers(total, repeats, scratch, skipped)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
     from bench_stall import build, state_tensors
 
     from goodput_ckpt import CheckpointManager
 
-    import torch.distributed as dist
-
     model, opt, _fb, _step = build(total, 8)
-    if not dist.is_initialized():  # nvrx's manager gathers the available ids over the default group
-        dist.init_process_group("gloo", init_method=f"file://{scratch / 'pg'}", rank=0, world_size=1)
     want = [t.clone() for t in state_tensors(model, opt)]
 
     def check(label: str) -> None:
@@ -193,7 +203,6 @@ def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) 
             out[m]["stall"].append(stall)
             out[m]["durable"].append(durable)
             out[m]["restore"].append(restore)
-    dist.destroy_process_group()
     nbytes = sum(t.numel() * t.element_size() for t in want)
     rel = {peer: {p: stats([t / o for t, o in zip(out[peer][p], out["manager"][p])]) for p in ("stall", "durable", "restore")}
            for peer in out if peer != "manager"}  # fmt: skip
