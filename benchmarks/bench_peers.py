@@ -202,8 +202,8 @@ def s3_methods(state: Any, url: str, bucket: str, skipped: dict[str, str]) -> di
     try:
         import s3fs  # noqa: F401
     except ImportError:
-        skipped["fsspec"] = ("s3fs is not installed: its releases for this fsspec pin a botocore older than the "
-                             "boto3 this project uses (pip install s3fs would downgrade botocore)")  # fmt: skip
+        skipped["fsspec"] = ("s3fs is not installed (pip install s3fs; on the development machine its releases for "
+                             "this fsspec require a botocore older than the project's boto3)")  # fmt: skip
     else:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 

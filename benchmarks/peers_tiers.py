@@ -184,7 +184,7 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
     else:
         skipped["nvrx-local"] = NVRX_MISSING
     skipped["nvrx-local async"] = ("its save(is_async=True) calls torch.cuda.synchronize() (no CUDA here) and its "
-                                   "AsyncRequest needs the CUDA path; replication needs a process group per node")  # fmt: skip
+                                   "AsyncRequest needs the CUDA path; its replication (a group per node) was not set up either")  # fmt: skip
     try:
         import torchtitan.components.checkpointer.dcp  # noqa: F401
     except Exception as e:  # it imports much of its trainer
