@@ -20,7 +20,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..manager.step_layout import child_uri
 from ..storage import open_store
 
-__all__ = ["committed_numbered", "is_plain_file", "is_committed", "remove_location"]
+__all__ = ["committed_numbered", "is_committed", "is_plain_file", "record_status", "remove_location"]
 
 logger = logging.getLogger("goodput_ckpt.integrations")
 
@@ -31,15 +31,21 @@ def is_plain_file(path: str | os.PathLike) -> bool:
     return "://" not in str(text) and os.path.isfile(text)
 
 
-def is_committed(uri: str | os.PathLike, options: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``uri`` holds a committed checkpoint of ours (a valid commit record).
+def record_status(uri: str | os.PathLike, options: Mapping[str, Any] | None = None) -> str:
+    """The status of ``uri``'s commit record (``missing`` for a single file): ``committed``, or
+    why it is not (:mod:`..format.commit_record`).
 
     Raises:
         CheckpointError: the store cannot be read at all (permissions, network).
     """
     if is_plain_file(uri):
-        return False
-    return read_commit_record(open_store(uri, options), count_files=False).status == COMMITTED
+        return MISSING
+    return read_commit_record(open_store(uri, options), count_files=False).status
+
+
+def is_committed(uri: str | os.PathLike, options: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``uri`` holds a committed checkpoint of ours (a valid commit record)."""
+    return record_status(uri, options) == COMMITTED
 
 
 def committed_numbered(root: str | os.PathLike, prefix: str, options: Mapping[str, Any] | None = None) -> dict[int, str]:
