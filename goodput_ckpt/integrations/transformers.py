@@ -42,16 +42,16 @@ import os
 import tempfile
 from typing import Any
 
-import torch
 from transformers import Trainer
-from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import CheckpointError
-from ..manager.step_layout import child_uri
-from ..state.rng import capture_rng, check_rng, restore_rng
 from ..format.commit_record import MISSING
+from ..manager.step_layout import child_uri
+from ..state.rng import capture_rng
 from ._locations import committed_numbered, is_committed, record_status, remove_location
+from ._processes import gather_per_process, restore_process_rng
 from ._tree import load_tree, save_tree
 
 __all__ = ["CHECKPOINT_KIND", "GoodputTrainer", "GoodputTrainerMixin"]
@@ -139,7 +139,7 @@ class GoodputTrainerMixin:
                 self.state.stateful_callbacks[name].append(state)
             else:
                 self.state.stateful_callbacks[name] = state
-        rngs = _gather(capture_rng()) if not self.args.save_only_model else None
+        rngs = gather_per_process(capture_rng()) if not self.args.save_only_model else None
         if not self.args.should_save:
             return
         tree: dict[str, Any] = {
@@ -247,18 +247,7 @@ class GoodputTrainerMixin:
         tree = self._goodput_tree(checkpoint)
         if tree is None:
             return super()._load_rng_state(checkpoint)
-        rngs, index = tree.get("rng"), self.args.process_index
-        if not isinstance(rngs, list) or len(rngs) != self.args.world_size:
-            logger.info("%s holds no RNG state for %d process(es): reproducibility is not guaranteed",
-                        self._goodput_resume.uri, self.args.world_size)  # fmt: skip
-            return
-        try:
-            check_rng(rngs[index])
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{self._goodput_resume.uri}: the RNG state of process {index} is unusable: {e}",
-                                  path=self._goodput_resume.uri, key="rng") from e  # fmt: skip
-        for note in restore_rng(rngs[index]):
-            logger.warning("%s: %s", self._goodput_resume.uri, note)
+        restore_process_rng(tree.get("rng"), self.args.process_index, self.args.world_size, self._goodput_resume.uri)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -271,15 +260,6 @@ class GoodputTrainerMixin:
 
 class GoodputTrainer(GoodputTrainerMixin, Trainer):
     """``transformers.Trainer`` saving and resuming through goodput-ckpt (see the module doc)."""
-
-
-def _gather(rng: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Every process's RNG state, by process index (one process: a one-item list)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [rng]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, rng)
-    return out
 
 
 def _load_checkpoint(uri: str, **reader_options: Any) -> dict[str, Any]:
