@@ -65,14 +65,14 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def _train(out: Path, *, stop=None, resume=None, trainer_cls=GoodputTrainer, save_total_limit=None, **extra):
+def _train(out: Path, *, stop=None, resume=None, trainer_cls=GoodputTrainer, save_total_limit=None, callbacks=(), **extra):
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=4, max_steps=STEPS, save_steps=3, seed=0, use_cpu=True,
         report_to=[], disable_tqdm=True, logging_strategy="no", lr_scheduler_type="linear", warmup_steps=2,
         learning_rate=1e-2, dataloader_num_workers=0, save_total_limit=save_total_limit,
     )  # fmt: skip
     torch.manual_seed(0)
-    trainer = trainer_cls(model=TinyNet(), args=args, train_dataset=Data(), callbacks=[StopAt(stop)] if stop else [], **extra)
+    trainer = trainer_cls(model=TinyNet(), args=args, train_dataset=Data(), callbacks=[*callbacks, *([StopAt(stop)] if stop else [])], **extra)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -171,3 +171,38 @@ def test_load_best_model_at_end_reads_our_checkpoint(tmp_path):
     assert Path(best).name != "checkpoint-9"  # kept by the rotation at step 9, though older
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(best).name]
     assert_tree_equal(load_tree(best)["model"], trainer.model.state_dict(), strict=True)
+
+
+class SeedPerRank(TrainerCallback):
+    """Gives each process its own torch RNG stream at the start of training (before a resume
+    restores the saved one), so that a process handed another's state would diverge."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.manual_seed(100 + args.process_index)
+
+
+def _ddp_checks(rank: int, world_size: int, root: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    def run(out, stop=None, resume=None):
+        return _train(Path(out), stop=stop, resume=resume, callbacks=[SeedPerRank()])
+
+    whole = _state(run(f"{root}/whole"))
+    run(f"{root}/parts", stop=6)
+    if rank == 0:
+        from goodput_ckpt.integrations._tree import load_tree as _load
+
+        rngs = _load(f"{root}/parts/checkpoint-6")["rng"]
+        assert len(rngs) == world_size and not torch.equal(rngs[0]["torch"], rngs[1]["torch"])
+    resumed = _state(run(f"{root}/parts", resume=True))
+    assert_tree_equal(whole, resumed, strict=True)
+
+
+@pytest.mark.multiproc
+def test_two_process_ddp_run_resumes_bit_exact(tmp_path):
+    """Two CPU processes (DDP over gloo): the main process gathers both processes' RNG states
+    into the checkpoint, each takes its own back on resume, and both end bit-exact."""
+    from helpers.dist import run_ranks
+
+    run_ranks(_ddp_checks, 2, str(tmp_path), report_dir=tmp_path / "report", timeout=480)
