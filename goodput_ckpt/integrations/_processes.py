@@ -1,4 +1,5 @@
-"""What every process of a trainer's job holds, gathered where one process writes the checkpoint.
+"""What every process of a trainer's job holds, gathered where one process writes the checkpoint,
+and how loaded state goes back into the trainer's objects.
 
 The Hugging Face Trainer and Accelerate write a checkpoint from one process but keep one RNG
 state per process (their own formats write one ``rng_state_<i>`` file per process). Our
@@ -16,7 +17,7 @@ import torch
 from ..errors import CheckpointError
 from ..state.rng import check_rng, restore_rng
 
-__all__ = ["gather_per_process", "restore_process_rng"]
+__all__ = ["gather_per_process", "load_into", "restore_process_rng"]
 
 logger = logging.getLogger("goodput_ckpt.integrations")
 
@@ -57,3 +58,17 @@ def restore_process_rng(rngs: Any, index: int, world: int, where: str) -> bool:
     for note in restore_rng(state):
         logger.warning("%s: %s", where, note)
     return True
+
+
+def load_into(obj: Any, state: Any, what: str, where: str, **kwargs: Any) -> None:
+    """``obj.load_state_dict(state, **kwargs)``, with a state that does not fit (missing or
+    unexpected keys, other shapes, another number of parameter groups) raised as a
+    :class:`CheckpointError` naming ``what`` and the checkpoint, not the object's own error.
+
+    Raises:
+        CheckpointError: ``obj`` refused ``state``; the original error is its cause.
+    """
+    try:
+        obj.load_state_dict(state, **kwargs)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{where}: the saved {what} state does not fit this {what}: {e}", path=where, key=what) from e

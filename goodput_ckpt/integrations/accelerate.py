@@ -35,7 +35,7 @@ from accelerate.utils import DistributedType
 
 from ..errors import CheckpointError
 from ..state.rng import capture_rng
-from ._processes import gather_per_process, restore_process_rng
+from ._processes import gather_per_process, load_into, restore_process_rng
 from ._tree import load_tree, save_tree
 
 __all__ = ["CHECKPOINT_KIND", "load_state", "save_state"]
@@ -113,21 +113,18 @@ def load_state(accelerator: Any, uri: str | os.PathLike, *, verify: bool = True,
     uri = os.fspath(uri)
     tree = load_tree(uri, verify=verify, thread_count=thread_count, **options)
     _check_tree(tree, uri, accelerator)
-    for model, state in zip(accelerator._models, tree["models"]):
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as e:  # missing or unexpected keys, shapes
-            raise CheckpointError(f"{uri}: a saved model does not fit the prepared one: {e}", path=uri) from e
-    for opt, state in zip(accelerator._optimizers, tree["optimizers"]):
-        opt.load_state_dict(state)
-    for sched, state in zip(accelerator._schedulers, tree["schedulers"]):
-        sched.load_state_dict(state)
+    for i, (model, state) in enumerate(zip(accelerator._models, tree["models"])):
+        load_into(model, state, f"model {i}", uri, strict=True)
+    for i, (opt, state) in enumerate(zip(accelerator._optimizers, tree["optimizers"])):
+        load_into(opt, state, f"optimizer {i}", uri)
+    for i, (sched, state) in enumerate(zip(accelerator._schedulers, tree["schedulers"])):
+        load_into(sched, state, f"scheduler {i}", uri)
     for loader, state in zip(accelerator._dataloaders, tree["dataloaders"]):
         _load_loader_state(loader, state, uri)
     if tree["scaler"] is not None and accelerator.scaler is not None:
-        accelerator.scaler.load_state_dict(tree["scaler"])
-    for obj, state in zip(accelerator._custom_objects, tree["custom"]):
-        obj.load_state_dict(state)
+        load_into(accelerator.scaler, tree["scaler"], "scaler", uri)
+    for i, (obj, state) in enumerate(zip(accelerator._custom_objects, tree["custom"])):
+        load_into(obj, state, f"registered object {i}", uri)
     accelerator.step = tree["step"]
     restore_process_rng(tree["rng"], accelerator.process_index, accelerator.num_processes, uri)
 
@@ -160,7 +157,7 @@ def _load_loader_state(loader: Any, saved: Any, uri: str) -> None:
         sampler.set_epoch(sampler_state["epoch"])
         sampler.initial_seed = sampler_state["initial_seed"]
     if saved.get("state") is not None and getattr(loader, "use_stateful_dataloader", False):
-        loader.load_state_dict(saved["state"])
+        load_into(loader, saved["state"], "dataloader", uri)
 
 
 def _check_tree(tree: Any, uri: str, accelerator: Any) -> None:

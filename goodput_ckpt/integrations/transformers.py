@@ -43,7 +43,7 @@ import tempfile
 from typing import Any
 
 from transformers import Trainer
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import CheckpointError
@@ -51,7 +51,7 @@ from ..format.commit_record import MISSING
 from ..manager.step_layout import child_uri
 from ..state.rng import capture_rng
 from ._locations import committed_numbered, is_committed, record_status, remove_location
-from ._processes import gather_per_process, restore_process_rng
+from ._processes import gather_per_process, load_into, restore_process_rng
 from ._tree import load_tree, save_tree
 
 __all__ = ["CHECKPOINT_KIND", "GoodputTrainer", "GoodputTrainerMixin"]
@@ -62,6 +62,7 @@ logger = logging.getLogger("goodput_ckpt.integrations.transformers")
 CHECKPOINT_KIND = "transformers.Trainer"
 _VERSION = 1
 _STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+_STATE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainerState))
 
 
 @dataclasses.dataclass
@@ -100,6 +101,9 @@ class GoodputTrainerMixin:
                 "GoodputTrainerMixin does not support DeepSpeed or FSDP: the Trainer saves their sharded "
                 "state through their own engines (deepspeed save_checkpoint, accelerate's save_fsdp_model)"
             )
+        if self.args.push_to_hub:
+            logger.warning("push_to_hub: checkpoints in goodput-ckpt's format are not pushed (the model that "
+                           "trainer.push_to_hub() or save_model() writes is)")  # fmt: skip
         self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         self.checkpoint_options = dict(checkpoint_options or {})
         self.checkpoint_verify = bool(verify)
@@ -224,16 +228,17 @@ class GoodputTrainerMixin:
         tree = self._goodput_tree(resume_from_checkpoint)
         if tree is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        _load_state_dict(model if model is not None else self.model, tree["model"], self._goodput_resume.uri)
+        load_into(model if model is not None else self.model, tree["model"], "model", self._goodput_resume.uri, strict=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         tree = self._goodput_tree(checkpoint)
         if tree is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        uri = self._goodput_resume.uri
         if tree.get("optimizer") is not None:  # absent with save_only_model, as the Trainer's own
-            self.optimizer.load_state_dict(tree["optimizer"])
+            load_into(self.optimizer, tree["optimizer"], "optimizer", uri)
         if tree.get("scheduler") is not None and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(tree["scheduler"])
+            load_into(self.lr_scheduler, tree["scheduler"], "scheduler", uri)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         tree = self._goodput_tree(checkpoint)
@@ -241,7 +246,7 @@ class GoodputTrainerMixin:
             return super()._load_scaler(checkpoint)
         scaler = getattr(self.accelerator, "scaler", None)
         if tree.get("scaler") is not None and scaler is not None:
-            scaler.load_state_dict(tree["scaler"])
+            load_into(scaler, tree["scaler"], "scaler", self._goodput_resume.uri)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         tree = self._goodput_tree(checkpoint)
@@ -255,7 +260,7 @@ class GoodputTrainerMixin:
             return super()._load_best_model()
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         tree = _load_checkpoint(best, verify=self.checkpoint_verify, **self._goodput_io())
-        _load_state_dict(self.model, tree["model"], best)
+        load_into(self.model, tree["model"], "model", best, strict=True)
 
 
 class GoodputTrainer(GoodputTrainerMixin, Trainer):
@@ -272,13 +277,11 @@ def _load_checkpoint(uri: str, **reader_options: Any) -> dict[str, Any]:
             f"{uri}: Trainer checkpoint layout version {tree.get('version')!r:.40} is not supported "
             f"(this library reads version {_VERSION})", path=uri, version=str(tree.get("version"))[:40],
         )  # fmt: skip
-    if not isinstance(tree.get("model"), dict) or not isinstance(tree.get("trainer_state"), dict):
+    state = tree.get("trainer_state")
+    if not isinstance(tree.get("model"), dict) or not isinstance(state, dict):
         raise CheckpointError(f"{uri}: the Trainer checkpoint lacks its model or trainer state", path=uri)
+    unknown = sorted(set(state) - _STATE_FIELDS, key=str)
+    if unknown:  # the Trainer builds TrainerState(**state): an unknown key would be its TypeError
+        raise CheckpointError(f"{uri}: the trainer state holds fields this transformers does not know: "
+                              f"{unknown[:5]!r:.200}", path=uri, key="trainer_state")  # fmt: skip
     return tree
-
-
-def _load_state_dict(model: Any, state: dict[str, Any], uri: str) -> None:
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:  # missing or unexpected keys, shape mismatches
-        raise CheckpointError(f"{uri}: the checkpoint's model does not fit this model: {e}", path=uri) from e

@@ -119,3 +119,12 @@ def test_damaged_file_is_named(tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=data.name):
         load_state(Run().acc, tmp_path / "ckpt")
+
+
+def test_a_model_that_does_not_fit_is_refused_by_name(tmp_path):
+    first = Run().train(2)
+    save_state(first.acc, tmp_path / "ckpt")
+    other = Run()
+    other.acc._models[0].add_module("extra", torch.nn.Linear(2, 2))  # keys the checkpoint lacks
+    with pytest.raises(CheckpointError, match="saved model 0 state does not fit"):
+        load_state(other.acc, tmp_path / "ckpt")

@@ -206,3 +206,26 @@ def test_two_process_ddp_run_resumes_bit_exact(tmp_path):
     from helpers.dist import run_ranks
 
     run_ranks(_ddp_checks, 2, str(tmp_path), report_dir=tmp_path / "report", timeout=480)
+
+
+def test_a_model_that_does_not_fit_is_refused_by_name(tmp_path):
+    _train(tmp_path, stop=3)
+
+    class Wider(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 1)
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, save_steps=3, use_cpu=True, report_to=[])
+    trainer = GoodputTrainer(model=Wider(), args=args, train_dataset=Data())
+    with pytest.raises(CheckpointError, match="saved model state does not fit"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_trainer_state_with_unknown_fields_is_refused(tmp_path):
+    from goodput_ckpt.integrations.transformers import CHECKPOINT_KIND
+
+    tree = {"kind": CHECKPOINT_KIND, "version": 1, "model": TinyNet().state_dict(), "trainer_state": {"global_step": 3, "bogus": 1}}
+    save_tree(tree, tmp_path / "checkpoint-3")
+    with pytest.raises(CheckpointError, match="does not know: \\['bogus'\\]"):
+        _train(tmp_path, resume=True)
