@@ -8,8 +8,8 @@ its checkpoint format. A callback's ``on_save`` runs after ``_save_checkpoint`` 
 optimizer, scheduler and RNG files by path (``train()``, ``_init_training_state``,
 ``_load_optimizer_and_scheduler``, ``_load_rng_state``) before any callback runs, and computes
 the epoch and batch to resume from in locals no callback can set. So this module overrides the
-Trainer's own checkpoint methods, the ones its documentation tells subclasses to override
-(transformers 4.40 to 5.x keep their signatures):
+Trainer's own checkpoint methods: underscored, not a documented API (written against
+transformers 5.25; a release that renames them breaks the mixin, and the tests say so):
 
 - ``_save_checkpoint``: one checkpoint *location* ``<root>/checkpoint-<step>`` in our format
   (tensors as raw bytes hashed with blake3, the rest as JSON in the manifest, :mod:`._tree`):
