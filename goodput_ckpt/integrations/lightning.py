@@ -32,7 +32,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from ..dcp.hashed_write import clear_or_refuse_existing, remove_stale_files
+from ..engine.hashed_write import clear_or_refuse_existing, remove_stale_files
 from ..errors import CheckpointError
 from ..format.commit_record import MISSING, read_commit_record
 from ..storage import open_store
