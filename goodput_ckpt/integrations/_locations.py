@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..dcp.hashed_write import clear_or_refuse_existing, remove_stale_files
+from ..engine.hashed_write import clear_or_refuse_existing, remove_stale_files
 from ..format.commit_record import COMMITTED, MISSING, read_commit_record
 from ..format.manifest import MANIFEST_NAME
 from ..manager.step_layout import child_uri
