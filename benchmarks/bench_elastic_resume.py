@@ -7,7 +7,10 @@ Rows, each measured in its own subprocess (so that one's memory does not hide an
 - ``v1-old``: version-1 states restored by the version-1 code (``--v1-tree``: a checkout of a
   commit before version 2, e.g. ``git worktree add /tmp/v1 1b2b685``; skipped without it);
 - ``v1-migrate``: the same version-1 states restored by this tree's code (converted once);
-- ``v2``: version-2 states (one fixed-size record per job) restored by this tree's code.
+- ``v2``: version-2 states (one fixed-size record per job) restored by this tree's code;
+- ``DistributedSampler``: no restore, its first ``iter()`` + ``next()`` on the same rank (the
+  baseline of the first ``iter()``: both draw the epoch's ``randperm``, which dominates; its
+  "elastic_resume" column is 0).
 
 The old ranks' states are built in memory as a restore decodes them (one state dict per old rank;
 the version-1 bitmap tensor is shared by all of them, so that the benchmark fits this machine:
@@ -86,19 +89,23 @@ def _states(version: int, n: int, ranks: int, restarts: int) -> list[dict]:
 
 def _measure(args) -> dict:
     import torch
+    from torch.utils.data import DistributedSampler
 
     from goodput_ckpt.data import ElasticSampler
 
     torch.set_num_threads(1)
-    states = _states(args.version, args.samples, args.ranks, args.restarts)
+    states = _states(args.version, args.samples, args.ranks, args.restarts) if args.version else []
     picks = sorted({round(k * (args.ranks - 1) / max(1, args.measure - 1)) for k in range(args.measure)})
     out = {"resume_s": [], "first_iter_s": [], "extra_mb": []}
     for r in picks:
         open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
         base = _kb("VmRSS")
         t0 = time.perf_counter()
-        s = ElasticSampler(Ids(args.samples), seed=1, num_replicas=args.ranks, rank=r)
-        s.elastic_resume(states, batch_size=2)
+        if args.version:
+            s = ElasticSampler(Ids(args.samples), seed=1, num_replicas=args.ranks, rank=r)
+            s.elastic_resume(states, batch_size=2)
+        else:  # the baseline: DistributedSampler, nothing to restore
+            s = DistributedSampler(Ids(args.samples), num_replicas=args.ranks, rank=r, seed=1, drop_last=True)
         t1 = time.perf_counter()
         next(iter(s))
         t2 = time.perf_counter()
@@ -132,7 +139,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(_measure(args)))
         return 0
-    rows = [("v1-old", args.v1_tree, 1), ("v1-migrate", str(REPO), 1), ("v2", str(REPO), 2)]
+    rows = [("v1-old", args.v1_tree, 1), ("v1-migrate", str(REPO), 1), ("v2", str(REPO), 2), ("DistributedSampler", str(REPO), 0)]
     print(f"{args.ranks} ranks, {args.samples:,} samples, {args.restarts} restarts; load {os.getloadavg()[0]:.2f}")
     print("| row | ranks measured | elastic_resume ms (min / median / max) | + first iter() ms | peak extra MB |")
     print("|---|---|---|---|---|")

@@ -265,7 +265,7 @@ class ElasticSampler(Sampler[int]):
             return
         pos, _, _ = self._saved_position(got[0], "the dataloader state")
         self._pending, self.epoch, self._saved_epoch = None, pos.epoch, pos.epoch
-        share = len(self._positions(pos))
+        share = _share(pos.pending_count(len(self.dataset)), self.num_replicas, drop_last=self.drop_last)
         consumed = self._saved_consumed(got[0], 0, None, share, "the dataloader state")
         if consumed >= share:
             # The save came after this rank's last sample of the epoch, and so after every

@@ -93,6 +93,8 @@ def test_state_after_40_restarts_at_1024_simulated_ranks_is_one_record_under_4_k
     saved = [{"_sampler_iter_state": iter(s).state_dict()} for s in ss]
     assert len({repr(st["_sampler_iter_state"]["position"]) for st in saved}) == 1, "the same record on every rank"
     assert _record_bytes(saved[0]) <= 4096
+    # what else a rank's entry holds of the sampler: its rank, world size, count and identity
+    assert all(len(pickle.dumps(st["_sampler_iter_state"], protocol=2)) - _record_bytes(st) <= 256 for st in saved)
 
 
 def test_the_largest_record_fits_4_kb():
