@@ -167,9 +167,10 @@ class ElasticSampler(Sampler[int]):
     def _saved_position(self, st: dict, what: str, v1: list | None = None) -> tuple[GlobalPosition, int, int]:
         """``(position, world_size, rank)`` of a saved iterator state, after its version and
         identity, each checked (:meth:`.GlobalPosition.from_state`, world size and rank in range).
-        A version-1 position is converted (:func:`.migrate.from_v1`, O(n)); ``v1``: a one-entry
-        cache ``[(saved, converted)]`` that the old ranks of one restore share (they saved the
-        same position: converted once, each one still checked).
+        A version-1 position is checked and converted (:func:`.migrate.from_v1`, O(n)); ``v1``: a
+        one-entry cache ``[(saved, converted)]`` that the old ranks of one restore share: they
+        saved the same position (a segment history of up to 16 x W counts each), so one equal to
+        the one checked is not parsed again (equal values, so nothing unchecked is used).
 
         Raises:
             CheckpointError: an unknown version, or another sampler (seed, size, shuffle, drop_last).
@@ -190,11 +191,12 @@ class ElasticSampler(Sampler[int]):
             rank = saved_int(st.get("rank"), 0, ws - 1, "rank")
             if version == VERSION:
                 return GlobalPosition.from_state(st.get("position"), n), ws, rank
-            old = EpochPosition.from_state(st.get("position"), n)
+            raw = st.get("position")
+            if v1 and _same_v1(raw, v1[0][0]):
+                return v1[0][1], ws, rank
+            old = EpochPosition.from_state(raw, n)
         except ValueError as e:
             raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
-        if v1 and (v1[0][0].epoch, v1[0][0].segments) == (old.epoch, old.segments) and _same(v1[0][0].done, old.done):
-            return v1[0][1], ws, rank
         try:
             pos = from_v1(old, n)
         except OutOfStepError as e:
@@ -202,7 +204,7 @@ class ElasticSampler(Sampler[int]):
         except ValueError as e:
             raise CorruptCheckpointError(f"{what}: ElasticSampler position: {e}", key="dataloader") from None
         if v1 is not None:
-            v1[:] = [(old, pos)]
+            v1[:] = [(raw, pos)]
         return pos, ws, rank
 
     @staticmethod
@@ -359,8 +361,14 @@ def _share(length: int, world_size: int, *, drop_last: bool) -> int:
     return length // world_size if drop_last else -(-length // world_size)
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+def _same_v1(raw: Any, checked: dict) -> bool:
+    """Whether a saved version-1 position equals one already checked (``checked``): its epoch and
+    segments, and its bitmap, a tensor equal to the checked one's (or both ``None``)."""
+    if not isinstance(raw, dict) or raw.get("epoch") != checked["epoch"] or raw.get("segments") != checked["segments"]:
+        return False
+    a, b = raw.get("done"), checked["done"]
+    return (a is None and b is None) or (isinstance(a, torch.Tensor) and b is not None and a.shape == b.shape
+                                         and a.dtype == b.dtype and torch.equal(a, b))  # fmt: skip
 
 
 class _ElasticIterator(Iterator[int]):
