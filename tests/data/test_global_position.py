@@ -128,3 +128,31 @@ def test_ranks_too_far_out_of_step_are_refused_not_recorded():
         ElasticSampler(Ids(n), seed=2, num_replicas=3, rank=0).elastic_resume(states, batch_size=None)
     with pytest.raises(OutOfStepError):
         GlobalPosition(0).advanced(2, [MAX_TAKEN + 10, 0], n)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_shares_and_advances_match_a_set_model_over_random_restarts(drop_last):
+    """Against a brute-force model (the set of consumed positions, the pending list rebuilt and
+    split as ``DistributedSampler`` splits an epoch): 200 restarts of random world sizes and
+    counts, now and then out of step."""
+    from goodput_ckpt.data.position import rank_share
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 90)
+        pos, done = GlobalPosition(0), set()
+        for _ in range(rng.randint(1, 5)):
+            w = rng.randint(1, 9)
+            pending = [q for q in range(n) if q not in done]
+            shares = [[pending[j] for j in rank_share(len(pending), w, r, drop_last=drop_last).tolist()] for r in range(w)]
+            for r in range(w):
+                assert pos.share(n, w, r, drop_last=drop_last).tolist() == shares[r]
+            low = rng.randint(0, len(shares[0]))
+            counts = [min(len(shares[0]), low + (rng.randint(0, 3) if rng.random() < 0.2 else 0)) for _ in range(w)]
+            try:
+                pos = pos.advanced(w, counts, n)
+            except OutOfStepError:
+                break
+            done.update(q for r in range(w) for q in shares[r][: counts[r]])
+            assert {q for q in range(pos.start)} | set(pos.taken) == done
+            assert len(pos.taken) <= MAX_TAKEN and all(t > pos.start for t in pos.taken)
