@@ -18,7 +18,6 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt.data import ElasticSampler, EpochPosition, TokenStream
-from goodput_ckpt.data.sampler import MARK
 from goodput_ckpt.dcp.untrusted_load import MAX_INFLATION, MAX_STATE_DEPTH, walk_state
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.state.dataloader import ROW_HEADER, decode_dataloader_row
@@ -88,7 +87,7 @@ def _v1(segments=(), done=None):
 
     def apply(ls: dict) -> None:
         st = _sampler_state(ls)
-        st[MARK] = 1
+        st["goodput_elastic_sampler"] = 1  # the sampler state's version mark
         st["position"] = {"epoch": st["position"]["epoch"], "segments": list(segments), "done": done}
 
     return apply
