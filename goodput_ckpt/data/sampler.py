@@ -13,9 +13,13 @@ Restores:
 - Same world size, worker count and batch size: the loader restores its own state as always
   (bit-exact, worker RNG seeds included), and the iterator's ``load_state_dict`` takes it up.
 - Anything else: ``CheckpointManager.restore`` hands the loader states of *all* old ranks to
-  :meth:`ElasticSampler.elastic_resume`, which records their counts as a segment of the epoch's
-  :class:`~.position.EpochPosition` and leaves the pending samples to the next ``iter()``; the
-  loader itself starts a fresh iterator.
+  :meth:`ElasticSampler.elastic_resume`, which advances the epoch's global record
+  (:class:`~.global_position.GlobalPosition`: the consumed prefix of the permutation and a few
+  exceptions) by their counts and leaves the pending samples to the next ``iter()``; the loader
+  itself starts a fresh iterator.
+
+The saved state (version 2) is the record, the same on every rank, plus this rank's own count;
+version-1 states (a segment history) are still read, converted by :func:`.migrate.from_v1`.
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeErro
 from ..format.schema import MAX_WORLD_SIZE
 from ._marked import find_marked
 from ._saved import saved_int
-from .position import EpochPosition, epoch_order, rank_share
+from .global_position import GlobalPosition, OutOfStepError
+from .migrate import from_v1
+from .position import EpochPosition, epoch_order
 
 __all__ = ["ElasticSampler"]
 
 #: Marks the iterator's state dict inside a loader's state, and names its version.
 MARK = "goodput_elastic_sampler"
-VERSION = 1
+VERSION = 2
+#: Versions read: 1 (a segment history, converted on reading) and 2 (the global record).
+READS = (1, 2)
 #: Bound on a saved step count or batch size (they multiply: Python ints, so no overflow).
 _MAX_STEPS = 1 << 62
 
@@ -82,7 +90,7 @@ class ElasticSampler(Sampler[int]):
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.epoch = 0
-        self._pending: EpochPosition | None = None  # a restored position, for the next iter()
+        self._pending: GlobalPosition | None = None  # a restored position, for the next iter()
         #: After a same-topology restore (:meth:`adopt_saved_epoch`): the saved epoch, whose
         #: position the loader applies to the next iterator unless ``set_epoch`` chose another.
         self._saved_epoch: int | None = None
@@ -106,22 +114,19 @@ class ElasticSampler(Sampler[int]):
         return _ElasticIterator(self, self._next_position())
 
     # -- the position -----------------------------------------------------------------------
-    def _next_position(self) -> EpochPosition:
+    def _next_position(self) -> GlobalPosition:
         if self._pending is not None and self._pending.epoch == self.epoch:
             return self._pending
-        return EpochPosition(self.epoch)
+        return GlobalPosition(self.epoch)
 
-    def _positions(self, position: EpochPosition) -> torch.Tensor:
-        """The dataset indices this rank reads from ``position``, in order."""
+    def _positions(self, position: GlobalPosition) -> torch.Tensor:
+        """The dataset indices this rank reads from ``position``, in order: its share of the
+        pending part of the epoch's permutation (O(the share) once the permutation is drawn)."""
         key = (len(self.dataset), position.epoch)
         if self._order[0] != key:  # the loader calls iter() up to three times per epoch
             self._order = (key, epoch_order(key[0], seed=self.seed, epoch=key[1], shuffle=self.shuffle))
-        order = self._order[1]
-        try:
-            pending = position.pending(order)
-        except ValueError as e:
-            raise CheckpointError(f"ElasticSampler: the restored data position is inconsistent: {e}") from None
-        return pending[rank_share(pending.numel(), self.num_replicas, self.rank, drop_last=self.drop_last)]
+        share = position.share(key[0], self.num_replicas, self.rank, drop_last=self.drop_last)
+        return self._order[1][share]
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "n": len(self.dataset), "shuffle": self.shuffle, "drop_last": self.drop_last}
@@ -159,41 +164,48 @@ class ElasticSampler(Sampler[int]):
             raise CorruptCheckpointError(f"{what}: {e}", key="dataloader") from None
 
     # -- reading a saved state: one validation for both restore paths ---------------------------
-    def _saved_position(self, st: dict, what: str) -> tuple[EpochPosition, int, int]:
+    def _saved_position(self, st: dict, what: str, v1: list | None = None) -> tuple[GlobalPosition, int, int]:
         """``(position, world_size, rank)`` of a saved iterator state, after its version and
-        identity, each checked (:meth:`.EpochPosition.from_state`, world size and rank in range).
+        identity, each checked (:meth:`.GlobalPosition.from_state`, world size and rank in range).
+        A version-1 position is checked and converted (:func:`.migrate.from_v1`, O(n)); ``v1``: a
+        one-entry cache ``[(saved, converted)]`` that the old ranks of one restore share: they
+        saved the same position (a segment history of up to 16 x W counts each), so one equal to
+        the one checked is not parsed again (equal values, so nothing unchecked is used).
 
         Raises:
             CheckpointError: an unknown version, or another sampler (seed, size, shuffle, drop_last).
+            TopologyChangeError: a version-1 position of ranks too far out of step for version 2.
             CorruptCheckpointError: a malformed value, naming ``what`` and the field.
         """
-        if st.get(MARK) != VERSION:
+        version = st.get(MARK)
+        if isinstance(version, bool) or version not in READS:
             raise CheckpointError(
-                f"{what}: ElasticSampler state version {st.get(MARK)!r:.40} is not supported (this "
-                f"goodput-ckpt reads {VERSION})",
-                version=st.get(MARK),
+                f"{what}: ElasticSampler state version {version!r:.40} is not supported (this "
+                f"goodput-ckpt reads {', '.join(map(str, READS))})",
+                version=version,
             )
         self._check_identity(st, what)
+        n = len(self.dataset)
         try:
-            pos = EpochPosition.from_state(st.get("position"), len(self.dataset))
             ws = saved_int(st.get("world_size"), 1, MAX_WORLD_SIZE, "world_size")
             rank = saved_int(st.get("rank"), 0, ws - 1, "rank")
+            if version == VERSION:
+                return GlobalPosition.from_state(st.get("position"), n), ws, rank
+            raw = st.get("position")
+            if v1 and _same_v1(raw, v1[0][0]):
+                return v1[0][1], ws, rank
+            old = EpochPosition.from_state(raw, n)
         except ValueError as e:
             raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
-        return pos, ws, rank
-
-    def _pending_count(self, pos: EpochPosition, what: str) -> int:
-        """Samples of the epoch still pending at ``pos`` (O(dataset length) once it has a history).
-
-        Raises:
-            CorruptCheckpointError: a segment names more samples than its ranks could have read.
-        """
-        if not pos.segments and pos.done is None:
-            return len(self.dataset)  # a fresh epoch: nothing to unpack
         try:
-            return pos.pending(torch.arange(len(self.dataset))).numel()
+            pos = from_v1(old, n)
+        except OutOfStepError as e:
+            raise TopologyChangeError(f"{what}: a version-1 ElasticSampler position: {e}", key="dataloader") from None
         except ValueError as e:
             raise CorruptCheckpointError(f"{what}: ElasticSampler position: {e}", key="dataloader") from None
+        if v1 is not None:
+            v1[:] = [(raw, pos)]
+        return pos, ws, rank
 
     @staticmethod
     def _saved_consumed(st: dict, since: int, batch_size: Any, share: int, what: str) -> int:
@@ -244,7 +256,7 @@ class ElasticSampler(Sampler[int]):
                 path=where,
                 key="dataloader",
             )
-        share = _share(self._pending_count(pos, what), ws, drop_last=self.drop_last)
+        share = _share(pos.pending_count(len(self.dataset)), ws, drop_last=self.drop_last)
         self._saved_consumed(st, since, batch_size, share, what)
 
     def adopt_saved_epoch(self, loader_state: Any) -> None:
@@ -255,7 +267,7 @@ class ElasticSampler(Sampler[int]):
             return
         pos, _, _ = self._saved_position(got[0], "the dataloader state")
         self._pending, self.epoch, self._saved_epoch = None, pos.epoch, pos.epoch
-        share = len(self._positions(pos))
+        share = _share(pos.pending_count(len(self.dataset)), self.num_replicas, drop_last=self.drop_last)
         consumed = self._saved_consumed(got[0], 0, None, share, "the dataloader state")
         if consumed >= share:
             # The save came after this rank's last sample of the epoch, and so after every
@@ -289,20 +301,21 @@ class ElasticSampler(Sampler[int]):
             CorruptCheckpointError: a count, the position or the batch size is malformed or out
                 of range, naming the old rank's row and the field.
         """
-        base: EpochPosition | None = None
+        base: GlobalPosition | None = None
         length = 0  # samples pending at ``base``
         by_rank: dict[int, int] = {}  # sampler rank -> samples consumed
         old_ws = None
+        v1: list = []  # a version-1 position, converted once
         for r, ls in enumerate(loader_states):
             what = f"{where}: the dataloader row of old rank {r}"
             got = self.find_state(ls, what)
             if got is None:
                 raise TopologyChangeError(f"{what} holds no ElasticSampler position", path=where, key="dataloader")
             st, since = got
-            pos, ws, rank = self._saved_position(st, what)
+            pos, ws, rank = self._saved_position(st, what, v1)
             if base is None:
-                base, length, old_ws = pos, self._pending_count(pos, what), ws  # once: O(n)
-            in_step = ws == old_ws and (pos.epoch, pos.segments) == (base.epoch, base.segments) and _same(pos.done, base.done)
+                base, length, old_ws = pos, pos.pending_count(len(self.dataset)), ws
+            in_step = ws == old_ws and pos == base
             if in_step:  # counted against the share of its position: the one every rank saved
                 consumed = self._saved_consumed(st, since, batch_size, _share(length, ws, drop_last=self.drop_last), what)
             if not in_step or by_rank.get(rank, consumed) != consumed:
@@ -324,8 +337,11 @@ class ElasticSampler(Sampler[int]):
             )
         n = len(self.dataset)
         counts = [by_rank[r] for r in range(old_ws)]
-        new = base.advanced(old_ws, counts, n)
-        left = new.pending(torch.arange(n)).numel()
+        try:
+            new = base.advanced(old_ws, counts, n)
+        except OutOfStepError as e:
+            raise TopologyChangeError(f"{where}: the old ranks were not in step: {e}", path=where, key="dataloader") from None
+        left = new.pending_count(n)
         note = (
             f"data position taken up elastically: epoch {new.epoch}, {sum(counts)} sample(s) consumed "
             f"by {old_ws} old sampler rank(s) in the last stretch, {left} of {n} pending, split among "
@@ -345,18 +361,24 @@ def _share(length: int, world_size: int, *, drop_last: bool) -> int:
     return length // world_size if drop_last else -(-length // world_size)
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+def _same_v1(raw: Any, checked: dict) -> bool:
+    """Whether a saved version-1 position equals one already checked (``checked``): its epoch and
+    segments, and its bitmap, a tensor equal to the checked one's (or both ``None``)."""
+    if not isinstance(raw, dict) or raw.get("epoch") != checked["epoch"] or raw.get("segments") != checked["segments"]:
+        return False
+    a, b = raw.get("done"), checked["done"]
+    return (a is None and b is None) or (isinstance(a, torch.Tensor) and b is not None and a.shape == b.shape
+                                         and a.dtype == b.dtype and torch.equal(a, b))  # fmt: skip
 
 
 class _ElasticIterator(Iterator[int]):
     """One pass over this rank's share of a position; ``Stateful`` for ``StatefulDataLoader``."""
 
-    def __init__(self, sampler: ElasticSampler, position: EpochPosition) -> None:
+    def __init__(self, sampler: ElasticSampler, position: GlobalPosition) -> None:
         self.sampler = sampler
         self._set(position, 0)
 
-    def _set(self, position: EpochPosition, consumed: int, indices: torch.Tensor | None = None) -> None:
+    def _set(self, position: GlobalPosition, consumed: int, indices: torch.Tensor | None = None) -> None:
         """Read ``position`` from its ``consumed``-th sample on (``indices``: its share, if known;
         ``consumed`` was checked against it)."""
         self.position = position

@@ -25,6 +25,11 @@ hands every old rank's loader state to :meth:`TokenStream.elastic_resume`, which
 the furthest count any old reader reached, as the new ``base``; the new (rank, worker) pairs then
 split the unfinished shards. No sequence is read twice, none is skipped.
 
+What the state costs (not fixed, unlike ``ElasticSampler``'s record): each reader's state holds
+the shard names, every shard's base count and size, and its own shards' counts, about 18 bytes
+per shard pickled; a job saves ``ranks x workers`` of them, and an elastic restore decodes them
+all on every rank (docs/manager.md, *Token streams*). It does not grow with restarts.
+
 Keep ``snapshot_every_n_steps`` at 1 (the default): with larger values the loader's worker
 snapshots lag, and an elastic restore would read a few sequences again.
 """

@@ -3,7 +3,7 @@
 Usage (one process per rank)::
 
     python elastic_job.py --rank R --world-size N --port P --root ROOT --log LOG --tag T \
-        --workers W --steps S --save-every K
+        --workers W --steps S --save-every K [--batch B]
 
 A DDP (gloo) linear model trained on a map-style dataset through an ``ElasticSampler`` and a
 ``StatefulDataLoader`` with ``W`` workers, the loop of docs/guide.md: restore, then epochs until
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     for name in ("--root", "--log", "--tag"):
         ap.add_argument(name, required=True)
     ap.add_argument("--tokens", help="read a TokenStream over the shards in this directory instead")
+    ap.add_argument("--batch", type=int, default=BATCH, help="per-rank batch size")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
@@ -81,12 +82,12 @@ def main(argv: list[str]) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ds = Samples()
     sampler = ElasticSampler(ds, shuffle=True, seed=0, drop_last=True)
-    loader = StatefulDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=a.workers)
+    loader = StatefulDataLoader(ds, batch_size=a.batch, sampler=sampler, num_workers=a.workers)
     if a.tokens:
         # Sequences of 1 + DIM uint32 tokens: the sequence's id, then its input. One pass, no epochs.
         names = sorted(p.name for p in Path(a.tokens).iterdir())
         stream = TokenStream(a.tokens, names, seq_len=1 + DIM, dtype="uint32", block=3)
-        loader = StatefulDataLoader(stream, batch_size=BATCH, num_workers=a.workers)
+        loader = StatefulDataLoader(stream, batch_size=a.batch, num_workers=a.workers)
     mgr = CheckpointManager(a.root, keep_last=2, async_save=False)
     last = mgr.restore(model=model, optimizer=opt, dataloader=loader)
     if a.rank == 0:

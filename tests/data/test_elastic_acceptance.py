@@ -37,11 +37,13 @@ LAUNCHES = [(4, 2), (3, 0), (2, 2), (4, 0)]
 JOB_TIMEOUT_S = 240.0
 
 
-def _launch(root: Path, log: Path, logs: Path, tag: str, ws: int, workers: int, tokens: Path | None) -> JobLaunch:
+def _launch(
+    root: Path, log: Path, logs: Path, tag: str, ws: int, workers: int, tokens: Path | None, *, steps: int, batch: int
+) -> JobLaunch:
     port = free_port()
     cmds = [
         [sys.executable, str(JOB), "--rank", str(r), "--world-size", str(ws), "--port", str(port),
-         "--workers", str(workers), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+         "--workers", str(workers), "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--batch", str(batch),
          "--root", str(root), "--log", str(log), "--tag", tag, *(["--tokens", str(tokens)] if tokens else [])]
         for r in range(ws)
     ]  # fmt: skip
@@ -76,22 +78,25 @@ def _records(log: Path) -> list[tuple[int, int, int, int, int, list[tuple[int, s
     return out
 
 
-def _run_launches(tmp_path: Path, tokens: Path | None = None):
-    """The 4 launches (3 killed at random, the last to the end). Returns (records of the steps
-    that count, per step; a function giving the context for messages)."""
+def _run_launches(tmp_path: Path, tokens: Path | None = None, *, launches=LAUNCHES, steps=STEPS, seed=None):
+    """The launches (all but the last killed at random, the last to the end); ``launches``:
+    (world size, workers[, per-rank batch]); ``seed``: of the kill schedule (random if None).
+    Returns (records of the steps that count, per step; a function giving the context for messages)."""
     root, log, logs = tmp_path / "root", tmp_path / "ids.log", tmp_path / "logs"
     logs.mkdir()
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     rng = random.Random(seed)
     history: list[str] = []
     ctx = lambda: f"(kill-schedule seed {seed}; launches {history}; logs in {logs})"  # noqa: E731
-    for n, (ws, workers) in enumerate(LAUNCHES):
-        job = _launch(root, log, logs, str(n), ws, workers, tokens)
+    for n, (ws, workers, *batch) in enumerate(launches):
+        job = _launch(
+            root, log, logs, str(n), ws, workers, tokens, steps=steps, batch=batch[0] if batch else elastic_job.BATCH
+        )
         seen: list[str] = []
         deadline = time.monotonic() + JOB_TIMEOUT_S
         try:
             restored = _wait_for(job, "RESTORED", deadline, seen)
-            if n < len(LAUNCHES) - 1:
+            if n < len(launches) - 1:
                 _wait_for(job, "SAVED", deadline, seen)
                 for _ in range(rng.randint(0, 4)):  # at most 3 + 4 steps: the run cannot end first
                     _wait_for(job, "STEP", deadline, seen)
@@ -113,13 +118,13 @@ def _run_launches(tmp_path: Path, tokens: Path | None = None):
     last_launch: dict[int, int] = {}
     for launch, step, *_ in records:
         last_launch[step] = max(launch, last_launch.get(step, -1))
-    assert sorted(last_launch) == list(range(STEPS)), ctx()
+    assert sorted(last_launch) == list(range(steps)), ctx()
     kept = [r for r in records if r[0] == last_launch[r[1]]]
     ranks: dict[int, set[int]] = defaultdict(set)
     for _, step, _, rank, _, _ in kept:
         ranks[step].add(rank)
     for step, rs in ranks.items():
-        ws = LAUNCHES[last_launch[step]][0]
+        ws = launches[last_launch[step]][0]
         assert rs == set(range(ws)), f"step {step}: ranks {sorted(rs)} of {ws} logged it {ctx()}"
     return kept, ctx
 
@@ -169,3 +174,40 @@ def test_token_stream_restarts_read_no_sequence_twice_and_skip_none(tmp_path):
     for k in range(TOKEN_SHARDS):
         got = sorted(i - k * TOKEN_SEQS for i in ids if i // TOKEN_SEQS == k)
         assert got == list(range(len(got))), f"shard {k}: sequences {got} are not a prefix (one skipped) {ctx()}"
+
+
+#: 4 -> 3 -> 2 -> 4 ranks with per-rank batches 3, 4, 6, 3: a global batch of 12 throughout.
+CONSTANT_GLOBAL = [(4, 2, 3), (3, 0, 4), (2, 2, 6), (4, 0, 3)]
+CONSTANT_STEPS = 25
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", [34])
+def test_a_constant_global_batch_draws_the_uninterrupted_runs_global_batches(tmp_path, seed):
+    """Issue 34's acceptance: killed at seeded moments and restarted at 4 -> 3 -> 2 -> 4 ranks
+    with the global batch kept at 12, the job trains, step by step, the very global batches
+    (the set of samples over all ranks) that an uninterrupted 4-rank run draws
+    (``DistributedSampler``'s shares of each epoch, batch 3)."""
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    kept, ctx = _run_launches(tmp_path, launches=CONSTANT_GLOBAL, steps=CONSTANT_STEPS, seed=seed)
+    got: dict[int, tuple[int, set[int]]] = {}
+    for _, step, epoch, _, _, items in kept:
+        e, ids = got.setdefault(step, (epoch, set()))
+        assert e == epoch, f"step {step}: ranks in epochs {e} and {epoch} {ctx()}"
+        ids.update(i for i, _ in items)
+    ds = torch.utils.data.TensorDataset(torch.arange(elastic_job.N))
+    want: list[tuple[int, set[int]]] = []
+    for epoch in range(CONSTANT_STEPS):
+        shares = []
+        for r in range(4):
+            ds_sampler = DistributedSampler(ds, num_replicas=4, rank=r, shuffle=True, seed=0, drop_last=True)
+            ds_sampler.set_epoch(epoch)
+            shares.append(list(ds_sampler))
+        for k in range(len(shares[0]) // 3):
+            want.append((epoch, {i for share in shares for i in share[3 * k : 3 * k + 3]}))
+        if len(want) >= CONSTANT_STEPS:
+            break
+    for step in range(CONSTANT_STEPS):
+        assert got[step] == want[step], f"step {step}: {sorted(got[step][1])} != {sorted(want[step][1])} {ctx()}"

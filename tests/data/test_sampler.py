@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from helpers.datasets import Ids
 
 from goodput_ckpt.data import ElasticSampler
+from goodput_ckpt.data.global_position import MAX_TAKEN
 from goodput_ckpt.data.position import MAX_SEGMENTS
 from goodput_ckpt.errors import CheckpointError, TopologyChangeError
 
@@ -87,7 +88,8 @@ def test_restarts_at_other_world_sizes_lose_and_repeat_nothing(workers):
 
 
 def test_unequal_counts_and_many_restarts_stay_exact():
-    """Ranks that stopped at different counts, and more restarts than segments kept (folded)."""
+    """Ranks that stopped at different counts, over more restarts than version 1 kept segments
+    for: the record's exceptions stay few (each restart's uneven counts add at most a rank's)."""
     n = 200
     seen: list[int] = []
     states = None
@@ -104,7 +106,7 @@ def test_unequal_counts_and_many_restarts_stay_exact():
                 seen.append(next(it))
             states.append({"_sampler_iter_state": it.state_dict()})
     assert len(seen) == len(set(seen))
-    assert samplers[0]._next_position().done is not None, "the history was folded into the bitmap"
+    assert len(samplers[0]._next_position().taken) <= MAX_TAKEN, "a bounded record"
     last = ElasticSampler(Ids(n), num_replicas=1, rank=0, seed=3)
     last.elastic_resume(states, batch_size=None)
     left = list(last)

@@ -81,6 +81,18 @@ def _set(path: str, value):
     return apply
 
 
+def _v1(segments=(), done=None):
+    """A mutation making one old rank's sampler state a version-1 one (a segment history), as an
+    older goodput-ckpt wrote it: still read, through the same checks."""
+
+    def apply(ls: dict) -> None:
+        st = _sampler_state(ls)
+        st["goodput_elastic_sampler"] = 1  # the sampler state's version mark
+        st["position"] = {"epoch": st["position"]["epoch"], "segments": list(segments), "done": done}
+
+    return apply
+
+
 #: (case, mutation, the field the refusal names). Each was accepted, or escaped as a raw error.
 COUNTS = [
     ("consumed_minus_1", _set("consumed", -1), "consumed"),  # 1 sample left of 56
@@ -99,9 +111,20 @@ COUNTS = [
     ("epoch_2_70", _set("position.epoch", 2**70), "epoch"),  # failed later, in manual_seed
     ("epoch_inf", _set("position.epoch", float("inf")), "epoch"),
     ("epoch_negative", _set("position.epoch", -1), "epoch"),
-    ("segment_world_inf", _set("position.segments", [[float("inf"), [1]]]), "world size"),
-    ("segment_count_negative", _set("position.segments", [[2, [3, -4]]]), "count of rank 1"),
-    ("segment_count_past_share", _set("position.segments", [[2, [3, 40]]]), "consumed 40 samples"),
+    ("start_negative", _set("position.start", -1), "start"),
+    ("start_past_epoch", _set("position.start", N + 1), "start"),
+    ("start_inf", _set("position.start", float("inf")), "start"),
+    ("start_float", _set("position.start", 3.0), "start"),
+    ("taken_a_million", _set("position.taken", list(range(1, 10**6))), "taken must be a list of at most"),
+    ("taken_a_dict", _set("position.taken", {"1": 1}), "taken must be a list"),
+    ("taken_before_start", _set("position.taken", [0]), r"taken\[0\]"),
+    ("taken_past_epoch", _set("position.taken", [N]), r"taken\[0\]"),
+    ("taken_unsorted", _set("position.taken", [9, 5]), r"taken\[1\]"),
+    ("taken_twice", _set("position.taken", [5, 5]), r"taken\[1\]"),
+    ("taken_bool", _set("position.taken", [True]), r"taken\[0\]"),
+    ("segment_world_inf", _v1([[float("inf"), [1]]]), "world size"),
+    ("segment_count_negative", _v1([[2, [3, -4]]]), "count of rank 1"),
+    ("segment_count_past_share", _v1([[2, [3, 40]]]), "consumed 40 samples"),
 ]
 
 
@@ -109,7 +132,7 @@ COUNTS = [
 def test_elastic_resume_refuses_each_count_out_of_its_range_by_row_and_field(case, mutate, field):
     states = _states()
     # A position every old rank shares is edited in all of them (else they disagree): the first names it.
-    bad = [0, 1] if case.startswith(("epoch", "segment")) else [1]
+    bad = [0, 1] if case.startswith(("epoch", "segment", "start", "taken")) else [1]
     for r in bad:
         mutate(states[r])
     sampler = _sampler(3, 0)
@@ -238,7 +261,7 @@ def test_a_decoded_loader_row_is_walked_once_for_cycles():
 def test_the_done_bitmap_is_contiguous_uint8_of_the_epochs_size(done):
     states = _states()
     for ls in states:
-        _sampler_state(ls)["position"]["done"] = _roundtrip(done)
+        _v1(done=_roundtrip(done))(ls)
     sampler = _sampler(3, 0)
     with TorchWork() as work, pytest.raises(CorruptCheckpointError, match="'done' bitmap"):
         sampler.elastic_resume(states, batch_size=BATCH, where="ckpt")

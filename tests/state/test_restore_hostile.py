@@ -91,13 +91,26 @@ def _set(field: str, value):
     return apply
 
 
+def _v1_done(done):
+    """A version-1 state (still read) whose bitmap is ``done``."""
+
+    def apply(ls: dict) -> None:
+        st, _ = ElasticSampler.find_state(ls)
+        st["goodput_elastic_sampler"] = 1
+        st["position"] = {"epoch": st["position"]["epoch"], "segments": [], "done": done}
+
+    return apply
+
+
 CASES = [
     ("consumed_minus_1", _set("consumed", -1), CorruptCheckpointError, "consumed"),
     ("consumed_huge", _set("consumed", 10**6), CorruptCheckpointError, "consumed"),
     ("since_minus_12", _set("/_steps_since_snapshot", -12), CorruptCheckpointError, "_steps_since_snapshot"),
     ("epoch_2_70", _set("position.epoch", 2**70), CorruptCheckpointError, "epoch"),
     ("epoch_inf", _set("position.epoch", float("inf")), CorruptCheckpointError, "epoch"),
-    ("done_stride0", _set("position.done", torch.zeros(1, dtype=torch.uint8).expand(1 << 20)),  # 1 MiB from a byte
+    ("start_past_epoch", _set("position.start", 10**9), CorruptCheckpointError, "start"),
+    ("taken_a_million", _set("position.taken", list(range(1, 10**6))), CorruptCheckpointError, "taken"),
+    ("v1_done_stride0", _v1_done(torch.zeros(1, dtype=torch.uint8).expand(1 << 20)),  # 1 MiB from a byte
      CorruptCheckpointError, "'done' bitmap"),
     ("cycle", _set("/dataset_state", _cyclic()), CorruptCheckpointError, "contains itself"),
 ]
