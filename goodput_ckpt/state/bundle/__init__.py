@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from ..dcp.rank_rows import RankRow
-from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
-from ..format.manifest import Manifest
-from ..format.schema import MAX_WORLD_SIZE
-from .dataloader import check_dataloader, describe_dataloader, elastic_sampler_of, encode_dataloader_row
-from .modules import ModelSet, tied_keys
-from .optim_state import saved_states
-from .per_rank import (
+from ...dcp.rank_rows import RankRow
+from ...errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
+from ...format.manifest import Manifest
+from ...format.schema import MAX_WORLD_SIZE
+from ..dataloader import check_dataloader, describe_dataloader, elastic_sampler_of, encode_dataloader_row
+from ..modules import ModelSet, tied_keys
+from ..optim_state import saved_states
+from ..per_rank import (
     DATALOADER,
     RNG,
     ROWS,
@@ -58,7 +58,7 @@ from .per_rank import (
     rng_templates,
     rows_width,
 )
-from .rng import capture_rng, describe_rng, pack_rng, rng_layout, row_width
+from ..rng import capture_rng, describe_rng, pack_rng, rng_layout, row_width
 
 __all__ = [
     "EXTRA_KEY",
