@@ -26,6 +26,6 @@ def test_lightning_example_runs(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == "12"
     assert (tmp_path / "ckpts" / "last.ckpt" / MANIFEST_NAME).is_file()
 
-    from goodput_ckpt.tools.verify import verify_checkpoint
+    from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
     assert verify_checkpoint(str(tmp_path / "ckpts" / "last.ckpt")).ok

@@ -21,7 +21,7 @@ import pytest
 import tiers_job
 from helpers.dist import run_ranks
 
-from goodput_ckpt.tools._job_launch import JobLaunch, free_port
+from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
