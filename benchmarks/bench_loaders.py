@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the Se
 
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
 from goodput_ckpt.data import TokenStream  # noqa: E402
-from goodput_ckpt.tools._bench_scratch import evict_page_cache  # noqa: E402
+from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache  # noqa: E402
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 MiB = 1 << 20

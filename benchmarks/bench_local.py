@@ -22,13 +22,13 @@ Rules, the same for every method:
 - GB/s = payload bytes (the sum of tensor sizes, identical for all methods) / wall seconds,
   with GB = 1e9 bytes, so every ratio is a ratio of times.
 - Every timed save comes right after an untimed warm-up save of the same method into a sibling
-  directory, deleted just before the clock starts: ``goodput_ckpt/tools/_bench_save.py``, the
+  directory, deleted just before the clock starts: ``goodput_ckpt/tools/measure/_bench_save.py``, the
   rule ``goodput-ckpt bench`` shares. Without it a save's time depended on how long memory had
   sat free before it (see Noise below), and the two tools disagreed (issue 21).
 - Saves include durability: every data file is fsynced before the clock stops. FileSystemWriter
   (sync_files=True by default) and CheckpointWriter fsync themselves; for torch.save and
   safetensors the benchmark fsyncs the file. The benchmark fsyncs the directory after every save.
-- The measurement procedure is ``goodput_ckpt/tools/_bench_measure.py``, the one
+- The measurement procedure is ``goodput_ckpt/tools/measure/_bench_measure.py``, the one
   ``goodput-ckpt bench`` runs: rotating order, quiet wait, warm-up, eviction, per-repeat ratios.
 - Loads start with a cold page cache: the checkpoint's files are evicted before each load
   (``posix_fadvise(DONTNEED)``, no root, nothing else's cache; a whole-machine ``drop_caches``
@@ -73,11 +73,11 @@ import torch.distributed.checkpoint as dcp
 
 # The synthetic state is the library's, so `goodput-ckpt bench` measures the same one.
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_measure import (  # noqa: F401 - wait_quiet, _busy_seconds: sweep_local, bench_tiers
+from goodput_ckpt.tools.measure._bench_measure import (  # noqa: F401 - wait_quiet, _busy_seconds: sweep_local, bench_tiers
     DEFAULT_QUIET, Load, Sample, _busy_seconds, ratio_spread, run_rotation, save_and_load, wait_quiet)
-from goodput_ckpt.tools._bench_measure import measure as timed  # noqa: F401 - sweep_local's name for it
-from goodput_ckpt.tools._bench_scratch import evict_page_cache
-from goodput_ckpt.tools._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
+from goodput_ckpt.tools.measure._bench_measure import measure as timed  # noqa: F401 - sweep_local's name for it
+from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache
+from goodput_ckpt.tools.measure._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -336,7 +336,7 @@ METHODS: dict[str, Method] = {
 }
 
 
-# -- the runner: the shared procedure (goodput_ckpt/tools/_bench_measure.py) -----------------------
+# -- the runner: the shared procedure (goodput_ckpt/tools/measure/_bench_measure.py) -----------------------
 def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]], check: bool,
                reverse_loads: bool = False, quiet: float = DEFAULT_QUIET) -> dict[str, Any]:
     """One method, one repeat, by the procedure ``goodput-ckpt bench`` runs (save_and_load)."""

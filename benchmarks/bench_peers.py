@@ -1,6 +1,6 @@
 """Checkpoint save and load against the libraries a user would pick instead (issue 38).
 
-One process, one synthetic model-plus-optimizer state (``goodput_ckpt.tools._bench_state``, fixed
+One process, one synthetic model-plus-optimizer state (``goodput_ckpt.tools.measure._bench_state``, fixed
 seed), every method in the same run, the order of the methods rotating per repeat:
 
 - **local** (a scratch directory): ``ours`` (``CheckpointWriter`` / ``CheckpointReader(verify=True)``
@@ -29,7 +29,7 @@ seed), every method in the same run, the order of the methods rotating per repea
   manager's first save is untimed (buffers, groups).
 
 Each timed save follows an untimed warm-up save of the same method into a sibling location,
-removed first (``goodput_ckpt.tools._bench_save.timed_save``). Every load is checked bit-exact
+removed first (``goodput_ckpt.tools.measure._bench_save.timed_save``). Every load is checked bit-exact
 against the state. A peer that cannot run here is printed as ``skipped`` with the reason. One
 process is one rank, so the worst rank is that rank (multi-rank runs: ``bench_tiers.py``,
 ``bench_requests.py``). Figures: min/median/max over ``--repeats``; each ratio is ours / theirs in
@@ -64,8 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
-from goodput_ckpt.tools._bench_save import timed_save  # noqa: E402
-from goodput_ckpt.tools._bench_state import make_state  # noqa: E402
+from goodput_ckpt.tools.measure._bench_save import timed_save  # noqa: E402
+from goodput_ckpt.tools.measure._bench_state import make_state  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -34,7 +34,7 @@ Rules, the same for every method:
 - Methods run round-robin within a repeat, the order rotating per repeat; a figure is the
   median over ``--repeats``.
 - Each timed save follows an untimed warm-up save of the same method into a sibling prefix,
-  deleted before the clock starts (``goodput_ckpt.tools._bench_save.timed_save``, the step
+  deleted before the clock starts (``goodput_ckpt.tools.measure._bench_save.timed_save``, the step
   ``goodput-ckpt bench`` and ``bench_local.py`` share): memory the host reclaimed from the idle
   process is faulted back in by the warm-up, not by the timed save.
 
@@ -71,8 +71,8 @@ from helpers.s3 import ACCESS_KEY, SECRET_KEY, SeaweedServer, free_port, s3_env 
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
-from goodput_ckpt.tools._bench_save import timed_save  # noqa: E402
-from goodput_ckpt.tools._bench_state import make_state  # noqa: E402
+from goodput_ckpt.tools.measure._bench_save import timed_save  # noqa: E402
+from goodput_ckpt.tools.measure._bench_state import make_state  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)

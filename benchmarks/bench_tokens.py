@@ -52,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS recipe
 
 from goodput_ckpt.data import TokenStream  # noqa: E402
-from goodput_ckpt.tools._bench_scratch import evict_page_cache  # noqa: E402
+from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache  # noqa: E402
 
 PIECE = 8 << 20
 

@@ -157,9 +157,9 @@ class _RssSampler:
 
 
 def child(op: str, args: list[str]) -> None:
-    from goodput_ckpt.tools.convert import convert_checkpoint
-    from goodput_ckpt.tools.reshard import reshard_checkpoint
-    from goodput_ckpt.tools.verify import verify_checkpoint
+    from goodput_ckpt.tools.ops.convert import convert_checkpoint
+    from goodput_ckpt.tools.ops.reshard import reshard_checkpoint
+    from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
     sampler = _RssSampler()
     base = sampler.start

@@ -37,7 +37,7 @@ import json, os, resource, sys, tempfile, time
 sys.path.insert(0, {tests!r})
 from _manifests import many_cells_manifest
 from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
-from goodput_ckpt.tools.verify import verify_checkpoint
+from goodput_ckpt.tools.ops.verify import verify_checkpoint
 import goodput_ckpt
 raw = many_cells_manifest({files}, {runs})
 where = tempfile.mkdtemp(prefix="probe-grid-")

@@ -64,7 +64,7 @@ from goodput_ckpt.cli._output import parse_size  # noqa: E402
 from goodput_ckpt.storage._s3_bodies import b64, crc32, fill  # noqa: E402
 from goodput_ckpt.storage._s3_client import make_client  # noqa: E402
 from goodput_ckpt.storage.s3 import S3Config, S3Store  # noqa: E402
-from goodput_ckpt.tools._bench_state import make_state  # noqa: E402
+from goodput_ckpt.tools.measure._bench_state import make_state  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MiB = 1 << 20

@@ -38,7 +38,7 @@ import goodput_ckpt.dcp.writer as wr  # noqa: E402
 from goodput_ckpt import CheckpointWriter  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
 from goodput_ckpt.storage import _s3_upload as up  # noqa: E402
-from goodput_ckpt.tools._bench_state import make_state  # noqa: E402
+from goodput_ckpt.tools.measure._bench_state import make_state  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MiB = 1 << 20

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 
 from goodput_ckpt import CheckpointWriter
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_state import make_state
+from goodput_ckpt.tools.measure._bench_state import make_state
 
 warnings.filterwarnings("ignore")
 

@@ -31,8 +31,8 @@ import warnings
 import torch.distributed.checkpoint as dcp
 
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_methods import goodput_method, torch_method, wait_durable
-from goodput_ckpt.tools._bench_state import make_state
+from goodput_ckpt.tools.measure._bench_methods import goodput_method, torch_method, wait_durable
+from goodput_ckpt.tools.measure._bench_state import make_state
 
 #: The writers ``goodput-ckpt bench`` times, at its defaults (the same factories).
 WRITERS = {"ours": goodput_method(None, {}).writer, "torch": torch_method(None, {}, None).writer}

@@ -53,11 +53,11 @@ FROM_OUTCOMES = {
 #: ``--hostile`` runs only these.
 HOSTILE = {
     "tests/storage/test_no_escape.py": ("hostile: links inside a location; overwrite deletes only what it owns [tests]", "local"),
-    "tests/tools/test_destination_alias.py": ("hostile: destination an alias of the source (link, bind mount, .., nested) [tests]", "local"),
-    "tests/tools/test_hostile_verdicts.py": ("hostile: corpus through verify, inspect and dcp.load, one verdict [tests]", "local"),
+    "tests/tools/ops/test_destination_alias.py": ("hostile: destination an alias of the source (link, bind mount, .., nested) [tests]", "local"),
+    "tests/tools/ops/test_hostile_verdicts.py": ("hostile: corpus through verify, inspect and dcp.load, one verdict [tests]", "local"),
     "tests/format/test_tiling.py": ("hostile: adversarial chunk tilings (staircase), bounded work [tests]", "format"),
     "tests/format/test_parse_memory.py": ("hostile: parse memory per manifest byte bounded [tests]", "format"),
-    "tests/tools/test_verify.py": ("hostile: verify buffers bounded by file sizes; verify verdicts [tests]", "local"),
+    "tests/tools/ops/test_verify.py": ("hostile: verify buffers bounded by file sizes; verify verdicts [tests]", "local"),
     "tests/tools/test_formats_dcp_fs.py": ("hostile: DCP .metadata claims, pickles passed through [tests]", "local"),
     "tests/tools/test_formats_safetensors.py": ("hostile: safetensors headers as the reference library judges [tests]", "local"),
     "tests/engine/test_untrusted_load.py": ("hostile: deflate bombs, refused pickles named [tests]", "local"),

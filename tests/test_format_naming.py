@@ -3,7 +3,7 @@
 README.md, docs/tools.md and the package docstrings said "format v1" while ``inspect``,
 ``verify``, docs/format.md and ``schema.py`` said version 2. The naming now: the *format
 version* is the manifest's ``version`` (``FORMAT_VERSION``); a ``CheckpointManager``
-checkpoint's *training-state schema* (``SCHEMA_VERSION`` in ``state/bundle.py``) is another
+checkpoint's *training-state schema* (``SCHEMA_VERSION`` in ``state/bundle/meta.py``) is another
 number. Every mention of a format version in the docs, the README and the code (docstrings,
 comments, CLI help) must name the one writers emit, read here from its constant; history is
 told as "version 1 manifests" or "version 1 of the format".

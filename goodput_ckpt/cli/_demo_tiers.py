@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..tools.demos.results import DemoMode, ResumedRun, TierDemoReport
 from ._output import Output, table
 
 
@@ -11,7 +10,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.0f} ms"
 
 
-def _restored(m: Any) -> str:
+def _restored(m: DemoMode) -> str:
     if m.restored_step is None:
         return "nothing"
     if not m.restore_files:
@@ -20,20 +19,20 @@ def _restored(m: Any) -> str:
     return f"step {m.restored_step} ({files} files)"
 
 
-def _cost(m: Any) -> float:
+def _cost(m: ResumedRun) -> float:
     """What the tier layout changes, measured directly: stall, lost work and restore (the rest,
     ``other``, mixes the slowdown from background writes with run-to-run noise)."""
     return m.seconds["stall"] + m.seconds["lost"] + m.seconds["restore"]
 
 
-def _checked(m: Any) -> str:
+def _checked(m: ResumedRun) -> str:
     bad = [c for c in m.checkpoints if not c["ok"]]
     if bad:
         return f"{len(bad)} of {len(m.checkpoints)} FAILED"
     return f"{len(m.checkpoints)} verified"
 
 
-def _model_lines(r: Any) -> list[str]:
+def _model_lines(r: TierDemoReport) -> list[str]:
     p = r.model
     if p is None:
         return ["Two-level model: not enough was measured (no background save or persist recorded)."]
@@ -47,8 +46,8 @@ def _model_lines(r: Any) -> list[str]:
     ]
 
 
-def render_tiers(r: Any, out: Output) -> None:
-    """Print a :class:`~goodput_ckpt.tools.demo_tiers.TierDemoReport`."""
+def render_tiers(r: TierDemoReport, out: Output) -> None:
+    """Print a :class:`~goodput_ckpt.tools.demos.results.TierDemoReport`."""
     one, two = r.modes
     nodes = f"{r.world_size} ranks as {r.nodes} nodes of {r.local_world_size}"
     out.print(f"\ngoodput-ckpt demo --tiers: {nodes} on {r.device}, {r.steps} steps, async save every {r.save_every} steps")

@@ -27,11 +27,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.bench import bench
+    from ..tools.measure.bench import bench
     from ._main import EXIT_USAGE
 
     if args.plot:
-        from ..tools._bench_plot import require_matplotlib
+        from ..tools.measure._bench_plot import require_matplotlib
 
         try:
             require_matplotlib()  # before the run, not after minutes of it
@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         progress=None if args.no_progress else out.note, bar=out.progress(), **args.options,
     )  # fmt: skip
     if args.plot:
-        from ..tools._bench_plot import plot_report
+        from ..tools.measure._bench_plot import plot_report
 
         plot_report(report, args.plot)
     if out.json_mode:

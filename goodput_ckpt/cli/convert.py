@@ -36,7 +36,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.convert import convert_checkpoint
+    from ..tools.ops.convert import convert_checkpoint
 
     src_opts, dst_opts = two_store_options(args)
     r = convert_checkpoint(

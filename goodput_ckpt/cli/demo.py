@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..tools.demo import FAILURES
+from ..tools.demos.demo import FAILURES
+from ..tools.demos.results import DemoReport
 from ._demo_tiers import render_tiers
 from ._output import Output, human_bytes, table
 from ._registry import Command
@@ -37,8 +38,8 @@ _TIER_ONLY = {"persist_every": 3, "failure": "node", "node_mtbf": 4 * 3600.0, "j
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.demo import DemoConfig, run_demo
-    from ..tools.demo_tiers import run_tier_demo
+    from ..tools.demos.demo import DemoConfig, run_demo
+    from ..tools.demos.demo_tiers import run_tier_demo
 
     if not args.tiers:
         given = [k for k, v in _TIER_ONLY.items() if getattr(args, k) != v]
@@ -69,7 +70,8 @@ def _pct(part: float, total: float) -> str:
     return f"{100 * part / total:.1f} %" if total > 0 else "-"
 
 
-def render(r, out: Output) -> None:
+def render(r: DemoReport, out: Output) -> None:
+    """Print a :class:`~goodput_ckpt.tools.demos.results.DemoReport`."""
     out.print(f"\ngoodput-ckpt demo: {r.world_size} ranks on {r.device}, {r.steps} steps, async save every {r.save_every} steps")
     out.print(f"checkpoints: {r.root}\n")
     if r.bit_exact:

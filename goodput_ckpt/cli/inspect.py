@@ -7,7 +7,7 @@ import argparse
 from ._output import Output, escape, human_bytes, table
 from ._registry import Command
 
-#: ``tools._dcp_foreign.DCP_FORMAT``, not imported from there: that module imports torch.
+#: ``tools.ops._dcp_foreign.DCP_FORMAT``, not imported from there: that module imports torch.
 DCP_FORMAT = "torch-dcp"
 
 
@@ -19,7 +19,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.inspect import inspect_checkpoint
+    from ..tools.ops.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(args.uri, pattern=args.keys, **args.options)
     if out.json_mode:

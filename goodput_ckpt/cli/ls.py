@@ -18,7 +18,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.ls import list_checkpoints
+    from ..tools.ops.ls import list_checkpoints
 
     report = list_checkpoints(
         args.root, verify=args.verify, quick=args.quick, progress=out.progress(), local_dir=args.local_dir, **args.options

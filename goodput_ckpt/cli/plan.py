@@ -11,7 +11,7 @@ from ._output import Output, human_bytes, table, to_jsonable
 from ._registry import Command
 
 if TYPE_CHECKING:
-    from ..tools.plan import BenchMeasurement
+    from ..tools.measure.plan import BenchMeasurement
 
 _UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -74,7 +74,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.plan import PlanInputs, mtbf_from_fleet, plan
+    from ..tools.measure.plan import PlanInputs, mtbf_from_fleet, plan
 
     if any(getattr(args, n) is not None for n in _TWO_LEVEL):
         return _run_two_level(args, out)
@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 def _measured(args: argparse.Namespace) -> tuple[str | None, BenchMeasurement | None]:
     """The bench report or timeline named by --from-bench / --from-timeline, and its name."""
-    from ..tools.plan import inputs_from_bench, inputs_from_timeline
+    from ..tools.measure.plan import inputs_from_bench, inputs_from_timeline
 
     if args.from_bench and args.from_timeline:
         raise ValueError("give --from-bench or --from-timeline, not both")
@@ -133,7 +133,7 @@ def _print_measured(args: argparse.Namespace, out: Output, source: str | None, m
 def _run_two_level(args: argparse.Namespace, out: Output) -> int:
     """The two-level plan: --persist and --restore are the persistent tier's (a bench report or
     timeline of the persistent storage may give them); the local tier's figures are flags."""
-    from ..tools.plan_two_level import TwoLevelInputs, plan_two_level
+    from ..tools.measure.plan_two_level import TwoLevelInputs, plan_two_level
 
     given = [f"--{n.replace('_', '-')}" for n in _ONE_LEVEL_ONLY if getattr(args, n) is not None]
     if given:

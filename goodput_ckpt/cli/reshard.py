@@ -30,7 +30,7 @@ def _size(text: str) -> int:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.reshard import reshard_checkpoint
+    from ..tools.ops.reshard import reshard_checkpoint
 
     src_opts, dst_opts = two_store_options(args)
     r = reshard_checkpoint(

@@ -15,7 +15,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from ..tools.verify import verify_checkpoint
+    from ..tools.ops.verify import verify_checkpoint
 
     report = verify_checkpoint(args.uri, quick=args.quick, thread_count=args.threads, progress=out.progress(), **args.options)
     if out.json_mode:

@@ -161,6 +161,13 @@ class CheckpointReader(StorageReader):
         self.rows_read: Counter[str] = Counter()
 
     @property
+    def store(self) -> Store:
+        """The byte store this reader reads through (read-only): its backend configuration is
+        ``store.config``, as resolved from the URI and the options. :meth:`reset` with a new
+        checkpoint id replaces it."""
+        return self._store
+
+    @property
     def manifest(self) -> Manifest:
         """The validated manifest (read on first use, by this rank alone)."""
         if self._manifest is None:

@@ -150,6 +150,13 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._assignment: _RankAssignment | None = None
         self._init_runtime()
 
+    @property
+    def store(self) -> Store:
+        """The byte store this writer writes through (read-only): its backend configuration is
+        ``store.config``, as resolved from the URI and the options (credentials redacted in its
+        ``repr``). :meth:`reset` with a new checkpoint id replaces it."""
+        return self._store
+
     # -- pickling (dcp.async_save with the process executor pickles the writer) -----------------
     def _init_runtime(self) -> None:
         self._claim_lock = threading.Lock()

@@ -36,7 +36,7 @@ __all__ = [
 
 FORMAT_NAME = "goodput-ckpt"
 #: The format version writers emit (the manifest's ``version``; not the training-state schema
-#: of ``state/bundle.py``, a separate number): version 2 stores regular shardings compactly (:mod:`.grid`).
+#: of ``state/bundle/meta.py``, a separate number): version 2 stores regular shardings compactly (:mod:`.grid`).
 FORMAT_VERSION = 2
 #: Versions readers accept; v1 checkpoints stay readable and verifiable.
 SUPPORTED_VERSIONS = (1, 2)

@@ -7,6 +7,10 @@ DCP's read phase (``per_rank.rng_row``, ``per_rank.loader_row``): one rank's bad
 fails the load on every rank there, instead of on that rank alone while the others train on.
 What is decoded here then is only what is the same on every rank (an elastic restore's old
 loader states, after the coordinator shared them) or schema 1's blobs.
+
+Each section of the plan (``state.bundle.sections``) has its step here, in the same order:
+models, other stateful objects, the dataloader or the elastic dataloader, then RNG (last, so that
+nothing run while loading the others shifts it).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import Any
 
 import torch
 
-from .bundle import MODEL, OPTIMIZER, RestorePlan
-from .dataloader import elastic_sampler_of
+from .bundle import RestorePlan
+from .bundle.meta import MODEL, OPTIMIZER
+from .dataloader import AdoptsSavedEpoch, PreparesElasticResume, elastic_sampler_of
 from .per_rank import DATALOADER, RNG, checked_rng, decode_own_loader_state, old_loader_states
 from .rng import derive_rng, restore_rng
 
@@ -41,6 +46,17 @@ class DecodedState:
     resume: Callable[[], str] | None = None
 
 
+def _decode_elastic_loader(plan: RestorePlan, out: DecodedState) -> None:
+    """Elastic: every old rank's state, checked into the position that applies them."""
+    holder = elastic_sampler_of(plan.dataloader)
+    assert holder is not None  # plan_restore planned an elastic loader only for a loader with one
+    out.old_loader_states = states = old_loader_states(plan.elastic_blobs)
+    if isinstance(holder, PreparesElasticResume):
+        out.resume = holder.prepare_elastic_resume(states, batch_size=plan.saved_batch_size, where=plan.where)
+    else:  # a holder of another kind: it checks when it applies
+        out.resume = lambda: holder.elastic_resume(states, batch_size=plan.saved_batch_size, where=plan.where)
+
+
 def decode_restore(plan: RestorePlan) -> DecodedState:
     """Decode and check this rank's per-rank state (its RNG row, its dataloader row; what the
     read phase decoded already is taken from there) without touching a live object. The loader's
@@ -55,21 +71,53 @@ def decode_restore(plan: RestorePlan) -> DecodedState:
     """
     out = DecodedState(rng=checked_rng(plan.dest[RNG], plan.rng_layout, plan.where) if plan.restore_rng else None)
     if plan.elastic_from:
-        holder = elastic_sampler_of(plan.dataloader)
-        out.old_loader_states = states = old_loader_states(plan.elastic_blobs)
-        prepare = getattr(holder, "prepare_elastic_resume", None)
-        if callable(prepare):
-            out.resume = prepare(states, batch_size=plan.saved_batch_size, where=plan.where)
-        else:  # a holder of another kind: it checks when it applies
-            out.resume = lambda: holder.elastic_resume(states, batch_size=plan.saved_batch_size, where=plan.where)
+        _decode_elastic_loader(plan, out)
     elif plan.dataloader is not None:  # checked too, in the read phase if DCP decoded the row there
         out.loader_state = decode_own_loader_state(plan.dest[DATALOADER], plan.loader_check)
     return out
 
 
+def _apply_models(plan: RestorePlan) -> None:
+    plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
+
+
+def _apply_stateful(plan: RestorePlan) -> None:
+    for name, obj in plan.stateful.items():
+        obj.load_state_dict(plan.dest[name])
+
+
+def _apply_elastic_loader(plan: RestorePlan, decoded: DecodedState) -> None:
+    assert decoded.resume is not None
+    note = decoded.resume()
+    plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
+    logger.info("%s: %s", plan.where, note)
+
+
+def _apply_loader(plan: RestorePlan, decoded: DecodedState) -> None:
+    state = decoded.loader_state
+    plan.dataloader.load_state_dict(state)
+    holder = elastic_sampler_of(plan.dataloader)
+    if isinstance(holder, AdoptsSavedEpoch):
+        holder.adopt_saved_epoch(state)
+
+
+def _apply_rng(plan: RestorePlan, decoded: DecodedState) -> None:
+    if decoded.rng is not None:
+        plan.notes.extend(restore_rng(decoded.rng))
+    elif plan.rederive_rng is not None:
+        base, step, rank = plan.rederive_rng
+        seed = derive_rng(base, step, rank)
+        logger.warning(
+            "%s: saved by another number of ranks, so this rank's RNG streams (Python, NumPy, torch, CUDA) "
+            "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
+            plan.where, seed, base, step, rank,
+        )  # fmt: skip
+
+
 def apply_restore(plan: RestorePlan) -> None:
-    """Load the filled destination into the live objects. RNG goes last, so that nothing that
-    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
+    """Load the filled destination into the live objects, section by section. RNG goes last, so
+    that nothing that runs while loading (an optimizer's state initialization, a dataloader's
+    reset) shifts it.
 
     An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
     only then do the ranks other than the coordinator hold the old loader states.
@@ -79,28 +127,10 @@ def apply_restore(plan: RestorePlan) -> None:
             loaded into the live objects.
     """
     decoded = decode_restore(plan)
-    rng = decoded.rng
-    plan.models.load(plan.dest[MODEL], plan.dest.get(OPTIMIZER))
-    for name, obj in plan.stateful.items():
-        obj.load_state_dict(plan.dest[name])
+    _apply_models(plan)
+    _apply_stateful(plan)
     if plan.elastic_from:
-        assert decoded.resume is not None
-        note = decoded.resume()
-        plan.dataloader.load_state_dict({})  # a fresh iterator, which reads the sampler's position
-        logger.info("%s: %s", plan.where, note)
+        _apply_elastic_loader(plan, decoded)
     elif plan.dataloader is not None:
-        state = decoded.loader_state
-        plan.dataloader.load_state_dict(state)
-        adopt = getattr(elastic_sampler_of(plan.dataloader), "adopt_saved_epoch", None)
-        if adopt is not None:
-            adopt(state)
-    if rng is not None:
-        plan.notes.extend(restore_rng(rng))
-    elif plan.rederive_rng is not None:
-        base, step, rank = plan.rederive_rng
-        seed = derive_rng(base, step, rank)
-        logger.warning(
-            "%s: saved by another number of ranks, so this rank's RNG streams (Python, NumPy, torch, CUDA) "
-            "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
-            plan.where, seed, base, step, rank,
-        )  # fmt: skip
+        _apply_loader(plan, decoded)
+    _apply_rng(plan, decoded)

@@ -17,13 +17,17 @@ sampler is elastic (``goodput_ckpt.data.ElasticSampler``): its position is globa
 under another world size, worker count or batch size hands every old rank's blob to the
 sampler (:func:`elastic_sampler_of`); the coordinator reads them and shares their bytes with the
 other ranks (``state.loader_share``). The sampler is found by its methods, because
-``data/`` sits beside ``state/`` and neither imports the other.
+``data/`` sits beside ``state/`` and neither imports the other: :class:`ElasticPositionHolder`
+is the contract it meets (structural typing, a ``typing.Protocol``), and
+:class:`PreparesElasticResume`, :class:`ChecksSavedState` and :class:`AdoptsSavedEpoch` the
+optional parts a restore uses when the holder has them.
 """
 
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +36,10 @@ from ..errors import CheckpointError
 
 __all__ = [
     "ROW_HEADER",
+    "AdoptsSavedEpoch",
+    "ChecksSavedState",
+    "ElasticPositionHolder",
+    "PreparesElasticResume",
     "check_dataloader",
     "decode_dataloader_row",
     "decode_dataloader_state",
@@ -45,17 +53,55 @@ __all__ = [
 ROW_HEADER = 8
 
 
-def elastic_sampler_of(loader: Any) -> Any:
+@runtime_checkable
+class ElasticPositionHolder(Protocol):
+    """What holds a loader's global data position (``goodput_ckpt.data.ElasticSampler``,
+    ``goodput_ckpt.data.TokenStream``): a restore under another topology hands it every old
+    rank's decoded loader state instead of refusing (``state.bundle``)."""
+
+    def elastic_resume(self, loader_states: list[Any], *, batch_size: Any, where: str = "checkpoint") -> str:
+        """Take up the position that all old ranks saved together (``loader_states[r]`` is old
+        rank ``r``'s); returns a note saying what was resumed."""
+        ...
+
+
+@runtime_checkable
+class PreparesElasticResume(Protocol):
+    """Optional: checks every old rank's state first and returns the step that applies it, so
+    that a bad state is refused before the restore loads anything (else ``elastic_resume``
+    checks as it applies)."""
+
+    def prepare_elastic_resume(
+        self, loader_states: list[Any], *, batch_size: Any, where: str = "checkpoint"
+    ) -> Callable[[], str]: ...
+
+
+@runtime_checkable
+class ChecksSavedState(Protocol):
+    """Optional: checks this rank's saved loader state before a same-topology restore applies it."""
+
+    def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None: ...
+
+
+@runtime_checkable
+class AdoptsSavedEpoch(Protocol):
+    """Optional: after a same-topology restore, takes up the saved epoch at once (the loader
+    applies the rest of its state lazily, when its next iterator starts)."""
+
+    def adopt_saved_epoch(self, loader_state: Any) -> None: ...
+
+
+def elastic_sampler_of(loader: Any) -> ElasticPositionHolder | None:
     """The loader's elastic position holder, or ``None``: its sampler (``ElasticSampler``, as
     ``loader.sampler`` or ``loader.batch_sampler.sampler``) or its dataset (``TokenStream``), the
-    first with an ``elastic_resume`` method."""
+    first with a callable ``elastic_resume`` (:class:`ElasticPositionHolder`)."""
     for s in (
         getattr(loader, "sampler", None),
         getattr(getattr(loader, "batch_sampler", None), "sampler", None),
         getattr(loader, "dataset", None),
     ):
         if callable(getattr(s, "elastic_resume", None)):
-            return s
+            return s  # type: ignore[no-any-return]  # checked structurally above
     return None
 
 

@@ -15,8 +15,10 @@ Each returns a dataclass report that the CLI renders as a table or JSON:
 - :func:`plan_two_levels` (``plan --local-stall ... --node-mtbf ... --job-mtbf ...``): the local
   interval and ``persist_every`` of a two-tier manager, against one tier.
 
-``verify``, ``inspect`` and ``ls`` need no torch; the names are imported lazily so that using
-them does not load it.
+The modules are grouped by purpose: checkpoint operations (:mod:`.ops`), benchmarks and
+measurement (:mod:`.measure`), demos (:mod:`.demos`); :mod:`._common` and ``_formats/`` serve
+them all. ``verify``, ``inspect`` and ``ls`` need no torch; the names are imported lazily so that
+using them does not load it.
 """
 
 from __future__ import annotations
@@ -36,25 +38,24 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_WHERE: dict[str, str | tuple[str, str]] = {
-    "verify_checkpoint": ".verify",
-    "inspect_checkpoint": ".inspect",
-    "list_checkpoints": ".ls",
-    "reshard_checkpoint": ".reshard",
-    "convert_checkpoint": ".convert",
-    "detect_format": ".convert",
-    "bench_storage": (".bench", "bench"),
-    "run_demo": ".demo",
-    "plan_interval": (".plan", "plan"),
-    "plan_two_levels": (".plan_two_level", "plan_two_level"),
+_WHERE: dict[str, str] = {
+    "verify_checkpoint": ".ops.verify",
+    "inspect_checkpoint": ".ops.inspect",
+    "list_checkpoints": ".ops.ls",
+    "reshard_checkpoint": ".ops.reshard",
+    "convert_checkpoint": ".ops.convert",
+    "detect_format": ".ops.convert",
+    "bench_storage": ".measure.bench",
+    "run_demo": ".demos.demo",
+    "plan_interval": ".measure.plan",
+    "plan_two_levels": ".measure.plan_two_level",
 }
+#: Exported under another name than the function's own (which is its module's name).
+_NAME = {"bench_storage": "bench", "plan_interval": "plan", "plan_two_levels": "plan_two_level"}
 
 
 def __getattr__(name: str):
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'goodput_ckpt.tools' has no attribute {name!r}")
-    # A function named like its module is exported under another name: importing the module
-    # sets the package attribute of that name to the module.
-    module, attr = where if isinstance(where, tuple) else (where, name)
-    return getattr(importlib.import_module(module, __name__), attr)
+    return getattr(importlib.import_module(where, __name__), _NAME.get(name, name))

@@ -37,7 +37,7 @@ def test_a_closed_stdout_pipe_exits_quietly(sample_ckpt):
 
 def test_the_overwrite_hint_fits_the_caller(sample_ckpt, tmp_path):
     from goodput_ckpt.errors import CheckpointExistsError
-    from goodput_ckpt.tools.convert import convert_checkpoint
+    from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
     dst = tmp_path / "out"
     assert run("convert", sample_ckpt[0], dst, "--to", "dcp")[0] == 0

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-import goodput_ckpt.tools.convert as convert_tool
+import goodput_ckpt.tools.ops.convert as convert_tool
 from goodput_ckpt.cli import EXIT_FAILED, EXIT_USAGE, main
 
 
@@ -104,7 +104,7 @@ def test_a_dcp_failure_is_one_line_and_its_chain_only_with_debug(tmp_path, monke
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    import goodput_ckpt.tools.verify as verify_tool
+    import goodput_ckpt.tools.ops.verify as verify_tool
     from goodput_ckpt import CheckpointReader, CheckpointWriter
     from goodput_ckpt.errors import as_checkpoint_error
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from goodput_ckpt.cli import EXIT_USAGE, main
-from goodput_ckpt.tools.convert import convert_checkpoint
+from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
 COMMANDS = [
     ["inspect", "{f}"],

@@ -24,7 +24,7 @@ import pytest
 
 import elastic_job  # noqa: E402
 
-from goodput_ckpt.tools._job_launch import JobLaunch, free_port  # noqa: E402
+from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from helpers.dist import run_ranks
 from goodput_ckpt import CheckpointReader, CheckpointWriter
 from goodput_ckpt.dcp import commit_build
 from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
-from goodput_ckpt.tools.verify import verify_checkpoint
+from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
 
 def _state(seed: int, note: str = "x") -> dict:

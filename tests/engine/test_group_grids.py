@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import pytest
+from helpers.seeds import for_each_seed
 
 from goodput_ckpt.dcp import item_entries
 from goodput_ckpt.dcp.commit_build import build_manifest, forget_layouts
@@ -124,8 +125,11 @@ def same_record(md, results, monkeypatch) -> None:
     assert record(md, results, monkeypatch, True) == want
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_regular_layouts_are_decided_in_batch_as_the_oracle_decides(seed, monkeypatch):
+def test_regular_layouts_are_decided_in_batch_as_the_oracle_decides(monkeypatch):
+    for_each_seed(range(40), lambda seed: _regular_layouts_decided_in_batch(seed, monkeypatch))
+
+
+def _regular_layouts_decided_in_batch(seed: int, monkeypatch) -> None:
     rng = np.random.default_rng(seed)
     world = int(rng.integers(2, 13))
     own = owned(rng, world)
@@ -141,8 +145,11 @@ def test_regular_layouts_are_decided_in_batch_as_the_oracle_decides(seed, monkey
     same_record(md, results, monkeypatch)
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_altered_rows_never_make_the_batched_path_disagree(seed, monkeypatch):
+def test_altered_rows_never_make_the_batched_path_disagree(monkeypatch):
+    for_each_seed(range(200), lambda seed: _altered_rows_agree(seed, monkeypatch))
+
+
+def _altered_rows_agree(seed: int, monkeypatch) -> None:
     rng = np.random.default_rng(1000 + seed)
     world = int(rng.integers(2, 13))
     own = owned(rng, world)

@@ -18,7 +18,7 @@ from goodput_ckpt.errors import find_checkpoint_error
 from goodput_ckpt.engine.untrusted_load import MAX_INFLATION, check_inflation, weights_only_refusal
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools._formats.dcp_fs import DcpSource
-from goodput_ckpt.tools.convert import convert_checkpoint
+from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
 BOMB_BYTES = 4 * MAX_INFLATION
 

@@ -32,7 +32,7 @@ __all__ = ["Child", "Forker"]
 
 #: Modules every child needs, imported once by the zygote before it forks.
 _PRELOAD = ("torch", "torch.distributed.checkpoint", "boto3", "goodput_ckpt", "goodput_ckpt.manager.checkpoint_manager",
-            "goodput_ckpt.tools.ls", "goodput_ckpt.tools.verify")  # fmt: skip
+            "goodput_ckpt.tools.ops.ls", "goodput_ckpt.tools.ops.verify")  # fmt: skip
 
 
 class Child:

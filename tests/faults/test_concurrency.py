@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from _reliability import fault_trials, record
 from concurrent_worker import writer_state
 from helpers.trees import zeros_like
+from helpers.wait import wait_until
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointNotFoundError, CheckpointReader, IncompleteCheckpointError
@@ -67,11 +68,15 @@ def start_writers(forker, where: Where, loc: str, tmp: Path, tag: str, skews: di
         kwargs = dict(location=loc, options=where.options, seed=seed, mib=where.mib, chunk_size=where.chunk_size,
                       ready=str(ready), go=str(go), out=str(out), skew=skew)  # fmt: skip
         started.append((forker.run("concurrent_worker:save_when_told", kwargs, tmp / f"{tag}-{seed}.log"), ready, out))
-    deadline = time.monotonic() + 120
-    while not all(ready.exists() for _, ready, _ in started):
-        children = [c for c, _, _ in started]
-        assert time.monotonic() < deadline and not any(c.exited() for c in children), [c.log_tail() for c in children]
-        time.sleep(0.002)
+    children = [c for c, _, _ in started]
+
+    def all_ready() -> bool:
+        if all(ready.exists() for _, ready, _ in started):
+            return True
+        assert not any(c.exited() for c in children), [c.log_tail() for c in children]
+        return False
+
+    wait_until(all_ready, 120, interval=0.002, what="every writer to build its state")
     go.touch()
     return [(child, out) for child, _, out in started]
 

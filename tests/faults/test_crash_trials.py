@@ -15,7 +15,7 @@ applies retention). The process is killed with SIGKILL:
 
 After every trial, with the same root carried on to the next trial:
 
-- ``goodput_ckpt.tools.ls`` (verifying every hash) reports each step complete or incomplete,
+- ``goodput_ckpt.tools.ops.ls`` (verifying every hash) reports each step complete or incomplete,
   never corrupt, and ``CheckpointManager.steps()`` agrees;
 - every incomplete step is reported incomplete by ``verify`` and refused by
   ``CheckpointManager.restore(step=...)`` without touching the model (never loaded);

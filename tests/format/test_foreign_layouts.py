@@ -72,7 +72,7 @@ def test_checkpoint_reader_names_the_layout(foreign):
 def test_cli_names_the_layout_and_exits_2(foreign, command, capsys):
     path, what, hint = foreign
     if (path / ".metadata").exists():
-        pytest.skip("verify and inspect read a stock DCP checkpoint (issue 35): tests/tools/test_dcp_foreign.py")
+        pytest.skip("verify and inspect read a stock DCP checkpoint (issue 35): tests/tools/ops/test_dcp_foreign.py")
     assert main([command, str(path), "--json"]) == 2
     doc = json.loads(capsys.readouterr().out)
     text = json.dumps(doc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.seeds import for_each_seed
 
 from goodput_ckpt.format.grid import GridChunks, GridError, check_spans
 
@@ -41,8 +42,7 @@ def _random_spans(rng: random.Random, files: int):
     return spans
 
 
-@pytest.mark.parametrize("seed", range(400))
-def test_check_spans_matches_brute_force(seed):
+def _spans_match_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     files = rng.randint(1, 40)
     names = [f"f{i}" for i in range(files)]
@@ -54,6 +54,10 @@ def test_check_spans_matches_brute_force(seed):
     else:
         with pytest.raises(GridError):
             check_spans(list(spans), names, sizes)
+
+
+def test_check_spans_matches_brute_force():
+    for_each_seed(range(400), _spans_match_brute_force)
 
 
 def test_overlap_inside_a_run_names_the_file_and_both_keys():

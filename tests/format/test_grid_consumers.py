@@ -20,9 +20,9 @@ from goodput_ckpt import CheckpointReader
 from goodput_ckpt.errors import CorruptCheckpointError
 from goodput_ckpt.format.grid import GridChunks
 from goodput_ckpt.format.manifest import MANIFEST_NAME
-from goodput_ckpt.tools.inspect import inspect_checkpoint
-from goodput_ckpt.tools.reshard import reshard_checkpoint
-from goodput_ckpt.tools.verify import verify_checkpoint
+from goodput_ckpt.tools.ops.inspect import inspect_checkpoint
+from goodput_ckpt.tools.ops.reshard import reshard_checkpoint
+from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
 FILES, RUNS = 1024, 4096
 #: Peak of Python allocations a consumer may reach on this 186 KB manifest: parsing it takes

@@ -3,6 +3,8 @@
 - :mod:`helpers.trees`: state dicts: :func:`make_state` (the state most tests save),
   :func:`zeros_like` (a load destination that holds none of the values) and exact comparison.
 - :mod:`helpers.wait`: :func:`wait_until`, the one bounded poll.
+- :mod:`helpers.seeds`: :func:`~helpers.seeds.for_each_seed`, a property checked over many seeds in one case.
+- :mod:`helpers.manager_hooks`: the one place tests step inside a ``CheckpointManager`` (a held save thread, its staging).
 - :mod:`helpers.errors`: :func:`~helpers.errors.checkpoint_error`, the typed error inside what DCP raised.
 - :mod:`helpers.dcp_saves`: simulated DCP saves (metadata and write results) for the coordinator's tests.
 - :mod:`helpers.samples`: the tools' sample checkpoint and ways to damage one.

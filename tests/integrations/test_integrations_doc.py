@@ -34,7 +34,7 @@ def _run(code: str) -> dict:
 
 
 def _verified(path: Path) -> bool:
-    from goodput_ckpt.tools.verify import verify_checkpoint
+    from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
     return (path / MANIFEST_NAME).is_file() and verify_checkpoint(str(path)).ok
 

@@ -7,12 +7,12 @@ moves on (otherwise the background copy may win the race and hide a missing guar
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import wait_until
+from helpers.manager_hooks import hold_saves, staging_of
 from torch import nn
 
 from goodput_ckpt import CheckpointError, CheckpointManager
@@ -48,10 +48,7 @@ def _trained_and_held(path, **kw):
 def _held_manager(path, **kw):
     """A manager whose save thread first waits for ``release.set()``."""
     mgr = CheckpointManager(path, **kw)
-    release = threading.Event()
-    mgr._saves._worker = ThreadPoolExecutor(1, thread_name_prefix="held-save")
-    mgr._saves._worker.submit(release.wait, 60)
-    return mgr, release
+    return mgr, hold_saves(mgr)
 
 
 def _assert_restores(path, want) -> None:
@@ -70,12 +67,13 @@ def test_the_next_optimizer_step_finishes_the_copy_first(tmp_path):
     model, opt, mgr, release = _trained_and_held(tmp_path)
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
-    assert mgr._staging.guard._pending is not None and not mgr._staging.guard._pending.done, "the copy was left to later"
+    pending = staging_of(mgr).guard.pending
+    assert pending is not None and not pending.done, "the copy was left to later"
     model.eval()  # BatchNorm buffers are copied before save() returns; do not move them here
     _forward_backward(model)
     model.train()
     opt.step()  # the hook copies the parameters and states before AdamW changes them
-    assert mgr._staging.guard._pending.done
+    assert pending.done
     opt.zero_grad()
     _forward_backward(model)
     opt.step()
@@ -109,7 +107,7 @@ def test_an_in_place_change_outside_the_optimizer_fails_the_save_by_name(tmp_pat
     model, opt, mgr, release = _trained_and_held(tmp_path)
     mgr.save(1, model=model, optimizer=opt)
     if when != "before the copy":
-        pending = mgr._staging.guard._pending
+        pending = staging_of(mgr).guard.pending
         pending.finish()  # as the save thread does: every piece copied, no change seen yet
         pending.result()
     with torch.no_grad():
@@ -134,10 +132,8 @@ def test_a_save_commits_without_waiting_for_the_training_loop(tmp_path):
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
     release.set()
-    deadline = time.monotonic() + 60
-    while mgr.in_flight_step is not None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert mgr.steps() == [1] and not mgr._staging.guard._pending.confirmed
+    wait_until(lambda: mgr.in_flight_step is None, 60, interval=0.02, what="the save to land")
+    assert mgr.steps() == [1] and not staging_of(mgr).guard.pending.confirmed
     mgr.close()
     _assert_restores(tmp_path, want)
 
@@ -158,7 +154,7 @@ def test_async_staging_off_copies_everything_before_save_returns(tmp_path):
     model, opt, mgr, release = _trained_and_held(tmp_path, async_staging=False)
     want = _snapshot(model, opt)
     mgr.save(1, model=model, optimizer=opt)
-    assert mgr._staging.guard._pending.done
+    assert staging_of(mgr).guard.pending.done
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(7.0)
@@ -173,7 +169,7 @@ def test_parameters_of_no_passed_optimizer_are_staged_at_once(tmp_path):
     mgr, release = _held_manager(tmp_path)
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     mgr.save(1, model=model)
-    assert mgr._staging.guard._pending.done
+    assert staging_of(mgr).guard.pending.done
     with torch.no_grad():
         model[0].weight.fill_(3.0)
     release.set()

@@ -5,7 +5,6 @@ changes to FSDP2's DTensor parameters are seen like those of plain tensors."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.dist import run_ranks  # noqa: E402
+from helpers.manager_hooks import hold_saves, save_jobs_of, staging_of  # noqa: E402
 
 from goodput_ckpt import CheckpointError, CheckpointManager  # noqa: E402
 
@@ -21,10 +21,7 @@ from goodput_ckpt import CheckpointError, CheckpointManager  # noqa: E402
 def _held(root: Path) -> tuple[CheckpointManager, threading.Event]:
     """A manager whose save thread first waits for ``release.set()`` (the copy stays pending)."""
     mgr = CheckpointManager(root, keep_last=None, timeline=False)
-    release = threading.Event()
-    mgr._saves._worker = ThreadPoolExecutor(1, thread_name_prefix="held-save")
-    mgr._saves._worker.submit(release.wait, 60)
-    return mgr, release
+    return mgr, hold_saves(mgr)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -67,16 +64,17 @@ def _worker(rank: int, world_size: int, root: str) -> None:
 
     # -- staging itself fails on one rank (out of memory, say): that rank joins the others'
     # save with a failing one, so every rank fails step 3 and step 4 pairs everywhere ----------
-    stage = mgr._staging.stager.stage_deferred
+    stager = staging_of(mgr).stager
+    stage = stager.stage_deferred
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError("cannot allocate the staging buffers")
 
     if rank == 1:
-        mgr._staging.stager.stage_deferred = out_of_memory
+        stager.stage_deferred = out_of_memory
         with pytest.raises(CheckpointError, match="staging step 3.*cannot allocate"):
             mgr.save(3, model=model, optimizer=opt)
-        mgr._staging.stager.stage_deferred = stage
+        stager.stage_deferred = stage
     else:
         mgr.save(3, model=model, optimizer=opt)
         with pytest.raises(CheckpointError, match="cannot allocate"):
@@ -92,7 +90,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     fmgr.wait()
     if rank == 1:
         # A failure this rank alone saw, reported as the save thread reports one.
-        fmgr._saves.report_failure(1, CheckpointError("the upload of step 1 never became durable"))
+        save_jobs_of(fmgr).report_failure(1, CheckpointError("the upload of step 1 never became durable"))
         with pytest.raises(CheckpointError, match="never became durable"):
             fmgr.save(2, model=model, optimizer=opt)
     else:
@@ -118,7 +116,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     assert isinstance(fmodel[0].weight, DTensor)
     fmgr, release = _held(Path(root, "fsdp"))
     fmgr.save(1, model=fmodel, optimizer=fopt)
-    assert not fmgr._staging.guard._pending.done, "the DTensor shards' copies were deferred"
+    assert not staging_of(fmgr).guard.pending.done, "the DTensor shards' copies were deferred"
     with torch.no_grad():
         fmodel[0].weight.mul_(2.0)  # bumps the DTensor's version counter, not its shard's
     release.set()

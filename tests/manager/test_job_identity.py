@@ -26,7 +26,7 @@ from goodput_ckpt.format.commit_record import read_commit_record
 from goodput_ckpt.manager.job import JOB_FILE, JobRecord, job_of
 from goodput_ckpt.manager.step_layout import step_dir_name
 from goodput_ckpt.storage import open_store
-from goodput_ckpt.tools._job_launch import JobLaunch, free_port
+from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
 
 TIERS_LOG = "goodput_ckpt.tiers"
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from helpers.logs import logged_warnings
+from helpers.manager_hooks import save_jobs_of, staging_of
 from helpers.wait import wait_until
 
 from goodput_ckpt import (
@@ -141,11 +142,12 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(0, model=model, optimizer=opt)
     mgr.wait()
-    ptrs = {k: v.data_ptr() for k, v in mgr._staging.stager._buffers.items()}
+    stager = staging_of(mgr).stager
+    ptrs = {k: v.data_ptr() for k, v in stager.buffers.items()}
     mgr.save(1, model=model, optimizer=opt)
     mgr.wait()
-    assert {k: v.data_ptr() for k, v in mgr._staging.stager._buffers.items()} == ptrs
-    assert mgr._staging.stager.nbytes >= sum(p.numel() * 4 for p in model.parameters()) * 3
+    assert {k: v.data_ptr() for k, v in stager.buffers.items()} == ptrs
+    assert stager.nbytes >= sum(p.numel() * 4 for p in model.parameters()) * 3
     mgr.close()
 
 
@@ -382,14 +384,15 @@ def test_save_waits_for_the_previous_save(tmp_path):
     model, opt, _ = _make()
     mgr = CheckpointManager(tmp_path, keep_last=None)
     order = []
-    real_write = mgr._saves.write
+    jobs = save_jobs_of(mgr)
+    real_write = jobs.write
 
     def write(job, staged, writer, *rest):
         order.append(("start", job.step, threading.current_thread().name))
         real_write(job, staged, writer, *rest)
         order.append(("end", job.step, os.path.exists(tmp_path / f"step_{job.step:08d}" / MANIFEST_NAME)))
 
-    mgr._saves.write = write
+    jobs.write = write
     for step in range(3):
         mgr.save(step, model=model, optimizer=opt)
     mgr.close()

@@ -362,7 +362,7 @@ def test_one_process_damaged_local_copy_warns_once(tmp_path):
 
 
 def test_ls_shows_tiers(saved):
-    from goodput_ckpt.tools.ls import list_checkpoints
+    from goodput_ckpt.tools.ops.ls import list_checkpoints
 
     report = list_checkpoints(str(saved / "persist"), local_dir=str(saved / "local" / "node{node}"))
     got = {c.step: (c.status, c.tiers) for c in report.checkpoints}

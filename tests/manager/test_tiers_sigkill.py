@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import tiers_job
 from helpers.dist import run_ranks
+from helpers.wait import wait_until
 
-from goodput_ckpt.tools._job_launch import JobLaunch, free_port
+from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -74,12 +75,12 @@ def test_sigkill_in_phase(tmp_path, phase):
             line = job.next_line(deadline)
             assert line is not None, f"the job ended before its second save{job.why()}"
             saved += line.startswith("SAVED")
-        while time.monotonic() < deadline and not seen(persist, local):
-            time.sleep(0.0005)
-        caught = seen(persist, local)
+        wait_until(
+            lambda: seen(persist, local), max(0.0, deadline - time.monotonic()), interval=0.0005,
+            what=f"the {phase} phase in progress (within {PHASE_TIMEOUT_S:.0f} s of the start)",
+        )  # fmt: skip
     finally:
         job.kill()
-    assert caught, f"the {phase} phase was never seen in progress in {PHASE_TIMEOUT_S:.0f} s"
 
     run_ranks(tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path), WIDTH, report_dir=tmp_path / "report")
     results = [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]

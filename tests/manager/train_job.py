@@ -1,7 +1,7 @@
 """The small training job of the resume acceptance test (test_resume.py): the demo's job
-(``goodput_ckpt/tools/_demo_job.py``), run with this test's sizes.
+(``goodput_ckpt/tools/demos/_demo_job.py``), run with this test's sizes.
 
-Each rank is ``python -m goodput_ckpt.tools._demo_job`` (:func:`command`). Without a root it
+Each rank is ``python -m goodput_ckpt.tools.demos._demo_job`` (:func:`command`). Without a root it
 is the reference run: the same job with the same seeds and no manager at all. With one, it
 restores, then saves every ``save_every`` steps and at the last step. It prints ``RESTORED
 s|none``, ``SAVED s``, ``STEP s`` (then times) and ``DONE``, flushed, so the parent can SIGKILL
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from goodput_ckpt.tools._job_launch import JobLaunch, free_port
-from goodput_ckpt.tools._demo_job import BATCH, Samples, make_model, make_optimizer, state_fingerprint
+from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
+from goodput_ckpt.tools.demos._demo_job import BATCH, Samples, make_model, make_optimizer, state_fingerprint
 
 __all__ = [
     "BATCH", "WIDTH", "Job", "Samples", "command", "fingerprint_file", "make_model", "make_optimizer", "state_fingerprint",
@@ -34,7 +34,7 @@ def command(
     """The command line of one rank (run it from the repository root, as pytest is). ``elastic``:
     the loaders use ``goodput_ckpt.data.ElasticSampler`` instead of ``shuffle=True``;
     ``options``: more ``CheckpointManager`` keyword arguments (JSON values)."""
-    cmd = [sys.executable, "-m", "goodput_ckpt.tools._demo_job", "--rank", str(rank), "--world-size", str(world_size),
+    cmd = [sys.executable, "-m", "goodput_ckpt.tools.demos._demo_job", "--rank", str(rank), "--world-size", str(world_size),
            "--port", str(port), "--out", str(out), "--steps", str(steps), "--width", str(WIDTH),
            "--save-every", str(save_every)]  # fmt: skip
     if root is not None:

@@ -22,7 +22,7 @@ from goodput_ckpt.format.schema import MAX_WORLD_SIZE
 from goodput_ckpt.state import META_KEY, Topology, normalize, plan_restore
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.state.rng import derived_seed
-from goodput_ckpt.tools.reshard import reshard_checkpoint
+from goodput_ckpt.tools.ops.reshard import reshard_checkpoint
 
 from helpers.dist import run_ranks  # noqa: E402
 from helpers.logs import logged_warnings  # noqa: E402

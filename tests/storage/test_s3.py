@@ -82,9 +82,9 @@ def test_part_size_splits_chunks(moto, proxy):
 def test_async_save_and_pickling(moto):
     state = s3_state(3)
     writer = CheckpointWriter(moto.uri("async"), chunk_size=CHUNK, **moto.options())
-    writer._store.client()  # a live client and its pool must not travel
+    writer.store.client()  # a live client and its pool must not travel
     clone = pickle.loads(pickle.dumps(writer))
-    assert clone._store._client is None
+    assert clone.store._client is None
     expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype != torch.float8_e4m3fn}
     expected["step"] = state["step"]
     state = {k: state[k] for k in expected}
@@ -317,7 +317,7 @@ def test_credentials_never_leak(moto, proxy, seaweed_server, caplog):
     texts = []
     state = s3_state()
     writer = CheckpointWriter(moto.uri("creds"), chunk_size=CHUNK, **moto.options())
-    texts += [repr(writer._store), repr(writer._store.config), pickle.dumps(writer).decode("latin-1")]
+    texts += [repr(writer.store), repr(writer.store.config), pickle.dumps(writer).decode("latin-1")]
     dcp.save(state, storage_writer=writer)
     texts.append(moto.client().get_object(Bucket=moto.bucket, Key="creds/manifest.json")["Body"].read().decode())
     # A server that echoes the access key id in its error body (as AWS does for bad signatures),
@@ -358,7 +358,7 @@ def test_storage_options_mapping(moto):
                               storage_options={"addressing_style": "path", "max_concurrency": 4})  # fmt: skip
     dcp.load(dest, storage_reader=reader)
     assert_tree_equal(dest, state)
-    assert reader._store.config.max_concurrency == 4 and reader._store.config.endpoint_url == moto.url
+    assert reader.store.config.max_concurrency == 4 and reader.store.config.endpoint_url == moto.url
     assert open_store(moto.uri("nested"), {"storage_options": nested}).config == open_store(moto.uri("nested"), nested).config
     with pytest.raises(TypeError, match=r"unknown option\(s\) bogus for the S3 backend; known options: .*endpoint_url"):
         CheckpointWriter(moto.uri("x"), chunk_size=CHUNK, storage_options={**nested, "bogus": 1})
@@ -384,11 +384,11 @@ def test_explicit_credentials_are_used_and_never_leak(moto, seaweed, caplog):
     opts = {"storage_options": {**moto.options(), **creds}}
     state = s3_state()
     writer = CheckpointWriter(moto.uri("explicit"), chunk_size=CHUNK, **opts)
-    assert writer._store.client()._request_signer._credentials.secret_key == EXPLICIT_SECRET  # boto3 got them
-    texts = [repr(writer), repr(writer._store), repr(writer._store.config), str(writer._store.config)]
+    assert writer.store.client()._request_signer._credentials.secret_key == EXPLICIT_SECRET  # boto3 got them
+    texts = [repr(writer), repr(writer.store), repr(writer.store.config), str(writer.store.config)]
     dcp.save(state, storage_writer=writer)
     reader = CheckpointReader(moto.uri("explicit"), **opts)
-    texts += [repr(reader), repr(reader._store)]
+    texts += [repr(reader), repr(reader.store)]
     dest = zeros_like(state)
     dcp.load(dest, storage_reader=reader)
     assert_tree_equal(dest, state)

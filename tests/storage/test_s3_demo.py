@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from goodput_ckpt.tools.demo import DemoConfig, run_demo
+from goodput_ckpt.tools.demos.demo import DemoConfig, run_demo
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,7 +28,7 @@ def test_demo_on_s3_resumes_bit_exactly(moto, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tier_demo_on_s3_keeps_each_mode_under_its_own_prefix(moto, tmp_path):
-    from goodput_ckpt.tools.demo_tiers import run_tier_demo
+    from goodput_ckpt.tools.demos.demo_tiers import run_tier_demo
 
     cfg = DemoConfig(
         workdir=str(tmp_path / "demo"), uri=moto.uri("demo"), storage_options=moto.options(),

@@ -129,7 +129,7 @@ def test_failure_on_one_file_stops_the_others(moto, proxy, via_proxy):
     assert "-01." in checkpoint_error(info).path
     assert moto.open_uploads() == [] and not any(k.endswith("manifest.json") for k in moto.keys("multi/"))
     # Every upload slot came back: the same writer saves again once the faults stop.
-    assert writer._store.slots()._value == writer._store.config.max_concurrency
+    assert writer.store.slots()._value == writer.store.config.max_concurrency
     proxy.clear()
     dcp.save(state, storage_writer=writer)
     dest = zeros_like(state)

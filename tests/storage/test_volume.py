@@ -77,9 +77,9 @@ def test_mounts_are_detected_and_the_option_overrides(rclone_volume, weed_volume
         assert type(open_store(loc)) is VolumeStore
         assert type(open_store(f"file://{loc}")) is VolumeStore
         assert type(open_store(loc, {"volume": False})) is LocalStore
-        assert type(CheckpointWriter(loc)._store) is VolumeStore
-        assert type(CheckpointReader(loc)._store) is VolumeStore
-        assert type(CheckpointWriter(loc, stage_dir=tmp_path / "st")._store) is StagedStore
+        assert type(CheckpointWriter(loc).store) is VolumeStore
+        assert type(CheckpointReader(loc).store) is VolumeStore
+        assert type(CheckpointWriter(loc, stage_dir=tmp_path / "st").store) is StagedStore
     assert find_volume(tmp_path) is None
 
 

@@ -92,7 +92,7 @@ def test_dcp_output_never_carries_a_pickle_our_reader_refuses(tmp_path):
     from helpers.samples import Evil
 
     from goodput_ckpt import CheckpointError, CheckpointWriter
-    from goodput_ckpt.tools.convert import convert_checkpoint
+    from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
     marker = tmp_path / "pwned"
     src = tmp_path / "ours"
@@ -112,7 +112,7 @@ def test_dcp_output_never_carries_a_pickle_our_reader_refuses(tmp_path):
 
 
 def test_planner_data_with_a_huge_list_index_is_refused_before_writing(dcp_dir, tmp_path):
-    from goodput_ckpt.tools.convert import convert_checkpoint
+    from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
     def huge_index(meta):
         # 2^20 fails fast without the check (a list of 2^20 slots); 2^40 would exhaust memory.

@@ -18,7 +18,7 @@ from helpers.trees import assert_tree_equal
 
 from goodput_ckpt.cli import EXIT_OK, main
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
-from goodput_ckpt.tools.convert import convert_checkpoint
+from goodput_ckpt.tools.ops.convert import convert_checkpoint
 from goodput_ckpt.tools._formats.key_types import find_int_keys, nest
 
 
@@ -105,7 +105,7 @@ def test_the_manifest_records_which_keys_were_integers(tmp_path):
 
 
 def test_reshard_and_selection_keep_the_record(tmp_path):
-    from goodput_ckpt.tools.reshard import reshard_checkpoint
+    from goodput_ckpt.tools.ops.reshard import reshard_checkpoint
 
     torch.save({"optim": {"state": {0: {"m": torch.arange(8.0)}}, "param_groups": [{"params": [0]}]}}, tmp_path / "a.pt")
     convert_checkpoint(str(tmp_path / "a.pt"), str(tmp_path / "g"), to="goodput")

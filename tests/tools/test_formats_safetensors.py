@@ -14,7 +14,7 @@ from goodput_ckpt import CorruptCheckpointError
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools._formats import objects_json, safetensors_file
 from goodput_ckpt.tools._formats.safetensors_file import SafetensorsSource, open_safetensors
-from goodput_ckpt.tools.convert import convert_checkpoint
+from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
 
 def _file(header: dict | str, data: bytes) -> bytes:

@@ -16,14 +16,14 @@ import sys
 import torch
 
 from goodput_ckpt.tools._formats import torch_file
-from goodput_ckpt.tools.convert import convert_checkpoint
+from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
 
 def test_a_small_conversion_does_not_import_dynamo(tmp_path):
     torch.save({"w": torch.arange(32.0), "opt": {"state": {0: {"m": torch.ones(2)}}}}, tmp_path / "a.pt")
     convert_checkpoint(str(tmp_path / "a.pt"), str(tmp_path / "g"), to="goodput")
     code = (
-        "import sys; from goodput_ckpt.tools.convert import convert_checkpoint; "
+        "import sys; from goodput_ckpt.tools.ops.convert import convert_checkpoint; "
         f"convert_checkpoint({str(tmp_path / 'g')!r}, {str(tmp_path / 'b.pt')!r}, to='torch'); "
         "print('torch._dynamo' in sys.modules)"
     )

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -79,6 +80,12 @@ class ReusableStager(AsyncStager):
     def nbytes(self) -> int:
         """Bytes of CPU memory the stager keeps for reuse."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    @property
+    def buffers(self) -> Mapping[tuple, torch.Tensor]:
+        """The kept buffers by source path, a read-only view: the same tensors from save to save
+        while the state's shapes and dtypes stay the same (why the stall stays flat)."""
+        return MappingProxyType(self._buffers)
 
     @property
     def busy(self) -> bool:

@@ -72,6 +72,14 @@ class StepGuard:
             handle = opt.register_step_pre_hook(self._before_step)
             self._hooked[id(opt)] = (weakref.ref(opt), handle)
 
+    @property
+    def pending(self) -> DeferredCopies | None:
+        """The copies of the latest async save (``None`` before the first, or once closed),
+        for reading their state: ``done`` (every piece copied), ``confirmed`` (a training thread
+        confirmed them: an optimizer step or ``wait_staged``). Finished ones stay until the next
+        :meth:`arm`."""
+        return self._pending
+
     def arm(self, copies: DeferredCopies) -> None:
         """The copies the next optimizer step must wait for (the previous ones are done)."""
         self._pending = copies
