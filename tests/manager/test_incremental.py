@@ -98,3 +98,45 @@ def test_a_killed_lora_job_restores_bit_exactly_and_wrote_only_the_adapters(tmp_
         assert saves[s]["referenced_bytes"] == frozen, s
         assert saves[s]["written_bytes"] <= 1.1 * trainable_state, (s, saves[s]["written_bytes"], trainable_state)
     assert saves[4]["referenced_bytes"] == 0 and saves[4]["written_bytes"] > frozen
+
+
+def test_ls_inspect_verify_reshard_and_convert_of_an_incremental_step(tmp_path):
+    """The tools show what a step wrote and what it references; reshard and convert read the
+    references and write a standalone checkpoint."""
+    from goodput_ckpt.format.manifest import parse_manifest
+    from goodput_ckpt.tools import convert_checkpoint, inspect_checkpoint, list_checkpoints, reshard_checkpoint
+
+    root = str(tmp_path / "root")
+    model = lora_model(layers=2)
+    opt = adapter_optimizer(model)
+    mgr = CheckpointManager(root, keep_last=None, incremental=True, async_save=False)
+    for step in (1, 2):
+        train_step(model, opt, step)
+        mgr.save(step, model=model, optimizer=opt)
+    mgr.close()
+    frozen = frozen_bytes(model)
+    rows = {c.step: c for c in list_checkpoints(root, verify=True).checkpoints}
+    base_files = [p for p in os.scandir(os.path.join(root, step_dir_name(1))) if p.name.endswith(".bin")]
+    assert rows[1].referenced == 0 and rows[2].referenced == sum(p.stat().st_size for p in base_files)
+    assert rows[2].status == "complete" and rows[2].bytes < rows[1].bytes - frozen // 2
+    step2 = os.path.join(root, step_dir_name(2))
+    report = inspect_checkpoint(step2)
+    assert report.referenced_bytes == rows[2].referenced and report.bases == [step_dir_name(1)] and not report.problems
+    for out in (tmp_path / "resharded", tmp_path / "converted"):
+        if out.name == "resharded":
+            reshard_checkpoint(step2, str(out), world_size=1)
+        else:
+            convert_checkpoint(step2, str(out), to="goodput")
+        with open(out / "manifest.json", "rb") as f:
+            assert parse_manifest(f.read()).bases() == set()  # standalone
+        fresh = lora_model(layers=2, seed=3)
+        fresh_opt = adapter_optimizer(fresh)
+        import shutil
+
+        shutil.rmtree(tmp_path / "copy", ignore_errors=True)
+        copy = tmp_path / "copy" / step_dir_name(2)
+        shutil.copytree(out, copy)
+        again = CheckpointManager(str(tmp_path / "copy"))
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 2
+        again.close()
+        assert_tree_equal(fresh.state_dict(), model.state_dict())
