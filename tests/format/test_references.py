@@ -102,3 +102,18 @@ def test_a_missing_base_is_a_corrupt_checkpoint_naming_the_file(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="missing"):
         load_model(str(tmp_path / "step_00000002"))
     assert verify_checkpoint(str(tmp_path / "step_00000002")).status == "corrupt"
+
+
+def test_the_spec_reader_reads_a_referenced_tensor(tmp_path):
+    """docs/format.md's example reader follows a `base` (and checks its chunk digests)."""
+    import re
+    from pathlib import Path
+
+    spec = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
+    namespace: dict = {}
+    exec(re.findall(r"```python\n(.*?)```", spec, flags=re.S)[-1], namespace)  # noqa: S102 - our own doc
+    model = frozen_model()
+    save_steps(str(tmp_path), model, [1, 2])
+    got = namespace["read_tensor"](str(tmp_path / "step_00000002"), "model.0.weight")
+    assert parse_manifest(_manifest(tmp_path, 2)).bases() == {"step_00000001"}
+    assert (got == model[0].weight.numpy()).all()
