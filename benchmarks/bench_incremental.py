@@ -200,8 +200,6 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
             out[m]["written_bytes"].append(rec.get("written_bytes"))
     for mgr in managers.values():
         mgr.close()
-    if args.stall:
-        out["stall"] = stall(scenario, model, methods, opt, rep, args, target)
     # Restores alternate between the two (the order rotates), several each: the median is kept.
     rounds: dict[str, list[dict[str, Any]]] = {"full": [], "incremental": []}
     for k in range(args.restores):
@@ -209,6 +207,8 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
             rounds[m].append(restore(scenario, m, rep, model, args, target))
     for m, rs in rounds.items():
         out[m]["restore"] = {"seconds": statistics.median(r["seconds"] for r in rs), "requests": rs[-1]["requests"]}
+    if args.stall:  # after the restores: it trains on
+        out["stall"] = stall(scenario, model, methods, opt, rep, args, target)
     # The frozen bytes of the state dict (GPT-2 ties lm_head to wte: both keys are saved).
     trainable_ptrs = {p.data_ptr() for p in model.parameters() if p.requires_grad}
     out["frozen_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values()

@@ -140,3 +140,14 @@ def test_ls_inspect_verify_reshard_and_convert_of_an_incremental_step(tmp_path):
         assert again.restore(model=fresh, optimizer=fresh_opt) == 2
         again.close()
         assert_tree_equal(fresh.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "yes"])
+def test_incremental_takes_a_bool_or_a_positive_count(tmp_path, value):
+    with pytest.raises(ValueError, match="incremental"):
+        CheckpointManager(str(tmp_path), incremental=value)
+
+
+def test_two_tiers_refuse_incremental_saves_by_name(tmp_path):
+    with pytest.raises(ValueError, match="two tiers"):
+        CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), incremental=True)
