@@ -14,6 +14,8 @@ parent cannot be expressed (a generic fsspec URL) refuse references by name.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 
 from ..errors import CheckpointError
 from .base import Store
@@ -25,6 +27,14 @@ from .volume import VolumeStore
 __all__ = ["parent_store"]
 
 
+#: Parents opened lately, by (class, uri): an S3 store builds its client on first use (tens of
+#: ms), and a load asks for the parent twice (the size check, the reads). Reused only with the
+#: very same configuration object.
+_PARENTS: OrderedDict[tuple[type, str], tuple[object, Store]] = OrderedDict()
+_PARENTS_LOCK = threading.Lock()
+_PARENTS_MAX = 16
+
+
 def parent_store(store: Store) -> Store:
     """The location that holds ``store``'s location, with the same backend and configuration.
 
@@ -32,6 +42,22 @@ def parent_store(store: Store) -> Store:
         CheckpointError: the store has no parent this library can open (an fsspec URL, a
             location at the root of a filesystem or bucket).
     """
+    key = (type(store), store.uri)
+    config = getattr(store, "config", store)  # a store without a config is reused only for itself
+    with _PARENTS_LOCK:
+        hit = _PARENTS.get(key)
+        if hit is not None and hit[0] is config:
+            _PARENTS.move_to_end(key)
+            return hit[1]
+    parent = _open_parent(store)
+    with _PARENTS_LOCK:
+        _PARENTS[key] = (config, parent)
+        while len(_PARENTS) > _PARENTS_MAX:
+            _PARENTS.popitem(last=False)
+    return parent
+
+
+def _open_parent(store: Store) -> Store:
     if isinstance(store, StagedStore):  # reads go to the volume
         store = store.inner
     if isinstance(store, VolumeStore):
