@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 import numpy as np
 
 from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts
-from goodput_ckpt.dcp.rank_writes import OBJECT, RankWrites, from_table, layout_of
+from goodput_ckpt.engine.rank_writes import OBJECT, RankWrites, from_table, layout_of
 from goodput_ckpt.dcp.load_planner import tensor_read_items
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest

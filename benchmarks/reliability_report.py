@@ -60,7 +60,7 @@ HOSTILE = {
     "tests/tools/test_verify.py": ("hostile: verify buffers bounded by file sizes; verify verdicts [tests]", "local"),
     "tests/tools/test_formats_dcp_fs.py": ("hostile: DCP .metadata claims, pickles passed through [tests]", "local"),
     "tests/tools/test_formats_safetensors.py": ("hostile: safetensors headers as the reference library judges [tests]", "local"),
-    "tests/dcp/test_untrusted_load.py": ("hostile: deflate bombs, refused pickles named [tests]", "local"),
+    "tests/engine/test_untrusted_load.py": ("hostile: deflate bombs, refused pickles named [tests]", "local"),
     "tests/cli/test_cli_errors.py": ("hostile: no tracebacks, data errors exit 1 [tests]", "cli"),
     "tests/cli/test_cli_escaping.py": ("hostile: control characters escaped in human output [tests]", "cli"),
     "tests/storage/test_redact.py": ("hostile: credentials in URLs never echoed [tests]", "all"),

@@ -1,5 +1,6 @@
-"""House rule 1: layers import downward only (DESIGN.md's list), and the storage layer (and the
-format's schema, the manager's root layout, retention and timeline) never import torch."""
+"""House rule 1: layers import downward only (DESIGN.md's list), and the storage layer, the byte
+engine (and the format's schema, the manager's root layout, retention and timeline) never import
+torch."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import goodput_ckpt
 
-#: DESIGN.md's layers, bottom first (integrations/: adapters for trainers, issue 39, above tools). A module may import its own layer and those below it.
-LAYERS = ["errors", "storage", "format", "dcp", "data", "state", "manager", "tools", "integrations", "cli"]
+#: DESIGN.md's layers, bottom first (engine/: the torch-free byte engine under the DCP adapters, issue 36;
+#: integrations/: adapters for trainers, issue 39, above tools). A module may import its own layer and those below it.
+LAYERS = ["errors", "storage", "format", "engine", "dcp", "data", "state", "manager", "tools", "integrations", "cli"]
 #: Top-level modules outside the list: the version sits at the bottom; the package root
 #: (``from goodput_ckpt import ...``) re-exports the public API, so only tools/ and cli/ use it.
 _RANK = {"_version": 0, "errors": 0, **{name: i for i, name in enumerate(LAYERS)}, "": LAYERS.index("tools")}
@@ -89,3 +91,24 @@ def test_storage_and_manifest_import_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
+
+
+def test_engine_imports_without_torch():
+    """Every module of the byte engine imports with torch unimportable (``sys.modules["torch"] =
+    None`` makes any ``import torch`` fail), so the tools and tiers that use it directly need no torch."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None
+        import importlib, pkgutil
+        import goodput_ckpt.engine
+        names = [m.name for m in pkgutil.iter_modules(goodput_ckpt.engine.__path__)]
+        for name in names:
+            importlib.import_module(f"goodput_ckpt.engine.{name}")
+        assert not [m for m, v in sys.modules.items() if v is not None and m.split(".")[0] == "torch"]
+        print(len(names))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 8  # the package was really found and walked

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dcp.untrusted_load import walk_state
+from ..engine.untrusted_load import walk_state
 
 __all__ = ["find_marked"]
 

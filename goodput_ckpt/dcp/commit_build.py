@@ -20,7 +20,7 @@ from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
 from ..format.manifest import FORMAT_VERSION, REFERENCES_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
-from .rank_writes import RankWrites, Written, rank_writes
+from ..engine.rank_writes import RankWrites, Written, rank_writes
 
 __all__ = ["RANK_WRITES_KEY", "RankWrites", "Written", "build_manifest", "forget_layouts", "rank_writes"]
 

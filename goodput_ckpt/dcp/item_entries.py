@@ -29,8 +29,8 @@ from ..format.dcp_metadata import dtype_name
 from ..format.grid import GridChunks
 from ..format.grid_detect import grid_from_rows
 from ..format.manifest import DTYPE_SIZES, ChunkEntry, ObjectEntry, TensorEntry
-from .group_grids import Group, Spec, batched_grids
-from .rank_writes import FILE, LENGTH, NDIM, OBJECT, OFFSET, RankWrites
+from ..engine.group_grids import Group, Spec, batched_grids
+from ..engine.rank_writes import FILE, LENGTH, NDIM, OBJECT, OFFSET, RankWrites
 
 __all__ = ["items_from_ranks"]
 

@@ -39,12 +39,12 @@ from ..format.grid import GridChunks
 from ..format.references import with_references
 from ..storage import FileSource, Store, is_supported_uri, open_store
 from ..storage.base import FileOrigin, redact
-from .manifest_load import load_manifest
+from ..engine.manifest_load import load_manifest
 from .manifest_share import load_shared
-from .read_plan import Request, Task, plan_tasks, sequential_lanes
-from .read_runs import run_jobs
+from ..engine.read_plan import Request, Task, plan_tasks, sequential_lanes
+from ..engine.read_runs import run_jobs
 from .tensor_bytes import byte_view, check_byte_order
-from .untrusted_load import check_inflation, weights_only_refusal
+from ..engine.untrusted_load import check_inflation, weights_only_refusal
 
 __all__ = ["CheckpointReader", "DEFAULT_READ_THREADS"]
 

@@ -25,7 +25,7 @@ ends within 2 s (a failed save's executor thread is then let go): use one writer
 
 Why this module is above the ~400-line guideline: it is one class whose methods are DCP's
 ``StorageWriter`` protocol, called in the order above. The work they start already lives
-elsewhere (layout: ``dcp/layout.py``; hashing and commit: ``dcp/hashed_write.py``; staging:
+elsewhere (layout: ``engine/layout.py``; hashing and commit: ``engine/hashed_write.py``; staging:
 ``dcp/staging.py``), and splitting the protocol's methods across files would hide the call order
 that this docstring documents.
 """
@@ -56,7 +56,7 @@ from ..format.manifest import DTYPE_SIZES
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
 from .commit_build import RANK_WRITES_KEY, build_manifest, rank_writes
-from .hashed_write import (
+from ..engine.hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
     data_file_name,
@@ -65,8 +65,8 @@ from .hashed_write import (
     remove_stale_files_after_commit,
     write_hashed_files,
 )
+from ..engine.layout import place_items
 from .incremental import IncrementalPlan
-from .layout import place_items
 from .references_write import add_referenced_files, record_stored, referenced_items
 from .staging import stage_state_dict
 from .tensor_bytes import TensorByteSource, check_byte_order

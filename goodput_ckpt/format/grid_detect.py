@@ -110,7 +110,7 @@ def greedy_runs(
     n: int, breaks: Sequence[int], cell: Callable[[int], tuple[int, int]], link: Callable[[int], tuple[bool, int]]
 ) -> tuple[Run, ...]:
     """The runs of ``n`` cells in row-major order, formed greedily: the one rule for both grid
-    detectors (this module's and the coordinator's batched one, ``dcp/group_grids.py``).
+    detectors (this module's and the coordinator's batched one, ``engine/group_grids.py``).
 
     ``cell(k)``: cell ``k``'s file index and byte offset. ``link(k)`` (``k < n - 1``): whether
     cell ``k + 1`` may follow cell ``k`` in a run (same byte offset and sizes, a later file), and

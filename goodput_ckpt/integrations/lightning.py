@@ -23,7 +23,6 @@ Limits (sharded strategies, ``save_last="link"``) are in docs/integrations.md.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -32,15 +31,11 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from ..dcp.hashed_write import clear_or_refuse_existing, remove_stale_files
 from ..errors import CheckpointError
-from ..format.commit_record import MISSING, read_commit_record
-from ..storage import open_store
+from ._locations import is_plain_file, remove_location
 from ._tree import load_tree, save_tree
 
 __all__ = ["AsyncGoodputCheckpointIO", "GoodputCheckpointIO"]
-
-logger = logging.getLogger("goodput_ckpt.integrations.lightning")
 
 
 class GoodputCheckpointIO(CheckpointIO):
@@ -97,7 +92,7 @@ class GoodputCheckpointIO(CheckpointIO):
             TypeError: a ``map_location`` this plugin cannot apply (a callable).
         """
         device = _device_of(map_location)
-        if _is_plain_file(path):
+        if is_plain_file(path):
             raise CheckpointError(
                 f"{os.fspath(path)} is a single file, not a goodput-ckpt checkpoint location (one saved by "
                 "Lightning's default TorchCheckpointIO?): GoodputCheckpointIO loads the checkpoints it saved",
@@ -119,31 +114,10 @@ class GoodputCheckpointIO(CheckpointIO):
         our writers name data files. A location without our commit record is left alone and
         logged. The directory itself goes when it is left empty (local disk, volumes).
         """
-        if _is_plain_file(path):
-            logger.warning("not removing %s: a single file, not a goodput-ckpt checkpoint location", os.fspath(path))
-            return
-        store = open_store(path, self._options())
-        record = read_commit_record(store, count_files=False)
-        if record.status == MISSING:
-            logger.warning("not removing %s: it holds no goodput-ckpt commit record", store.uri)
-            return
-        clear_or_refuse_existing(store, overwrite=True)
-        remove_stale_files(store, keep=set())
-        local = store.traits.local_path
-        if local is not None:
-            try:
-                os.rmdir(local)  # only when empty: anything left is not provably ours
-            except OSError as e:
-                logger.info("left the directory %s in place: %s", local, e)
+        remove_location(path, self._options())
 
     def teardown(self) -> None:
         """Nothing to release: every save and load opens and closes its own writer or reader."""
-
-
-def _is_plain_file(path: str | os.PathLike) -> bool:
-    """A local path (no URL scheme) that is a regular file: another plugin's checkpoint."""
-    text = os.fspath(path)
-    return "://" not in str(text) and os.path.isfile(text)
 
 
 def _device_of(map_location: Any) -> torch.device | None:

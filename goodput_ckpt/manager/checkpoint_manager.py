@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp.load_planner import GridLoadPlanner
-from ..dcp.manifest_load import load_manifest
+from ..engine.manifest_load import load_manifest
 from ..dcp.reader import CheckpointReader
 from ..dcp.writer import CheckpointWriter
 from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, as_checkpoint_error

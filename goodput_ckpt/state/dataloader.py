@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..dcp.untrusted_load import check_inflation, walk_state
+from ..engine.untrusted_load import check_inflation, walk_state
 from ..errors import CheckpointError
 
 __all__ = [
@@ -103,7 +103,7 @@ def encode_dataloader_state(loader: Any, *, key: str) -> torch.Tensor:
 
 def decode_dataloader_state(blob: torch.Tensor, *, key: str) -> Any:
     """The state dict stored by :func:`encode_dataloader_state` (weights_only), bounded like any
-    value nobody vouches for (``dcp.untrusted_load``): its archive may not inflate past its size
+    value nobody vouches for (``engine.untrusted_load``): its archive may not inflate past its size
     (a deflate bomb), and the decoded state is walked once to refuse a cycle or absurd nesting,
     before anything walks it without a bound (a loader's own ``load_state_dict``).
 

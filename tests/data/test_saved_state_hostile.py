@@ -18,7 +18,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt.data import ElasticSampler, EpochPosition, TokenStream
-from goodput_ckpt.dcp.untrusted_load import MAX_INFLATION, MAX_STATE_DEPTH, walk_state
+from goodput_ckpt.engine.untrusted_load import MAX_INFLATION, MAX_STATE_DEPTH, walk_state
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.state.dataloader import ROW_HEADER, decode_dataloader_row
 from goodput_ckpt.state.per_rank import checked_rng

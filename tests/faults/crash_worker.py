@@ -191,7 +191,7 @@ class _HashedSinkProxy(_SinkProxy):
 
 
 def _install(events: _Events) -> None:
-    import goodput_ckpt.dcp.hashed_write as hashed_write
+    import goodput_ckpt.engine.hashed_write as hashed_write
     import goodput_ckpt.manager.checkpoint_manager as manager
     import goodput_ckpt.manager.save_job as save_job
     import goodput_ckpt.storage.local as local

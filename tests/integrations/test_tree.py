@@ -119,7 +119,8 @@ def test_core_and_integrations_package_import_no_trainer_library():
     import subprocess
     import sys
 
-    code = "import sys, goodput_ckpt, goodput_ckpt.integrations, goodput_ckpt.integrations._tree; " \
+    code = "import sys, goodput_ckpt, goodput_ckpt.integrations, goodput_ckpt.integrations._tree, " \
+           "goodput_ckpt.integrations._locations, goodput_ckpt.integrations._processes; " \
            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules))"  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt import CheckpointManager
 from goodput_ckpt.data import ElasticSampler, TokenStream
-from goodput_ckpt.dcp.manifest_load import load_manifest
+from goodput_ckpt.engine.manifest_load import load_manifest
 from goodput_ckpt.errors import CorruptCheckpointError, TopologyChangeError
 from goodput_ckpt.format.schema import MAX_WORLD_SIZE
 from goodput_ckpt.state import META_KEY, Topology, normalize, plan_restore

@@ -35,7 +35,7 @@ from helpers.dist import run_ranks
 
 from goodput_ckpt import CheckpointManager, CheckpointReader
 from goodput_ckpt.data import ElasticSampler
-from goodput_ckpt.dcp.manifest_load import load_manifest
+from goodput_ckpt.engine.manifest_load import load_manifest
 from goodput_ckpt.format.dcp_metadata import torch_dtype
 from goodput_ckpt.state.dataloader import decode_dataloader_row
 from goodput_ckpt.storage import open_store

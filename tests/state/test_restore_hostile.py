@@ -24,7 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt import CheckpointManager
 from goodput_ckpt.data import ElasticSampler, TokenStream
-from goodput_ckpt.dcp.untrusted_load import MAX_INFLATION
+from goodput_ckpt.engine.untrusted_load import MAX_INFLATION
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.state import META_KEY
 from goodput_ckpt.state.dataloader import ROW_HEADER

@@ -93,7 +93,7 @@ def test_open_store_options():
 def test_small_reads_refuse_huge_and_endless_files_before_reading_them(tmp_path):
     """A manifest that is a 3 GiB sparse file, a FIFO, a device or a link to one is refused with
     no read of its content (before: read whole, then checked, or a wait for a FIFO's writer)."""
-    from goodput_ckpt.dcp.manifest_load import load_manifest
+    from goodput_ckpt.engine.manifest_load import load_manifest
     from goodput_ckpt.errors import CorruptCheckpointError, FileTooLargeError
     from goodput_ckpt.storage.base import SMALL_FILE_LIMIT
 

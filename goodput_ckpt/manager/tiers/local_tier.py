@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...dcp.hashed_write import data_file_rank, remove_stale_files
+from ...engine.hashed_write import data_file_rank, remove_stale_files
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...dcp.hashed_write import clear_or_refuse_existing, data_file_rank, durable_future
+from ...engine.hashed_write import clear_or_refuse_existing, data_file_rank, durable_future
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest

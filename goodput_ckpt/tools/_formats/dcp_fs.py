@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 
-from ...dcp.untrusted_load import check_inflation
+from ...engine.untrusted_load import check_inflation
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, OVERWRITE_HINT
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress

@@ -7,8 +7,8 @@ of verified chunks, because the neighbouring range (usually being read by anothe
 needs the rest of the same chunk. So each chunk is read and hashed about once.
 
 Writing: the layout (one file per output rank, items aligned as the writer aligns them), the
-hashing and the commit are the DCP writer's own (:mod:`goodput_ckpt.dcp.hashed_write` and
-:mod:`goodput_ckpt.dcp.layout`); only the sources differ: here each item's bytes are read from
+hashing and the commit are the DCP writer's own (:mod:`goodput_ckpt.engine.hashed_write` and
+:mod:`goodput_ckpt.engine.layout`); only the sources differ: here each item's bytes are read from
 the input checkpoint when its chunk is written, so memory stays at a few chunks.
 """
 
@@ -27,16 +27,16 @@ from typing import Any
 import torch
 
 from ..._version import __version__
-from ...dcp.hashed_write import (
+from ...engine.hashed_write import (
     clear_or_refuse_existing,
     data_file_name,
     publish_manifest,
     remove_stale_files,
     write_hashed_files,
 )
-from ...dcp.layout import Placement, place_items
-from ...dcp.manifest_load import load_manifest
-from ...dcp.untrusted_load import check_inflation, weights_only_refusal
+from ...engine.layout import Placement, place_items
+from ...engine.manifest_load import load_manifest
+from ...engine.untrusted_load import check_inflation, weights_only_refusal
 from ...errors import CheckpointError, IncompleteCheckpointError
 from ...format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ...format.dcp_metadata import dtype_name, torch_dtype

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ...dcp.untrusted_load import check_inflation, weights_only_refusal
+from ...engine.untrusted_load import check_inflation, weights_only_refusal
 from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, OVERWRITE_HINT
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc, ordered_map

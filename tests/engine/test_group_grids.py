@@ -1,4 +1,4 @@
-"""batched_grids (dcp/group_grids.py), the coordinator's grid detection over whole groups of
+"""batched_grids (engine/group_grids.py), the coordinator's grid detection over whole groups of
 ranks, against its oracle, the per-tensor path it stands in front of (the tensor's rows gathered
 and given to grid_from_rows, what every tensor went through before): on regular FSDP, FSDP x TP
 and partly held layouts, and on the same layouts with random rows altered (offsets, sizes,
@@ -12,12 +12,13 @@ import numpy as np
 
 import pytest
 
-from goodput_ckpt.dcp import group_grids, item_entries
+from goodput_ckpt.dcp import item_entries
 from goodput_ckpt.dcp.commit_build import build_manifest, forget_layouts
 from goodput_ckpt.dcp.item_entries import _chunks, _Rows, _spec
+from goodput_ckpt.engine import group_grids
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.grid import GridChunks
-from test_item_entries import fsdp, save, split
+from helpers.dcp_saves import fsdp, save, split
 
 
 def layout(rng: np.random.Generator, world: int) -> dict:

@@ -19,7 +19,7 @@ valid because its predecessor is and it differs from it as the grid says (induct
 members), and it links to it in the same run.
 
 What it accepts is what :func:`~goodput_ckpt.format.grid_detect.grid_from_rows` accepts, with the
-same runs (``tests/dcp/test_group_grids.py`` compares them): for a tensor split along at most one
+same runs (``tests/engine/test_group_grids.py`` compares them): for a tensor split along at most one
 dimension whose rows come in cell order and are exactly DCP's chunks. For anything else (a grid
 split along two dimensions, rows out of order, empty chunks, more irregular pairs than
 :func:`_irregular_cap`) it answers ``None`` and the caller runs ``grid_from_rows``, which decides.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from goodput_ckpt.dcp.read_plan import MAX_RUNS_PER_FILE, Task, sequential_lanes
+from goodput_ckpt.engine.read_plan import MAX_RUNS_PER_FILE, Task, sequential_lanes
 
 MiB = 1 << 20
 

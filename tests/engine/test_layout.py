@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from goodput_ckpt.dcp.layout import chunk_plans, place_items
+from goodput_ckpt.engine.layout import chunk_plans, place_items
 from goodput_ckpt.format.manifest import ALIGNMENT
 
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter, CorruptCheckpointError
 from goodput_ckpt.errors import find_checkpoint_error
-from goodput_ckpt.dcp.untrusted_load import MAX_INFLATION, check_inflation, weights_only_refusal
+from goodput_ckpt.engine.untrusted_load import MAX_INFLATION, check_inflation, weights_only_refusal
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools._formats.dcp_fs import DcpSource
 from goodput_ckpt.tools.convert import convert_checkpoint

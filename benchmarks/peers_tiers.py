@@ -1,0 +1,209 @@
+"""The ``tiers`` target of ``benchmarks/bench_peers.py``: checkpoint managers side by side.
+
+Our ``CheckpointManager`` (one local root, and two tiers) against nvidia-resiliency-ext's
+``LocalCheckpointManager`` and torchtitan's ``CheckpointManager`` on the same model and optimizer;
+what each method does and what it is timed on is in ``bench_peers.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench_peers import rotate, stats
+
+try:  # module level: its manager pickles the state-dict object itself
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict as _NvrxBasic
+except ImportError as _e:
+    _NvrxBasic, NVRX_MISSING = None, f"nvidia-resiliency-ext does not import ({_e}): pip install nvidia-resiliency-ext"
+else:
+    NVRX_MISSING = None
+
+    class CpuTensorAwareStateDict(_NvrxBasic):
+        """``BasicTensorAwareStateDict`` without its CUDA assertion (the one change CPU needs)."""
+
+        def __init__(self, state_dict: dict) -> None:  # the parent asserts is_cuda
+            self.state_dict = state_dict
+            self._is_hollow = False
+
+        def restore_tensor_device(self, non_blocking: bool = True) -> None:
+            return None  # already on the CPU
+
+
+class _TitanOptimizers:
+    """What torchtitan's manager needs of its ``OptimizersContainer``: a Stateful (the same calls)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.opt)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.opt, sd)
+
+
+class _NoSchedulers:
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        return None
+
+
+def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
+    """Every manager once per repeat in a rotating order, in a one-rank gloo group (nvrx's manager
+    gathers the checkpoint ids over the default group; torchtitan's async mode makes a gloo group)."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{scratch / 'pg'}", rank=0, world_size=1)
+    try:
+        return _run_tiers(total, repeats, scratch, skipped)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
+    from bench_stall import build, state_tensors
+
+    from goodput_ckpt import CheckpointManager
+
+    model, opt, _fb, _step = build(total, 8)
+    want = [t.clone() for t in state_tensors(model, opt)]
+
+    def check(label: str) -> None:
+        if not all(torch.equal(a, b) for a, b in zip(want, state_tensors(model, opt), strict=True)):
+            raise AssertionError(f"{label}: the restored state differs from the saved one")
+
+    def scramble() -> None:
+        with torch.no_grad():
+            for t in state_tensors(model, opt):
+                t.zero_()
+
+    def manager(two_tiers: bool) -> Callable[[Path], tuple[float, float, float]]:
+        def run(where: Path) -> tuple[float, float, float]:
+            kw: dict[str, Any] = {"local_dir": str(where / "local")} if two_tiers else {}
+            root = str(where / "persistent")
+            with CheckpointManager(root, async_staging=False, keep_last=1, timeline=False, **kw) as mgr:
+                mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers (as in a long job)
+                mgr.wait()
+                t0 = time.perf_counter()
+                mgr.save(1, model=model, optimizer=opt)
+                stall = time.perf_counter() - t0
+                mgr.wait()
+                durable = time.perf_counter() - t0
+            scramble()
+            with CheckpointManager(root, timeline=False, **kw) as mgr:
+                t0 = time.perf_counter()
+                assert mgr.restore(model=model, optimizer=opt) == 1
+                restore = time.perf_counter() - t0
+            check("manager")
+            return stall, durable, restore
+
+        return run
+
+    def titan(mode: str) -> Callable[[Path], tuple[float, float, float]]:
+        def run(where: Path) -> tuple[float, float, float]:
+            from torchtitan.components.checkpointer.dcp import CheckpointManager as Titan
+
+            cfg = Titan.Config(enable=True, folder="ckpt", interval=1, async_mode=mode, last_save_model_only=False, keep_latest_k=0,
+                               initial_load_model_only=False)
+
+            def make() -> Any:
+                return Titan(cfg, dataloader=None, model_parts=[model], optimizers=_TitanOptimizers(model, opt),
+                             lr_schedulers=_NoSchedulers(), states={}, sd_adapter=None, base_folder=str(where))  # fmt: skip
+
+            m = make()
+            m.save(1)  # the first save (its async mode's gloo group, staging memory)
+            m.maybe_wait_for_staging()
+            m.maybe_wait_for_saving()
+            t0 = time.perf_counter()
+            m.save(2)
+            m.maybe_wait_for_staging()
+            stall = time.perf_counter() - t0
+            m.maybe_wait_for_saving()
+            durable = time.perf_counter() - t0
+            m.close()
+            scramble()
+            t0 = time.perf_counter()
+            m = make()
+            assert m.load(2)
+            restore = time.perf_counter() - t0
+            m.close()
+            check(f"torchtitan {mode}")
+            return stall, durable, restore
+
+        return run
+
+    def nvrx(fsync: bool) -> Callable[[Path], tuple[float, float, float]]:
+        def run(where: Path) -> tuple[float, float, float]:
+            from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+            tasd = CpuTensorAwareStateDict
+            mgr = LocalCheckpointManager(str(where))
+            mgr.save(tasd({"model": model.state_dict(), "optim": opt.state_dict()}), 0)
+            t0 = time.perf_counter()
+            mgr.save(tasd({"model": model.state_dict(), "optim": opt.state_dict()}), 1)
+            stall = time.perf_counter() - t0
+            if fsync:
+                for f in where.rglob("*"):
+                    if f.is_file():
+                        fd = os.open(f, os.O_RDONLY)
+                        os.fsync(fd)
+                        os.close(fd)
+            durable = time.perf_counter() - t0
+            scramble()
+            t0 = time.perf_counter()
+            reader = LocalCheckpointManager(str(where))
+            assert reader.find_latest() == 1  # a collective: its load requires it first
+            loaded, _id = reader.load()
+            model.load_state_dict(loaded.state_dict["model"])
+            opt.load_state_dict(loaded.state_dict["optim"])
+            restore = time.perf_counter() - t0
+            check("nvrx-local")
+            return stall, durable, restore
+
+        return run
+
+    methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {"manager": manager(False), "manager-2tier": manager(True)}
+    if NVRX_MISSING is None:
+        methods["nvrx-local"], methods["nvrx-local+fsync"] = nvrx(False), nvrx(True)
+    else:
+        skipped["nvrx-local"] = NVRX_MISSING
+    skipped["nvrx-local async"] = ("its save(is_async=True) calls torch.cuda.synchronize() (no CUDA here) and its "
+                                   "AsyncRequest needs the CUDA path; its replication (a group per node) was not set up either")  # fmt: skip
+    try:
+        import torchtitan.components.checkpointer.dcp  # noqa: F401
+    except Exception as e:  # it imports much of its trainer
+        skipped["torchtitan"] = f"torchtitan's checkpointer does not import ({type(e).__name__}: {e}): pip install torchtitan"
+    else:
+        methods["titan-sync"], methods["titan-async"] = titan("disabled"), titan("async")
+    out: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "restore": []} for m in methods}
+    order = []
+    for r in range(repeats):
+        rotated = rotate(list(methods), r)
+        order.append(rotated)
+        for m in rotated:
+            where = scratch / f"{m}-{r}"
+            stall, durable, restore = methods[m](where)
+            shutil.rmtree(where)
+            out[m]["stall"].append(stall)
+            out[m]["durable"].append(durable)
+            out[m]["restore"].append(restore)
+    nbytes = sum(t.numel() * t.element_size() for t in want)
+    rel = {peer: {p: stats([t / o for t, o in zip(out[peer][p], out["manager"][p])]) for p in ("stall", "durable", "restore")}
+           for peer in out if peer != "manager"}  # fmt: skip
+    return {"bytes": nbytes, "order": order, "seconds": out, "ratios": rel}
