@@ -57,6 +57,11 @@ class ManagerConfig:
         inc = self.incremental
         if not isinstance(inc, bool) and (not isinstance(inc, int) or inc < 1):
             raise ValueError(f"incremental must be a bool or a positive integer (saves per full save), got {inc!r}")
+        if inc and self.overwrite:
+            raise ValueError(
+                "incremental saves cannot be combined with overwrite=True yet: overwriting a step deletes its "
+                "files first, and a later kept step may reference them; save to a new step instead"
+            )
         if inc and self.local_dir is not None:
             raise ValueError(
                 "incremental saves are not supported with two tiers (local_dir=) yet: a replica and a persist "

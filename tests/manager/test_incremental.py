@@ -151,3 +151,9 @@ def test_incremental_takes_a_bool_or_a_positive_count(tmp_path, value):
 def test_two_tiers_refuse_incremental_saves_by_name(tmp_path):
     with pytest.raises(ValueError, match="two tiers"):
         CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), incremental=True)
+
+
+def test_incremental_saves_refuse_overwrite(tmp_path):
+    """Overwriting a step deletes its files first: a kept step may reference them."""
+    with pytest.raises(ValueError, match="overwrite"):
+        CheckpointManager(str(tmp_path), incremental=True, overwrite=True)
