@@ -1,4 +1,4 @@
-"""Subprocess half of test_incremental.py: a LoRA job that saves incrementally and is killed.
+"""Subprocess half of test_incremental_manager.py: a LoRA job that saves incrementally and is killed.
 
 Usage: ``python incremental_job.py ROOT KILL_AT``. Trains steps 1, 2, ... with a
 ``CheckpointManager(incremental=3, keep_last=2)`` (async saves), saving after every step. After
