@@ -44,6 +44,9 @@ def _render(r, out: Output, *, items: bool) -> None:
     out.print(f"  world size  {r.world_size or '-'}")
     hashes = f"hash chunks of {human_bytes(r.chunk_size)}" if r.chunk_size else "no hashes"
     out.print(f"  files       {r.files}, {human_bytes(r.file_bytes)} ({hashes})")
+    if r.referenced_bytes:  # an incremental save: what it wrote, what earlier steps hold for it
+        out.print(f"  written     {human_bytes(r.file_bytes - r.referenced_bytes)}; referenced "
+                  f"{human_bytes(r.referenced_bytes)} in {', '.join(r.bases)}")  # fmt: skip
     out.print(f"  items       {r.tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.objects} objects ({human_bytes(r.object_bytes)})")
     out.print()
     out.print(table(["SECTION", "TENSORS", "OBJECTS", "BYTES"],

@@ -28,6 +28,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     else:
         rows = [[c.step, c.status, c.created_at or "-", human_bytes(c.bytes), c.files] for c in report.checkpoints]
         headers = ["STEP", "STATUS", "CREATED", "SIZE", "FILES"]
+        if any(c.referenced for c in report.checkpoints):  # incremental saves: bytes in earlier steps
+            headers.append("REFERENCED")
+            for row, c in zip(rows, report.checkpoints):
+                row.append(human_bytes(c.referenced) if c.referenced else "-")
         if args.local_dir is not None:
             headers.append("TIERS")
             for row, c in zip(rows, report.checkpoints):

@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..format.dcp_metadata import encode_planner_data, encode_storage_meta
 from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
-from ..format.manifest import FORMAT_VERSION, Manifest, ObjectEntry, TensorEntry
+from ..format.manifest import FORMAT_VERSION, REFERENCES_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
 from ..engine.rank_writes import RankWrites, Written, rank_writes
 
@@ -74,7 +74,8 @@ def build_manifest(
     version: int = FORMAT_VERSION,
 ) -> Manifest:
     """The manifest of a save: its files (in rank order) and its items (in DCP's order), in
-    format ``version`` (v2: regular shardings as grids; 1 is kept for comparisons and fixtures).
+    format ``version`` (v2: regular shardings as grids; 1 is kept for comparisons and fixtures;
+    3 when a rank referenced files of an earlier save, :mod:`.incremental`).
 
     The first build of a run costs O(ranks + tensors) in Python plus O(ranks x tensors) in numpy
     (:func:`~.item_entries.items_from_ranks`). When every rank's layout digest and every tensor's
@@ -87,6 +88,10 @@ def build_manifest(
     """
     ranks = [_rank_writes(r) for r in results]
     files = {f.path: f for rw in ranks for f in rw.files}
+    if len(files) != sum(len(rw.files) for rw in ranks):  # items address files by rank and position
+        raise CheckpointError("two ranks reported the same data file name: the manifest cannot list it once")
+    if any(f.base is not None for f in files.values()):
+        version = max(version, REFERENCES_VERSION)  # an incremental save (docs/format.md, "References")
     names = tuple(files)
     key = (version, tuple(rw.layout for rw in ranks), _tensor_signature(metadata))
     items = _last_layout.get(key, names)

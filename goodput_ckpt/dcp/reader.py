@@ -36,6 +36,7 @@ from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_r
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..format.grid import GridChunks
+from ..format.references import with_references
 from ..storage import FileSource, Store, is_supported_uri, open_store
 from ..storage.base import FileOrigin, redact
 from ..engine.manifest_load import load_manifest
@@ -282,10 +283,11 @@ class CheckpointReader(StorageReader):
                     if r.pending == 0:
                         self._finish(r, planner)
 
+        own = with_references(self._store, manifest)  # an incremental save's files live in siblings
         try:
             for name in sorted({t.file for t in tasks}):
                 try:
-                    sources[name] = read_from.get(name, self._store).open_source(name)
+                    sources[name] = read_from.get(name, own).open_source(name)
                 except IncompleteCheckpointError as e:  # listed in a committed manifest: corrupt
                     size = manifest.files[name].size
                     raise short_read_error(e, self._keys(manifest).joined(name, 0, size), (0, size)) from e

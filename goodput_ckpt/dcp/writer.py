@@ -66,6 +66,8 @@ from ..engine.hashed_write import (
     write_hashed_files,
 )
 from ..engine.layout import place_items
+from .incremental import IncrementalPlan
+from .references_write import add_referenced_files, record_stored, referenced_items
 from .staging import stage_state_dict
 from .tensor_bytes import TensorByteSource, check_byte_order
 
@@ -110,6 +112,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         metadata: JSON-serializable user metadata stored in the manifest.
         files_per_rank: data files per rank (default: 1 on stores with random writes, else
             ``thread_count``).
+        reuse: an incremental save (:mod:`.incremental`): the items it names as unchanged are
+            referenced where an earlier save of a sibling location stored them, not written.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -131,9 +135,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
         files_per_rank: int | None = None,
+        reuse: IncrementalPlan | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
+        self.reuse = reuse
+        #: This rank's bytes of its last save: written to files, and referenced in earlier saves.
+        self.bytes_written = 0
+        self.bytes_referenced = 0
         self.thread_count = _positive("thread_count", thread_count, DEFAULT_WRITE_THREADS)
         self.chunk_size = _positive("chunk_size", chunk_size, DEFAULT_CHUNK_SIZE)
         if not (1 << 12) <= self.chunk_size <= (1 << 30):
@@ -321,7 +330,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # rank's own items in its RankWrites (the coordinator groups ranks by their shards).
         items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
         own = sum(1 for it in items if it.type != WriteItemType.SHARD)
-        sources = [self._resolve(item, planner) for item in items]
+        refs = referenced_items(self.reuse, items, assignment.token)
+        to_write = [i for i in range(len(items)) if i not in refs]
+        sources = [self._resolve(items[i], planner) for i in to_write]
         sizes = [s.nbytes for s in sources]
         store = self._store
         file_count = self.files_per_rank or (1 if store.traits.random_writes else self.thread_count)
@@ -330,12 +341,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         entries = write_hashed_files(
             store, names, placements, file_sizes, sources, chunk_size=self.chunk_size, thread_count=self.thread_count
         )
-
-        written = tuple(
-            (items[p.item].index.fqn, _offsets(items[p.item]), p.file, p.offset, p.length) for p in placements
-        )
-        boxes = [None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements]
-        writes = rank_writes(tuple(entries), written, boxes, own=own)
+        where = {to_write[p.item]: (p.file, p.offset, p.length) for p in placements}
+        files, where = add_referenced_files(entries, where, refs)
+        written = tuple((it.index.fqn, _offsets(it), *where[i]) for i, it in enumerate(items))
+        boxes = [None if it.tensor_data is None else tuple(it.tensor_data.chunk.sizes) for it in items]
+        self.bytes_written = sum(file_sizes)
+        self.bytes_referenced = sum(p.length for p in refs.values())
+        if self.reuse is not None:
+            record_stored(self.reuse, files, written, self.bytes_written, self.bytes_referenced)
+        writes = rank_writes(tuple(files), written, boxes, own=own)
         return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
 
     def _resolve(self, item: WriteItem, planner: SavePlanner) -> Any:

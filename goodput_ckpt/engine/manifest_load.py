@@ -1,11 +1,13 @@
 """Reading a committed manifest for a load: the commit record, judged and validated
 (:func:`~goodput_ckpt.format.commit_record.read_commit_record`), and every data file's size
-checked against it (:func:`~goodput_ckpt.format.commit_record.file_problems`)."""
+checked against it (:func:`~goodput_ckpt.format.commit_record.file_problems`), an incremental
+save's referenced files where they live (:mod:`~goodput_ckpt.format.references`)."""
 
 from __future__ import annotations
 
 from ..format.commit_record import file_problems, read_commit_record
 from ..format.manifest import Manifest
+from ..format.references import with_references
 from ..storage import Store
 
 __all__ = ["load_manifest"]
@@ -26,6 +28,6 @@ def load_manifest(store: Store, *, check_files: bool = True) -> Manifest:
     """
     manifest = read_commit_record(store).manifest_or_raise()
     if check_files:
-        for problem in file_problems(store, manifest):
+        for problem in file_problems(with_references(store, manifest), manifest):
             raise problem.error(store.uri)
     return manifest

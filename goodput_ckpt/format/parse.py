@@ -35,6 +35,7 @@ from .schema import (
     MAX_WORLD_SIZE,
     MIN_CHUNK_SIZE,
     OBJECT_ENCODINGS,
+    REFERENCES_VERSION,
     SUPPORTED_VERSIONS,
     ChunkEntry,
     FileEntry,
@@ -45,6 +46,7 @@ from .schema import (
 from .gc_pause import gc_paused
 from .nesting import int_keys_problem
 from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
+from .references import base_problem
 from .seal import check_seal, refuse_damaged_version
 from .tiling import TilingBudget, TilingError, check_tiling
 
@@ -153,6 +155,7 @@ def _int_list(value: Any, name: str, where: str, shared: dict[tuple[int, ...], t
 
 def _parse_files(doc: dict, chunk_size: int) -> dict[str, FileEntry]:
     files: dict[str, FileEntry] = {}
+    references = doc["version"] >= REFERENCES_VERSION
     for path, fd in _get(doc, "files", dict, "manifest").items():
         try:
             check_relative_name(path)
@@ -170,7 +173,11 @@ def _parse_files(doc: dict, chunk_size: int) -> dict[str, FileEntry]:
             )
         if not _hex_digests(chunks):
             raise _Bad(f"file {path!r}: chunk hashes must be {_DIGEST_LEN} lowercase hex digits", file=path)
-        files[path] = FileEntry(path, size, tuple(chunks))
+        base = fd.get("base")
+        if base is not None and (not references or base_problem(base) is not None):
+            why = base_problem(base) if references else f"needs version {REFERENCES_VERSION}, not {doc['version']}"
+            raise _Bad(f"file {path!r}: 'base' {why}", file=path)
+        files[path] = FileEntry(path, size, tuple(chunks), base)
     return files
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HASH_ALGORITHM",
     "MANIFEST_NAME",
+    "REFERENCES_VERSION",
     "ChunkEntry",
     "FileEntry",
     "Manifest",
@@ -38,8 +39,12 @@ FORMAT_NAME = "goodput-ckpt"
 #: The format version writers emit (the manifest's ``version``; not the training-state schema
 #: of ``state/bundle/meta.py``, a separate number): version 2 stores regular shardings compactly (:mod:`.grid`).
 FORMAT_VERSION = 2
+#: The version of a manifest that references data files of another location (an incremental
+#: save, docs/format.md "References"): version 2 plus the file entries' ``base``. Writers emit it
+#: only for such a manifest, so a full save stays readable by every version-2 reader.
+REFERENCES_VERSION = 3
 #: Versions readers accept; v1 checkpoints stay readable and verifiable.
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 HASH_ALGORITHM = "blake3"
 #: Byte alignment of every item inside a data file (so readers can mmap typed views).
@@ -96,11 +101,16 @@ def _pickled_by_init(cls: type[T]) -> type[T]:
 @_pickled_by_init
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """A data file: its size and the blake3 digest (hex) of each chunk, in order."""
+    """A data file: its size and the blake3 digest (hex) of each chunk, in order.
+
+    ``base``: ``None`` for a file of this location; else the name of the sibling location (same
+    parent) that holds it (version 3, an incremental save's reference: :mod:`.references`).
+    """
 
     path: str
     size: int
     chunks: tuple[str, ...]
+    base: str | None = None
 
 
 @_pickled_by_init
@@ -184,9 +194,7 @@ class Manifest:
             "world_size": self.world_size,
             "byte_order": "little",
             "hash": {"algorithm": HASH_ALGORITHM, "chunk_size": self.chunk_size},
-            "files": {
-                f.path: {"size": f.size, "chunks": list(f.chunks)} for f in self.files.values()
-            },
+            "files": {f.path: _file_to_json(f) for f in self.files.values()},
             "items": {k: item(v) for k, v in self.items.items()},
             "dcp": self.dcp,
             "metadata": self.metadata,
@@ -205,6 +213,24 @@ class Manifest:
 
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    def written_bytes(self) -> int:
+        """Bytes of the files this location holds (what its save wrote)."""
+        return sum(f.size for f in self.files.values() if f.base is None)
+
+    def referenced_bytes(self) -> int:
+        """Bytes of the files other locations hold for it (an incremental save's references)."""
+        return sum(f.size for f in self.files.values() if f.base is not None)
+
+    def bases(self) -> set[str]:
+        """The sibling locations whose files this manifest references (empty: standalone)."""
+        return {f.base for f in self.files.values() if f.base is not None}
+
+
+def _file_to_json(f: FileEntry) -> dict[str, Any]:
+    if f.base is None:
+        return {"size": f.size, "chunks": list(f.chunks)}
+    return {"size": f.size, "chunks": list(f.chunks), "base": f.base}
 
 
 def _item_to_json(e: TensorEntry | ObjectEntry) -> dict[str, Any]:

@@ -64,6 +64,7 @@ from .agreement import (
 from .config import ManagerConfig
 from .disk_full import make_room
 from .job import JobRecord, JobState, claim_job_file, job_metadata, job_of, survey_job
+from .incremental_saves import IncrementalSaves
 from .retention import apply_retention, scan_steps
 from .save_job import ErrorCallback, SaveJob, SaveJobs
 from .staging.async_staging import AsyncStaging
@@ -115,6 +116,11 @@ class CheckpointManager:
         thread_count, chunk_size: passed to ``CheckpointWriter`` (``thread_count`` also to the
             reader); ``verify``: check hashes on restore.
         timeout_s: the longest wait for a previous save (``save``, ``restore``, ``close``).
+        incremental: write only the tensors that changed since the last committed save of this
+            process and reference the others in the earlier step that holds them
+            (:mod:`goodput_ckpt.dcp.incremental`; retention keeps a step while a kept step
+            references it). ``True``: every 10th save is full; an integer ``n``: every ``n``-th.
+            One tier only, and not with ``overwrite`` (both are refused).
         free_space_on_full: when a save fails because the local disk (the root, or with two
             tiers the node's local directory) is full, delete the failed save's files, other
             incomplete steps and the oldest complete step beyond the newest one, and try the save
@@ -156,6 +162,7 @@ class CheckpointManager:
         local_keep_last: int | None = None,
         local_world_size: int | None = None,
         free_space_on_full: bool = False,
+        incremental: bool | int = False,
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
@@ -164,6 +171,7 @@ class CheckpointManager:
             chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
             local_dir=None if local_dir is None else os.fspath(local_dir), replicas=replicas,
             persist_every=persist_every, local_keep_last=local_keep_last, free_space_on_full=free_space_on_full,
+            incremental=incremental,
         )  # fmt: skip
         if on_error is not None and not callable(on_error):
             raise TypeError("on_error must be callable(step, error)")
@@ -181,6 +189,7 @@ class CheckpointManager:
         self._tiers: Tiers | None = None
         self._job: JobState = self._survey_job()
         self._steps_seen: set[int] | None = None  # committed steps listed at the first save, every rank
+        self._incremental = IncrementalSaves.open(self.config.incremental)  # None: every save is full
         self._saves = SaveJobs(
             pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
             on_commit=self._apply_retention, on_error=on_error,
@@ -334,6 +343,8 @@ class CheckpointManager:
                 thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
                 overwrite=self.config.overwrite, metadata=metadata, **options,
             )  # fmt: skip
+            if self._incremental is not None:
+                writer_options["reuse"] = self._incremental.plan(step, state, models)
             # An async save commits only if every rank's deferred copies are good
             # (staging/confirmed_writer.py).
             writer_cls = ConfirmedWriter if self.config.async_save else CheckpointWriter
@@ -408,7 +419,10 @@ class CheckpointManager:
     # -- retention ----------------------------------------------------------------------------------
     def _apply_retention(self, committed: int) -> None:
         """Coordinator, after ``committed`` was committed and with no other save in flight
-        (policy: :mod:`.retention`; the save thread calls it). Best effort: failures are logged."""
+        (policy: :mod:`.retention`; the save thread calls it, on every rank). Best effort: failures
+        are logged."""
+        if self._incremental is not None:
+            self._incremental.committed(committed)  # its stored pieces become the next save's base
         if self.is_coordinator and self._tiers is None:  # two tiers: each tier applies its own
             apply_retention(self._root, committed=committed, keep_last=self.config.keep_last)
 
@@ -463,6 +477,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._saves.finish_previous(report=False)  # a save in flight lands before anything is read
+        if self._incremental is not None:
+            self._incremental.reset()  # the live tensors are about to hold another step: next save full
         models = normalize(model, optimizer)
         check_stateful(stateful)
         try:

@@ -31,6 +31,7 @@ class ManagerConfig:
     persist_every: int = 1
     local_keep_last: int | None = None
     free_space_on_full: bool = False
+    incremental: bool | int = False
 
     def __post_init__(self) -> None:
         for name in ("async_save", "async_staging", "fail_fast", "save_rng", "allow_topology_change", "overwrite", "verify",
@@ -53,5 +54,18 @@ class ManagerConfig:
             raise ValueError("replicas, persist_every and local_keep_last need local_dir (the node-local tier)")
         if self.local_dir is not None and not isinstance(self.local_dir, str):
             raise TypeError(f"local_dir must be a path, got {type(self.local_dir).__name__}")
+        inc = self.incremental
+        if not isinstance(inc, bool) and (not isinstance(inc, int) or inc < 1):
+            raise ValueError(f"incremental must be a bool or a positive integer (saves per full save), got {inc!r}")
+        if inc and self.overwrite:
+            raise ValueError(
+                "incremental saves cannot be combined with overwrite=True yet: overwriting a step deletes its "
+                "files first, and a later kept step may reference them; save to a new step instead"
+            )
+        if inc and self.local_dir is not None:
+            raise ValueError(
+                "incremental saves are not supported with two tiers (local_dir=) yet: a replica and a persist "
+                "would need the referenced steps too; use incremental=False, or one tier"
+            )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")

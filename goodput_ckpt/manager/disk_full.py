@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..storage.base import Store
-from .retention import delete_step, scan_steps
+from .retention import delete_step, scan_steps, spare_referenced
 
 __all__ = ["free_oldest", "make_room", "short_of_space"]
 
@@ -50,7 +50,8 @@ def free_oldest(store: Store, *, protect: Collection[int] = ()) -> list[int]:
     scan = scan_steps(store)
     doomed = [s for s in scan.incomplete if s not in protect]
     older = [s for s in scan.complete[:-1] if s not in protect]
-    doomed += older[:1]
+    # The oldest that no other step references (an incremental save's base stays).
+    doomed += next(([s] for s in older if spare_referenced(store, scan, [s])), [])
     for s in sorted(doomed):
         try:
             delete_step(store, s, scan.files[s])

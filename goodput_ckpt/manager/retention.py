@@ -12,7 +12,8 @@ while no other save of the same job runs:
 - complete steps other than the newest ``keep_last`` (by step number) go;
 - incomplete steps older than ``committed`` go (failed or interrupted saves);
 - never deleted: ``committed``, the newest complete step, incomplete steps newer than
-  ``committed`` (they may be in the middle of being written).
+  ``committed`` (they may be in the middle of being written), and a step whose files a step
+  that stays references (an incremental save's base: :func:`spare_referenced`).
 
 Retention runs in the save thread, after the commit, and the next save waits for it. Why not in
 a thread of its own: the victims may include a step the next save writes (a rollback to an
@@ -34,11 +35,12 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from ..storage.bulk import delete_files
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
+from .step_references import protected_steps
 from .timeline import TIMELINE_NAME
 
 __all__ = [
     "StepScan", "apply_retention", "clean_before_restore", "delete_step", "describe_fresh_start", "retention_victims",
-    "scan_steps",
+    "scan_steps", "spare_referenced",
 ]
 
 logger = logging.getLogger("goodput_ckpt.retention")
@@ -106,13 +108,25 @@ def retention_victims(scan: StepScan, *, committed: int, keep_last: int | None) 
     return sorted(doomed)
 
 
+def spare_referenced(root: Store, scan: StepScan, doomed: Collection[int], *, fresh: Collection[int] = ()) -> list[int]:
+    """``doomed`` less every step whose files a complete step that stays still references (an
+    incremental save's base, :mod:`.step_references`), ascending."""
+    if not doomed:
+        return []
+    gone = set(doomed)
+    kept = [s for s in scan.complete if s not in gone]
+    needed = protected_steps(root, scan.files, kept, fresh=fresh)
+    return sorted(gone - needed)
+
+
 def apply_retention(root: Store, *, committed: int, keep_last: int | None, protect: Collection[int] = ()) -> None:
     """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
     still being read: a persist in flight). Best effort: a failure is logged, and the next
     commit retries."""
     try:
         scan = scan_steps(root)
-        for s in retention_victims(scan, committed=committed, keep_last=keep_last):
+        victims = retention_victims(scan, committed=committed, keep_last=keep_last)
+        for s in spare_referenced(root, scan, victims, fresh=(committed,)):
             if s not in protect:
                 delete_step(root, s, scan.files[s])
     except CheckpointError as e:
@@ -151,7 +165,7 @@ def clean_before_restore(root: Store, *, keep_last: int | None, fresh_start: lis
     doomed = set(scan.incomplete)
     if scan.latest is not None:
         doomed.update(retention_victims(scan, committed=scan.latest, keep_last=keep_last))
-    for s in sorted(doomed):
+    for s in spare_referenced(root, scan, doomed, fresh=scan.complete):
         try:
             delete_step(root, s, scan.files[s])
         except CheckpointError as e:

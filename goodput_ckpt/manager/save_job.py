@@ -302,6 +302,9 @@ class SaveJobs:
                     state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS),
                     process_group=self.pg, no_dist=deliberate_no_dist(self.pg is None),
                 )  # fmt: skip
+                if job.writer.reuse is not None:  # an incremental save: the writer's own counters
+                    job.record.written_bytes = job.writer.bytes_written
+                    job.record.referenced_bytes = job.writer.bytes_referenced
                 return
             except (Exception, CheckpointException) as e:
                 if attempt or self._make_room is None or find_interrupt(e) is not None or not self._make_room(job):

@@ -19,6 +19,8 @@ rank, so the goodput of a real run can be computed afterwards (``goodput-ckpt pl
   was committed; ``durable_s`` until it was durable at its final location (later than the commit
   only with local staging onto a volume). ``gbps`` = ``bytes`` / ``write_s`` / 1e9.
 - ``bytes``: this rank's tensor payload (its shards of the model and optimizer state).
+- Incremental saves (``CheckpointManager(incremental=...)``) add ``written_bytes`` (the data-file
+  bytes this rank wrote) and ``referenced_bytes`` (its tensor bytes referenced in earlier steps).
 - Two tiers (``local_dir``): save records add ``tier`` (``"local"``) and ``replicate_s``; each
   persist is a ``{"event": "persist", "step", "seconds", "bytes", "ok", "error", ...}`` record;
   restore records add ``sources``, data files read per tier (``{"local": 3, "replica": 1}``).
@@ -102,6 +104,8 @@ class SaveRecord:
     error: str | None = None
     replicate_s: float | None = None  # two tiers: sending and receiving the replicas
     tier: str | None = None  # two tiers: "local" (every save there; persists are their own records)
+    written_bytes: int | None = None  # incremental saves: the data-file bytes this rank wrote
+    referenced_bytes: int | None = None  # incremental saves: item bytes referenced in earlier steps
 
     def staged(self, *, stage_s: float, stall_s: float) -> None:
         """An async save's staging is done: ``save`` blocked for ``stall_s`` in all."""
@@ -138,6 +142,8 @@ class SaveRecord:
             "guard_s": self.guard_s, "stall_s": self.stall_s, "write_s": self.write_s,
             "durable_s": self.durable_s, "bytes": self.bytes, "gbps": self.gbps, "ok": self.ok, "error": self.error,
             **({} if self.tier is None else {"tier": self.tier, "replicate_s": self.replicate_s}),
+            **({} if self.written_bytes is None else
+               {"written_bytes": self.written_bytes, "referenced_bytes": self.referenced_bytes}),
         }  # fmt: skip
 
 

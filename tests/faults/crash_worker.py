@@ -79,18 +79,29 @@ def expected(i: int, n: int, step: int) -> torch.Tensor:
 
 
 class TrialModel(nn.Module):
-    def __init__(self, kib: int) -> None:
+    """Parameters whose values are a function of the step; with ``frozen``, also a frozen one
+    (about ``kib`` KiB, the same at every step) that ``fill`` sets only while it does not hold
+    its values yet, so incremental saves reference it (its version counter stays put)."""
+
+    def __init__(self, kib: int, frozen: bool = False) -> None:
         super().__init__()
         self.shapes = sizes(kib)
         for i, n in enumerate(self.shapes):
             self.register_parameter(f"p{i}", nn.Parameter(torch.zeros(n), requires_grad=False))
+        self.frozen_n = (kib << 10) // 4 if frozen else 0
+        if frozen:
+            self.frozen = nn.Parameter(torch.zeros(self.frozen_n), requires_grad=False)
 
     def fill(self, step: int) -> None:
         with torch.no_grad():
             for i, n in enumerate(self.shapes):
                 getattr(self, f"p{i}").copy_(_base(i, n)).add_(step)
+            if self.frozen_n and not torch.equal(self.frozen, _base(99, self.frozen_n)):
+                self.frozen.copy_(_base(99, self.frozen_n))
 
     def holds(self, step: int) -> bool:
+        if self.frozen_n and not torch.equal(self.frozen, _base(99, self.frozen_n)):
+            return False
         return all(torch.equal(getattr(self, f"p{i}"), expected(i, n, step)) for i, n in enumerate(self.shapes))
 
 
@@ -291,18 +302,21 @@ def run(
     keep_last: int,
     chunk_size: int | None = None,
     crash: dict[str, Any] | None = None,
+    incremental: bool | int = False,
 ) -> None:
     """Restore the newest complete step under ``root`` and save ``saves`` more (see the module
-    docstring). ``options`` are the store's (endpoint and addressing for S3)."""
+    docstring). ``options`` are the store's (endpoint and addressing for S3); ``incremental``:
+    the manager's setting (the model then has a frozen part that later saves reference)."""
     from goodput_ckpt import CheckpointManager
 
     torch.set_num_threads(1)
     events = _Events(markers, crash)
     _install(events)
-    model = TrialModel(kib)
+    model = TrialModel(kib, frozen=bool(incremental))
     # No timeline file: it is not under test, and on a volume each append costs a second.
     mgr = CheckpointManager(
-        root, keep_last=keep_last, async_save=True, chunk_size=chunk_size, timeline=False, **options
+        root, keep_last=keep_last, async_save=True, chunk_size=chunk_size, timeline=False, incremental=incremental,
+        **options,
     )
     events("restore.begin", None)
     last = mgr.restore(model=model)

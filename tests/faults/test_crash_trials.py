@@ -46,8 +46,8 @@ from _reliability import fault_trials, record
 from crash_worker import TrialModel
 
 from goodput_ckpt import CheckpointError, CheckpointManager, IncompleteCheckpointError
-from goodput_ckpt.manager.step_layout import child_uri, step_dir_name
-from goodput_ckpt.tools import list_checkpoints, verify_checkpoint
+from goodput_ckpt.manager.step_layout import child_uri, parse_step_dir, step_dir_name
+from goodput_ckpt.tools import inspect_checkpoint, list_checkpoints, verify_checkpoint
 
 SEED = 80_2024
 KEEP_LAST = 2
@@ -119,15 +119,16 @@ def backend(request, tmp_path) -> Backend:
 class Trials:
     """Runs the trials of one backend and checks the root after each."""
 
-    def __init__(self, backend: Backend, forker, logs: Path) -> None:
+    def __init__(self, backend: Backend, forker, logs: Path, incremental: bool | int = False) -> None:
         self.b = backend
+        self.incremental = incremental
         self.forker = forker
         self.logs = logs
         self.complete: set[int] = set()  # complete after the previous trial
 
     def launch(self, tag: str, crash: dict | None):
         kwargs = dict(options=self.b.options, kib=self.b.kib, saves=SAVES, keep_last=KEEP_LAST,
-                      chunk_size=self.b.chunk_size, crash=crash)  # fmt: skip
+                      chunk_size=self.b.chunk_size, crash=crash, incremental=self.incremental)  # fmt: skip
         markers = self.logs / f"{tag}.events"
         child = self.forker.run("crash_worker:run", {"root": self.b.root, "markers": str(markers), **kwargs},
                                 self.logs / f"{tag}.log")  # fmt: skip
@@ -144,10 +145,11 @@ class Trials:
         complete = sorted(s for s, st in status.items() if st == "complete")
         incomplete = sorted(s for s, st in status.items() if st == "incomplete")
         committed = {e.step for e in events if e.name == "commit.done"}
+        referenced = self._references(complete)
         reached_commit = {e.step for e in events if e.name == "commit.begin"}
         saved = {e.step for e in events if e.name == "save.begin"}
         for s in sorted((self.complete | committed) - set(complete)):
-            if sum(c > s for c in complete) < KEEP_LAST:
+            if sum(c > s for c in complete) < KEEP_LAST or any(s in referenced.get(c, ()) for c in complete):
                 bad.append(f"step {s} was complete and is gone, with only {[c for c in complete if c > s]} newer")
         for s in sorted((saved - reached_commit - self.complete) & set(complete)):
             bad.append(f"step {s} is complete although its save never reached the commit")
@@ -159,7 +161,7 @@ class Trials:
             for s in incomplete:
                 if verify_checkpoint(b.uri(s), **b.options).status != "incomplete":
                     bad.append(f"verify does not report step {s} incomplete")
-                model = TrialModel(b.kib)
+                model = TrialModel(b.kib, frozen=bool(self.incremental))
                 try:
                     mgr.restore(s, model=model)
                     bad.append(f"incomplete step {s} was restored")
@@ -183,8 +185,16 @@ class Trials:
         self.complete = set(complete)
         return bad, incomplete
 
+    def _references(self, complete: list[int]) -> dict[int, set[int]]:
+        """Complete step -> the steps whose files it references (incremental saves)."""
+        out: dict[int, set[int]] = {}
+        for s in complete:
+            bases = inspect_checkpoint(self.b.uri(s), check_files=False, **self.b.options).bases
+            out[s] = {parse_step_dir(n) for n in bases}
+        return out
+
     def _restore_latest(self, mgr: CheckpointManager, latest: int) -> list[str]:
-        model = TrialModel(self.b.kib)
+        model = TrialModel(self.b.kib, frozen=bool(self.incremental))
         got = mgr.restore(model=model)  # also removes the incomplete steps, as a restart does
         if got != latest or not model.holds(latest):
             return [f"restore gave step {got} (holds its values: {model.holds(got or 0)}), expected {latest}"]
@@ -237,11 +247,20 @@ def wait_for(markers: Path, event: str, child, timeout: float = 120.0) -> None:
 
 
 def test_sigkill_at_random_instants(backend, forker, tmp_path):
-    trials = fault_trials(30)
-    rng = random.Random(f"{SEED}-{backend.name}")
+    _sigkill_trials(backend, forker, tmp_path, fault_trials(30), incremental=False)
+
+
+def test_sigkill_at_random_instants_with_references(backend, forker, tmp_path):
+    """The same with incremental saves (a full save every 3rd): retention then runs with steps
+    that reference older ones, and a kill anywhere must still leave every kept step loadable."""
+    _sigkill_trials(backend, forker, tmp_path, fault_trials(15), incremental=3)
+
+
+def _sigkill_trials(backend, forker, tmp_path, trials: int, *, incremental: bool | int) -> None:
+    rng = random.Random(f"{SEED}-{backend.name}-{incremental}")
     logs = tmp_path / "logs"
     logs.mkdir()
-    runner = Trials(backend, forker, logs)
+    runner = Trials(backend, forker, logs, incremental)
 
     # Calibration: two uninterrupted runs. They leave committed steps; the second (which, like
     # every trial, restores first) gives the duration of a run and of its saves, and how often
@@ -254,7 +273,8 @@ def test_sigkill_at_random_instants(backend, forker, tmp_path):
         events = read_events(markers)
         assert rc == 0 and events and events[-1].name == "done", child.log_tail()
         bad, _ = runner.check(events)
-        assert not bad and len(runner.complete) == KEEP_LAST, (bad, runner.complete)
+        # Incremental saves keep the steps the kept ones reference too.
+        assert not bad and (len(runner.complete) == KEEP_LAST or incremental), (bad, runner.complete)
     counts = Counter(e.name for e in events)
     saving = events[-1].t - next(e.t for e in events if e.name == "restore.done")
 
@@ -294,7 +314,8 @@ def test_sigkill_at_random_instants(backend, forker, tmp_path):
         elif killed:
             recovered += 1
     record(
-        "SIGKILL at random instants (manager: stage, write, commit, retention)", backend.name,
+        "SIGKILL at random instants (manager: stage, write, commit, retention)"
+        + (", incremental saves" if incremental else ""), backend.name,
         trials=trials, faults_injected=injected, detected_or_recovered=recovered, data_lost=lost,
         phases=dict(hit), left_incomplete=left_incomplete,
     )  # fmt: skip

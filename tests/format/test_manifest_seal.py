@@ -79,11 +79,11 @@ def test_damaged_version_digit_is_damage_not_a_newer_format(saved):
 def test_newer_version_is_named_whether_or_not_sealed_like_v1(sealed):
     """A manifest written by a later version is refused by version, never called corrupt: sealed
     the v1 way (valid digest) or in a way this reader does not know (no digest member)."""
-    body = b'{"format":"goodput-ckpt","version":3,"items":{}}'
+    body = b'{"format":"goodput-ckpt","version":4,"items":{}}'
     raw = seal_manifest(body) if sealed else body
-    with pytest.raises(CheckpointError, match="reads versions 1, 2") as info:
+    with pytest.raises(CheckpointError, match="reads versions 1, 2, 3") as info:
         parse_manifest(raw)
-    assert not isinstance(info.value, CorruptCheckpointError) and info.value.version == 3
+    assert not isinstance(info.value, CorruptCheckpointError) and info.value.version == 4
 
 
 @pytest.mark.parametrize("body", [b'{"a":1}', b'{"a":[1,2]}  \n', b'{"k":"' + b"ab" * 50_000 + b'"}'])

@@ -27,17 +27,23 @@ from goodput_ckpt.manager.retention import apply_retention, scan_steps
 from goodput_ckpt.manager.step_layout import step_dir_name
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools import verify_checkpoint
+from helpers.records import empty_record
 from helpers.s3_requests import RequestCounter, by_operation
 from helpers.wait import wait_until
 
 
 def _plant(target, step: int, files: int) -> None:
-    """A step of ``files`` data files and a commit record (S3 commits atomically: retention
-    never reads the record, so its content does not matter here)."""
+    """A step of ``files`` data files and a commit record (S3 commits atomically, so the record's
+    content is only read for its references)."""
     client = target.client()
     names = [f"rank{r:05d}-00.0123456789ab.bin" for r in range(files)] + [MANIFEST_NAME]
+
+    def put(n: str) -> None:
+        body = empty_record() if n == MANIFEST_NAME else b"d"
+        client.put_object(Bucket=target.bucket, Key=f"root/{step_dir_name(step)}/{n}", Body=body)
+
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda n: client.put_object(Bucket=target.bucket, Key=f"root/{step_dir_name(step)}/{n}", Body=b"d"), names))
+        list(pool.map(put, names))
 
 
 def test_retention_of_a_step_batches_its_deletes(seaweed):
@@ -53,8 +59,9 @@ def test_retention_of_a_step_batches_its_deletes(seaweed):
     assert seaweed.keys("root/step_00000001/") == []
     assert len(seaweed.keys("root/step_00000002/")) == 2
     ops = by_operation(counter.take())
-    # Listing the root (3 pages of 2,103 keys), the record, then 2,100 data files in 3 batches.
-    assert ops == {"DeleteObject": 1, "DeleteObjects": 3, "ListObjectsV2": 3}
+    # Listing the root (3 pages of 2,103 keys), the kept step's record (for its references), the
+    # victim's record, then 2,100 data files in 3 batches.
+    assert ops == {"DeleteObject": 1, "DeleteObjects": 3, "ListObjectsV2": 3, "GetObject": 1}
     deletes = [o for o in order if o.startswith("Delete")]
     assert deletes[0] == f"DeleteObject root/step_00000001/{MANIFEST_NAME}", deletes
     # At 16,384 ranks: 1 + ceil(16,384 / 1,000) = 18 requests to delete a step.

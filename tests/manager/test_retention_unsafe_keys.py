@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from helpers.records import empty_record
+
 from goodput_ckpt.manager.retention import apply_retention, clean_before_restore, scan_steps
 from goodput_ckpt.manager.step_layout import list_step_dirs
 from goodput_ckpt.storage import open_store
@@ -18,7 +20,8 @@ def _steps(moto, steps):
     client = moto.client()
     for s in steps:
         for f in ("manifest.json", "rank00000-00.0123456789ab.bin"):
-            client.put_object(Bucket=moto.bucket, Key=f"root/step_{s:08d}/{f}", Body=b"data")
+            body = empty_record() if f == "manifest.json" else b"data"  # a record retention can read
+            client.put_object(Bucket=moto.bucket, Key=f"root/step_{s:08d}/{f}", Body=body)
     return client
 
 

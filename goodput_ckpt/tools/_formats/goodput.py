@@ -41,6 +41,7 @@ from ...errors import CheckpointError, IncompleteCheckpointError
 from ...format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ...format.dcp_metadata import dtype_name, torch_dtype
 from ...format.manifest import FORMAT_VERSION, ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
+from ...format.references import with_references
 from ...storage import Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, OpenFiles, Source, TensorMeta, alloc
@@ -127,7 +128,9 @@ class GoodputSource(Source):
         self.manifest = load_manifest(store)
         self.world_size = self.manifest.world_size
         self.trust_pickle = trust_pickle
-        self._ranges = _VerifiedRanges(store, self.manifest, verify=verify, cache_chunks=cache_chunks)
+        # An incremental step's referenced files are read where they live: the output is standalone.
+        files = with_references(store, self.manifest)
+        self._ranges = _VerifiedRanges(files, self.manifest, verify=verify, cache_chunks=cache_chunks)
         for key, e in self.manifest.items.items():
             if isinstance(e, TensorEntry):
                 self.items[key] = TensorMeta(key, torch_dtype(e.dtype, key), e.shape, e.requires_grad)

@@ -28,6 +28,7 @@ from typing import Any
 
 from ...format.commit_record import file_problems, read_commit_record
 from ...format.manifest import DTYPE_SIZES, FORMAT_NAME, Manifest, TensorEntry
+from ...format.references import with_references
 from ...manager.step_layout import parse_step_dir
 from .._common import is_dcp_location, open_location, refuse_plain_file
 
@@ -104,6 +105,10 @@ class InspectReport:
     #: The training-state schema of a ``CheckpointManager`` checkpoint (``None`` otherwise): a
     #: number of its own, not the format version (docs/format.md, *Versioning*).
     training_schema: int | None = None
+    #: Of ``file_bytes``, the bytes of files an earlier step holds (an incremental save's
+    #: references, docs/format.md "References"), and the steps (sibling locations) holding them.
+    referenced_bytes: int = 0
+    bases: list[str] = field(default_factory=list)
 
 
 def inspect_checkpoint(
@@ -132,7 +137,7 @@ def inspect_checkpoint(
     manifest = read_commit_record(store).manifest_or_raise()
     report = _describe(store.uri, manifest, patterns)
     if check_files:
-        report.problems.extend(p.message for p in file_problems(store, manifest))
+        report.problems.extend(p.message for p in file_problems(with_references(store, manifest), manifest))
     return report
 
 
@@ -212,6 +217,8 @@ def _describe(uri: str, m: Manifest, patterns: list[str] | None) -> InspectRepor
         chunk_size=m.chunk_size,
         files=len(m.files),
         file_bytes=m.total_bytes(),
+        referenced_bytes=m.referenced_bytes(),
+        bases=sorted(m.bases()),
         tensor_bytes=tensor_bytes,
         object_bytes=object_bytes,
         tensors=tensors,

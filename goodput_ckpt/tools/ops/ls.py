@@ -37,9 +37,11 @@ class CheckpointRow:
     uri: str
     status: str
     created_at: str | None = None
-    bytes: int = 0
+    bytes: int = 0  # what the step's location holds (its record included)
     files: int = 0
     problems: list[str] = field(default_factory=list)
+    #: Bytes the step uses from earlier steps' files (an incremental save's references).
+    referenced: int = 0
     tiers: list[str] = field(default_factory=list)  # with a local_dir: "persistent", "node 0", ...
 
 
@@ -128,7 +130,8 @@ def list_checkpoints(
         row.status = "complete"
         row.created_at = manifest.created_at
         row.files = len(manifest.files)
-        row.bytes = manifest.total_bytes() + record.record_bytes
+        row.bytes = manifest.written_bytes() + record.record_bytes
+        row.referenced = manifest.referenced_bytes()
         if verify:
             result = verify_checkpoint(row.uri, quick=quick, thread_count=thread_count, progress=progress, **options)
             if not result.ok:

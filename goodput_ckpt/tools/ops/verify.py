@@ -52,6 +52,7 @@ from ...format.commit_record import (
     read_commit_record,
 )
 from ...format.manifest import FORMAT_NAME, MANIFEST_NAME, FileEntry, Manifest
+from ...format.references import with_references
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress, is_dcp_location, open_location, refuse_plain_file, require_positive
 
@@ -103,6 +104,9 @@ class VerifyReport:
     world_size: int | None = None
     files: int = 0
     bytes_total: int = 0
+    #: Of ``bytes_total``, the bytes of files another location holds (an incremental save's
+    #: references, docs/format.md "References"); they are checked like the location's own.
+    bytes_referenced: int = 0
     bytes_hashed: int = 0
     chunks_checked: int = 0
     seconds: float = 0.0
@@ -157,6 +161,7 @@ def verify_checkpoint(
     manifest = _check_manifest(store, report)
     if manifest is not None:
         keys = KeyIndex(manifest)
+        store = with_references(store, manifest)  # an incremental save's files: checked where they live
         present = _check_files(store, manifest, keys, report)
         if not quick:
             _check_hashes(store, manifest, present, keys, report, thread_count or DEFAULT_VERIFY_THREADS, progress)
@@ -208,6 +213,7 @@ def _check_manifest(store: Store, report: VerifyReport) -> Manifest | None:
     report.world_size = manifest.world_size
     report.files = len(manifest.files)
     report.bytes_total = manifest.total_bytes()
+    report.bytes_referenced = manifest.referenced_bytes()
     return manifest
 
 

@@ -133,8 +133,15 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("path_unlisted_item_file", lambda d: (w_chunk(d).update(file="../../etc/passwd"), d)[1], msg="does not list")
     add("path_unlisted_object_file", set_(["items", "step", "file"], "other.bin"), msg="does not list")
     add("path_not_string", set_(["items", "w", "chunks", 0, "file"], 7), msg="wrong type")
+    # -- references (version 3): a base is one plain path component, never a way out -------------
+    for name, bad in {
+        "base_dotdot": "..", "base_dot": ".", "base_slash": "step_1/../..", "base_absolute": "/etc",
+        "base_backslash": "..\\x", "base_empty": "", "base_not_string": 7, "base_long": "s" * 256,
+    }.items():  # fmt: skip
+        add(name, lambda d, bad=bad: (d.update(version=3), d["files"][F1].update(base=bad), d)[2], msg="'base'")
+    add("base_in_v1", lambda d: (d["files"][F1].update(base="step_00000001"), d)[1], msg="needs version 3")
     # -- version and format --------------------------------------------------------------------
-    add("version_3", set_(["version"], 3), parse=VERSION, msg="reads versions 1, 2")
+    add("version_4", set_(["version"], 4), parse=VERSION, msg="reads versions 1, 2, 3")
     add("version_0", set_(["version"], 0), parse=VERSION, msg="reads versions 1")
     add("version_string", set_(["version"], "1"), parse=VERSION, msg="reads versions 1")
     add("version_bool", set_(["version"], True), parse=VERSION, msg="reads versions 1")

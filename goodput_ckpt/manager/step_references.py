@@ -1,0 +1,84 @@
+"""Which steps under a manager root other steps still need: an incremental save's manifest
+references data files of earlier steps (docs/format.md, "References"), and those steps must
+outlive every kept step that references them.
+
+Retention (:mod:`.retention`) asks :func:`protected_steps` before it deletes anything, on every
+root, whether or not this process saves incrementally: a root may hold incremental steps of an
+earlier run. The rule: a step is deleted only when no step that stays references it; a kept
+step whose commit record cannot be read (damaged, a version this library does not know,
+unreadable) protects every older step, since what it references is unknown.
+
+A committed manifest does not change, so the bases of each step are remembered per process
+(bounded): each retention reads the record of the step it just committed and of kept steps it
+has not read before, not all of them again. The step just committed is always read afresh (an
+overwrite of the same step may have changed it). No torch here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+
+from ..errors import CheckpointError
+from ..format.commit_record import COMMITTED, CORRUPT, UNSUPPORTED, read_commit_record
+from ..storage.base import Store
+from .step_layout import parse_step_dir, step_dir_name
+
+__all__ = ["protected_steps"]
+
+#: Steps whose bases are remembered, over all roots of the process (each entry a few names).
+_CACHE_SIZE = 4096
+_cache: OrderedDict[tuple[str, int], frozenset[int] | None] = OrderedDict()
+_lock = threading.Lock()
+
+
+def protected_steps(
+    root: Store, files: dict[int, list[str]], kept: Iterable[int], *, fresh: Collection[int] = ()
+) -> set[int]:
+    """The steps that the complete steps ``kept`` reference, directly or through one another.
+
+    ``files``: the root's listing by step (:func:`~.step_layout.list_step_dirs`); ``fresh``:
+    steps whose record is read again even if remembered.
+    """
+    protected: set[int] = set()
+    todo = sorted(set(kept), reverse=True)
+    seen: set[int] = set()
+    while todo:  # bounded: each step is visited once
+        step = todo.pop()
+        if step in seen:
+            continue
+        seen.add(step)
+        bases = _bases(root, step, files.get(step, []), refresh=step in fresh)
+        if bases is None:  # unknown references: everything older stays
+            bases = frozenset(s for s in files if s < step)
+        for b in bases:
+            if b not in protected:
+                protected.add(b)
+                todo.append(b)
+    return protected
+
+
+def _bases(root: Store, step: int, names: list[str], *, refresh: bool) -> frozenset[int] | None:
+    key = (root.uri, step)
+    with _lock:
+        if not refresh and key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    try:
+        record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False)
+    except CheckpointError:
+        return None  # unreadable now: not remembered, asked again next time
+    if record.status in (CORRUPT, UNSUPPORTED):
+        return None  # a step that is complete but whose references cannot be known
+    if record.status != COMMITTED:
+        return frozenset()  # deleted since the listing, or not a commit: it references nothing
+    steps = {parse_step_dir(b) for b in record.manifest.bases()}
+    # A base that is not a step of this root cannot be protected here: nothing deletes it either.
+    bases = frozenset(s for s in steps if s is not None)
+    with _lock:
+        _cache[key] = bases
+        _cache.move_to_end(key)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return bases

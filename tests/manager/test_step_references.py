@@ -1,0 +1,63 @@
+"""Which steps kept steps reference (manager/step_references.py), on hand-made records."""
+
+from __future__ import annotations
+
+import os
+
+from goodput_ckpt.format.manifest import FileEntry, Manifest
+from goodput_ckpt.manager.retention import scan_steps, spare_referenced
+from goodput_ckpt.manager.step_layout import step_dir_name
+from goodput_ckpt.manager.step_references import protected_steps
+from goodput_ckpt.storage import open_store
+
+DIGEST = "0" * 64
+
+
+def _record(bases: list[int]) -> bytes:
+    files = {f"f{b}.bin": FileEntry(f"f{b}.bin", 1, (DIGEST,), step_dir_name(b)) for b in bases}
+    return Manifest(version=3 if bases else 2, library_version="", torch_version="", created_at="", world_size=1,
+                    chunk_size=1 << 23, files=files, items={}).to_json()  # fmt: skip
+
+
+def _plant(root, step: int, bases: list[int]) -> None:
+    d = root / step_dir_name(step)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "manifest.json").write_bytes(_record(bases))
+
+
+def test_references_are_followed_through_kept_and_protected_steps(tmp_path):
+    for step, bases in {1: [], 2: [], 3: [1], 4: [2, 3], 5: [4]}.items():
+        _plant(tmp_path, step, bases)
+    store = open_store(str(tmp_path))
+    scan = scan_steps(store)
+    assert protected_steps(store, scan.files, [5]) == {4, 3, 2, 1}
+    assert protected_steps(store, scan.files, [3]) == {1}
+    assert spare_referenced(store, scan, [1, 2, 3]) == []  # 4 and 5 stay and reach all three
+    assert spare_referenced(store, scan, [1, 2, 3, 4]) == []  # 5 references 4, which references 2 and 3
+    assert spare_referenced(store, scan, [1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5]
+
+
+def test_a_base_outside_the_step_layout_protects_nothing(tmp_path):
+    _plant(tmp_path, 1, [])
+    d = tmp_path / step_dir_name(2)
+    d.mkdir()
+    rec = _record([1]).replace(step_dir_name(1).encode(), b"elsewhere", 1)
+    from goodput_ckpt.format.manifest import seal_manifest
+
+    body = rec[: rec.rindex(b',"digest":"')] + b"}"
+    (d / "manifest.json").write_bytes(seal_manifest(body))
+    store = open_store(str(tmp_path))
+    assert protected_steps(store, scan_steps(store).files, [2]) == set()
+
+
+def test_the_step_just_committed_is_read_afresh(tmp_path):
+    """An overwrite of a step may change its references: the cache is bypassed for ``fresh``."""
+    _plant(tmp_path, 1, [])
+    _plant(tmp_path, 2, [])
+    store = open_store(str(tmp_path))
+    files = scan_steps(store).files
+    assert protected_steps(store, files, [2]) == set()
+    os.remove(tmp_path / step_dir_name(2) / "manifest.json")
+    _plant(tmp_path, 2, [1])
+    assert protected_steps(store, files, [2]) == set()  # remembered
+    assert protected_steps(store, files, [2], fresh=[2]) == {1}
