@@ -146,7 +146,8 @@ def raise_if_any_rank_failed(
     local_err: CheckpointError | None,
     *,
     agree: tuple[str, Any] | None = None,
-) -> None:
+    tell: Any = None,
+) -> list[Any]:
     """Raise on every rank when any rank failed to plan, instead of letting the others hang in
     the load's collectives: this rank's own error, else the first other rank's.
 
@@ -154,22 +155,26 @@ def raise_if_any_rank_failed(
     it joins next (an elastic restore's loader-state broadcast). It rides on the same gather, so
     checking it costs no collective; ranks whose values differ raise on every rank, naming
     ``what``, instead of one rank waiting in a broadcast the others never join.
+
+    ``tell``: a value of this rank's that may differ between ranks (whether it reads per-rank
+    rows), carried by the same gather. Returns every rank's ``tell``, in rank order.
     """
     if pg is None:
         if local_err is not None:
             raise local_err
-        return
+        return [tell]
     mine = None if agree is None else agree[1]
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (None if local_err is None else str(local_err), mine), group=pg)
-    raise_first_failure(local_err, [msg for msg, _ in gathered])
+    dist.all_gather_object(gathered, (None if local_err is None else str(local_err), mine, tell), group=pg)
+    raise_first_failure(local_err, [msg for msg, _, _ in gathered])
     if agree is not None:
-        for rank, (_, value) in enumerate(gathered):
+        for rank, (_, value, _) in enumerate(gathered):
             if value != gathered[0][1]:
                 raise CheckpointError(
                     f"the ranks disagree on {agree[0]}: rank 0 has {gathered[0][1]!r}, rank {rank} has "
                     f"{value!r}"
                 )
+    return [told for _, _, told in gathered]
 
 
 def decide_on_coordinator(pg: dist.ProcessGroup | None, is_coordinator: bool, decide: Any, what: str) -> Any:

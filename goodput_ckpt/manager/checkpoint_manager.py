@@ -48,6 +48,7 @@ from ..state import (
     normalize,
     plan_restore,
 )
+from ..state.apply import DecodedState, decode_restore, split_dest
 from ..state.per_rank import DATALOADER, ROWS
 from ..state.loader_share import share_key, share_loader_states
 from ..storage import open_store
@@ -498,21 +499,36 @@ class CheckpointManager:
                 return None
         started, t0 = time.time(), time.perf_counter()
         uri = child_uri(self.root_uri, step_dir_name(step))
-        reader = CheckpointReader(
-            uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg,
-            **self._storage_options,
-        )  # fmt: skip
-        plan, job, local_err = None, None, None
+
+        def reader(manifest: Any = None) -> CheckpointReader:
+            return CheckpointReader(
+                uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg,
+                manifest=manifest, **self._storage_options,
+            )  # fmt: skip
+
+        first = reader()
+        plan, job, local_err, manifest = None, None, None, None
         try:
-            manifest = reader.shared_manifest()  # one read, not one per rank
+            manifest = first.shared_manifest()  # one read, not one per rank
             job = job_of(manifest, uri)  # checked before anything is loaded
             plan = self._plan(manifest, uri, models, dataloader, stateful)
         except CheckpointError as e:
             local_err = e
-        raise_if_any_rank_failed(self._pg, self._topology.world_size, local_err, agree=_share_agreement(plan))
-        assert plan is not None
-        self._load(step, uri, plan, reader, started, t0)
-        assert job is not None
+        reads_rows = plan is not None and bool(split_dest(plan)[0])
+        told = raise_if_any_rank_failed(
+            self._pg, self._topology.world_size, local_err, agree=_share_agreement(plan), tell=reads_rows
+        )  # fmt: skip
+        assert plan is not None and job is not None
+        what = f"loading step {step} from {uri}"
+        # Two loads: the per-rank rows first, decoded and checked on every rank, and only then
+        # the tensors, read into the live ones (state/apply.py). A rank without rows still joins
+        # the first dcp.load when another rank reads some: its collectives pair them.
+        if any(told):
+            self._read(split_dest(plan)[0], first, what)
+        decoded = self._decode(plan)
+        second = reader(manifest)  # the manifest read above, not read again
+        self._read(split_dest(plan)[1], second, what)
+        self._apply(step, uri, plan, decoded, [first, second], started, t0, None)
         self._restored(job)
         return step
 
@@ -522,17 +538,23 @@ class CheckpointManager:
             topology=self._topology, allow_topology_change=self.config.allow_topology_change,
         )  # fmt: skip
 
-    def _load(
-        self, step: int, uri: str, plan: Any, reader: CheckpointReader, started: float, t0: float,
-        sources: dict[str, int] | None = None,
-    ) -> None:  # fmt: skip
-        """Every rank: load ``plan`` through ``reader``, apply it, record it, report its notes."""
-        self._read(plan, reader, f"loading step {step} from {uri}")
-        self._apply(step, uri, plan, reader, started, t0, sources)
+    def _decode(self, plan: Any) -> DecodedState:
+        """Every rank, once the per-rank rows are read and before any live tensor is: share an
+        elastic restore's old loader states, decode and check this rank's state, and raise on
+        every rank when some rank's does not decode (then nothing was loaded anywhere)."""
+        share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
+        decoded, err = None, None
+        try:
+            decoded = decode_restore(plan)
+        except CheckpointError as e:
+            err = e
+        raise_if_any_rank_failed(self._pg, self._topology.world_size, err)
+        assert decoded is not None
+        return decoded
 
-    def _read(self, plan: Any, reader: CheckpointReader, what: str, *, local: bool = False) -> None:
-        """``dcp.load`` of ``plan`` through ``reader`` (the destination only): every rank together,
-        over the manager's group.
+    def _read(self, dest: dict[str, Any], reader: CheckpointReader, what: str, *, local: bool = False) -> None:
+        """``dcp.load`` of ``dest`` (a part of a plan's destination, :func:`.state.split_dest`)
+        through ``reader``: every rank together, over the manager's group.
 
         ``local``: each rank loads on its own, with none of ``dcp.load``'s collectives (the plan
         gather and scatter, which ``GridLoadPlanner`` leaves empty for a v2 checkpoint, and the
@@ -542,24 +564,23 @@ class CheckpointManager:
         """
         no_dist = deliberate_no_dist(self._pg is None or local)
         try:
-            dcp.load(
-                plan.dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=no_dist
-            )  # fmt: skip
+            dcp.load(dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=no_dist)
         except (Exception, CheckpointException) as e:
             raise as_checkpoint_error(e, what)
 
     def _apply(
-        self, step: int, uri: str, plan: Any, reader: CheckpointReader, started: float, t0: float,
-        sources: dict[str, int] | None,
+        self, step: int, uri: str, plan: Any, decoded: DecodedState, readers: list[CheckpointReader], started: float,
+        t0: float, sources: dict[str, int] | None,
     ) -> None:  # fmt: skip
-        """Every rank, after :meth:`_read`: apply ``plan``, record the restore, report its notes."""
-        share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
-        apply_restore(plan)  # this rank's rows were decoded in the read, which fails on every rank
+        """Every rank, after both loads: apply ``plan``, record the restore, report its notes."""
+        apply_restore(plan, decoded)  # this rank's rows were decoded and checked before the tensors were read
         loader_states = None
         if plan.dataloader is not None:
-            loader_states = reader.rows_read[LOADER_ROWS] + sum(
-                n for k, n in reader.keys_read.items() if k.startswith(LOADER_KEY_PREFIX) and k != LOADER_ROWS
-            )
+            loader_states = sum(
+                r.rows_read[LOADER_ROWS]
+                + sum(n for k, n in r.keys_read.items() if k.startswith(LOADER_KEY_PREFIX) and k != LOADER_ROWS)
+                for r in readers
+            )  # fmt: skip
         self._timeline.emit(
             RestoreRecord(
                 step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
@@ -574,33 +595,50 @@ class CheckpointManager:
     def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
         """Two tiers: agree on a step every rank can rebuild, fetch what is missing from the next
         tier, and load from this node's copy, each chunk checked as it is read
-        (:mod:`.tiers.restore`)."""
+        (:mod:`.tiers.restore`): the per-rank rows first, then, once they are decoded on every
+        rank, the tensors."""
         assert self._tiers is not None
         started, t0 = time.time(), time.perf_counter()
-        readers: list[CheckpointReader] = []
+        readers: dict[int, CheckpointReader] = {}  # part -> its last load's reader (what the record counts)
+        decoded: list[DecodedState] = []
 
-        def load(plan: Any, where: str, checked: set[str], manifest: Any, read_from: dict[str, FileOrigin]) -> None:
+        def load(part: int, plan: Any, where: str, checked: set[str], manifest: Any, read_from: dict[str, FileOrigin]) -> None:
+            if part == 0:
+                readers.clear()  # a new candidate, or the rows again after a repair
+            dest = split_dest(plan)[part]
+            if not dest:
+                return  # a rank without rows to read (the others' outcomes are gathered all the same)
             reader = CheckpointReader(
                 where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True,
                 checked_files=checked, manifest=manifest, read_from=read_from,
             )  # fmt: skip
-            readers.append(reader)
+            readers[part] = reader
             try:
                 # Local: restore_tiers gathers every rank's outcome right after (_load_checked).
-                self._read(plan, reader, f"loading {where}", local=True)
+                self._read(dest, reader, f"loading {where}", local=True)
             finally:
                 reader.read_from = {}  # chunks received into memory are freed now, not when the restore returns
 
+        def load_and_check(part: int, plan: Any, *args: Any) -> None:
+            load(part, plan, *args)
+            if part == 0 and not plan.elastic_from:
+                # This rank's own state decodes alone: its outcome rides on the load's gather.
+                decoded.append(decode_restore(plan))
+
+        def between(plan: Any) -> None:
+            if plan.elastic_from:  # agreed by every rank: the old states are shared, then checked
+                decoded.append(self._decode(plan))
 
         found = self._tiers.restore(
             step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),
-            dest_of=lambda plan: plan.dest, load=load, agree_of=_share_agreement,
+            dest_of=lambda plan: plan.dest, load=load_and_check, agree_of=_share_agreement, decode=between,
         )  # fmt: skip
         if found is None:
             return None
         choice, plan = found
-        self._apply(choice.step, self._tiers.step_uri(choice.step), plan, readers[-1], started, t0, choice.sources)
-        self._restored(job_of(choice.manifest, self._tiers.step_uri(choice.step)))  # checked by the tiers' restore
+        where = self._tiers.step_uri(choice.step)
+        self._apply(choice.step, where, plan, decoded[-1], list(readers.values()), started, t0, choice.sources)
+        self._restored(job_of(choice.manifest, where))  # checked by the tiers' restore
         return choice.step
 
     def _agree_on_latest(self) -> int | None:

@@ -1,12 +1,18 @@
-"""A restore's last step, once DCP has filled a :class:`.bundle.RestorePlan`'s destination:
+"""A restore's last steps, once DCP has filled a :class:`.bundle.RestorePlan`'s destination:
 decode and check this rank's per-rank state, then load everything into the live objects, so that
 nothing is loaded while a part may still fail to decode.
 
-A schema-2 checkpoint's own rows (``rng.rows``, ``dataloader.rows``) were decoded already, in
-DCP's read phase (``per_rank.rng_row``, ``per_rank.loader_row``): one rank's bad or missing row
-fails the load on every rank there, instead of on that rank alone while the others train on.
-What is decoded here then is only what is the same on every rank (an elastic restore's old
-loader states, after the coordinator shared them) or schema 1's blobs.
+A restore loads the destination in two parts (:func:`split_dest`): first the per-rank rows (RNG,
+dataloader: small, and everything in them that can refuse the restore), which
+:func:`decode_restore` decodes and checks; only then the model, optimizer and other objects'
+tensors, which ``dcp.load`` reads into the live parameters in place; then :func:`apply_restore`.
+So a restore refused for its per-rank state leaves every live tensor as it was.
+
+A schema-2 checkpoint's own rows (``rng.rows``, ``dataloader.rows``) are decoded in the rows
+load's read phase already (``per_rank.rng_row``, ``per_rank.loader_row``): one rank's bad or
+missing row fails that load on every rank there, instead of on that rank alone while the others
+train on. What :func:`decode_restore` decodes then is only what is the same on every rank (an
+elastic restore's old loader states, after the coordinator shared them) or schema 1's blobs.
 
 Each section of the plan (``state.bundle.sections``) has its step here, in the same order:
 models, other stateful objects, the dataloader or the elastic dataloader, then RNG (last, so that
@@ -28,7 +34,7 @@ from .dataloader import AdoptsSavedEpoch, PreparesElasticResume, elastic_sampler
 from .per_rank import DATALOADER, RNG, checked_rng, decode_own_loader_state, old_loader_states
 from .rng import derive_rng, restore_rng
 
-__all__ = ["DecodedState", "apply_restore", "decode_restore"]
+__all__ = ["DecodedState", "apply_restore", "decode_restore", "split_dest"]
 
 logger = logging.getLogger("goodput_ckpt.state")
 
@@ -44,6 +50,18 @@ class DecodedState:
     old_loader_states: list[Any] | None = None
     #: Elastic: applies the position the old loader states were checked into; returns its note.
     resume: Callable[[], str] | None = None
+
+
+#: The sections of a destination that hold per-rank rows: loaded and checked first.
+ROW_SECTIONS = (RNG, DATALOADER)
+
+
+def split_dest(plan: RestorePlan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``plan.dest`` in the two parts a restore loads one after the other: the per-rank rows
+    (RNG, dataloader; either may be empty), then the rest (model, optimizer, other objects),
+    whose tensors are the live ones. No section is in both (``bundle.RESERVED_NAMES``)."""
+    rows = {k: v for k, v in plan.dest.items() if k in ROW_SECTIONS}
+    return rows, {k: v for k, v in plan.dest.items() if k not in ROW_SECTIONS}
 
 
 def _decode_elastic_loader(plan: RestorePlan, out: DecodedState) -> None:
@@ -114,19 +132,21 @@ def _apply_rng(plan: RestorePlan, decoded: DecodedState) -> None:
         )  # fmt: skip
 
 
-def apply_restore(plan: RestorePlan) -> None:
-    """Load the filled destination into the live objects, section by section. RNG goes last, so
-    that nothing that runs while loading (an optimizer's state initialization, a dataloader's
-    reset) shifts it.
+def apply_restore(plan: RestorePlan, decoded: DecodedState | None = None) -> None:
+    """Load the filled destination into the live objects. RNG goes last, so that nothing that
+    runs while loading (an optimizer's state initialization, a dataloader's reset) shifts it.
 
-    An elastic restore in a process group calls :func:`.loader_share.share_loader_states` first:
-    only then do the ranks other than the coordinator hold the old loader states.
+    ``decoded``: what :func:`decode_restore` made of the rows, before the rest was loaded (the
+    manager's order, module doc); ``None`` decodes now. An elastic restore in a process group
+    calls :func:`.loader_share.share_loader_states` before decoding: only then do the ranks
+    other than the coordinator hold the old loader states.
 
     Raises:
-        CorruptCheckpointError, CheckpointError: as :func:`decode_restore`, before anything is
-            loaded into the live objects.
+        CorruptCheckpointError, CheckpointError: as :func:`decode_restore` (when ``decoded`` is
+            ``None``), before anything is loaded into the live objects.
     """
-    decoded = decode_restore(plan)
+    if decoded is None:
+        decoded = decode_restore(plan)
     _apply_models(plan)
     _apply_stateful(plan)
     if plan.elastic_from:

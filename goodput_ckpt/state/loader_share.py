@@ -10,11 +10,12 @@ Every rank knows the blobs' sizes from the manifest it has already validated (it
 empty ``uint8[old ranks, width]`` tensor of ``dataloader.rows``, or in schema 1 one empty tensor
 per old rank), so the receivers allocate exactly what the coordinator read and no size crosses
 the wire. The received bytes are then decoded like read ones (``torch.load(weights_only=True)``)
-in ``apply_restore``.
+in ``decode_restore``, before any live tensor is read into.
 
 Call order, every rank of the group: ``plan_restore`` -> the ranks agree on the plan's
 :func:`share_key` (a mismatch would leave some ranks waiting in this broadcast) -> ``dcp.load``
--> :func:`share_loader_states` -> ``apply_restore``.
+of the per-rank rows (``apply.split_dest``) -> :func:`share_loader_states` -> ``decode_restore``
+-> ``dcp.load`` of the rest -> ``apply_restore``.
 """
 
 from __future__ import annotations

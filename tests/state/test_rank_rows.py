@@ -372,14 +372,16 @@ def _save_and_restore_unequal(rank: int, world: int, root: str) -> None:
     with CheckpointManager(root, async_save=True) as mgr:  # the staged copy goes through the stager too
         mgr.save(1, model=model, dataloader=loader)
         mgr.wait()
-        # Every rank restores with a loader: rank 2's row is zeros. It finds that in DCP's read
-        # phase, and the restore fails on every rank, by name, before any rank's generators or
-        # loader change (DCP has read the model's tensors in place by then).
+        # Every rank restores with a loader: rank 2's row is zeros. It finds that in the read
+        # phase of the rows' load, and the restore fails on every rank, by name, before any
+        # rank's model, generators or loader change (the model's tensors are read after the rows).
         target, loader = nn.Linear(2, 2), _UnequalLoader(0)  # init draws from torch's RNG
+        weights = [p.detach().clone() for p in target.parameters()]
         generators = torch.get_rng_state()
         with pytest.raises(CheckpointError, match=r"no dataloader state was saved in 'dataloader\.rows\[2\]'"):
             mgr.restore(model=target, dataloader=loader)
         assert loader.state == {"rank": 0, "seen": []} and torch.equal(torch.get_rng_state(), generators)
+        assert all(torch.equal(p, w) for p, w in zip(target.parameters(), weights)), "the model is unchanged"
         fresh = _UnequalLoader(0) if rank < 2 else None
         random.seed(0)
         torch.manual_seed(0)

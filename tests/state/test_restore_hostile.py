@@ -3,10 +3,11 @@ refused by name before the restore applies anything, on the same-topology path a
 elastic one, and the live optimizer, generators, loader, sampler and other stateful objects are
 unchanged after the refusal.
 
-The model's tensors are read by ``dcp.load`` into the live parameters (``state.modules``), so
-the model is saved and restored with the same weights here; what the refusal must prevent is the
-apply step (the optimizer's param groups, the loader's position, the generators). The unit
-cases, with their counted work, are tests/data/test_saved_state_hostile.py.
+The model's and optimizer's tensors are read by ``dcp.load`` into the live ones
+(``state.modules``), so the restore reads them only once every rank's per-rank rows are decoded
+and checked (``state.apply``): after a refusal they are bit-identical to before, on one tier and
+on two, in one process and in two. The unit cases, with their counted work, are
+tests/data/test_saved_state_hostile.py.
 """
 
 from __future__ import annotations
@@ -116,10 +117,29 @@ CASES = [
 ]
 
 
-def _model_and_optimizer(lr: float):
-    torch.manual_seed(0)
+def _model_and_optimizer(lr: float, seed: int = 0):
+    """A model and an optimizer with state (a momentum buffer); ``seed`` decides the values, so
+    that a restore target differs from what was saved."""
+    torch.manual_seed(seed)
     model = nn.Linear(2, 2)
-    return model, torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model(torch.randn(3, 2)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _live_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Copies of every tensor the restore would read into: parameters and optimizer states."""
+    states = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return [t.detach().clone() for t in [*model.parameters(), *states]]
+
+
+def _assert_bit_identical(before: list[torch.Tensor], model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    after = _live_tensors(model, opt)
+    assert len(after) == len(before) and all(
+        a.dtype == b.dtype and a.shape == b.shape and a.view(torch.uint8).equal(b.view(torch.uint8))
+        for a, b in zip(after, before)
+    ), "the live model's and optimizer's tensors are unchanged"
 
 
 def _target(batch: int):
@@ -131,7 +151,8 @@ def _target(batch: int):
 
 
 def _assert_refused_and_unchanged(mgr, error, match, batch):
-    model, opt = _model_and_optimizer(0.5)
+    model, opt = _model_and_optimizer(0.5, seed=1)  # other weights than the saved ones
+    tensors = _live_tensors(model, opt)
     loader, sampler, it = _target(batch)
     recorder = Recorder()
     random.seed(7)
@@ -140,14 +161,15 @@ def _assert_refused_and_unchanged(mgr, error, match, batch):
     with pytest.raises(error, match=match):
         mgr.restore(model=model, optimizer=opt, dataloader=loader, recorder=recorder)
     assert opt.param_groups[0]["lr"] == 0.5, "the optimizer's param groups were not loaded"
+    _assert_bit_identical(tensors, model, opt)
     assert recorder.loaded == 0, "no stateful object was loaded"
     assert loader.state_dict() == before[0] and (sampler.epoch, sampler._pending) == before[1:3], "loader unchanged"
     assert random.getstate() == before[3] and torch.equal(torch.get_rng_state(), before[4]), "generators unchanged"
     assert next(it).tolist() == list(ElasticSampler(Ids(), seed=3))[batch : 2 * batch], "it reads on where it was"
 
 
-def _save(root: Path, state: dict, batch_size: int = BATCH) -> CheckpointManager:
-    mgr = CheckpointManager(root, async_save=False)
+def _save(root: Path, state: dict, batch_size: int = BATCH, **options) -> CheckpointManager:
+    mgr = CheckpointManager(root, async_save=False, **options)
     model, opt = _model_and_optimizer(0.1)
     mgr.save(1, model=model, optimizer=opt, dataloader=SavedLoader(state, batch_size), recorder=Recorder())
     return mgr
@@ -160,6 +182,18 @@ def test_a_hostile_loader_state_is_refused_before_anything_is_applied(tmp_path, 
     mutate(state)
     with _save(tmp_path, state) as mgr:
         # Another batch size makes the restore elastic (no flag); the same one restores in place.
+        _assert_refused_and_unchanged(mgr, error, match, BATCH if path == "same_topology" else 3)
+
+
+@pytest.mark.parametrize("path", ["same_topology", "elastic"])
+@pytest.mark.parametrize(("case", "mutate", "error", "match"), CASES[:1] + CASES[-1:], ids=[CASES[0][0], CASES[-1][0]])
+def test_a_hostile_loader_state_is_refused_on_two_tiers_before_anything_is_read(tmp_path, path, case, mutate, error, match):
+    """The two-tier restore (local copy, persistent root) loads in the same two parts."""
+    state = _real_state()
+    mutate(state)
+    with _save(tmp_path / "root", state, local_dir=str(tmp_path / "local")) as mgr:
+        mgr.wait()  # persisted too
+        assert mgr.step_tiers() == {1: ("local", "persistent")}
         _assert_refused_and_unchanged(mgr, error, match, BATCH if path == "same_topology" else 3)
 
 
@@ -222,7 +256,7 @@ def test_a_replaced_token_shard_is_refused_by_name(tmp_path):
         assert len(list(fresh)) == 8, "the fresh stream reads from its start (7 + 9 sequences, 2 a batch)"
 
 
-def _one_bad_row(rank: int, world: int, root: str) -> None:
+def _one_bad_row(rank: int, world: int, root: str, local_dir: str | None = None) -> None:
     def loader():
         sampler = ElasticSampler(Ids(), seed=3, num_replicas=world, rank=rank)
         return StatefulDataLoader(Ids(), batch_size=BATCH, sampler=sampler, num_workers=0), sampler
@@ -236,14 +270,17 @@ def _one_bad_row(rank: int, world: int, root: str) -> None:
     saving = SavedLoader(state)
     saving.sampler = sampler
     model, opt = _model_and_optimizer(0.1)
-    with CheckpointManager(root, async_save=False) as mgr:
+    with CheckpointManager(root, async_save=False, local_dir=local_dir) as mgr:
         mgr.save(1, model=model, optimizer=opt, dataloader=saving)
         target, _ = loader()
         before = copy.deepcopy(target.state_dict())
-        model, opt = _model_and_optimizer(0.5)
+        model, opt = _model_and_optimizer(0.5, seed=1)  # other weights than the saved ones
+        tensors = _live_tensors(model, opt)
         with pytest.raises(CheckpointError, match=r"dataloader row of rank 1.*consumed"):
             mgr.restore(model=model, optimizer=opt, dataloader=target)
         assert opt.param_groups[0]["lr"] == 0.5 and target.state_dict() == before
+        # Rank 0's own row is good: it is refused before its tensors are read all the same.
+        _assert_bit_identical(tensors, model, opt)
 
 
 @pytest.mark.multiproc
@@ -254,3 +291,13 @@ def test_one_ranks_bad_row_fails_the_restore_on_every_rank(tmp_path):
     from helpers.dist import run_ranks
 
     run_ranks(_one_bad_row, 2, str(tmp_path / "run"), report_dir=tmp_path / "report", timeout=240)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_one_ranks_bad_row_fails_the_two_tier_restore_on_every_rank(tmp_path):
+    from helpers.dist import run_ranks
+
+    run_ranks(
+        _one_bad_row, 2, str(tmp_path / "run"), str(tmp_path / "local"), report_dir=tmp_path / "report", timeout=240
+    )  # fmt: skip

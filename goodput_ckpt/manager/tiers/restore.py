@@ -20,7 +20,10 @@ All ranks run :func:`restore_tiers` together, over the manager's group:
    or on the persistent tier. ``load`` reads them through ``CheckpointReader``, given the
    agreed record already parsed, which checks each chunk as it reads it: the bytes are read
    and hashed once. Each rank loads on
-   its own, and one gather then tells every rank every outcome. When some rank finds a
+   its own, in two parts (``state.apply.split_dest``): its per-rank rows, decoded and checked,
+   then, once one gather told every rank that every rank's rows are good (and an elastic
+   restore shared and checked the old loader states: ``decode``), the tensors, read into the
+   live model and optimizer; one gather then tells every rank every outcome. When some rank finds a
    damaged chunk, every rank checks all the chunks it reads in its node's copy (so that every
    damaged file is found at once), those files are fetched into the node's copy from the next
    tier (from the persistent tier too this time, checked on arrival), and every rank loads
@@ -41,6 +44,7 @@ travels to every rank on the next collective, which decides for all.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,7 +151,8 @@ def restore_tiers(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
+    load: Callable[[int, Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
+    decode: Callable[[Any], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | None:
@@ -160,15 +165,20 @@ def restore_tiers(
         plan_for: ``plan_for(manifest, where)``: this rank's restore plan (may raise; every rank
             then raises).
         dest_of: the DCP destination state dict of a plan.
-        load: ``load(plan, where, checked, manifest, read_from)``: load this rank's ``plan``
-            from the checkpoint location ``where`` (this node's copy, whose commit record is
+        load: ``load(part, plan, where, checked, manifest, read_from)``: load part ``part`` of
+            this rank's ``plan`` (0: its per-rank rows, decoded and checked as far as this rank
+            can alone, 1: the rest, :func:`.state.split_dest`) from the checkpoint location ``where`` (this node's copy, whose commit record is
             ``manifest``), but the files of ``read_from`` from where it maps them (the
             persistent tier's copy of the step, or the chunks received from another node),
             checking every chunk read when verifying and always in the files of ``read_from``,
             except in the files of ``checked`` (after a repair: every chunk this rank reads was
             just checked); raises :class:`CheckpointError`. Every rank calls it at
             the same point, and every rank's outcome is gathered right after, so it need not
-            be collective.
+            be collective. Part 1 is loaded only once ``decode`` returned.
+        decode: ``decode(plan)``, every rank, once part 0 is loaded on every rank: decode and
+            check what needs the other ranks (an elastic restore's shared loader states),
+            raising on every rank alike when some rank's is bad (collective when it does
+            anything); the restore is then refused before any live tensor is read into.
         agree_of: what every rank's plan must agree on (``agreement.raise_if_any_rank_failed``).
 
     Returns:
@@ -232,8 +242,8 @@ def restore_tiers(
     reasons = []
     for s in candidates:
         outcome = _attempt(
-            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of, load=load, agree_of=agree_of,
-            persistent_options=persistent_options,
+            tier, persistent, s, nodes, s in persisted, verify=verify, plan_for=plan_for, dest_of=dest_of, load=load, decode=decode,
+            agree_of=agree_of, persistent_options=persistent_options,
         )  # fmt: skip
         if isinstance(outcome, str):
             reasons.append(f"step {s}: {outcome}")
@@ -344,7 +354,8 @@ def _attempt(
     verify: bool,
     plan_for: Callable[[Manifest, str], Any],
     dest_of: Callable[[Any], dict[str, Any]],
-    load: Callable[[Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
+    load: Callable[[int, Any, str, set[str], Manifest, dict[str, FileOrigin]], None],
+    decode: Callable[[Any], None],
     agree_of: Callable[[Any], tuple[str, Any]] | None = None,
     persistent_options: dict[str, Any] | None = None,
 ) -> tuple[TierRestore, Any] | str:
@@ -396,16 +407,26 @@ def _attempt(
             out.update(dict.fromkeys(fetched, store_of(persistent, s, persistent_options)))
         return out
 
+    # Two parts (state/apply.py): the per-rank rows, decoded and checked on every rank, and only
+    # then the tensors, read into the live ones, so that a refused restore changes none of them.
     # Nothing arrived checked: the load checks what it reads from memory and from S3.
-    damaged = _load_checked(load, plan, where, set(), manifest, read_from, pg, layout.world_size)
-    got = None  # the chunks received into memory are freed once loaded
-    if damaged:
+    repaired = False
+    for part in (0, 1):
+        if part == 1:
+            decode(plan)  # raises on every rank alike
+        load_part = functools.partial(load, part)
+        if repaired:  # every chunk this rank reads was checked in the repair
+            _load_checked(load_part, plan, where, set(need), manifest, dict, pg, layout.world_size, repairable=False)
+            continue
+        if not _load_checked(load_part, plan, where, set(), manifest, read_from, pg, layout.world_size):
+            continue
         # Some rank read a chunk that does not match the manifest (or a file cut short since
         # the size check). Check every chunk this rank reads, so that every damaged file is
         # found at once, fetch those from the next tier into this node's copy (checked on
         # arrival; a file taken from elsewhere above counts as missing here, so it is fetched
         # too, and a damaged one fails the step as any bad fetch does) and load again, from
         # this node's copy alone.
+        got = None  # the chunks received into memory are not read again
         missing, notes = _check_local(tier.store, s, manifest, need, verify=verify)
         again = _mend(
             tier, persistent, s, manifest, nodes, {n: need[n] for n in missing}, persisted, persistent_options, why=notes,
@@ -413,9 +434,10 @@ def _attempt(
         if isinstance(again, str):
             return again
         arrived.update(again.tiers)
-        node_whole = True
+        node_whole = repaired = True
         # Every chunk this rank reads has now been checked, here or on arrival (when verifying).
-        _load_checked(load, plan, where, set(need), manifest, dict, pg, layout.world_size, repairable=False)
+        _load_checked(load_part, plan, where, set(need), manifest, dict, pg, layout.world_size, repairable=False)
+    got = None  # the chunks received into memory are freed once loaded
     if layout.rank in layout.ranks_of(layout.node)[:1] and not record_here and node_whole:
         _commit_node_copy(tier, s, data)
     # Where each file this rank reads came from: its node's copy, unless this rank took it from
