@@ -25,7 +25,10 @@ rotating per repeat):
   resumed run). Total: the first run's loop until the kill, the restore, and the resumed run's loop
   including the wait for its last save. Process start-up (``import torch``) is left out of both:
   it is the same for both writers, and on a loaded machine it would swamp the rest;
-- ``lost``: steps recomputed after the kill; ``restore``: seconds of the restore.
+- ``lost``: steps recomputed after the kill; ``restore``: seconds of the restore; where the total
+  went (useful steps, lost steps, stalls, restore, the final save's wait, the rest: logging, the
+  loop itself) and how long a save ran in the background (``async_save``'s return to its future's
+  end, the ``saved`` event written by a callback on the save's thread).
 
 Ranks: ``--ranks`` processes on one machine in a gloo group (gradients all-reduced: a
 data-parallel replica each; DCP then saves one copy). Each worker writes one JSON line per event
@@ -151,6 +154,7 @@ def worker(a: argparse.Namespace) -> int:
             waited = time.perf_counter() - t
             fut = dcp.async_save(state(), storage_writer=_writer(a.method, root / f"step-{step}"))
             event(kind="save", step=step, stall=time.perf_counter() - t, waited=waited)
+            fut.add_done_callback(lambda f, s=step: event(kind="saved", step=s))  # on the save's thread
     t = time.perf_counter()
     if fut is not None:
         fut.result()
@@ -201,8 +205,17 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
         useful = sum(e["seconds"] for e in first if e["kind"] == "step" and e["step"] <= restore["step"])
         useful += sum(e["seconds"] for e in resume if e["kind"] == "step")
         stalls = [e["stall"] for e in first + resume if e["kind"] == "save"]
+        lost_s = sum(e["seconds"] for e in first if e["kind"] == "step" and e["step"] > restore["step"])
+        # How long each save ran in the background: from async_save's return to its future's end.
+        returned = {(log, e["step"]): e["t"] for log, events in (("first", first), ("resume", resume))
+                    for e in events if e["kind"] == "save"}
+        background = [e["t"] - returned[(log, e["step"])] for log, events in (("first", first), ("resume", resume))
+                      for e in events if e["kind"] == "saved" and (log, e["step"]) in returned]
         per_rank.append({"goodput": useful / total, "total": total, "useful": useful, "restore": restore["seconds"],
-                         "restored_step": restore["step"], "lost": a.kill_at - restore["step"],
+                         "restored_step": restore["step"], "lost": a.kill_at - restore["step"], "lost_s": lost_s,
+                         "stall_s": sum(stalls), "final_wait": end["final_wait"],
+                         "other_s": total - useful - lost_s - sum(stalls) - restore["seconds"] - end["final_wait"],
+                         "background_median": statistics.median(background) if background else 0.0,
                          "stall_median": statistics.median(stalls), "stall_max": max(stalls), "saves": len(stalls)})
     shutil.rmtree(root)
     worst = min(per_rank, key=lambda x: x["goodput"])
@@ -264,11 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'method':<8}{'goodput min':>12}{'median':>8}{'max':>7}{'stall s median':>16}{'(max)':>8}"
           f"{'lost steps':>11}{'restore s':>10}")
     for m in METHODS:
-        fig = {k: _stats([r[k] for r in runs[m]]) for k in ("goodput", "stall_median", "stall_max", "lost", "restore", "total")}
+        fig = {k: _stats([r[k] for r in runs[m]]) for k in (
+            "goodput", "stall_median", "stall_max", "lost", "restore", "total", "useful", "lost_s", "stall_s",
+            "final_wait", "other_s", "background_median")}
         report["methods"][m] = fig
         g = fig["goodput"]
         print(f"{m:<8}{g['min']:>12.3f}{g['median']:>8.3f}{g['max']:>7.3f}{fig['stall_median']['median']:>16.3f}"
               f"{fig['stall_max']['median']:>8.3f}{fig['lost']['median']:>11.0f}{fig['restore']['median']:>10.3f}")
+    print("\nwhere the total went, seconds (medians): useful steps / lost steps / stalls / restore / final wait / "
+          "other; and a save's median time in the background")
+    for m in METHODS:
+        f = report["methods"][m]
+        print(f"{m:<8}" + " / ".join(f"{f[k]['median']:.2f}" for k in ("useful", "lost_s", "stall_s", "restore",
+                                                                       "final_wait", "other_s"))
+              + f"; background {f['background_median']['median']:.2f} s")
     ratio = [o["goodput"] / t["goodput"] for o, t in zip(runs["ours"], runs["torch"])]
     stall = [t["stall_median"] / o["stall_median"] for o, t in zip(runs["ours"], runs["torch"])]
     report["ours_vs_torch"] = {"goodput": _stats(ratio), "stall": _stats(stall)}
