@@ -20,14 +20,15 @@ rotating per repeat):
 
 - ``stall``: per save, the seconds the loop is blocked: waiting for the previous save plus
   ``async_save`` itself (staging and planning), the worst rank;
-- ``goodput``: useful step seconds / total seconds. Useful: the compute of every step that the
-  final model contains (the first run's steps up to the restored checkpoint, and every step of the
-  resumed run). Total: the first run's loop until the kill, the restore, and the resumed run's loop
-  including the wait for its last save. Process start-up (``import torch``) is left out of both:
+- ``goodput``: useful seconds / total seconds. Useful: ``--steps`` x the undisturbed step time
+  (the median of the first run's steps before its first save), what the loop would take without
+  checkpoints or failures. Total: the first run's loop until the kill, the restore, and the resumed
+  run's loop including the wait for its last save. What goodput loses is split into the steps'
+  slowdown while a save runs beside them, the lost (recomputed) steps, the stalls, the restore, the
+  final wait and the rest. Process start-up (``import torch``) is left out of both:
   it is the same for both writers, and on a loaded machine it would swamp the rest;
 - ``lost``: steps recomputed after the kill; ``restore``: seconds of the restore; where the total
-  went (useful steps, lost steps, stalls, restore, the final save's wait, the rest: logging, the
-  loop itself) and how long a save ran in the background (``async_save``'s return to its future's
+  went (as above; the rest is logging and the loop itself) and how long a save ran in the background (``async_save``'s return to its future's
   end, the ``saved`` event written by a callback on the save's thread).
 
 Ranks: ``--ranks`` processes on one machine in a gloo group (gradients all-reduced: a
@@ -202,8 +203,11 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
         ready1, ready2 = first[0]["t"], resume[0]["t"]
         end = next(e for e in resume if e["kind"] == "end")
         total = (kill["t"] - ready1) + (end["t"] - ready2)
-        useful = sum(e["seconds"] for e in first if e["kind"] == "step" and e["step"] <= restore["step"])
-        useful += sum(e["seconds"] for e in resume if e["kind"] == "step")
+        # A step's time undisturbed: the median of the first run's steps before its first save (a
+        # step slowed down by a save running beside it is not useful time).
+        ideal = statistics.median(e["seconds"] for e in first if e["kind"] == "step" and e["step"] <= a.every)
+        useful = a.steps * ideal
+        stepped = sum(e["seconds"] for e in first + resume if e["kind"] == "step")
         stalls = [e["stall"] for e in first + resume if e["kind"] == "save"]
         lost_s = sum(e["seconds"] for e in first if e["kind"] == "step" and e["step"] > restore["step"])
         # How long each save ran in the background: from async_save's return to its future's end.
@@ -211,10 +215,11 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
                     for e in events if e["kind"] == "save"}
         background = [e["t"] - returned[(log, e["step"])] for log, events in (("first", first), ("resume", resume))
                       for e in events if e["kind"] == "saved" and (log, e["step"]) in returned]
-        per_rank.append({"goodput": useful / total, "total": total, "useful": useful, "restore": restore["seconds"],
+        per_rank.append({"goodput": useful / total, "total": total, "useful": useful, "ideal_step": ideal,
+                         "slowdown_s": stepped - lost_s - useful, "restore": restore["seconds"],
                          "restored_step": restore["step"], "lost": a.kill_at - restore["step"], "lost_s": lost_s,
                          "stall_s": sum(stalls), "final_wait": end["final_wait"],
-                         "other_s": total - useful - lost_s - sum(stalls) - restore["seconds"] - end["final_wait"],
+                         "other_s": total - stepped - sum(stalls) - restore["seconds"] - end["final_wait"],
                          "background_median": statistics.median(background) if background else 0.0,
                          "stall_median": statistics.median(stalls), "stall_max": max(stalls), "saves": len(stalls)})
     shutil.rmtree(root)
@@ -278,17 +283,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{'lost steps':>11}{'restore s':>10}")
     for m in METHODS:
         fig = {k: _stats([r[k] for r in runs[m]]) for k in (
-            "goodput", "stall_median", "stall_max", "lost", "restore", "total", "useful", "lost_s", "stall_s",
+            "goodput", "stall_median", "stall_max", "lost", "restore", "total", "useful", "ideal_step", "slowdown_s",
+            "lost_s", "stall_s",
             "final_wait", "other_s", "background_median")}
         report["methods"][m] = fig
         g = fig["goodput"]
         print(f"{m:<8}{g['min']:>12.3f}{g['median']:>8.3f}{g['max']:>7.3f}{fig['stall_median']['median']:>16.3f}"
               f"{fig['stall_max']['median']:>8.3f}{fig['lost']['median']:>11.0f}{fig['restore']['median']:>10.3f}")
-    print("\nwhere the total went, seconds (medians): useful steps / lost steps / stalls / restore / final wait / "
-          "other; and a save's median time in the background")
+    print("\nwhere the total went, seconds (medians): useful (steps x undisturbed step) / steps' slowdown beside "
+          "saves / lost steps / stalls / restore / final wait / other; a save's median time in the background")
     for m in METHODS:
         f = report["methods"][m]
-        print(f"{m:<8}" + " / ".join(f"{f[k]['median']:.2f}" for k in ("useful", "lost_s", "stall_s", "restore",
+        print(f"{m:<8}" + " / ".join(f"{f[k]['median']:.2f}" for k in ("useful", "slowdown_s", "lost_s", "stall_s", "restore",
                                                                        "final_wait", "other_s"))
               + f"; background {f['background_median']['median']:.2f} s")
     ratio = [o["goodput"] / t["goodput"] for o, t in zip(runs["ours"], runs["torch"])]
