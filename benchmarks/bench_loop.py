@@ -21,15 +21,17 @@ rotating per repeat):
 - ``stall``: per save, the seconds the loop is blocked: waiting for the previous save plus
   ``async_save`` itself (staging and planning), the worst rank;
 - ``goodput``: useful seconds / total seconds. Useful: ``--steps`` x the undisturbed step time
-  (the median of the first run's steps before its first save), what the loop would take without
+  (the median of both methods' steps before their first save, in the same repeat: one figure for
+  both, so within a repeat the goodputs compare the totals), what the loop would take without
   checkpoints or failures. Total: the first run's loop until the kill, the restore, and the resumed
   run's loop including the wait for its last save. What goodput loses is split into the steps'
   slowdown while a save runs beside them, the lost (recomputed) steps, the stalls, the restore, the
   final wait and the rest. Process start-up (``import torch``) is left out of both:
   it is the same for both writers, and on a loaded machine it would swamp the rest;
 - ``lost``: steps recomputed after the kill; ``restore``: seconds of the restore; where the total
-  went (as above; the rest is logging and the loop itself) and how long a save ran in the background (``async_save``'s return to its future's
-  end, the ``saved`` event written by a callback on the save's thread).
+  went (as above; the rest is logging and the loop itself); how long a save ran in the background
+  (``async_save``'s return to its future's end, the ``saved`` event written by a callback on the
+  save's thread).
 
 Ranks: ``--ranks`` processes on one machine in a gloo group (gradients all-reduced: a
 data-parallel replica each; DCP then saves one copy). Each worker writes one JSON line per event
@@ -203,10 +205,7 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
         ready1, ready2 = first[0]["t"], resume[0]["t"]
         end = next(e for e in resume if e["kind"] == "end")
         total = (kill["t"] - ready1) + (end["t"] - ready2)
-        # A step's time undisturbed: the median of the first run's steps before its first save (a
-        # step slowed down by a save running beside it is not useful time).
-        ideal = statistics.median(e["seconds"] for e in first if e["kind"] == "step" and e["step"] <= a.every)
-        useful = a.steps * ideal
+        undisturbed = [e["seconds"] for e in first if e["kind"] == "step" and e["step"] <= a.every]
         stepped = sum(e["seconds"] for e in first + resume if e["kind"] == "step")
         stalls = [e["stall"] for e in first + resume if e["kind"] == "save"]
         lost_s = sum(e["seconds"] for e in first if e["kind"] == "step" and e["step"] > restore["step"])
@@ -215,15 +214,14 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
                     for e in events if e["kind"] == "save"}
         background = [e["t"] - returned[(log, e["step"])] for log, events in (("first", first), ("resume", resume))
                       for e in events if e["kind"] == "saved" and (log, e["step"]) in returned]
-        per_rank.append({"goodput": useful / total, "total": total, "useful": useful, "ideal_step": ideal,
-                         "slowdown_s": stepped - lost_s - useful, "restore": restore["seconds"],
+        per_rank.append({"total": total, "undisturbed": undisturbed, "stepped": stepped, "restore": restore["seconds"],
                          "restored_step": restore["step"], "lost": a.kill_at - restore["step"], "lost_s": lost_s,
                          "stall_s": sum(stalls), "final_wait": end["final_wait"],
                          "other_s": total - stepped - sum(stalls) - restore["seconds"] - end["final_wait"],
                          "background_median": statistics.median(background) if background else 0.0,
                          "stall_median": statistics.median(stalls), "stall_max": max(stalls), "saves": len(stalls)})
     shutil.rmtree(root)
-    worst = min(per_rank, key=lambda x: x["goodput"])
+    worst = max(per_rank, key=lambda x: x["total"])
     worst["stall_median"] = max(x["stall_median"] for x in per_rank)
     worst["stall_max"] = max(x["stall_max"] for x in per_rank)
     return worst
@@ -271,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             orders.append(order)
             for m in order:
                 runs[m].append(one_run(a, m, base / f"{m}-{rep}"))
+            # A step's undisturbed time: the median of both methods' steps before their first save
+            # (one figure for both, so that within a repeat goodput compares the totals; a step
+            # slowed down by a save running beside it is not useful time).
+            ideal = statistics.median(x for m in METHODS for x in runs[m][-1]["undisturbed"])
+            for m in METHODS:
+                r = runs[m][-1]
+                r.update(ideal_step=ideal, useful=a.steps * ideal, goodput=a.steps * ideal / r["total"],
+                         slowdown_s=r["stepped"] - r["lost_s"] - a.steps * ideal)
             print(f"repeat {rep + 1}: order {', '.join(order)}; " + "; ".join(
                 f"{m} goodput {runs[m][-1]['goodput']:.3f}, restored step {runs[m][-1]['restored_step']}" for m in order)
                 + f"; load average {os.getloadavg()[0]:.1f}")
