@@ -151,3 +151,67 @@ def test_a_cached_save_loads_bit_exact_at_8_3_and_1_ranks(saved: Path) -> None:
     # Every save of the run committed with its own files (no file of an earlier save reused).
     names = [set(p.name for p in (saved / f"large-{s}").glob("*.bin")) for s in range(SAVES)]
     assert all(names) and not names[0] & names[1] and not names[1] & names[2]
+
+
+# -- one process: the cache's protocol, rank by rank ------------------------------------------------
+def _exchange(caches: list[SavePlanCache], states: list[dict], token: str):
+    """One plan exchange of ``len(states)`` ranks through the planner's methods, as dcp.save runs
+    them (the writer's storage data stood in by ``(token, rank)``): what each rank sent, and each
+    rank's final plan."""
+    import dataclasses
+
+    planners = [ReplicaGroupingSavePlanner(plan_cache=c) for c in caches]
+    for rank, (p, sd) in enumerate(zip(planners, states)):
+        p.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=rank == 0)
+    sent = [p.create_local_plan() for p in planners]
+    scatter, _ = planners[0].create_global_plan(sent)
+    final = [p.finish_plan(dataclasses.replace(s, storage_data=(token, r))) for r, (p, s) in enumerate(zip(planners, scatter))]
+    return sent, final
+
+
+def _rank_states(world: int, extra: int = 0) -> list[dict]:
+    return [{"w": torch.arange(8.0) + r, "step": torch.tensor(3.0), "lr": 0.1, **{f"x{i}": torch.ones(2) for i in range(extra)}} for r in range(world)]
+
+
+def test_later_exchanges_send_digests_and_give_the_same_final_plans_with_new_storage_data() -> None:
+    caches = [SavePlanCache() for _ in range(3)]
+    sent1, final1 = _exchange(caches, _rank_states(3), "a")
+    assert all(p.usable for p in sent1)
+    sent2, final2 = _exchange(caches, _rank_states(3), "b")
+    assert all(not p.usable and not p.items for p in sent2)
+    assert [f.items for f in final2] == [f.items for f in final1]
+    assert [f.storage_data for f in final2] == [("b", r) for r in range(3)]  # this save's names, never the last one's
+    assert caches[0].reused_global == 1
+
+
+def test_a_changed_rank_sends_its_plan_and_the_others_keep_their_digests() -> None:
+    caches = [SavePlanCache() for _ in range(3)]
+    _exchange(caches, _rank_states(3), "a")
+    states = _rank_states(3)
+    states[2]["new"] = torch.zeros(4)  # rank 2 alone holds a new value
+    sent, final = _exchange(caches, states, "b")
+    assert [p.usable for p in sent] == [False, False, True]
+    fresh = _exchange([SavePlanCache() for _ in range(3)], states, "b")[1]
+    assert [f.items for f in final] == [f.items for f in fresh]
+
+
+def test_a_coordinator_out_of_step_fails_one_save_and_the_next_exchanges_full_plans() -> None:
+    from goodput_ckpt import CheckpointError
+
+    caches = [SavePlanCache() for _ in range(2)]
+    _exchange(caches, _rank_states(2), "a")
+    caches[0] = SavePlanCache()  # the coordinator lost its cache, rank 1 did not
+    with pytest.raises(CheckpointError, match="out of step"):
+        _exchange(caches, _rank_states(2), "b")
+    sent, final = _exchange(caches, _rank_states(2), "c")  # rank 1 dropped its cache when it sent the digest
+    assert all(p.usable for p in sent) and [f.storage_data for f in final] == [("c", 0), ("c", 1)]
+
+
+def test_the_other_ranks_get_a_slim_metadata_the_coordinator_the_whole_one(tmp_path) -> None:
+    state = {f"t{i}": torch.ones(3) for i in range(50)}
+    md = dcp.save(state, storage_writer=CheckpointWriter(tmp_path / "c"), no_dist=True)
+    assert len(md.state_dict_metadata) == 50  # the coordinator's own result
+    received = pickle.loads(pickle.dumps(md))  # what dcp.save's broadcast hands every other rank
+    assert type(received).__name__ == "Metadata" and received.state_dict_metadata == {}
+    assert received.storage_meta == md.storage_meta
+    assert len(pickle.dumps(md)) < 1000
