@@ -1,8 +1,8 @@
 """Our local save against the physical limit: a raw ``write`` + ``fsync`` of the same bytes (issue 38).
 
-One process, one synthetic model-plus-optimizer state (``goodput_ckpt.tools._bench_state``, fixed
+One process, one synthetic model-plus-optimizer state (``goodput_ckpt.tools.measure._bench_state``, fixed
 seed), every method in the same run, the order rotating per repeat, each timed save after an
-untimed warm-up save of the same method (``goodput_ckpt.tools._bench_save.timed_save``):
+untimed warm-up save of the same method (``goodput_ckpt.tools.measure._bench_save.timed_save``):
 
 - ``raw``: the tensors' bytes written in order into one file by one thread (``os.write`` of at most
   64 MiB), then the file and the directory fsynced: the disk's limit for these bytes;
@@ -48,9 +48,9 @@ import torch.distributed.checkpoint as dcp
 
 from goodput_ckpt import CheckpointWriter
 from goodput_ckpt.cli._output import parse_size
-from goodput_ckpt.tools._bench_measure import rotated
-from goodput_ckpt.tools._bench_save import timed_save
-from goodput_ckpt.tools._bench_state import State, make_state
+from goodput_ckpt.tools.measure._bench_measure import rotated
+from goodput_ckpt.tools.measure._bench_save import timed_save
+from goodput_ckpt.tools.measure._bench_state import State, make_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -103,7 +103,7 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
     """Wrap the save's parts with timers; yields ``{part: [seconds, calls]}``, filled by the save."""
     import blake3 as real_blake3
 
-    import goodput_ckpt.dcp.hashed_write as hw
+    import goodput_ckpt.engine.hashed_write as hw
     import goodput_ckpt.dcp.writer as wr
     import goodput_ckpt.storage.local as local
 

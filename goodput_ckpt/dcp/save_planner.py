@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from .plan_cache import SavePlanCache
 from .rank_rows import check_rank_rows, resolve_rank_row, row_widths, widen_rank_rows
 
 __all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "group_small_replicas"]
@@ -70,19 +71,36 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank, and writes
     :class:`~.rank_rows.RankRow` values (module doc)."""
 
-    def __init__(self, *args: Any, widen_rows: Collection[str] = (), **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, widen_rows: Collection[str] = (), plan_cache: SavePlanCache | None = None, **kwargs: Any
+    ) -> None:
         """``widen_rows``: the keys of :class:`~.rank_rows.RankRow` values made with
-        ``widen=True`` (the same on every rank)."""
+        ``widen=True`` (the same on every rank). ``plan_cache``: one per sequence of saves by
+        the same ranks (:mod:`.plan_cache`): from the second save with the same layout on, the
+        ranks exchange digests and empty plans instead of their plans."""
         super().__init__(*args, **kwargs)
         self._widen = frozenset(widen_rows)
         self._widths: dict[str, tuple[int, Any]] = {}
+        self._cache = plan_cache
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        return plan if self._cache is None else self._cache.local_plan_to_send(plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if self._cache is None:
+            return self._plan_all(all_plans)
+        scatter, self.metadata = self._cache.global_plan(all_plans, self._plan_all)
+        return scatter, self.metadata
+
+    def _plan_all(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         all_plans = widen_rank_rows(all_plans, self._widen)
         check_rank_rows(all_plans)
         return super().create_global_plan(group_small_replicas(all_plans))
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self._cache is not None:
+            new_plan = self._cache.final_plan(new_plan)
         self._widths = row_widths(new_plan, self._widen)
         return super().finish_plan(new_plan)
 

@@ -68,6 +68,7 @@ from ..engine.hashed_write import (
 from ..engine.layout import place_items
 from .incremental import IncrementalPlan
 from .references_write import add_referenced_files, record_stored, referenced_items
+from .plan_cache import PlanDigest
 from .staging import stage_state_dict
 from .tensor_bytes import TensorByteSource, check_byte_order
 
@@ -211,8 +212,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
-            if getattr(plan, "usable", True) is False:
-                raise CheckpointError(_PLAN_CACHING)
+            if getattr(plan, "usable", True) is False and not isinstance(plan.storage_data, PlanDigest):
+                raise CheckpointError(_PLAN_CACHING)  # (scale) ours carries a digest: plan_cache.py
             self._store.prepare()
         except BaseException:
             self._release()
@@ -247,6 +248,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             self._durable = durable_future(self._store)
         finally:
             self._release()
+        # (scale) dcp.save broadcasts ``metadata`` to every rank as its result: O(ranks x tensors)
+        # bytes each rank unpickles. The commit record holds the truth, so the other ranks get it
+        # slim (_SlimWhenPickled); the coordinator's own result stays whole.
+        if type(metadata) is Metadata:
+            metadata.__class__ = _SlimWhenPickled
 
     def durable_future(self) -> concurrent.futures.Future[None]:
         """When the checkpoint of this writer's last save is durable at its final location.
@@ -390,6 +396,16 @@ _PLAN_CACHING = (
     "CheckpointWriter does not support a save planner with enable_plan_caching=True: a rank whose "
     "plan did not change would be handed the previous save's file names. Use a planner without plan caching"
 )
+
+
+class _SlimWhenPickled(Metadata):
+    """A ``Metadata`` that pickles as one without chunks, planner data or storage data: what
+    ``dcp.save`` returns on the ranks other than the coordinator after a save through
+    :class:`CheckpointWriter` (read the checkpoint's full metadata with
+    ``CheckpointReader.read_metadata``). Its size does not grow with ranks or tensors."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Metadata, ({},), {"storage_meta": self.storage_meta, "version": getattr(self, "version", None)})
 
 
 class _BytesSource:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..dcp.plan_cache import SavePlanCache
 from ..dcp.save_planner import ReplicaGroupingSavePlanner
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error, find_interrupt
@@ -184,6 +185,9 @@ class SaveJobs:
         self._worker: ThreadPoolExecutor | None = None
         self._abandoned = False  # the interpreter exited before the save in flight finished
         self.committed: set[int] = set()  # steps saved by this manager (the same on every rank)
+        # The plans of the last save (every rank's manager has one): later saves of the same
+        # layout exchange digests, not plans (dcp/plan_cache.py).
+        self.plan_cache = SavePlanCache()
 
     @property
     def in_flight_step(self) -> int | None:
@@ -299,7 +303,7 @@ class SaveJobs:
         for attempt in range(2):
             try:
                 dcp.save(
-                    state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS),
+                    state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS, plan_cache=self.plan_cache),
                     process_group=self.pg, no_dist=deliberate_no_dist(self.pg is None),
                 )  # fmt: skip
                 if job.writer.reuse is not None:  # an incremental save: the writer's own counters

@@ -1,0 +1,327 @@
+"""A save's planning and commit at W ranks, through the methods ``dcp.save`` calls, W simulated in one process.
+
+For each simulated rank this runs what ``dcp.save`` (``state_dict_saver._save_state_dict``, torch
+2.13) runs, in its order, with the real planner and writer objects:
+
+1. every rank: ``writer.storage_meta()``, ``planner.set_up_planner(state_dict, storage_meta,
+   is_coordinator)``, ``writer.set_up_storage_writer(is_coordinator, rank=, use_collectives=True)``,
+   ``planner.create_local_plan()``, ``writer.prepare_local_plan(plan)``, then the plan pickled
+   (``gather_object`` pickles it; its bytes counted);
+2. coordinator: every plan unpickled, ``planner.create_global_plan(plans)``,
+   ``writer.prepare_global_plan(plans)``, each final plan pickled (the scatter);
+3. every rank: its plan unpickled, ``planner.finish_plan(plan)``, ``write_data``'s bookkeeping
+   (below), its write results pickled (the ``all_reduce`` gather);
+4. coordinator: every result unpickled, ``writer.finish(metadata, results)`` (the commit record
+   built and published on a local directory; torch: its ``.metadata`` written), the ``Metadata``
+   pickled (``dcp.save``'s result, broadcast); every rank unpickles it.
+
+What is simulated, and why it equals the real path:
+
+- The state dict: a Llama-shaped model (``--layout``, as in ``bench_scale.py``) and AdamW state
+  as FSDP2's ``get_state_dict`` nests it (``model.*``, ``optim.state.<fqn>.{exp_avg, exp_avg_sq,
+  step}``, ``optim.param_groups``), every parameter and moment a DTensor ``Shard(0)`` over W ranks.
+  Each DTensor is a stand-in (:class:`SimShard`) whose ``__create_write_items__`` returns the
+  ``WriteItem`` torch's ``_create_write_items_for_dtensor`` builds, with the size and offset from
+  torch's own ``_compute_local_shape_and_global_offset`` for that rank: ranks past a tensor's end
+  get torch's empty shards (size 0 at offset ``dim 0``). ``step`` is a plain 0-d tensor on every
+  rank, ``param_groups`` plain values, as FSDP2 gives them.
+- ``write_data``: no data is hashed or written (data throughput is measured in
+  ``bench_local.py``); the rank's bookkeeping is ``CheckpointWriter._write_rank``'s (items
+  ordered, placed in files by ``place_items``, one ``RankWrites`` from ``rank_writes`` with
+  file entries of made-up 8 MiB-chunk hashes), and for torch one ``WriteResult`` per item with
+  its ``_StorageInfo`` (what ``FileSystemWriter`` returns).
+- The transport: not counted; each payload is pickled once by its sender and unpickled by each
+  receiver, as ``gather_object``/``scatter_object_list``/``broadcast_object_list`` do.
+
+Every rank's steps run (the coordinator needs every plan), but only rank 0 (coordinator), rank 1
+(the worst other rank: with FSDP it holds a non-empty shard of every tensor) and rank W/2 (a
+typical rank: empty shards of the tensors shorter than W rows) are timed. CPU (``process_time``)
+and wall (``perf_counter``); the coordinator's peak of Python allocations (``tracemalloc``) on an
+extra first run; min / median / max over ``--repeats``. Each repeat runs save 1 (first save) and
+save 2 (same layout: what plan caching reuses).
+
+Methods: ``ours`` (``ReplicaGroupingSavePlanner`` with a ``SavePlanCache`` + ``CheckpointWriter``,
+what ``CheckpointManager`` runs), ``ours-nocache`` (no plan cache), ``torch``
+(``DefaultSavePlanner`` + ``FileSystemWriter``) and ``torch-cache``
+(``DefaultSavePlanner(enable_plan_caching=True)`` + ``FileSystemWriter``).
+
+Run: ``python benchmarks/bench_scale_save.py --layout 70B --ranks 64,256 --methods ours,torch``;
+``--check`` compares the per-rank figures with a real 8-rank gloo save (bench_scale_save_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_scale import MODELS, PARAM_GROUP_KEYS, model_tensors  # noqa: E402
+
+from goodput_ckpt import CheckpointWriter  # noqa: E402
+from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, rank_writes  # noqa: E402
+from goodput_ckpt.dcp.plan_cache import SavePlanCache  # noqa: E402
+from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner  # noqa: E402
+from goodput_ckpt.engine.hashed_write import data_file_name  # noqa: E402
+from goodput_ckpt.engine.layout import place_items  # noqa: E402
+from goodput_ckpt.format.manifest import DTYPE_SIZES, FileEntry  # noqa: E402
+
+CHUNK = 8 << 20
+MB = 1e6
+
+
+class SimShard:
+    """One rank's shard of a DTensor ``Shard(0)`` over ``world`` ranks, as DCP's planning sees it."""
+
+    __slots__ = ("shape", "dtype", "rank", "world")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int) -> None:
+        self.shape, self.dtype, self.rank, self.world = shape, dtype, rank, world
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        sizes, offsets = _compute_local_shape_and_global_offset(self.shape, (self.world,), [self.rank], [Shard(0)])
+        sizes, offsets = torch.Size(sizes), torch.Size(offsets)
+        return [WriteItem(
+            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                        properties=TensorProperties(dtype=self.dtype), size=torch.Size(self.shape)),
+        )]  # fmt: skip
+
+
+def state_dict(layout: str, rank: int, world: int) -> dict[str, Any]:
+    """Rank ``rank``'s FSDP2 + AdamW state dict, nested as ``get_state_dict`` returns it."""
+    tensors = model_tensors(layout)
+    params = [t for t in tensors if t.dtype == "bfloat16"]
+    model = {t.fqn: SimShard(t.shape, torch.bfloat16, rank, world) for t in params}
+    state = {
+        p.fqn: {
+            "step": torch.tensor(100.0),
+            "exp_avg": SimShard(p.shape, torch.float32, rank, world),
+            "exp_avg_sq": SimShard(p.shape, torch.float32, rank, world),
+        }
+        for p in params
+    }
+    groups = [{k: (0.9, 0.95) if k == "betas" else ([p.fqn for p in params] if k == "params" else 1e-4) for k in PARAM_GROUP_KEYS}]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+# -- write_data's bookkeeping ------------------------------------------------------------------------
+def ours_results(plan: SavePlan) -> list[WriteResult]:
+    """What ``CheckpointWriter._write_rank`` returns for ``plan``, without hashing or writing."""
+    assignment = plan.storage_data
+    items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
+    own = sum(1 for it in items if it.type != WriteItemType.SHARD)
+    sizes = [_nbytes(it) for it in items]
+    placements, file_sizes = place_items(sizes, 1)
+    names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
+    entries = [FileEntry(n, s, tuple(f"{i:064x}" for i in range(math.ceil(s / CHUNK)))) for n, s in zip(names, file_sizes)]
+    written = tuple(
+        (items[p.item].index.fqn, None if items[p.item].index.offset is None else tuple(items[p.item].index.offset), p.file, p.offset, p.length)
+        for p in placements
+    )
+    boxes = [None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements]
+    writes = rank_writes(tuple(entries), written, boxes, own=own)
+    return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
+
+
+def torch_results(plan: SavePlan) -> list[WriteResult]:
+    """What ``FileSystemWriter.write_data`` returns for ``plan`` (one file per rank)."""
+    prefix, off, out = plan.storage_data.prefix, 0, []
+    for it in plan.items:
+        n = _nbytes(it)
+        out.append(WriteResult(index=it.index, size_in_bytes=n, storage_data=_StorageInfo(f"{prefix}0.distcp", off, n)))
+        off += n
+    return out
+
+
+def _nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 100
+    return math.prod(item.tensor_data.chunk.sizes) * DTYPE_SIZES[str(item.tensor_data.properties.dtype).removeprefix("torch.")]
+
+
+# -- one simulated save --------------------------------------------------------------------------------
+class Clock:
+    """CPU and wall seconds per (rank, phase), and bytes per payload."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[tuple[str, str], float] = {}
+        self.wall: dict[tuple[str, str], float] = {}
+        self.bytes: dict[str, int] = {}
+
+    def run(self, who: str, phase: str, fn: Callable[[], Any]) -> Any:
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = fn()
+        key = (who, phase)
+        self.cpu[key] = self.cpu.get(key, 0.0) + time.process_time() - c0
+        self.wall[key] = self.wall.get(key, 0.0) + time.perf_counter() - w0
+        return out
+
+
+class Ranks:
+    """The planners, writers and caches of W simulated ranks, kept from one save to the next."""
+
+    def __init__(self, method: str, layout: str, world: int, root: str) -> None:
+        self.method, self.world, self.root = method, world, root
+        self.caches = [SavePlanCache() for _ in range(world)] if method == "ours" else None
+        self.states = [state_dict(layout, r, world) for r in range(world)]
+
+    def planner(self, rank: int) -> Any:
+        if self.method.startswith("ours"):
+            return ReplicaGroupingSavePlanner(plan_cache=None if self.caches is None else self.caches[rank])
+        return DefaultSavePlanner()
+
+    def writer(self, save: int) -> Any:
+        path = os.path.join(self.root, f"{self.method}-{save}")
+        if self.method.startswith("ours"):
+            return CheckpointWriter(path, overwrite=True)
+        return FileSystemWriter(path, overwrite=False)  # a fresh directory per save and repeat
+
+
+def timed_ranks(world: int) -> dict[int, str]:
+    return {0: "coordinator", 1: "rank 1", world // 2: f"rank {world // 2}"}
+
+
+def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
+    """One ``dcp.save`` of every simulated rank (module doc, steps 1-4)."""
+    W, who = ranks.world, timed_ranks(ranks.world)
+    names = [who.get(r) for r in range(W)]
+    planners = [ranks.planner(r) for r in range(W)]
+    writers = [ranks.writer(save) for _ in range(W)]
+
+    def timed(r: int, phase: str, fn: Callable[[], Any]) -> Any:
+        return fn() if names[r] is None else clock.run(names[r], phase, fn)
+
+    blobs = []
+    for r in range(W):  # 1. local step
+        def local(r: int = r) -> bytes:
+            meta = writers[r].storage_meta()
+            planners[r].set_up_planner(state_dict=ranks.states[r], storage_meta=meta, is_coordinator=r == 0)
+            writers[r].set_up_storage_writer(r == 0, rank=r, use_collectives=True)
+            plan = writers[r].prepare_local_plan(planners[r].create_local_plan())
+            return pickle.dumps(plan)
+        blobs.append(timed(r, "local plan", local))
+    clock.bytes["plans gathered"] = sum(map(len, blobs))
+    if traced:
+        gc.collect()
+        tracemalloc.start()
+    coord = "coordinator"
+    plans = clock.run(coord, "gather: unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+    del blobs
+    final, metadata = clock.run(coord, "create_global_plan", lambda: planners[0].create_global_plan(plans))
+    final = clock.run(coord, "prepare_global_plan", lambda: writers[0].prepare_global_plan(final))
+    del plans
+    scattered = clock.run(coord, "scatter: pickle plans", lambda: [pickle.dumps(p) for p in final])
+    del final
+    clock.bytes["plans scattered"] = sum(map(len, scattered))
+    results = []
+    for r in range(W):  # 3. finish_plan, write_data's bookkeeping
+        def write(r: int = r) -> bytes:
+            plan = planners[r].finish_plan(pickle.loads(scattered[r]))
+            res = ours_results(plan) if ranks.method.startswith("ours") else torch_results(plan)
+            return pickle.dumps(res)
+        results.append(timed(r, "finish_plan + write bookkeeping", write))
+    del scattered
+    clock.bytes["results gathered"] = sum(map(len, results))
+    all_results = clock.run(coord, "gather: unpickle results", lambda: [pickle.loads(b) for b in results])
+    del results
+    clock.run(coord, "finish (commit)", lambda: writers[0].finish(metadata, all_results))
+    del all_results
+    blob = clock.run(coord, "broadcast: pickle Metadata", lambda: pickle.dumps(metadata))
+    clock.bytes["Metadata broadcast"] = len(blob)
+    if traced:
+        clock.bytes["coordinator peak MB"] = int(tracemalloc.get_traced_memory()[1] / MB)
+        tracemalloc.stop()
+    for r in range(W):
+        if names[r] is not None and r:
+            clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
+
+
+def measure(method: str, layout: str, world: int, repeats: int, memory: bool) -> dict[str, Any]:
+    runs: dict[int, list[Clock]] = {1: [], 2: []}
+    peaks: dict[int, int] = {}
+    for rep in range(repeats + (1 if memory else 0)):
+        with tempfile.TemporaryDirectory(prefix="bench-save-") as root:
+            traced = memory and rep == 0
+            ranks = Ranks(method, layout, world, root)
+            for save in (1, 2):
+                clock = Clock()
+                one_save(ranks, save, clock, traced)
+                if traced:
+                    peaks[save] = clock.bytes.pop("coordinator peak MB")
+                else:
+                    runs[save].append(clock)
+            del ranks
+            gc.collect()
+    out: dict[str, Any] = {"method": method, "layout": layout, "world": world, "saves": {}}
+    for save, clocks in runs.items():
+        row: dict[str, Any] = {"bytes": clocks[0].bytes, "coordinator peak MB": peaks.get(save)}
+        for who in timed_ranks(world).values():
+            for kind in ("cpu", "wall"):
+                totals = sorted(sum(v for (w, _), v in getattr(c, kind).items() if w == who) for c in clocks)
+                row[f"{who} {kind} s"] = {"min": totals[0], "median": statistics.median(totals), "max": totals[-1]}
+            row[f"{who} phases cpu s"] = {
+                ph: statistics.median(c.cpu.get((who, ph), 0.0) for c in clocks) for (w, ph) in clocks[0].cpu if w == who
+            }
+        out["saves"][save] = row
+    return out
+
+
+def print_row(row: dict[str, Any]) -> None:
+    W = row["world"]
+    for save, r in row["saves"].items():
+        label = "first save" if save == 1 else "later save, same layout"
+        print(f"\n{row['method']} {row['layout']} W={W}, {label}:  bytes {r['bytes']}, coordinator peak {r['coordinator peak MB']} MB")
+        for who in timed_ranks(W).values():
+            cpu, wall = r[f"{who} cpu s"], r[f"{who} wall s"]
+            print(f"  {who:<12} cpu {cpu['min']:8.3f} / {cpu['median']:8.3f} / {cpu['max']:8.3f} s   wall median {wall['median']:8.3f} s")
+            for ph, s in r[f"{who} phases cpu s"].items():
+                print(f"      {ph:<34} {s:8.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", default="70B", choices=sorted(MODELS))
+    ap.add_argument("--ranks", default="16,64")
+    ap.add_argument("--methods", default="ours,torch")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    rows = []
+    for world in (int(w) for w in args.ranks.split(",")):
+        for method in args.methods.split(","):
+            row = measure(method, args.layout, world, args.repeats, not args.no_memory)
+            print_row(row)
+            sys.stdout.flush()
+            rows.append(row)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
