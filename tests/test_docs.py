@@ -49,3 +49,15 @@ def test_cli_commands_in_the_docs_exist():
             shown |= set(re.findall(r"goodput-ckpt ([a-z]+)", block))
     assert shown, "the docs lost their command examples"
     assert shown <= set(COMMAND_MODULES), shown - set(COMMAND_MODULES)
+
+
+def test_architecture_names_modules_that_exist():
+    """docs/architecture.md reads the save and the restore through module paths
+    (`manager/save_job.py`, `manager/staging/`): each must exist, so the page cannot drift from
+    the code unnoticed when a module moves."""
+    page = ROOT / "docs" / "architecture.md"
+    package = ROOT / "goodput_ckpt"
+    named = set(re.findall(r"`([a-z_]+/(?:[a-z_]+/)*(?:[a-z_]+\.py)?)`", page.read_text()))
+    assert len(named) > 20, named
+    missing = sorted(p for p in named if not (package / p).exists() and not (ROOT / p).exists())
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"

@@ -1,4 +1,4 @@
-"""House rule 1: layers import downward only (DESIGN.md's list), and the storage layer, the byte
+"""House rule 1: layers import downward only (docs/architecture.md's list), and the storage layer, the byte
 engine (and the format's schema, the manager's root layout, retention and timeline) never import
 torch."""
 
@@ -12,9 +12,20 @@ from pathlib import Path
 
 import goodput_ckpt
 
-#: DESIGN.md's layers, bottom first (engine/: the torch-free byte engine under the DCP adapters, issue 36;
-#: integrations/: adapters for trainers, issue 39, above tools). A module may import its own layer and those below it.
-LAYERS = ["errors", "storage", "format", "engine", "dcp", "data", "state", "manager", "tools", "integrations", "cli"]
+#: The layers of docs/architecture.md's "Layers" block, bottom first: the page is the one home of
+#: the list, and this test reads it from there. A module may import its own layer and those below.
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def _documented_layers() -> list[str]:
+    """The names in the first fenced block under "## Layers", top-down there, bottom first here."""
+    text = _DOC.read_text().split("## Layers", 1)[1]
+    block = text.split("```", 2)[1]
+    names = [line.split()[0].rstrip("/") for line in block.splitlines() if line and not line[0].isspace()]
+    return names[::-1]
+
+
+LAYERS = _documented_layers()
 #: Top-level modules outside the list: the version sits at the bottom; the package root
 #: (``from goodput_ckpt import ...``) re-exports the public API, so only tools/ and cli/ use it.
 _RANK = {"_version": 0, "errors": 0, **{name: i for i, name in enumerate(LAYERS)}, "": LAYERS.index("tools")}
@@ -42,6 +53,13 @@ def _imports(path: Path, module: str, is_package: bool):
                 yield target
 
 
+def test_the_documented_layers_are_the_packages():
+    """The page lists every package of goodput_ckpt (and errors), none twice, and nothing else."""
+    root = Path(goodput_ckpt.__file__).parent
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()} | {"errors"}
+    assert sorted(LAYERS) == sorted(packages) and len(set(LAYERS)) == len(LAYERS), LAYERS
+
+
 def test_layers_import_downward_only():
     root = Path(goodput_ckpt.__file__).parent
     assert (root / "manager" / "checkpoint_manager.py").exists()
@@ -53,7 +71,7 @@ def test_layers_import_downward_only():
         if module == "goodput_ckpt":
             continue  # the root's lazy exports are the public API, not a layer
         here = _layer(module)
-        assert here in _RANK, f"{module}: a layer DESIGN.md does not list"
+        assert here in _RANK, f"{module}: a layer docs/architecture.md does not list"
         for target in _imports(path, module, is_package):
             if _RANK[_layer(target)] > _RANK[here]:
                 upward.append(f"{module} imports {target}")
