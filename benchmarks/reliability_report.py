@@ -74,7 +74,7 @@ HOSTILE = {
     "tests/data/test_saved_state_hostile.py": (
         "hostile: saved loader state: counts, cycles, stride-0 bitmaps, bombs, RNG slots, token shards [tests]", "local"),
     "tests/state/test_restore_hostile.py": (
-        "hostile: loader state through restore, both paths: refused before loader, RNG, objects change [tests]", "local"),
+        "hostile: loader state through restore, both paths: refused before model, optimizer, loader, RNG, objects change [tests]", "local"),
 }
 #: Two-tier checkpoints (issue 18): lost nodes, damaged copies, SIGKILL during local saves,
 #: replication and persistent uploads; ``--tiers`` runs only these.
