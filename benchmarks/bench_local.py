@@ -483,13 +483,13 @@ def table(report: dict[str, Any]) -> str:
             rows.append((lname, f"save:{name}" if i == 0 else None, f"load:{lname}"))
     for label, skey, lkey in rows:
         s = res.get(skey) if skey else None
-        l = res.get(lkey) if lkey else None
+        ld = res.get(lkey) if lkey else None
         files = report["methods"].get(label, {}).get("files", "") if skey else ""
-        others = f"{fmt(s, 'other_cpus', '.1f')}/{fmt(l, 'other_cpus', '.1f')}"
-        lines.append(f"{label:<15}{fmt(s, 'gbps', '.3f'):>10}{fmt(l, 'gbps', '.3f'):>10}"
+        others = f"{fmt(s, 'other_cpus', '.1f')}/{fmt(ld, 'other_cpus', '.1f')}"
+        lines.append(f"{label:<15}{fmt(s, 'gbps', '.3f'):>10}{fmt(ld, 'gbps', '.3f'):>10}"
                      f"{spread(s):>13}{spread(l):>13}"
-                     f"{fmt(s, 'median_s', '.2f'):>8}{fmt(l, 'median_s', '.2f'):>8}"
-                     f"{fmt(s, 'cpu_seconds', '.2f'):>9}{fmt(l, 'cpu_seconds', '.2f'):>9}{others:>10}{files!s:>6}")
+                     f"{fmt(s, 'median_s', '.2f'):>8}{fmt(ld, 'median_s', '.2f'):>8}"
+                     f"{fmt(s, 'cpu_seconds', '.2f'):>9}{fmt(ld, 'cpu_seconds', '.2f'):>9}{others:>10}{files!s:>6}")
     lines.append("GB/s and s: medians; min-max: slowest and fastest repeat (GB/s); cpu: this process's CPU seconds (median); "
                  "others: CPUs busy\nwith other processes of this machine during the measurement "
                  "(save/load, median), a noise gauge")

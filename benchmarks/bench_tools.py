@@ -219,7 +219,7 @@ def main() -> None:
                              "peak_mib": (statistics.median(peaks) / MiB) if peaks else None}  # fmt: skip
 
         ratios: dict[int, list[float]] = {}
-        for rep in range(a.repeats):
+        for _rep in range(a.repeats):
             drop_caches()
             results.setdefault("_raw8", {"runs": []})["runs"].append(run_child("raw-read", str(src), "8")["seconds"])
             for t in [int(x) for x in a.threads.split(",")]:

@@ -6,6 +6,8 @@ run the installed console script to see exactly what a user sees.
 
 from __future__ import annotations
 
+import argparse
+
 import io
 import json
 import os
@@ -215,7 +217,7 @@ def test_progress_only_on_a_terminal_without_json():
 
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("64KiB") == 65536 and parse_size("1024") == 1024
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         parse_size("lots")
 
 

@@ -272,7 +272,7 @@ def test_the_done_bitmap_is_contiguous_uint8_of_the_epochs_size(done):
 
 def test_a_valid_bitmap_still_restores():
     pos = EpochPosition(0).advanced(2, [3, 3], N)
-    for k in range(20):  # past MAX_SEGMENTS: folded into the bitmap
+    for _ in range(20):  # past MAX_SEGMENTS: folded into the bitmap
         pos = pos.advanced(1, [1], N)
     assert pos.done is not None and pos.done.numel() == 7
     back = EpochPosition.from_state(_roundtrip(pos.to_state()), N)

@@ -58,7 +58,7 @@ def save(
             per_rank[r].append(((key, None, 0, off, 100 + r), None))
             where[key] = (r, off, 100 + r)  # the last rank's, as DCP keeps one
     own = [len(items) for items in per_rank]
-    for key, (shape, boxes) in sorted(tensors.items(), key=lambda kv: kv[0] not in plain):
+    for key, (_shape, boxes) in sorted(tensors.items(), key=lambda kv: kv[0] not in plain):
         chunks = []
         for offsets, sizes, r in boxes:
             n = math.prod(sizes) * 4

@@ -104,7 +104,7 @@ class _Mount:
     def stop(self) -> None:
         """Unmount (``fusermount3 -u``, retried while busy, then lazily), then stop the process."""
         if os.path.ismount(self.path):
-            for attempt in range(20):
+            for _ in range(20):
                 if subprocess.run(["fusermount3", "-u", str(self.path)], capture_output=True).returncode == 0:
                     break
                 time.sleep(0.25)

@@ -7,6 +7,7 @@ answer like a server that echoes credentials). Fault injection proper is in test
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import threading
@@ -266,7 +267,7 @@ def test_config_is_checked():
         S3Config(client=client, session=boto3.session.Session())
     with pytest.raises(TypeError, match="S3 client"):
         S3Config(client=boto3.client("sqs", region_name="us-east-1"))
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         S3Config().max_attempts = 3  # type: ignore[misc]
 
 

@@ -62,7 +62,7 @@ def test_pieces_are_few_ordered_and_cover_the_range():
         assert len(pieces) <= 2 * len(shape) - 1
         strides = (210, 42, 7, 1)
         total = 0
-        for prefix, d, a, b in pieces:
+        for _prefix, d, a, b in pieces:
             total += (b - a) * strides[d]
         assert total == hi - lo
     assert flat_pieces((3,), 2, 2) == []

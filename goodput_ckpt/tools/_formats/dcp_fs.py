@@ -311,7 +311,7 @@ def write_dcp(
             sd_md[key] = _md.BytesStorageMetadata()
             storage[_md.MetadataIndex(key)] = _fs._StorageInfo(DATA_NAME, start, f.pos - start)
         chunks: dict[str, list[Any]] = {}
-        for (meta, lo, hi), t in zip(blocks, results):
+        for (meta, lo, _hi), t in zip(blocks, results):
             start = f.pos
             torch.save(t, f)
             offsets = torch.Size([lo] + [0] * (len(meta.shape) - 1)) if meta.shape else torch.Size([])
