@@ -432,7 +432,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         }  # fmt: skip
         Path(cfg["base"]).mkdir()
         # The two-tier restore opens the persistent step without the manager's storage options
-        # (goodput_ckpt/manager/tiers/restore.py, store_of): boto3's own variable points it here.
+        # (goodput_ckpt/manager/tiers/mend.py, store_of): boto3's own variable points it here.
         os.environ["AWS_ENDPOINT_URL_S3"] = server.url
         t0 = time.perf_counter()
         run_ranks(rank_main, WORLD, cfg, report_dir=scratch / "report", timeout=args.timeout)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
+from .collectives import Group
 from ..format.gc_pause import gc_paused
 
 __all__ = ["load_shared"]
@@ -35,13 +36,12 @@ def load_shared(load: Callable[[], T], *, group: Any = None, enabled: bool = Tru
     Raises:
         CheckpointError: what ``load`` raised on rank 0 (there: the original exception).
     """
-    import torch.distributed as dist
-
-    if not enabled or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+    shared = Group.default(group) if enabled else Group(None)
+    if shared.single:
         return load()
-    box: list[Any] = [None]
+    data: bytes | None = None
     error: BaseException | None = None
-    first = dist.get_rank(group) == 0
+    first = shared.rank == 0
     if first:
         try:
             result: tuple[str, Any] = ("ok", load())
@@ -51,12 +51,12 @@ def load_shared(load: Callable[[], T], *, group: Any = None, enabled: bool = Tru
         except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a result forever
             error = e
             result = ("error", CheckpointError(f"rank 0 could not read the manifest: {type(e).__name__}: {e}"))
-        box[0] = _encode(result)
+        data = _encode(result)
     # Only the bytes cross the group (pickling bytes makes no objects): the record's own
     # pickling and unpickling, which make one object per entry, run with the collector paused
     # on their own, not for the whole collective (a wait as long as rank 0's read, or a hang).
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    kind, value = result if first else _decode(box[0])
+    data = shared.broadcast(data)
+    kind, value = result if first else _decode(data)
     if kind == "error":
         if error is not None:
             raise error

@@ -21,7 +21,6 @@ import math
 import os
 import threading
 from collections import Counter
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +40,7 @@ from ..storage import FileSource, Store, is_supported_uri, open_store
 from ..storage.base import FileOrigin, redact
 from ..engine.manifest_load import load_manifest
 from .manifest_share import load_shared
+from .read_sources import ReadSources
 from ..engine.read_plan import Request, Task, plan_tasks, sequential_lanes
 from ..engine.read_runs import run_jobs
 from .tensor_bytes import byte_view, check_byte_order
@@ -94,21 +94,10 @@ class CheckpointReader(StorageReader):
             where a read is cheap and a partial load (``dcp.load(..., no_dist=True)`` on some
             ranks only) must not wait for ranks that never come. ``True`` forces sharing; pass
             ``False`` for a partial load from an object store.
-        partial: the location may hold only some of the files its manifest lists (a node's
-            copy of a two-tier checkpoint, which holds what that node's ranks read): files are
-            not checked up front, and a missing one is an error only when read.
-        checked_files: data files (names as in the manifest) whose every chunk the caller has
-            just checked against this manifest, such as files a two-tier restore fetched and
-            checked on arrival: read without hashing them again. Every other file is verified
-            as ``verify`` says, and one read from ``read_from`` always.
-        manifest: this location's manifest, already read and parsed by the caller (a two-tier
-            restore has it from the commit record every rank agreed on): the first load uses it
-            instead of reading and parsing it again on every rank.
-        read_from: data files (names as in the manifest) to read from elsewhere than ``uri``:
-            a two-tier restore reads the files its node's copy lacks straight from the
-            persistent tier, or from the copies it received from another node. Those files are
-            verified even with ``verify=False`` (which then applies to ``uri``'s files only),
-            unless named in ``checked_files``; errors name where they came from.
+        sources: where the bytes come from when not all from one complete location (a node's
+            partial copy, a manifest the caller already parsed, files checked on arrival or read
+            from another tier): :class:`~goodput_ckpt.dcp.read_sources.ReadSources`. Default: a
+            plain load of ``uri``.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -126,10 +115,7 @@ class CheckpointReader(StorageReader):
         trust_pickle: bool = False,
         process_group: Any = None,
         share_manifest: bool | None = None,
-        partial: bool = False,
-        checked_files: Collection[str] = (),
-        manifest: Manifest | None = None,
-        read_from: Mapping[str, FileOrigin] | None = None,
+        sources: ReadSources | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -140,16 +126,18 @@ class CheckpointReader(StorageReader):
         self.trust_pickle = bool(trust_pickle)
         self.process_group = process_group
         self.share_manifest = share_manifest
-        self.partial = bool(partial)
-        self.checked_files = frozenset(checked_files)
-        self.read_from: dict[str, FileOrigin] = dict(read_from or {})
+        sources = sources if sources is not None else ReadSources()
+        self.partial = sources.partial
+        self.checked_files = sources.checked_files
+        #: ``sources.read_from``; a caller may empty it after a load to free received chunks.
+        self.read_from: dict[str, FileOrigin] = dict(sources.read_from)
         self._options = dict(options)
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
         self._store: Store = open_store(uri, self._options)
-        self._manifest: Manifest | None = manifest
+        self._manifest: Manifest | None = sources.manifest
         # _manifest came from shared_manifest() or the caller, and no load used it yet
-        self._preloaded = manifest is not None
+        self._preloaded = sources.manifest is not None
         self._storage_data: dict[Any, StoredRange] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], Any]] = {}
         self._key_index: tuple[Manifest, KeyIndex] | None = None

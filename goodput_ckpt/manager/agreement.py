@@ -18,13 +18,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError
+from ..dcp.collectives import Group
+from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError
 from ..storage.base import Store
 from .retention import clean_before_restore
 from .staging.confirmed_writer import ConfirmedWriter
 
 __all__ = [
     "NO_DIST_WARNING",
+    "ExistingSteps",
     "agree_on_latest",
     "decide_on_coordinator",
     "deliberate_no_dist",
@@ -74,24 +76,22 @@ def open_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGro
     return None, False
 
 
-def fail_on_every_rank(
-    pg: dist.ProcessGroup | None, uri: str, err: BaseException, storage_options: dict[str, Any]
-) -> None:
+def fail_on_every_rank(group: Group, uri: str, err: BaseException, storage_options: dict[str, Any]) -> None:
     """This rank cannot save to ``uri`` (``err``) while the other ranks go on into
     ``dcp.save``: join them with a save that fails in DCP's first collective phase, so the
     save fails on every rank (with this rank's error) instead of leaving them waiting for
     this rank, and every rank's next save pairs with the same step. Alone: nothing to do."""
-    if pg is None:
+    if group.single:
         return
     try:
         writer = ConfirmedWriter(uri, **storage_options)
         writer.failure = err
-        dcp.save({}, storage_writer=writer, process_group=pg)
+        dcp.save({}, storage_writer=writer, process_group=group.pg)
     except (Exception, CheckpointException):
         pass  # the failure it was made for; ``err`` is raised by the caller
 
 
-def union_of_steps(pg: dist.ProcessGroup | None, world_size: int, list_steps: Callable[[], list[int]] | None) -> set[int]:
+def union_of_steps(group: Group, list_steps: Callable[[], list[int]] | None) -> set[int]:
     """Every rank: the union of the committed steps the listing ranks see (``list_steps``, on
     the ranks that list: the coordinator, and with two tiers each node's first rank), so that a
     save of an existing step is refused on every rank alike, before any rank enters ``dcp.save``.
@@ -103,16 +103,34 @@ def union_of_steps(pg: dist.ProcessGroup | None, world_size: int, list_steps: Ca
             mine = list_steps()
         except CheckpointError as e:
             logger.warning("could not list the existing steps (a save of one will fail when it commits): %s", e)
-    if pg is None:
-        return set(mine)
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=pg)
-    return {s for steps in gathered for s in steps or ()}
+    return {s for steps in group.gather(mine) for s in steps or ()}
 
 
-def agree_on_latest(
-    root: Store, pg: dist.ProcessGroup | None, *, is_coordinator: bool, keep_last: int | None, root_uri: str
-) -> int | None:
+class ExistingSteps:
+    """The committed steps every rank knows of, to refuse a save of one on every rank alike, at
+    the call (a background save would fail only at its commit, reported at ``close()``). No
+    collective per save: the steps listed at the first save (one gather, :func:`union_of_steps`)
+    and those saved since are the same on every rank. A step saved by another process meanwhile
+    still fails at its commit."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._seen: set[int] | None = None  # listed at the first save, every rank
+
+    def refuse(self, step: int, uri: str, *, list_steps: Callable[[], list[int]] | None, saved: set[int], where: str) -> None:
+        """Raise ``CheckpointExistsError`` when ``step`` is committed (``list_steps``: on the
+        ranks that list; ``saved``: the steps this manager committed; ``where``: for the message).
+        Collective at the first call."""
+        if self._seen is None:
+            self._seen = union_of_steps(self.group, list_steps)
+        if step in self._seen or step in saved:
+            raise CheckpointExistsError(
+                f"step {step} already has a committed checkpoint ({where}): {OVERWRITE_HINT}, or save another step",
+                path=uri,
+            )
+
+
+def agree_on_latest(root: Store, group: Group, *, keep_last: int | None) -> int | None:
     """The coordinator picks the newest complete step (and applies retention: incomplete steps
     and complete ones beyond ``keep_last`` go); every rank gets its choice, so all ranks load
     the same step.
@@ -127,7 +145,7 @@ def agree_on_latest(
             logger.warning("restore: %s; training starts from step 0", fresh[0])
         return latest
 
-    return decide_on_coordinator(pg, is_coordinator, decide, f"listing checkpoints under {root_uri}")
+    return decide_on_coordinator(group, decide, f"listing checkpoints under {root.uri}")
 
 
 def raise_first_failure(local_err: CheckpointError | None, messages: list[str | None]) -> None:
@@ -141,8 +159,7 @@ def raise_first_failure(local_err: CheckpointError | None, messages: list[str | 
 
 
 def raise_if_any_rank_failed(
-    pg: dist.ProcessGroup | None,
-    world_size: int,
+    group: Group,
     local_err: CheckpointError | None,
     *,
     agree: tuple[str, Any] | None = None,
@@ -159,13 +176,8 @@ def raise_if_any_rank_failed(
     ``tell``: a value of this rank's that may differ between ranks (whether it reads per-rank
     rows), carried by the same gather. Returns every rank's ``tell``, in rank order.
     """
-    if pg is None:
-        if local_err is not None:
-            raise local_err
-        return [tell]
     mine = None if agree is None else agree[1]
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (None if local_err is None else str(local_err), mine, tell), group=pg)
+    gathered = group.gather((None if local_err is None else str(local_err), mine, tell))
     raise_first_failure(local_err, [msg for msg, _, _ in gathered])
     if agree is not None:
         for rank, (_, value, _) in enumerate(gathered):
@@ -177,7 +189,7 @@ def raise_if_any_rank_failed(
     return [told for _, _, told in gathered]
 
 
-def decide_on_coordinator(pg: dist.ProcessGroup | None, is_coordinator: bool, decide: Any, what: str) -> Any:
+def decide_on_coordinator(group: Group, decide: Any, what: str) -> Any:
     """``decide()`` on the coordinator, its result on every rank (one broadcast).
 
     Raises:
@@ -185,13 +197,12 @@ def decide_on_coordinator(pg: dist.ProcessGroup | None, is_coordinator: bool, de
             coordinator (its message, after ``what``).
     """
     box: list[Any] = [None, None]
-    if is_coordinator:
+    if group.rank == 0:
         try:
             box[0] = decide()
         except CheckpointError as e:
             box[1] = str(e)
-    if pg is not None:
-        dist.broadcast_object_list(box, group=pg, group_src=0)
+    box = group.broadcast(box)
     if box[1] is not None:
         raise CheckpointError(f"{what} failed on the coordinator: {box[1]}")
     return box[0]

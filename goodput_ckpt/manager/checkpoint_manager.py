@@ -18,8 +18,12 @@ applies retention on the coordinator and records the outcome. The next ``save`` 
 ranks must share go through :mod:`.agreement`. Details and the failure policy:
 ``docs/manager.md``.
 
-This module is the public class: it checks the arguments, builds the state and calls those
-pieces in order.
+The job's storage is a chain of tiers (:mod:`.chain`): ``[persistent]``, or with ``local_dir``
+``[local, replicas, persistent]``. A save is prepared by :mod:`.saving` and written to the
+chain's first tier, which then spreads it (``Chain.after_write``); a restore hands the chain
+one :class:`~.restoring.RestoreTarget`, which loads the per-rank rows, checks them on every
+rank, then loads the tensors and applies them. This module is the public class: it checks the
+arguments and calls those pieces in order; no branch here depends on the number of tiers.
 """
 
 from __future__ import annotations
@@ -31,64 +35,28 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..dcp.load_planner import GridLoadPlanner
+from ..dcp.collectives import Group
 from ..engine.manifest_load import load_manifest
-from ..dcp.reader import CheckpointReader
-from ..dcp.writer import CheckpointWriter
-from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, as_checkpoint_error
-from ..state import (
-    EXTRA_KEY,
-    Topology,
-    apply_restore,
-    build_save_state,
-    check_stateful,
-    normalize,
-    plan_restore,
-)
-from ..state.apply import DecodedState, decode_restore, split_dest
-from ..state.per_rank import DATALOADER, ROWS
-from ..state.loader_share import share_key, share_loader_states
+from ..errors import CheckpointError, as_checkpoint_error
+from ..state import EXTRA_KEY, Topology, check_stateful, normalize
 from ..storage import open_store
-from ..storage.base import FileOrigin
-from .agreement import (
-    agree_on_latest,
-    decide_on_coordinator,
-    deliberate_no_dist,
-    fail_on_every_rank,
-    open_group,
-    raise_if_any_rank_failed,
-    union_of_steps,
-)
+from .agreement import ExistingSteps, fail_on_every_rank, open_group
+from .chain import Chain, agree_on_job, open_chain
 from .config import ManagerConfig
-from .disk_full import make_room
-from .job import JobRecord, JobState, claim_job_file, job_metadata, job_of, survey_job
 from .incremental_saves import IncrementalSaves
-from .retention import apply_retention, scan_steps
-from .save_job import ErrorCallback, SaveJob, SaveJobs
+from .job import JobState, job_of
+from .restoring import RestoreTarget
+from .save_job import ErrorCallback, SaveJobs
+from .saving import prepare_save
 from .staging.async_staging import AsyncStaging
-from .staging.confirmed_writer import ConfirmedWriter
 from .step_layout import child_uri, step_dir_name
-from .tiers import Tiers
-from .tiers.nodes import local_root
-from .timeline import TIMELINE_NAME, RestoreRecord, SaveRecord, TimelineSink, tensor_nbytes
+from .timeline import TimelineSink, timeline_target
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
 
 logger = logging.getLogger("goodput_ckpt.manager")
-
-#: The DCP keys of the per-rank dataloader states (``dataloader.rows``, a row per rank, or
-#: schema 1's ``dataloader.rank{r}``, see ``state.bundle``).
-LOADER_KEY_PREFIX = f"{DATALOADER}."
-LOADER_ROWS = f"{DATALOADER}.{ROWS}"
-
-
-def _share_agreement(plan: Any) -> tuple[str, Any]:
-    """What every rank's restore plan must agree on before the load (``agreement``): whether, and
-    how much, old loader state the coordinator broadcasts after it (``state.loader_share``)."""
-    return "the old ranks' loader states of an elastic restore (count, bytes)", share_key(plan)
 
 
 class CheckpointManager:
@@ -179,39 +147,27 @@ class CheckpointManager:
         self.root_uri = os.fspath(root_uri)
         self._storage_options = dict(storage_options)
         self._root = open_store(self.root_uri, self._storage_options)  # checks the options now
-        self._timeline = TimelineSink(self._timeline_target(timeline))
+        self._timeline = TimelineSink(timeline_target(timeline, self._root.traits))
         self._staging = AsyncStaging(defer=self.config.async_staging, timeout_s=self.config.timeout_s)
         self._closed = False
         self._pg, self._own_pg = open_group(process_group)
-        if self._pg is not None:
-            self._topology = Topology(rank=dist.get_rank(self._pg), world_size=dist.get_world_size(self._pg))
-        else:
-            self._topology = Topology(rank=0, world_size=1)
-        self._tiers: Tiers | None = None
-        self._job: JobState = self._survey_job()
-        self._steps_seen: set[int] | None = None  # committed steps listed at the first save, every rank
+        self._group = Group(self._pg)
+        self._topology = Topology(rank=self._group.rank, world_size=self._group.world_size)
+        self._job: JobState = agree_on_job(self.config, self._root, self._group)
+        self._existing = ExistingSteps(self._group)
         self._incremental = IncrementalSaves.open(self.config.incremental)  # None: every save is full
+        # The save thread reaches the chain through these (looked up at each call).
         self._saves = SaveJobs(
             pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
-            on_commit=self._apply_retention, on_error=on_error,
-            after_write=None if self.config.local_dir is None else self._after_local_write,
-            make_room=self._make_room if self.config.free_space_on_full else None,
+            on_commit=self._on_commit, on_error=on_error,
+            after_write=lambda job, err: self._chain.after_write(job, err),
+            make_room=(lambda job: self._chain.make_room(job)) if self.config.free_space_on_full else None,
         )  # fmt: skip
-        if self.config.local_dir is not None:
-            self._tiers = Tiers.open(
-                self.config, root_uri=self.root_uri, storage_options=self._storage_options, pg=self._pg,
-                topology=self._topology, local_world_size=local_world_size, timeline=self._timeline,
-                on_failure=self._saves.report_failure, job=self._job,
-            )  # fmt: skip
-
-    def _survey_job(self) -> JobState:
-        """The job this manager's checkpoints belong to (:mod:`.job`), decided by the coordinator
-        from the root's job file and the save numbers the tiers hold (one broadcast)."""
-        local_dir = self.config.local_dir
-        return decide_on_coordinator(
-            self._pg, self.is_coordinator,
-            lambda: survey_job(self._root, None if local_dir is None else local_root(local_dir, 0), lambda u: open_store(u, {})),
-            f"reading the job identity of {self._root.uri}",
+        #: The job's storage: [persistent], or [local, replicas, persistent] with ``local_dir``.
+        self._chain: Chain = open_chain(
+            self.config, root=self._root, root_uri=self.root_uri, storage_options=self._storage_options,
+            group=self._group, topology=self._topology, local_world_size=local_world_size, timeline=self._timeline,
+            on_failure=self._saves.report_failure, job=self._job,
         )  # fmt: skip
 
     @property
@@ -219,17 +175,6 @@ class CheckpointManager:
         """The id of the job whose checkpoints this manager saves and restores (:mod:`.job`):
         the one recorded at the root, or a new one that the first save records there."""
         return self._job.id
-
-    def _timeline_target(self, timeline: Any) -> Any:
-        if timeline is True:
-            # Only a local disk can append (a volume writes each file once).
-            traits = self._root.traits
-            return os.path.join(traits.local_path, TIMELINE_NAME) if traits.can_append and traits.local_path else None
-        if timeline is False or timeline is None:
-            return None
-        if callable(timeline) or isinstance(timeline, (str, os.PathLike)):
-            return timeline
-        raise TypeError(f"timeline must be a bool, a file path or a callable, got {type(timeline).__name__}")
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -261,16 +206,12 @@ class CheckpointManager:
         """The steps that hold a complete (committed) checkpoint, ascending. With two tiers: the
         steps this rank sees committed on its node's local tier or on the persistent tier
         (:meth:`step_tiers` says which)."""
-        if self._tiers is not None:
-            return list(self._tiers.step_tiers())
-        return scan_steps(self._root).complete
+        return list(self._chain.step_tiers())
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
         """Step -> the tiers holding a committed copy of it, seen from this rank (``"local"``:
         this node's directory, ``"persistent"``: the root). One tier: every step is persistent."""
-        if self._tiers is not None:
-            return self._tiers.step_tiers()
-        return {s: ("persistent",) for s in scan_steps(self._root).complete}
+        return self._chain.step_tiers()
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None``."""
@@ -288,10 +229,7 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
         """
-        if self._tiers is not None and step in self._tiers.step_tiers() and "local" in self._tiers.step_tiers()[step]:
-            manifest = load_manifest(open_store(self._tiers.step_uri(step), {}))
-        else:
-            manifest = load_manifest(open_store(self.step_uri(step), self._storage_options))
+        manifest = load_manifest(self._chain.manifest_store(step))
         extra = manifest.metadata.get(EXTRA_KEY, {})
         return dict(extra) if isinstance(extra, dict) else {}
 
@@ -317,47 +255,27 @@ class CheckpointManager:
                 background save failed.
         """
         self._check_open()
-        if self._tiers is not None:  # every save goes to the node-local tier first
-            uri, options = self._tiers.step_uri(step), {}
-        else:
-            uri, options = child_uri(self.root_uri, step_dir_name(step)), self._storage_options
+        uri, options = self._chain.save_target(step)  # with two tiers: the node-local tier
         started, t0 = time.time(), time.perf_counter()
         self._saves.finish_previous(report=False)
         if self.config.fail_fast and (failed := self._saves.take_unraised()) is not None:
             # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
-            fail_on_every_rank(self._pg, uri, failed, options)
+            fail_on_every_rank(self._group, uri, failed, options)
             raise failed
         if not self.config.overwrite:
-            self._refuse_existing(step, uri)
+            where = self._root.uri + ("" if len(self._chain.names) == 1 else " or the local tier")
+            lister = self.steps if self._chain.lists_steps() else None
+            self._existing.refuse(step, uri, list_steps=lister, saved=self._saves.committed, where=where)
         t_waited = time.perf_counter()
         try:
-            models = normalize(model, optimizer)
-            check_stateful(stateful)
-            state, metadata = build_save_state(
-                step, models=models, dataloader=dataloader, stateful=stateful, topology=self._topology,
-                save_rng=self.config.save_rng, extra=extra,
+            job, state, models = prepare_save(
+                step, uri=uri, options=options, model=model, optimizer=optimizer, dataloader=dataloader, extra=extra,
+                stateful=stateful, config=self.config, topology=self._topology, job=self._job, root=self._root,
+                started=started, waited_s=t_waited - t0, incremental=self._incremental,
             )  # fmt: skip
-            self._claim_root()
-            metadata.update(job_metadata(self._job.id, self._job.next_save))
-            self._job.next_save += 1  # a failed save's number is not reused: persists come early, never late
-            writer_options = dict(
-                thread_count=self.config.thread_count, chunk_size=self.config.chunk_size,
-                overwrite=self.config.overwrite, metadata=metadata, **options,
-            )  # fmt: skip
-            if self._incremental is not None:
-                writer_options["reuse"] = self._incremental.plan(step, state, models)
-            # An async save commits only if every rank's deferred copies are good
-            # (staging/confirmed_writer.py).
-            writer_cls = ConfirmedWriter if self.config.async_save else CheckpointWriter
-            writer = writer_cls(uri, **writer_options)
         except Exception as e:
-            fail_on_every_rank(self._pg, uri, e, options)
+            fail_on_every_rank(self._group, uri, e, options)
             raise
-        record = SaveRecord(
-            step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
-            is_async=self.config.async_save, wait_s=t_waited - t0, bytes=tensor_nbytes(state),
-        )  # fmt: skip
-        job = SaveJob(step, uri, writer, record)
         if not self.config.async_save:
             self._saves.save_now(job, state, blocked_from=t0, started=t_waited)
             return
@@ -366,48 +284,11 @@ class CheckpointManager:
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
                 err = as_checkpoint_error(e, f"staging step {step}")
-                fail_on_every_rank(self._pg, uri, err, options)
+                fail_on_every_rank(self._group, uri, err, options)
                 raise err from e
             raise
         del state
         self._saves.submit(job, staged, later, blocked_from=t0, waited=t_waited)
-
-    def _refuse_existing(self, step: int, uri: str) -> None:
-        """Raise ``CheckpointExistsError`` on every rank alike when ``step`` is committed on some
-        tier, at the call (a background save would fail only at its commit, reported at
-        ``close()``). No collective per save: the steps listed at the first save (one gather,
-        :func:`.agreement.union_of_steps`) and those this manager saved since are the same on
-        every rank. A step saved by another process meanwhile still fails at its commit."""
-        if self._steps_seen is None:
-            layout = None if self._tiers is None else self._tiers.local.layout
-            lists = self.is_coordinator or (layout is not None and layout.rank == layout.ranks_of(layout.node)[0])
-            self._steps_seen = union_of_steps(self._pg, self._topology.world_size, self.steps if lists else None)
-        if step in self._steps_seen or step in self._saves.committed:
-            raise CheckpointExistsError(
-                f"step {step} already has a committed checkpoint ({self._root.uri}"
-                f"{'' if self._tiers is None else ' or the local tier'}): {OVERWRITE_HINT}, or save another step",
-                path=uri,
-            )
-
-    def _claim_root(self) -> None:
-        """Before the job's first save: the coordinator records the job's id at the root."""
-        if self._job.recorded:
-            return
-        if self.is_coordinator:
-            found = claim_job_file(self._root, self._job.id)
-            if found != self._job.id:
-                raise CheckpointError(
-                    f"{self._root.uri} was claimed by another job (id {found}) after this one started: "
-                    "two jobs cannot share a root",
-                    path=self._root.uri,
-                )
-        self._job.recorded = True
-
-    def _restored(self, job: JobRecord) -> None:
-        """After a step of ``job`` was restored: this job's saves go on from its save number."""
-        if job.id == self._job.id and job.save is not None:
-            self._job.next_save = job.save + 1
-            self._job.persisted_save = min(self._job.persisted_save, job.save)
 
     def wait_staged(self) -> None:
         """Finish the background staging copies of the save in flight, in this thread.
@@ -417,39 +298,12 @@ class CheckpointManager:
         """
         self._staging.finish_pending()
 
-    # -- retention ----------------------------------------------------------------------------------
-    def _apply_retention(self, committed: int) -> None:
-        """Coordinator, after ``committed`` was committed and with no other save in flight
-        (policy: :mod:`.retention`; the save thread calls it, on every rank). Best effort: failures
-        are logged."""
+    def _on_commit(self, committed: int) -> None:
+        """The save thread, every rank, after ``committed`` committed: an incremental save's
+        pieces become the next save's base, then the chain's retention runs (best effort)."""
         if self._incremental is not None:
-            self._incremental.committed(committed)  # its stored pieces become the next save's base
-        if self.is_coordinator and self._tiers is None:  # two tiers: each tier applies its own
-            apply_retention(self._root, committed=committed, keep_last=self.config.keep_last)
-
-    def _make_room(self, job: SaveJob) -> bool:
-        """Every rank, after a save failed, with ``free_space_on_full``: see :mod:`.disk_full`."""
-        rank, world = self._topology.rank, self._topology.world_size
-        if self._tiers is None:
-            return make_room(
-                self._pg, self._root, rank=rank, world_size=world, owner_of=dict.fromkeys(range(world), 0),
-                step=job.step, needed=job.record.bytes,
-            )  # fmt: skip
-        local = self._tiers.local
-        persisting = local.persister.in_flight_step if local.persister is not None else None
-        return make_room(
-            self._pg, local.store, rank=rank, world_size=world, step=job.step, needed=job.record.bytes,
-            owner_of={r: local.layout.ranks_of(local.layout.node_of(r))[0] for r in range(world)},
-            protect={persisting} - {None},
-        )  # fmt: skip
-
-    def _after_local_write(self, job: SaveJob, err: CheckpointError | None) -> CheckpointError | None:
-        """Two tiers, the save thread, every rank: spread the local save (manifest to every node,
-        replicas, persist hand-off, local retention). Never raises."""
-        assert self._tiers is not None
-        err, replicate_s = self._tiers.local.after_save(job.step, err)
-        job.record.tier, job.record.replicate_s = "local", replicate_s
-        return err
+            self._incremental.committed(committed)
+        self._chain.apply_retention(committed)
 
     # -- restore ------------------------------------------------------------------------------------
     def restore(
@@ -482,171 +336,22 @@ class CheckpointManager:
             self._incremental.reset()  # the live tensors are about to hold another step: next save full
         models = normalize(model, optimizer)
         check_stateful(stateful)
+        target = RestoreTarget(
+            models=models, dataloader=dataloader, stateful=dict(stateful), topology=self._topology, config=self.config,
+            group=self._group, timeline=self._timeline,
+        )  # fmt: skip
         try:
-            return self._restore(step, models, dataloader, stateful)
+            # The chain picks the step and loads it in two parts (the per-rank rows, checked on
+            # every rank, then the tensors: .restoring); then it is applied.
+            restored = self._chain.restore(step, target)
+            if restored is None:
+                return None
+            target.apply(restored)
+            self._job.restored(job_of(restored.manifest, restored.where))  # checked before the loads
         except BaseException:
             models.discard_shaped_state()  # a fresh optimizer stays fresh (state/optim_state.py)
             raise
-
-    def _restore(self, step: int | None, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
-        """:meth:`restore` once its arguments are checked."""
-        if self._tiers is not None:
-            self._tiers.wait(self.config.timeout_s)  # and a persist in flight
-            return self._restore_tiers(step, models=models, dataloader=dataloader, stateful=stateful)
-        if step is None:
-            step = self._agree_on_latest()
-            if step is None:
-                return None
-        started, t0 = time.time(), time.perf_counter()
-        uri = child_uri(self.root_uri, step_dir_name(step))
-
-        def reader(manifest: Any = None) -> CheckpointReader:
-            return CheckpointReader(
-                uri, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg,
-                manifest=manifest, **self._storage_options,
-            )  # fmt: skip
-
-        first = reader()
-        plan, job, local_err, manifest = None, None, None, None
-        try:
-            manifest = first.shared_manifest()  # one read, not one per rank
-            job = job_of(manifest, uri)  # checked before anything is loaded
-            plan = self._plan(manifest, uri, models, dataloader, stateful)
-        except CheckpointError as e:
-            local_err = e
-        reads_rows = plan is not None and bool(split_dest(plan)[0])
-        told = raise_if_any_rank_failed(
-            self._pg, self._topology.world_size, local_err, agree=_share_agreement(plan), tell=reads_rows
-        )  # fmt: skip
-        assert plan is not None and job is not None
-        what = f"loading step {step} from {uri}"
-        # Two loads: the per-rank rows first, decoded and checked on every rank, and only then
-        # the tensors, read into the live ones (state/apply.py). A rank without rows still joins
-        # the first dcp.load when another rank reads some: its collectives pair them.
-        if any(told):
-            self._read(split_dest(plan)[0], first, what)
-        decoded = self._decode(plan)
-        second = reader(manifest)  # the manifest read above, not read again
-        self._read(split_dest(plan)[1], second, what)
-        self._apply(step, uri, plan, decoded, [first, second], started, t0, None)
-        self._restored(job)
-        return step
-
-    def _plan(self, manifest: Any, where: str, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> Any:
-        return plan_restore(
-            manifest, where=where, models=models, dataloader=dataloader, stateful=stateful,
-            topology=self._topology, allow_topology_change=self.config.allow_topology_change,
-        )  # fmt: skip
-
-    def _decode(self, plan: Any) -> DecodedState:
-        """Every rank, once the per-rank rows are read and before any live tensor is: share an
-        elastic restore's old loader states, decode and check this rank's state, and raise on
-        every rank when some rank's does not decode (then nothing was loaded anywhere)."""
-        share_loader_states(plan, self._pg)  # elastic: the coordinator's old loader states to all
-        decoded, err = None, None
-        try:
-            decoded = decode_restore(plan)
-        except CheckpointError as e:
-            err = e
-        raise_if_any_rank_failed(self._pg, self._topology.world_size, err)
-        assert decoded is not None
-        return decoded
-
-    def _read(self, dest: dict[str, Any], reader: CheckpointReader, what: str, *, local: bool = False) -> None:
-        """``dcp.load`` of ``dest`` (a part of a plan's destination, :func:`.state.split_dest`)
-        through ``reader``: every rank together, over the manager's group.
-
-        ``local``: each rank loads on its own, with none of ``dcp.load``'s collectives (the plan
-        gather and scatter, which ``GridLoadPlanner`` leaves empty for a v2 checkpoint, and the
-        read phase's gather). For a caller that gathers every rank's outcome itself right after,
-        as the two-tier restore does; without that gather, a rank's failure would not reach the
-        others.
-        """
-        no_dist = deliberate_no_dist(self._pg is None or local)
-        try:
-            dcp.load(dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self._pg, no_dist=no_dist)
-        except (Exception, CheckpointException) as e:
-            raise as_checkpoint_error(e, what)
-
-    def _apply(
-        self, step: int, uri: str, plan: Any, decoded: DecodedState, readers: list[CheckpointReader], started: float,
-        t0: float, sources: dict[str, int] | None,
-    ) -> None:  # fmt: skip
-        """Every rank, after both loads: apply ``plan``, record the restore, report its notes."""
-        apply_restore(plan, decoded)  # this rank's rows were decoded and checked before the tensors were read
-        loader_states = None
-        if plan.dataloader is not None:
-            loader_states = sum(
-                r.rows_read[LOADER_ROWS]
-                + sum(n for k, n in r.keys_read.items() if k.startswith(LOADER_KEY_PREFIX) and k != LOADER_ROWS)
-                for r in readers
-            )  # fmt: skip
-        self._timeline.emit(
-            RestoreRecord(
-                step=step, rank=self._topology.rank, world_size=self._topology.world_size, time=started,
-                seconds=time.perf_counter() - t0, bytes=tensor_nbytes(plan.dest), sources=sources,
-                loader_states=loader_states,
-            )  # fmt: skip
-        )
-        for note in plan.notes:  # one channel: the log (docs/manager.md, "What a restore reports")
-            logger.warning("restore of step %d: %s", step, note)
-        logger.info("restored step %d from %s", step, uri)
-
-    def _restore_tiers(self, step: int | None, *, models: Any, dataloader: Any, stateful: Mapping[str, Any]) -> int | None:
-        """Two tiers: agree on a step every rank can rebuild, fetch what is missing from the next
-        tier, and load from this node's copy, each chunk checked as it is read
-        (:mod:`.tiers.restore`): the per-rank rows first, then, once they are decoded on every
-        rank, the tensors."""
-        assert self._tiers is not None
-        started, t0 = time.time(), time.perf_counter()
-        readers: dict[int, CheckpointReader] = {}  # part -> its last load's reader (what the record counts)
-        decoded: list[DecodedState] = []
-
-        def load(part: int, plan: Any, where: str, checked: set[str], manifest: Any, read_from: dict[str, FileOrigin]) -> None:
-            if part == 0:
-                readers.clear()  # a new candidate, or the rows again after a repair
-            dest = split_dest(plan)[part]
-            if not dest:
-                return  # a rank without rows to read (the others' outcomes are gathered all the same)
-            reader = CheckpointReader(
-                where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self._pg, partial=True,
-                checked_files=checked, manifest=manifest, read_from=read_from,
-            )  # fmt: skip
-            readers[part] = reader
-            try:
-                # Local: restore_tiers gathers every rank's outcome right after (_load_checked).
-                self._read(dest, reader, f"loading {where}", local=True)
-            finally:
-                reader.read_from = {}  # chunks received into memory are freed now, not when the restore returns
-
-        def load_and_check(part: int, plan: Any, *args: Any) -> None:
-            load(part, plan, *args)
-            if part == 0 and not plan.elastic_from:
-                # This rank's own state decodes alone: its outcome rides on the load's gather.
-                decoded.append(decode_restore(plan))
-
-        def between(plan: Any) -> None:
-            if plan.elastic_from:  # agreed by every rank: the old states are shared, then checked
-                decoded.append(self._decode(plan))
-
-        found = self._tiers.restore(
-            step, plan_for=lambda manifest, where: self._plan(manifest, where, models, dataloader, stateful),
-            dest_of=lambda plan: plan.dest, load=load_and_check, agree_of=_share_agreement, decode=between,
-        )  # fmt: skip
-        if found is None:
-            return None
-        choice, plan = found
-        where = self._tiers.step_uri(choice.step)
-        self._apply(choice.step, where, plan, decoded[-1], list(readers.values()), started, t0, choice.sources)
-        self._restored(job_of(choice.manifest, where))  # checked by the tiers' restore
-        return choice.step
-
-    def _agree_on_latest(self) -> int | None:
-        """The step every rank restores: the coordinator's choice (:func:`.agreement.agree_on_latest`)."""
-        return agree_on_latest(
-            self._root, self._pg, is_coordinator=self.is_coordinator, keep_last=self.config.keep_last,
-            root_uri=self._root.uri,
-        )  # fmt: skip
+        return restored.step
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def wait(self) -> None:
@@ -659,8 +364,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._saves.finish_previous(report=False)
-        if self._tiers is not None:
-            self._tiers.wait(self.config.timeout_s)
+        self._chain.wait(self.config.timeout_s)
         self._saves.finish_previous(report=True)
 
     def close(self) -> None:
@@ -673,14 +377,12 @@ class CheckpointManager:
             return
         try:
             self._saves.finish_previous(report=False)
-            if self._tiers is not None:
-                self._tiers.wait(self.config.timeout_s)
+            self._chain.wait(self.config.timeout_s)
             self._saves.finish_previous(report=True)
         finally:
             self._closed = True
             self._saves.shutdown()
-            if self._tiers is not None:
-                self._tiers.close()
+            self._chain.close()
             self._staging.close()
             if self._own_pg and self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)

@@ -17,8 +17,7 @@ import logging
 import os
 from collections.abc import Collection
 
-import torch.distributed as dist
-
+from ..dcp.collectives import Group
 from ..errors import CheckpointError
 from ..storage.base import Store
 from .retention import delete_step, scan_steps, spare_referenced
@@ -61,20 +60,16 @@ def free_oldest(store: Store, *, protect: Collection[int] = ()) -> list[int]:
 
 
 def make_room(
-    pg: dist.ProcessGroup | None, store: Store, *, rank: int, world_size: int, owner_of: dict[int, int], step: int,
+    group: Group, store: Store, *, owner_of: dict[int, int], step: int,
     needed: int, protect: Collection[int] = (),
 ) -> bool:  # fmt: skip
     """Every rank, after the save of ``step`` failed: whether some rank's disk is short of space
     (one gather), after making room on each disk short of it (its owner, ``owner_of[rank]``,
     deletes what :func:`free_oldest` names). ``needed``: the bytes this rank saves."""
-    short = short_of_space(store, needed)
-    flags = [short]
-    if pg is not None:
-        flags = [None] * world_size
-        dist.all_gather_object(flags, short, group=pg)
+    flags = group.gather(short_of_space(store, needed))
     if not any(flags):
         return False
-    mine = [r for r, f in enumerate(flags) if f and owner_of.get(r) == rank]
+    mine = [r for r, f in enumerate(flags) if f and owner_of.get(r) == group.rank]
     if mine:
         freed = free_oldest(store, protect=protect)
         logger.warning(

@@ -224,6 +224,30 @@ class JobState:
     next_save: int = 1
     persisted_save: int = 0
 
+    def claim(self, root: Store, is_coordinator: bool) -> None:
+        """Before the job's first save: the coordinator records the job's id at ``root``.
+
+        Raises:
+            CheckpointError: another job claimed the root after this one started.
+        """
+        if self.recorded:
+            return
+        if is_coordinator:
+            found = claim_job_file(root, self.id)
+            if found != self.id:
+                raise CheckpointError(
+                    f"{root.uri} was claimed by another job (id {found}) after this one started: "
+                    "two jobs cannot share a root",
+                    path=root.uri,
+                )
+        self.recorded = True
+
+    def restored(self, job: JobRecord) -> None:
+        """After a step of ``job`` was restored: this job's saves go on from its save number."""
+        if job.id == self.id and job.save is not None:
+            self.next_save = job.save + 1
+            self.persisted_save = min(self.persisted_save, job.save)
+
 
 def survey_job(root: Store, local_node_dir: str | None, open_tier: Any) -> JobState:
     """The coordinator's view of its job before the first save or restore: the root's id (or a

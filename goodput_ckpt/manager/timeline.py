@@ -193,6 +193,24 @@ class PersistRecord:
         }  # fmt: skip
 
 
+def timeline_target(timeline: Any, root_traits: Any) -> Any:
+    """Where ``CheckpointManager(timeline=...)`` sends the timeline: ``True``, the root's
+    ``TIMELINE_NAME`` when the root is a local disk that can append (a volume writes each file
+    once), else memory only; ``False``/``None``: memory only; a path or a callable as given.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if timeline is True:
+        path = root_traits.local_path
+        return os.path.join(path, TIMELINE_NAME) if root_traits.can_append and path else None
+    if timeline is False or timeline is None:
+        return None
+    if callable(timeline) or isinstance(timeline, (str, os.PathLike)):
+        return timeline
+    raise TypeError(f"timeline must be a bool, a file path or a callable, got {type(timeline).__name__}")
+
+
 class TimelineSink:
     """Where the records of one manager go: an in-memory list, plus a file or a callback."""
 

@@ -20,11 +20,9 @@ of the per-rank rows (``apply.split_dest``) -> :func:`share_loader_states` -> ``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
 
+from ..dcp.collectives import Group
 from .bundle import RestorePlan
 
 __all__ = ["share_key", "share_loader_states"]
@@ -38,25 +36,21 @@ def share_key(plan: RestorePlan | None) -> tuple[int, int] | None:
     return plan.elastic_from, sum(_bytes(b).numel() for b in plan.elastic_blobs.values())
 
 
-def share_loader_states(plan: RestorePlan, pg: Any) -> None:
+def share_loader_states(plan: RestorePlan, group: Group) -> None:
     """Give every rank the old loader blobs the coordinator read (a no-op when the restore is not
-    elastic, or without a process group: then this process read them itself).
+    elastic, or in one process: then this process read them itself).
 
-    Collective over ``pg`` when ``plan.elastic_from``; every rank's :func:`share_key` must be equal.
+    Collective over ``group`` when ``plan.elastic_from``; every rank's :func:`share_key` must be equal.
     """
-    if not plan.elastic_from or pg is None:
+    if not plan.elastic_from or group.single:
         return
     blobs = [_bytes(b) for b in plan.elastic_blobs.values()]
     total = sum(b.numel() for b in blobs)
-    device = _device_of(pg)
-    if plan.elastic_reads:
-        flat = torch.cat(blobs).to(device)
-    else:
-        flat = torch.empty(total, dtype=torch.uint8, device=device)
-    dist.broadcast(flat, group=pg, group_src=0)
+    flat = torch.cat(blobs) if plan.elastic_reads else torch.empty(total, dtype=torch.uint8)
+    flat = group.broadcast_bytes(flat)
     if plan.elastic_reads:
         return
-    flat, start = flat.cpu(), 0
+    start = 0
     for b in blobs:
         b.copy_(flat[start : start + b.numel()])
         start += b.numel()
@@ -65,12 +59,3 @@ def share_loader_states(plan: RestorePlan, pg: Any) -> None:
 def _bytes(blob: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a blob template (a view: filling it fills the template)."""
     return blob.reshape(-1).view(torch.uint8)
-
-
-def _device_of(pg: Any) -> torch.device:
-    """Where the group's collectives take tensors: CPU for gloo (the manager's own group), this
-    process's current GPU for a NCCL group a caller passed in."""
-    backend = str(dist.get_backend(pg)).lower()
-    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

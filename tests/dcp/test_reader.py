@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter, CorruptCheckpointError
 from goodput_ckpt.dcp import reader as reader_mod
+from goodput_ckpt.dcp.read_sources import ReadSources
 from goodput_ckpt.errors import find_checkpoint_error
 from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
 
@@ -40,9 +41,11 @@ def runs(tmp_path, monkeypatch):
     return loc, manifest
 
 
-def _load(loc, **kw) -> dict[str, torch.Tensor]:
+def _load(loc, verify: bool = True, thread_count: int | None = None, **sources) -> dict[str, torch.Tensor]:
+    """A load through a reader given ``ReadSources(**sources)``."""
     dest = zeros_like(_state())
-    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=True, **kw))
+    reader = CheckpointReader(loc, volume=True, verify=verify, thread_count=thread_count, sources=ReadSources(**sources))
+    dcp.load(dest, storage_reader=reader)
     return dest
 
 
@@ -111,7 +114,7 @@ def test_checked_files_are_read_without_hashing_and_the_others_still_are(runs, v
         (loc / name).write_bytes(bytes(data))
     dest = zeros_like(_state())
     with pytest.raises(CheckpointException) as info:
-        dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, checked_files={checked}))
+        dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, sources=ReadSources(checked_files={checked})))
     err = find_checkpoint_error(info.value)
     assert isinstance(err, CorruptCheckpointError) and other in str(err) and checked not in str(err), err
     # Restore the other file: now only the checked file is damaged, and the load does not notice.
@@ -119,7 +122,7 @@ def test_checked_files_are_read_without_hashing_and_the_others_still_are(runs, v
     data[at] ^= 0x10
     (loc / other).write_bytes(bytes(data))
     dest = zeros_like(_state())
-    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, checked_files={checked}))
+    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, sources=ReadSources(checked_files={checked})))
     want = _state()
     differ = [k for k in want if not torch.equal(dest[k], want[k])]
     assert len(differ) == 1, differ  # the damaged bytes landed, unhashed: one tensor differs, by one byte
@@ -181,3 +184,11 @@ def test_files_read_from_another_store_come_from_it_and_are_always_verified(runs
     (other / moved).write_bytes(bytes(data))
     got = _load(loc, manifest=manifest, partial=True, read_from=elsewhere, verify=False)
     assert sum(not torch.equal(got[k], want[k]) for k in want) == 1
+
+
+def test_read_sources_default_to_a_plain_load_and_freeze_their_file_set():
+    """``ReadSources``: the reader's tier-only inputs in one value; its default reads everything
+    from the location, whose manifest the reader reads itself."""
+    plain = ReadSources()
+    assert (plain.partial, plain.manifest, plain.checked_files, dict(plain.read_from)) == (False, None, frozenset(), {})
+    assert ReadSources(checked_files={"a", "b"}).checked_files == frozenset({"a", "b"})

@@ -192,7 +192,7 @@ class _HashedSinkProxy(_SinkProxy):
 
 def _install(events: _Events) -> None:
     import goodput_ckpt.engine.hashed_write as hashed_write
-    import goodput_ckpt.manager.checkpoint_manager as manager
+    import goodput_ckpt.manager.chain as chain
     import goodput_ckpt.manager.save_job as save_job
     import goodput_ckpt.storage.local as local
     import goodput_ckpt.storage.volume as volume
@@ -281,8 +281,8 @@ def _install(events: _Events) -> None:
 
     wrap(ReusableStager, "_copy_into", copy_into)
     wrap(save_job.SaveJobs, "write", write)
-    wrap(manager.CheckpointManager, "_apply_retention", retention)
-    wrap(manager.CheckpointManager, "_agree_on_latest", restore_scan)
+    wrap(chain.PersistentChain, "apply_retention", retention)
+    wrap(chain.PersistentChain, "latest", restore_scan)
     wrap(hashed_write, "remove_stale_files", stale)
     local.os = volume.os = _OsProxy(events)
     for cls in (LocalStore, S3Store, VolumeStore):

@@ -109,8 +109,8 @@ def _fail_with(exc: BaseException):
 #: Faults one rank can be given (``restore_step(fault=(rank, name))``): what a disk or a library
 #: can raise that is not a ``CheckpointError``, at a step that rank takes alone.
 FAULTS = {
-    "inventory": ("goodput_ckpt.manager.tiers.restore", "_inventory", OSError(5, "Input/output error")),
-    "reader": ("goodput_ckpt.manager.checkpoint_manager", "CheckpointReader", RuntimeError("reader exploded")),
+    "inventory": ("goodput_ckpt.manager.tiers.candidates", "_inventory", OSError(5, "Input/output error")),
+    "reader": ("goodput_ckpt.manager.restoring", "CheckpointReader", RuntimeError("reader exploded")),
 }
 
 

@@ -18,25 +18,35 @@ import torch.distributed as dist
 
 from ...errors import CheckpointError
 from ...state import Topology
+from ...storage import open_store
+from ...storage.base import Store
+from ..disk_full import make_room
 from ..job import JobState
+from ..restoring import Restored, RestoreTarget
 from ..retention import scan_steps
+from ..save_job import SaveJob
+from ..step_layout import child_uri, step_dir_name
 from ..timeline import TimelineSink
 from .local_tier import LocalTier
 from .nodes import NodeLayout
 from .persist import Persister
-from .restore import LOCAL, PERSISTENT, REPLICA, TierRestore, restore_tiers
+from .mend import LOCAL, PERSISTENT, REPLICA
+from .restore import restore_tiers
 
-__all__ = ["LOCAL", "PERSISTENT", "REPLICA", "TierRestore", "Tiers"]
+__all__ = ["LOCAL", "PERSISTENT", "REPLICA", "Tiers"]
 
 
 class Tiers:
-    """The tiers of one two-tier manager, on one rank."""
+    """The chain ``[local, replicas, persistent]`` of one two-tier manager, on one rank
+    (``..chain.Chain``)."""
 
-    def __init__(self, local: LocalTier, persister: Persister, keep_last: int | None, verify: bool) -> None:
+    names = (LOCAL, REPLICA, PERSISTENT)
+
+    def __init__(self, local: LocalTier, persister: Persister, keep_last: int | None, config: Any) -> None:
         self.local = local
         self.persister = persister
         self.keep_last = keep_last
-        self.verify = verify
+        self.config = config
 
     @classmethod
     def open(
@@ -78,11 +88,11 @@ class Tiers:
             timeline=timeline, on_failure=on_failure, job=job,
         )  # fmt: skip
         local.persister = persister
-        return cls(local, persister, keep_local, config.verify)
+        return cls(local, persister, keep_local, config)
 
-    def step_uri(self, step: int) -> str:
-        """Where every save of ``step`` is written: this node's local directory."""
-        return self.local.step_uri(step)
+    def save_target(self, step: int) -> tuple[str, dict[str, Any]]:
+        """Every save of ``step`` is written into this node's local directory first."""
+        return self.local.step_uri(step), {}
 
     def step_tiers(self) -> dict[int, tuple[str, ...]]:
         """Step -> the tiers that hold a committed copy of it, seen from this rank: ``"local"``
@@ -95,6 +105,37 @@ class Tiers:
             out.setdefault(s, []).append(PERSISTENT)
         return {s: tuple(t) for s, t in sorted(out.items())}
 
+    def manifest_store(self, step: int) -> Store:
+        """This node's copy when it holds ``step`` committed, else the persistent tier's."""
+        if LOCAL in self.step_tiers().get(step, ()):
+            return self.local.step_store(step)
+        return open_store(child_uri(self.persister.root.uri, step_dir_name(step)), self.persister.storage_options)
+
+    def lists_steps(self) -> bool:
+        """The coordinator (the persistent tier) and each node's first rank (its node's)."""
+        layout = self.local.layout
+        return layout.rank == 0 or layout.rank == layout.ranks_of(layout.node)[0]
+
+    def after_write(self, job: SaveJob, err: CheckpointError | None) -> CheckpointError | None:
+        """Spread the local save (manifest to every node, replicas, persist hand-off, local
+        retention: ``.local_tier``). Never raises."""
+        err, replicate_s = self.local.after_save(job.step, err)
+        job.record.tier, job.record.replicate_s = LOCAL, replicate_s
+        return err
+
+    def apply_retention(self, committed: int) -> None:
+        """Nothing here: each tier applies its own (``after_write``, the persist thread)."""
+
+    def make_room(self, job: SaveJob) -> bool:
+        """Room on the local disks, each node's by its first rank, sparing a persist's step."""
+        local = self.local
+        persisting = local.persister.in_flight_step if local.persister is not None else None
+        return make_room(
+            local.group, local.store, step=job.step, needed=job.record.bytes,
+            owner_of={r: local.layout.ranks_of(local.layout.node_of(r))[0] for r in range(local.layout.world_size)},
+            protect={persisting} - {None},
+        )  # fmt: skip
+
     def wait(self, timeout_s: float | None) -> None:
         """Wait for the persist in flight."""
         self.persister.wait(timeout_s)
@@ -105,9 +146,10 @@ class Tiers:
         if self.persister.pg is not None and dist.is_initialized():
             dist.destroy_process_group(self.persister.pg)
 
-    def restore(self, step: int | None, **kwargs: Any) -> tuple[TierRestore, Any] | None:
-        """:func:`.restore.restore_tiers` over these tiers."""
+    def restore(self, step: int | None, target: RestoreTarget) -> Restored | None:
+        """:func:`.restore.restore_tiers` over these tiers, after the persist in flight."""
+        self.wait(self.config.timeout_s)
         return restore_tiers(
-            self.local, self.persister.root, step=step, keep_last=self.keep_last, verify=self.verify,
-            persistent_options=self.persister.storage_options, **kwargs,
+            self.local, self.persister.root, step=step, keep_last=self.keep_last, verify=self.config.verify,
+            target=target, persistent_options=self.persister.storage_options,
         )  # fmt: skip

@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...engine.hashed_write import data_file_rank, remove_stale_files
+from ...dcp.collectives import Group
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -82,6 +83,7 @@ class LocalTier:
         if self.store.traits.local_path is None:
             raise ValueError(f"local_dir must be a directory on this node's disk, got {template!r}")
         self.pg = pg
+        self.group = Group(pg, layout.world_size)
         self.persister = persister
         self.persist_every = persist_every
         self.keep_last = keep_last
@@ -105,11 +107,11 @@ class LocalTier:
         """Refuse two nodes whose local directories are one directory (a ``local_dir`` without
         ``{node}`` on a shared filesystem, or simulated nodes on one machine): a replica would
         overwrite the file it copies."""
-        if self.pg is None or self.layout.nodes == 1:
+        if self.layout.nodes == 1:  # (one process is one node)
             return
-        mine = (socket.gethostname(), os.path.realpath(self.store.traits.local_path or self.uri), self.layout.node)
-        seen: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(seen, mine, group=self.pg)
+        seen = self.group.gather(
+            (socket.gethostname(), os.path.realpath(self.store.traits.local_path or self.uri), self.layout.node)
+        )  # fmt: skip
         where: dict[tuple[str, str], int] = {}
         for host, path, node in seen:
             other = where.setdefault((host, path), node)
@@ -176,10 +178,7 @@ class LocalTier:
     def _agree(self, step: int, err: CheckpointError | None, *, decision: bool = False) -> tuple[CheckpointError | None, bool]:
         """``err``, or the first other rank's failure: the same verdict on every rank; and the
         coordinator's ``decision``, on every rank."""
-        outcomes: list[Any] = [(None if err is None else str(err), decision)]
-        if self.pg is not None:
-            outcomes = [None] * self.layout.world_size
-            dist.all_gather_object(outcomes, (None if err is None else str(err), decision), group=self.pg)
+        outcomes = self.group.gather((None if err is None else str(err), decision))
         if err is None and any(o is not None for o, _ in outcomes):
             rank = next(r for r, (o, _) in enumerate(outcomes) if o is not None)
             err = CheckpointError(f"step {step} failed on rank {rank}: {outcomes[rank][0]}")
@@ -187,15 +186,13 @@ class LocalTier:
 
     def _share_manifest(self, step: int) -> tuple[bytes, Manifest]:
         """The coordinator's commit record of ``step`` on every rank, committed on every node."""
-        box: list[Any] = [None]
+        data: Any = None
         if self.layout.rank == 0:
             try:
-                box[0] = self.step_store(step).read_small(MANIFEST_NAME)
+                data = self.step_store(step).read_small(MANIFEST_NAME)
             except CheckpointError as e:  # still broadcast: the others wait for it
-                box[0] = str(e)
-        if self.pg is not None:
-            dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        data = box[0]
+                data = str(e)
+        data = self.group.broadcast(data)
         if not isinstance(data, bytes):
             raise CheckpointError(f"the commit record of step {step} cannot be read on node 0: {data or 'it vanished'}")
         manifest = parse_manifest(data, location=self.step_uri(step))

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...engine.hashed_write import clear_or_refuse_existing, data_file_rank, durable_future
+from ...dcp.collectives import Group
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest
@@ -86,6 +87,7 @@ class Persister:
         self.root = open_store(root_uri, storage_options)
         self.local = local
         self.rank, self.world_size, self.pg = rank, world_size, pg
+        self.group = Group(pg, world_size)
         self.keep_last, self.overwrite = keep_last, overwrite
         self._timeline = timeline
         self._on_failure = on_failure
@@ -136,7 +138,7 @@ class Persister:
         nbytes = 0
         try:
             dst = open_store(where, self.storage_options)
-            raise_if_any_rank_failed(self.pg, self.world_size, self._clear(dst))
+            raise_if_any_rank_failed(self.group, self._clear(dst))
             dst.prepare()
             src = open_store(child_uri(self.local.uri, step_dir_name(job.step)), {})
             keys = KeyIndex(job.manifest)
@@ -145,8 +147,8 @@ class Persister:
                     copy_file(src, dst, entry, job.manifest.chunk_size, keys=keys)
                     nbytes += entry.size
             durable_future(dst).result()
-            raise_if_any_rank_failed(self.pg, self.world_size, None)
-            raise_if_any_rank_failed(self.pg, self.world_size, self._commit(dst, job))
+            raise_if_any_rank_failed(self.group, None)
+            raise_if_any_rank_failed(self.group, self._commit(dst, job))
         except BaseException as e:  # noqa: BLE001 - reported, never raised in this thread
             err = as_checkpoint_error(e, f"persisting step {job.step} to {where}")
         if err is None and self.rank == 0:
