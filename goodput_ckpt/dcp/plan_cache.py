@@ -41,8 +41,8 @@ __all__ = ["PlanDigest", "SavePlanCache", "plan_digest"]
 
 @dataclass(frozen=True)
 class PlanDigest:
-    """What an unchanged rank sends in place of its local plan (the ``storage_data`` of an
-    ``usable=False`` plan): the digest of the plan the coordinator holds for it."""
+    """The digest of a rank's local plan, in the ``storage_data`` of the plan it sends: with the
+    plan itself, or in place of it (an empty ``usable=False`` plan) when the coordinator holds it."""
 
     digest: bytes
 
@@ -83,7 +83,7 @@ class SavePlanCache:
             self.reused_local += 1
             return SavePlan([], usable=False, storage_data=PlanDigest(digest))
         self._unchanged_final = None
-        return plan
+        return dataclasses.replace(plan, storage_data=PlanDigest(digest))  # the coordinator need not hash it
 
     def final_plan(self, new_plan: SavePlan) -> SavePlan:
         """The plan this rank writes: ``new_plan``, or for an empty one the cached final plan
@@ -113,7 +113,8 @@ class SavePlanCache:
         local: list[SavePlan] = []
         for rank, plan in enumerate(all_plans):
             if plan.usable:
-                digests.append(plan_digest(plan))
+                sent = plan.storage_data
+                digests.append(sent.digest if isinstance(sent, PlanDigest) else plan_digest(plan))
                 local.append(plan)
                 continue
             sent = plan.storage_data

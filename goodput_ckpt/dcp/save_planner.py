@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from .plan_cache import SavePlanCache
 from .rank_rows import check_rank_rows, resolve_rank_row, row_widths, widen_rank_rows
 
-__all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "group_small_replicas"]
+__all__ = ["SMALL_REPLICA_BYTES", "ReplicaGroupingSavePlanner", "drop_empty_shards", "group_small_replicas"]
 
 #: Replicated plain tensors below this many bytes go to the lowest rank; larger ones are
 #: balanced by torch. 1 MiB: far above a scalar or a norm's state, far below a weight matrix.
@@ -67,6 +67,25 @@ def group_small_replicas(all_plans: list[SavePlan]) -> list[SavePlan]:
     ]
 
 
+def _empty_shard(item: WriteItem) -> bool:
+    data = item.tensor_data
+    return item.type == WriteItemType.SHARD and data is not None and 0 in data.chunk.sizes and 0 not in data.size
+
+
+def drop_empty_shards(all_plans: list[SavePlan]) -> list[SavePlan]:
+    """``all_plans`` without the empty shards of non-empty tensors.
+
+    Why: FSDP2 gives every rank past a tensor's end an empty shard, all under one index
+    (offset = the tensor's length), and torch's dedup then hands each such index to one rank
+    chosen by its bytes so far: the ranks' key lists all differ, which splits the commit
+    record's rank groups (:mod:`.item_entries`) and makes its build O(ranks x tensors) in
+    Python. An empty shard holds no byte and the record never lists it, so it is dropped
+    here, before dedup. A tensor with no element keeps its shards (its only record)."""
+    if not any(_empty_shard(it) for plan in all_plans for it in plan.items):
+        return all_plans
+    return [dataclasses.replace(plan, items=[it for it in plan.items if not _empty_shard(it)]) for plan in all_plans]
+
+
 class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that keeps small replicated values on the lowest rank, and writes
     :class:`~.rank_rows.RankRow` values (module doc)."""
@@ -96,7 +115,7 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     def _plan_all(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         all_plans = widen_rank_rows(all_plans, self._widen)
         check_rank_rows(all_plans)
-        return super().create_global_plan(group_small_replicas(all_plans))
+        return super().create_global_plan(group_small_replicas(drop_empty_shards(all_plans)))
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if self._cache is not None:

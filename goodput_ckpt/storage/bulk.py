@@ -9,6 +9,7 @@ every other store gets the one-file-at-a-time loop.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointError
 from .base import BatchDelete, SizedListing, Store
@@ -37,6 +38,9 @@ def delete_files(store: Store, names: Sequence[str]) -> None:
 #: and a few leftovers fit; past that, the names not yet seen are asked for one by one.
 _LISTING_SLACK = 1000
 
+#: Size requests in flight at once when a listing store's files are asked for one by one.
+_HEAD_THREADS = 32
+
 
 def file_sizes(store: Store, names: Collection[str]) -> dict[str, int | None]:
     """``{name: size, or None when missing}`` for ``names``.
@@ -63,4 +67,13 @@ def file_sizes(store: Store, names: Collection[str]) -> dict[str, int | None]:
         sizes = {n: listed[n] for n in names if n in listed}
     # Files the listing did not show are asked for one by one: a missing file is a rare event,
     # and this way a listing that lags behind a write never reports a file that exists as missing.
-    return {n: sizes[n] if n in sizes else store.size(n) for n in names}
+    # On a listing store (an object store, one round trip per request) all of them when the
+    # listing was refused, so they are asked for in parallel: 16,384 sequential HEADs at 10 ms
+    # are 164 s, on _HEAD_THREADS threads 5 s (the store's client is thread-safe).
+    asked = [n for n in names if n not in sizes]
+    if isinstance(store, SizedListing) and len(asked) > 1:
+        with ThreadPoolExecutor(min(_HEAD_THREADS, len(asked)), thread_name_prefix="goodput-sizes") as pool:
+            sizes.update(zip(asked, pool.map(store.size, asked)))
+    else:
+        sizes.update((n, store.size(n)) for n in asked)
+    return {n: sizes[n] for n in names}

@@ -184,6 +184,17 @@ def test_later_exchanges_send_digests_and_give_the_same_final_plans_with_new_sto
     assert caches[0].reused_global == 1
 
 
+def test_a_full_plan_carries_its_digest_so_the_coordinator_does_not_hash_it() -> None:
+    from goodput_ckpt.dcp.plan_cache import PlanDigest, plan_digest
+
+    caches = [SavePlanCache() for _ in range(3)]
+    sent1, _ = _exchange(caches, _rank_states(3), "a")
+    assert all(p.usable and p.storage_data == PlanDigest(plan_digest(p)) for p in sent1)
+    assert caches[0]._global[0] == [p.storage_data.digest for p in sent1]  # the digests as sent
+    sent2, _ = _exchange(caches, _rank_states(3), "b")  # and they match what the ranks send next
+    assert all(not p.usable for p in sent2) and caches[0].reused_global == 1
+
+
 def test_a_changed_rank_sends_its_plan_and_the_others_keep_their_digests() -> None:
     caches = [SavePlanCache() for _ in range(3)]
     _exchange(caches, _rank_states(3), "a")

@@ -108,3 +108,26 @@ def test_the_writer_refuses_torchs_plan_caching(tmp_path) -> None:
     err = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback) in torch 2.13
     assert isinstance(err, CheckpointError) and "enable_plan_caching" in str(err)
     assert not any((tmp_path / "cached").glob("*.bin"))  # nothing written
+
+
+def test_empty_shards_are_dropped_before_dedup_and_empty_tensors_kept() -> None:
+    """FSDP2's empty shards (ranks past a tensor's end) share one index, which torch's dedup would
+    hand to one rank each: dropped; a tensor without elements keeps its shards."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from goodput_ckpt.dcp.save_planner import drop_empty_shards
+
+    def shard(fqn, offset, rows, total):
+        chunk = ChunkStorageMetadata(offsets=torch.Size((offset, 0)), sizes=torch.Size((rows, 4)))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size((total, 4)))
+        return WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)
+
+    plans = [SavePlan([shard("a", min(r, 3), 1 if r < 3 else 0, 3), shard("z", 0, 0, 0)], planner_data={}) for r in range(5)]
+    out = drop_empty_shards(plans)
+    assert [[it.index.fqn for it in p.items] for p in out] == [["a", "z"]] * 3 + [["z"]] * 2
+    planner = ReplicaGroupingSavePlanner()
+    planner.set_up_planner({}, None, True)
+    _, md = planner.create_global_plan(plans)
+    assert [tuple(c.sizes) for c in md.state_dict_metadata["a"].chunks] == [(1, 4)] * 3
+    assert "z" in md.state_dict_metadata

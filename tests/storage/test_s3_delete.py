@@ -130,3 +130,20 @@ def test_other_stores_delete_one_at_a_time(tmp_path):
     assert file_sizes(store, ["a/x", "zz"]) == {"a/x": 1, "zz": None}
     delete_files(store, ["a/x", "a/y", "missing"])
     assert store.list() == ["b"]
+
+
+def test_sizes_asked_one_by_one_go_in_parallel(moto, proxy):
+    """Without permission to list, every file's size is a HEAD of its own: sent from several
+    threads at once (16,384 of them one after the other are minutes at 10 ms a request)."""
+    import threading
+
+    names = _fill(moto, "run", 40)
+    proxy.add("403_echo", op="ListObjects")
+    moto.url = proxy.url
+    counter = RequestCounter()
+    threads: set[int] = set()
+    counter.session().events.register("before-parameter-build.s3.HeadObject", lambda **_: threads.add(threading.get_ident()))
+    assert file_sizes(_store(moto, "run", counter), [*names, "d/missing.bin"]) == {
+        **{n: len(n) % 7 for n in names}, "d/missing.bin": None}
+    assert by_operation(counter.take()) == {"HeadObject": 41, "ListObjectsV2": 1}
+    assert len(threads) > 1 and threading.get_ident() not in threads
