@@ -37,7 +37,7 @@ from ..state import Topology, apply_restore, plan_restore
 from ..state.apply import DecodedState, decode_restore, split_dest
 from ..state.bundle import RestorePlan
 from ..state.loader_share import share_key, share_loader_states
-from ..state.per_rank import DATALOADER, ROWS
+from ..state.per_rank import loader_states_read
 from .agreement import deliberate_no_dist, raise_if_any_rank_failed
 from .config import ManagerConfig
 from .timeline import RestoreRecord, TimelineSink, tensor_nbytes
@@ -48,12 +48,6 @@ logger = logging.getLogger("goodput_ckpt.manager")
 
 #: The two parts of a plan's destination, loaded in this order (``state.apply.split_dest``).
 ROWS_PART, TENSORS_PART = 0, 1
-
-#: The DCP keys of the per-rank dataloader states (``dataloader.rows``, a row per rank, or
-#: schema 1's ``dataloader.rank{r}``, see ``state.bundle``): what a restore record counts.
-LOADER_KEY_PREFIX = f"{DATALOADER}."
-LOADER_ROWS = f"{DATALOADER}.{ROWS}"
-
 
 @dataclass
 class Restored:
@@ -176,11 +170,8 @@ class RestoreTarget:
         apply_restore(plan, self.decoded)
         loader_states = None
         if plan.dataloader is not None:
-            loader_states = sum(
-                r.rows_read[LOADER_ROWS]
-                + sum(n for k, n in r.keys_read.items() if k.startswith(LOADER_KEY_PREFIX) and k != LOADER_ROWS)
-                for r in self.readers.values()
-            )  # fmt: skip
+            readers = list(self.readers.values())
+            loader_states = loader_states_read([r.rows_read for r in readers], [r.keys_read for r in readers])
         self.timeline.emit(
             RestoreRecord(
                 step=restored.step, rank=self.topology.rank, world_size=self.topology.world_size, time=self.started,

@@ -15,7 +15,7 @@ checked on private generators (:func:`.rng.check_rng`) before :func:`.apply.appl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "blob_template",
     "checked_rng",
     "decode_own_loader_state",
+    "loader_states_read",
     "loader_row",
     "old_loader_states",
     "own_row",
@@ -172,3 +173,20 @@ def old_loader_states(blobs: dict[str, torch.Tensor]) -> list[Any]:
     if ROWS in blobs:
         return [decode_dataloader_row(row, key=f"{DATALOADER}.{ROWS}[{r}]") for r, row in enumerate(blobs[ROWS])]
     return [decode_dataloader_state(b, key=f"{DATALOADER}.{k}") for k, b in blobs.items()]
+
+
+#: The DCP keys of the per-rank dataloader states (``dataloader.rows``, a row per rank, or
+#: schema 1's ``dataloader.rank{r}``, see ``state.bundle``).
+_LOADER_KEY_PREFIX = f"{DATALOADER}."
+_LOADER_ROWS = f"{DATALOADER}.{ROWS}"
+
+
+def loader_states_read(rows_read: Iterable[Mapping[str, int]], keys_read: Iterable[Mapping[str, int]]) -> int:
+    """How many ranks' dataloader states a restore read, from its readers' counters
+    (``CheckpointReader.rows_read`` and ``.keys_read``, one mapping per reader): the rows of
+    ``dataloader.rows`` plus schema 1's per-rank keys. A same-topology restore reads 1 on each
+    rank, an elastic one every old rank's on the coordinator only (docs/manager.md): the restore
+    record carries it so that the promise is checked, not assumed."""
+    rows = sum(r.get(_LOADER_ROWS, 0) for r in rows_read)
+    keys = sum(n for k in keys_read for key, n in k.items() if key.startswith(_LOADER_KEY_PREFIX) and key != _LOADER_ROWS)
+    return rows + keys

@@ -438,3 +438,15 @@ def test_rows_that_rank_0_lacks_fail_the_save_by_name():
     that only other ranks hold would be written and never read."""
     with pytest.raises(CheckpointError, match="rank 0 .*rank 1 does"):
         widen_rank_rows([SavePlan([]), _row_plan(1, 3, 9), _row_plan(2, 3, 7)], {"dataloader.rows"})
+
+
+def test_loader_states_read_counts_rows_and_schema_1_keys_from_the_readers_counters():
+    """The restore record's ``loader_states`` (state.per_rank.loader_states_read): the rows of
+    ``dataloader.rows`` and schema 1's ``dataloader.rank{r}`` keys, over every reader, and
+    nothing else (a model key, the RNG rows)."""
+    from goodput_ckpt.state.per_rank import loader_states_read
+
+    rows = [{"dataloader.rows": 3, "rng.rows": 4}, {"dataloader.rows": 1}]
+    keys = [{"dataloader.rank0": 1, "dataloader.rank1": 1, "model.w": 1, "dataloader.rows": 9}, {}]
+    assert loader_states_read(rows, keys) == 3 + 1 + 2
+    assert loader_states_read([], []) == 0
