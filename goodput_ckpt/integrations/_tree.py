@@ -200,3 +200,25 @@ def load_tree(uri: str | os.PathLike, *, process_group: Any = None, **reader_opt
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise as_checkpoint_error(e, f"loading the checkpoint at {where}")  # noqa: B904 - it chains e
     return decode_tree(meta.get("root"), state, where=where)
+
+
+def check_tree_kind(tree: Any, uri: str, *, kind: str, version: int, layout: str) -> dict[str, Any]:
+    """``tree`` (a :func:`load_tree` result) when it is a checkpoint of ``kind`` in layout
+    ``version``: the one check every trainer adapter makes before reading its fields, so that a
+    checkpoint of another adapter, or of a newer layout, is refused by name rather than read as
+    if it were this one. ``layout`` names the adapter's layout in the message ("Trainer").
+
+    Raises:
+        CheckpointError: another kind, or another layout version (values quoted, truncated).
+    """
+    if not isinstance(tree, dict) or tree.get("kind") != kind:
+        found = tree.get("kind") if isinstance(tree, dict) else type(tree).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise CheckpointError(f"{uri} is a goodput-ckpt checkpoint of {found!r:.60}, not of {article} {kind}", path=uri)
+    if tree.get("version") != version:
+        raise CheckpointError(
+            f"{uri}: {layout} checkpoint layout version {tree.get('version')!r:.40} is not supported "
+            f"(this library reads version {version})", path=uri, version=str(tree.get("version"))[:40],
+        )  # fmt: skip
+    return tree
+

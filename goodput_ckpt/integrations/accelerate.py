@@ -36,7 +36,7 @@ from accelerate.utils import DistributedType
 from ..errors import CheckpointError
 from ..state.rng import capture_rng
 from ._processes import gather_per_process, load_into, restore_process_rng
-from ._tree import load_tree, save_tree
+from ._tree import check_tree_kind, load_tree, save_tree
 
 __all__ = ["CHECKPOINT_KIND", "load_state", "save_state"]
 
@@ -161,14 +161,7 @@ def _load_loader_state(loader: Any, saved: Any, uri: str) -> None:
 
 
 def _check_tree(tree: Any, uri: str, accelerator: Any) -> None:
-    if not isinstance(tree, dict) or tree.get("kind") != CHECKPOINT_KIND:
-        kind = tree.get("kind") if isinstance(tree, dict) else type(tree).__name__
-        raise CheckpointError(f"{uri} is a goodput-ckpt checkpoint of {kind!r:.60}, not of an {CHECKPOINT_KIND}", path=uri)
-    if tree.get("version") != _VERSION:
-        raise CheckpointError(
-            f"{uri}: Accelerate checkpoint layout version {tree.get('version')!r:.40} is not supported "
-            f"(this library reads version {_VERSION})", path=uri, version=str(tree.get("version"))[:40],
-        )  # fmt: skip
+    check_tree_kind(tree, uri, kind=CHECKPOINT_KIND, version=_VERSION, layout="Accelerate")
     for key, have in (("models", accelerator._models), ("optimizers", accelerator._optimizers),
                       ("schedulers", accelerator._schedulers), ("dataloaders", accelerator._dataloaders),
                       ("custom", accelerator._custom_objects)):  # fmt: skip

@@ -52,7 +52,7 @@ from ..manager.step_layout import child_uri
 from ..state.rng import capture_rng
 from ._locations import committed_numbered, is_committed, record_status, remove_location
 from ._processes import gather_per_process, load_into, restore_process_rng
-from ._tree import load_tree, save_tree
+from ._tree import check_tree_kind, load_tree, save_tree
 
 __all__ = ["CHECKPOINT_KIND", "GoodputTrainer", "GoodputTrainerMixin"]
 
@@ -269,14 +269,7 @@ class GoodputTrainer(GoodputTrainerMixin, Trainer):
 
 def _load_checkpoint(uri: str, **reader_options: Any) -> dict[str, Any]:
     tree = load_tree(uri, **reader_options)
-    if not isinstance(tree, dict) or tree.get("kind") != CHECKPOINT_KIND:
-        kind = tree.get("kind") if isinstance(tree, dict) else type(tree).__name__
-        raise CheckpointError(f"{uri} is a goodput-ckpt checkpoint of {kind!r:.60}, not of a {CHECKPOINT_KIND}", path=uri)
-    if tree.get("version") != _VERSION:
-        raise CheckpointError(
-            f"{uri}: Trainer checkpoint layout version {tree.get('version')!r:.40} is not supported "
-            f"(this library reads version {_VERSION})", path=uri, version=str(tree.get("version"))[:40],
-        )  # fmt: skip
+    check_tree_kind(tree, uri, kind=CHECKPOINT_KIND, version=_VERSION, layout="Trainer")
     state = tree.get("trainer_state")
     if not isinstance(tree.get("model"), dict) or not isinstance(state, dict):
         raise CheckpointError(f"{uri}: the Trainer checkpoint lacks its model or trainer state", path=uri)

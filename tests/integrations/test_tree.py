@@ -125,3 +125,22 @@ def test_core_and_integrations_package_import_no_trainer_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_an_adapters_checkpoint_is_checked_for_its_kind_and_layout_version():
+    """check_tree_kind: the check each trainer adapter makes; another adapter's checkpoint, a
+    tree that is not a dict and a newer layout are refused by name, with quoted values cut."""
+    from goodput_ckpt.integrations._tree import check_tree_kind
+
+    tree = {"kind": "transformers.Trainer", "version": 1}
+    assert check_tree_kind(tree, "/c", kind="transformers.Trainer", version=1, layout="Trainer") is tree
+    with pytest.raises(CheckpointError, match=r"of 'transformers.Trainer', not of an accelerate.Accelerator"):
+        check_tree_kind(tree, "/c", kind="accelerate.Accelerator", version=1, layout="Accelerate")
+    with pytest.raises(CheckpointError, match=r"of 'list', not of a transformers.Trainer"):
+        check_tree_kind([1], "/c", kind="transformers.Trainer", version=1, layout="Trainer")
+    with pytest.raises(CheckpointError, match=r"Trainer checkpoint layout version 2 is not supported") as e:
+        check_tree_kind({**tree, "version": 2}, "/c", kind="transformers.Trainer", version=1, layout="Trainer")
+    assert e.value.path == "/c"
+    with pytest.raises(CheckpointError) as e:
+        check_tree_kind({"kind": "x" * 10_000}, "/c", kind="transformers.Trainer", version=1, layout="Trainer")
+    assert len(str(e.value)) < 200
