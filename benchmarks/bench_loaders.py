@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the Se
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
 from goodput_ckpt.data import TokenStream  # noqa: E402
 from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache  # noqa: E402
+from goodput_ckpt.tools.measure._bench_measure import spread_of as _stats  # noqa: E402
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 MiB = 1 << 20
@@ -162,10 +163,6 @@ def timed(label: str, methods: dict[str, Pass], repeats: int, total: int, before
     if best:
         out["ratio_vs_best_peer"] = _stats([b / o for b, o in zip(best, secs["ours"])])
     return out
-
-
-def _stats(xs: list[float]) -> dict[str, Any]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -56,6 +56,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from goodput_ckpt.tools.measure._bench_measure import spread_of as _stats
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -225,10 +227,6 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
     worst["stall_median"] = max(x["stall_median"] for x in per_rank)
     worst["stall_max"] = max(x["stall_max"] for x in per_rank)
     return worst
-
-
-def _stats(xs: list[float]) -> dict[str, Any]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
 
 
 def main(argv: list[str] | None = None) -> int:

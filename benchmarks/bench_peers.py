@@ -66,16 +66,13 @@ from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
 from goodput_ckpt.tools.measure._bench_save import timed_save  # noqa: E402
 from goodput_ckpt.tools.measure._bench_state import make_state  # noqa: E402
+from goodput_ckpt.tools.measure._bench_measure import spread_of as stats  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 MiB = 1 << 20
 Method = tuple[Callable[[str], Any], Callable[[str], Any]]  # save(where), load(where) -> state read
-
-
-def stats(xs: list[float]) -> dict[str, Any]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
 
 
 def zeros_like(obj: Any) -> Any:

@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from goodput_ckpt import CheckpointWriter
 from goodput_ckpt.cli._output import parse_size
 from goodput_ckpt.tools.measure._bench_measure import rotated
+from goodput_ckpt.tools.measure._bench_measure import spread_of as stats
 from goodput_ckpt.tools.measure._bench_save import timed_save
 from goodput_ckpt.tools.measure._bench_state import State, make_state
 
@@ -83,10 +84,6 @@ def raw_save(state: State, where: str) -> None:
 
 def ours_save(state: State, where: str, **kw: Any) -> None:
     dcp.save(state.nested, storage_writer=CheckpointWriter(where, **kw))
-
-
-def stats(xs: list[float]) -> dict[str, Any]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
 
 
 def _clock(fn: Callable[[], Any]) -> dict[str, float]:

@@ -71,6 +71,7 @@ from helpers.s3 import SeaweedServer, s3_env  # noqa: E402
 
 from goodput_ckpt import CheckpointManager  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
+from goodput_ckpt.tools.measure._bench_measure import spread_of  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -314,7 +315,7 @@ def _gather(value: Any) -> list[Any]:
 
 # -- the parent: server, ranks, summary ------------------------------------------------------------
 def _stats(xs: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs} if xs else {}
+    return spread_of(xs) if xs else {}
 
 
 def _per_step(per_rank: list[list[dict]], event: str, skip_first: bool) -> dict[int, dict[str, float]]:

@@ -42,7 +42,7 @@ from typing import Any
 from ._bench_save import timed_save
 
 __all__ = ["DEFAULT_QUIET", "Load", "RatioSpread", "Sample", "SaveLoad", "measure", "ratio_spread", "rotated",
-           "run_rotation", "save_and_load", "wait_quiet"]  # fmt: skip
+           "run_rotation", "save_and_load", "spread_of", "wait_quiet"]  # fmt: skip
 
 #: Seconds each step waits at most for a quiet machine; the same default in both tools.
 DEFAULT_QUIET = 10.0
@@ -233,6 +233,19 @@ class RatioSpread:
     def text(self) -> str:
         """``min / median / max`` of the per-repeat ratios, e.g. ``1.30 / 1.81 / 2.12x``."""
         return f"{self.min:.2f} / {self.median:.2f} / {self.max:.2f}x"
+
+
+def spread_of(values: Sequence[float]) -> dict[str, Any]:
+    """``{"min", "median", "max", "all"}`` of one figure's values over the repeats: the spread a
+    benchmark reports and writes to its JSON, in one shape for every benchmark.
+
+    Raises:
+        ValueError: ``values`` is empty (a figure with no repeat has no spread).
+    """
+    xs = list(values)
+    if not xs:
+        raise ValueError("no values: a spread needs at least one repeat")
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
 
 
 def ratio_spread(other_s: Sequence[float], base_s: Sequence[float]) -> RatioSpread | None:

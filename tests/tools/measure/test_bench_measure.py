@@ -96,3 +96,12 @@ def test_wait_quiet_zero_does_not_wait():
     assert wait_quiet(0) == 0.0
     waited = wait_quiet(0.2, window=0.1)  # waits at least one window, at most about max_wait + a window
     assert 0.1 <= waited < 5
+
+
+def test_spread_of_reports_min_median_max_and_every_repeat_and_refuses_no_repeat():
+    from goodput_ckpt.tools.measure._bench_measure import spread_of
+
+    assert spread_of([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "median": 2.5, "max": 10.0, "all": [3.0, 1.0, 2.0, 10.0]}
+    assert spread_of(x for x in (4.0,)) == {"min": 4.0, "median": 4.0, "max": 4.0, "all": [4.0]}
+    with pytest.raises(ValueError, match="at least one repeat"):
+        spread_of([])
