@@ -85,7 +85,9 @@ def main() -> int:
     gb = count * PIECE / 1e9
     print(f"{count * PIECE >> 20} MiB in {PIECE >> 10} KiB pieces, {a.repeats} repeats, {os.cpu_count()} CPUs")
     print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(order)))
-    print(f"load average at start {'/'.join(f'{x:.1f}' for x in load0)}, at end {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(
+        f"load average at start {'/'.join(f'{x:.1f}' for x in load0)}, at end {'/'.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
     print(f"{'implementation':<16}{'threads':>8}{'GB/s median':>13}{'min-max':>14}{'CPU-s/GB':>10}")
     for (name, threads), ss in samples.items():
         walls = [w for w, _ in ss]

@@ -83,7 +83,9 @@ def _states(version: int, n: int, ranks: int, restarts: int) -> list[dict]:
             pos = pos.advanced(w, [3] * w, n)
     template = iter(ElasticSampler(Ids(n), seed=1, num_replicas=ranks, rank=0)).state_dict()
     template["position"] = pos.to_state()
-    template["goodput_elastic_sampler"] = version  # this tree writes version 2: a version-1 state as older code wrote it
+    template["goodput_elastic_sampler"] = (
+        version  # this tree writes version 2: a version-1 state as older code wrote it
+    )
     return [{"_sampler_iter_state": {**template, "rank": r, "consumed": 3}} for r in range(ranks)]
 
 
@@ -139,15 +141,33 @@ def main() -> int:
     if args.child:
         print(json.dumps(_measure(args)))
         return 0
-    rows = [("v1-old", args.v1_tree, 1), ("v1-migrate", str(REPO), 1), ("v2", str(REPO), 2), ("DistributedSampler", str(REPO), 0)]
+    rows = [
+        ("v1-old", args.v1_tree, 1),
+        ("v1-migrate", str(REPO), 1),
+        ("v2", str(REPO), 2),
+        ("DistributedSampler", str(REPO), 0),
+    ]
     print(f"{args.ranks} ranks, {args.samples:,} samples, {args.restarts} restarts; load {os.getloadavg()[0]:.2f}")
     print("| row | ranks measured | elastic_resume ms (min / median / max) | + first iter() ms | peak extra MB |")
     print("|---|---|---|---|---|")
     for name, tree, version in rows:
         if tree is None:
             continue
-        cmd = [sys.executable, __file__, "--child", "--version", str(version), "--ranks", str(args.ranks),
-               "--samples", str(args.samples), "--restarts", str(args.restarts), "--measure", str(args.measure)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--version",
+            str(version),
+            "--ranks",
+            str(args.ranks),
+            "--samples",
+            str(args.samples),
+            "--restarts",
+            str(args.restarts),
+            "--measure",
+            str(args.measure),
+        ]
         env = {**os.environ, "PYTHONPATH": tree}
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if res.returncode != 0:

@@ -98,7 +98,9 @@ def _load_stock(folder: str) -> torch.Tensor:
     model = load_file(os.path.join(folder, "model.safetensors"))
     torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True)
     torch.load(os.path.join(folder, "scheduler.pt"), weights_only=True)
-    torch.load(os.path.join(folder, "rng_state.pth"), weights_only=False)  # numpy state: as the Trainer's safe_globals allow
+    torch.load(
+        os.path.join(folder, "rng_state.pth"), weights_only=False
+    )  # numpy state: as the Trainer's safe_globals allow
     with open(os.path.join(folder, "trainer_state.json")) as f:
         json.load(f)
     return model["net.0.weight"]
@@ -107,9 +109,17 @@ def _load_stock(folder: str) -> torch.Tensor:
 def run_once(method: str, root: str, args) -> dict:
     out = os.path.join(root, method)
     targs = TrainingArguments(
-        output_dir=out, max_steps=args.saves, save_steps=1, per_device_train_batch_size=4, use_cpu=True,
-        report_to=[], disable_tqdm=True, logging_strategy="no", seed=0, learning_rate=1e-4,
-    )  # fmt: skip
+        output_dir=out,
+        max_steps=args.saves,
+        save_steps=1,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        seed=0,
+        learning_rate=1e-4,
+    )
     torch.manual_seed(0)
     trainer = METHODS[method](model=_Model(args.width, args.layers), args=targs, train_dataset=_Data(args.width))
     trainer.remove_callback(PrinterCallback)  # its per-run metrics line
@@ -140,7 +150,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {m: [] for m in names}
     try:
         for r in range(args.repeats):
-            for m in names[r % len(names):] + names[: r % len(names)]:
+            for m in names[r % len(names) :] + names[: r % len(names)]:
                 results[m].append(run_once(m, root, args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -149,13 +159,19 @@ def main() -> None:
         "checkpoint_mib": round(params * 4 * 3 / 2**20, 1),  # weights + AdamW's two moments, fp32
         "repeats": args.repeats,
         "load_average": [round(x, 1) for x in os.getloadavg()],
-        **{m: {k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)] for k in ("stall_s", "load_s")}
-           for m, rs in results.items()},
-    }  # fmt: skip
+        **{
+            m: {
+                k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)] for k in ("stall_s", "load_s")
+            }
+            for m, rs in results.items()
+        },
+    }
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"checkpoint about {summary['checkpoint_mib']} MiB of tensors, {args.repeats} repeats (min / median / max, s)")
+    print(
+        f"checkpoint about {summary['checkpoint_mib']} MiB of tensors, {args.repeats} repeats (min / median / max, s)"
+    )
     for m in names:
         row = "   ".join(f"{k[:-2]} " + " / ".join(f"{v:.3f}" for v in summary[m][k]) for k in ("stall_s", "load_s"))
         print(f"  {m:14s} {row}")

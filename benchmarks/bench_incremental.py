@@ -89,7 +89,9 @@ def lora_model(layers: int, width: int, seed: int = 0) -> tuple[nn.Module, nn.Mo
         block.attn.c_attn = LoRA(block.attn.c_attn)
         adapters[str(i)] = block.attn.c_attn
     # The adapters module must not save the base weights: only the LoRA parameters.
-    trainable = nn.ParameterDict({f"{i}_{n}": p for i, m in adapters.items() for n, p in m.named_parameters() if p.requires_grad})
+    trainable = nn.ParameterDict(
+        {f"{i}_{n}": p for i, m in adapters.items() for n, p in m.named_parameters() if p.requires_grad}
+    )
     return model, trainable
 
 
@@ -148,8 +150,12 @@ class Target:
             import boto3
             from botocore.config import Config
 
-            self.client = boto3.client("s3", endpoint_url=self.server.url, region_name="us-east-1",
-                                       config=Config(s3={"addressing_style": "path"}))  # fmt: skip
+            self.client = boto3.client(
+                "s3",
+                endpoint_url=self.server.url,
+                region_name="us-east-1",
+                config=Config(s3={"addressing_style": "path"}),
+            )
             self.client.create_bucket(Bucket="bench")
             self.options = {"endpoint_url": self.server.url, "addressing_style": "path", "region": "us-east-1"}
         else:
@@ -182,10 +188,16 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
         methods = {"full": model, "incremental": model}
     opt = torch.optim.AdamW(params, lr=1e-4)
     managers = {
-        m: CheckpointManager(target.root(f"{scenario}-{m}-{rep}"), keep_last=2, async_save=False,
-                             incremental=(m == "incremental"), timeline=False, **target.options)
+        m: CheckpointManager(
+            target.root(f"{scenario}-{m}-{rep}"),
+            keep_last=2,
+            async_save=False,
+            incremental=(m == "incremental"),
+            timeline=False,
+            **target.options,
+        )
         for m in methods
-    }  # fmt: skip
+    }
     out: dict[str, Any] = {m: {"bytes": [], "seconds": [], "written_bytes": []} for m in methods}
     order = list(methods)
     for i in range(1, args.saves + 1):
@@ -203,7 +215,7 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
     # Restores alternate between the two (the order rotates), several each: the median is kept.
     rounds: dict[str, list[dict[str, Any]]] = {"full": [], "incremental": []}
     for k in range(args.restores):
-        for m in (["full", "incremental"] if k % 2 == 0 else ["incremental", "full"]):
+        for m in ["full", "incremental"] if k % 2 == 0 else ["incremental", "full"]:
             rounds[m].append(restore(scenario, m, rep, model, args, target))
     for m, rs in rounds.items():
         out[m]["restore"] = {"seconds": statistics.median(r["seconds"] for r in rs), "requests": rs[-1]["requests"]}
@@ -211,16 +223,25 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
         out["stall"] = stall(scenario, model, methods, opt, rep, args, target)
     # The frozen bytes of the state dict (GPT-2 ties lm_head to wte: both keys are saved).
     trainable_ptrs = {p.data_ptr() for p in model.parameters() if p.requires_grad}
-    out["frozen_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values()
-                              if t.data_ptr() not in trainable_ptrs)  # fmt: skip
+    out["frozen_bytes"] = sum(
+        t.numel() * t.element_size() for t in model.state_dict().values() if t.data_ptr() not in trainable_ptrs
+    )
     return out
 
 
 def stall(scenario, model, methods, opt, rep, args, target) -> dict[str, list[float]]:
     """The time an async ``save`` blocks, full vs incremental (default async staging)."""
     res: dict[str, list[float]] = {"full": [], "incremental": []}
-    managers = {m: CheckpointManager(target.root(f"{scenario}-stall-{m}-{rep}"), keep_last=2, incremental=(m == "incremental"),
-                                     timeline=False, **target.options) for m in res}  # fmt: skip
+    managers = {
+        m: CheckpointManager(
+            target.root(f"{scenario}-stall-{m}-{rep}"),
+            keep_last=2,
+            incremental=(m == "incremental"),
+            timeline=False,
+            **target.options,
+        )
+        for m in res
+    }
     for i in range(1, args.saves + 1):
         for m, mgr in managers.items():
             t0 = time.perf_counter()
@@ -235,7 +256,11 @@ def stall(scenario, model, methods, opt, rep, args, target) -> dict[str, list[fl
 
 
 def restore(scenario, method, rep, live, args, target) -> dict[str, Any]:
-    fresh = lora_model(args.layers, args.width, seed=1)[0] if scenario == "lora" else embeddings_model(args.layers, args.width, seed=1)
+    fresh = (
+        lora_model(args.layers, args.width, seed=1)[0]
+        if scenario == "lora"
+        else embeddings_model(args.layers, args.width, seed=1)
+    )
     opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-4)
     mgr = CheckpointManager(target.root(f"{scenario}-{method}-{rep}"), keep_last=2, timeline=False, **target.options)
     before = target.requests()
@@ -263,11 +288,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 continue
             later = [b for r in reps for b in r[m]["bytes"][1:]]  # after the first save
             secs = [x for r in reps for x in r[m]["seconds"][1:]]
-            s[m] = {"bytes_first": statistics.median(r[m]["bytes"][0] for r in reps), "bytes_later": spread(later),
-                    "seconds_later": spread(secs)}  # fmt: skip
+            s[m] = {
+                "bytes_first": statistics.median(r[m]["bytes"][0] for r in reps),
+                "bytes_later": spread(later),
+                "seconds_later": spread(secs),
+            }
             if m != "trainable":
                 s[m]["restore_s"] = spread([r[m]["restore"]["seconds"] for r in reps])
                 s[m]["restore_requests"] = reps[-1][m]["restore"]["requests"]
+
         # Same-run ratios, each run's medians first, then their spread over the runs.
         def per_run(fn):
             return spread([fn(r) for r in reps])
@@ -277,12 +306,18 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
         if "trainable" in s:
             s["bytes_vs_trainable"] = per_run(lambda r: med(r, "incremental", "bytes") / med(r, "trainable", "bytes"))
-            s["seconds_vs_trainable"] = per_run(lambda r: med(r, "incremental", "seconds") / med(r, "trainable", "seconds"))
+            s["seconds_vs_trainable"] = per_run(
+                lambda r: med(r, "incremental", "seconds") / med(r, "trainable", "seconds")
+            )
         s["bytes_vs_full"] = per_run(lambda r: med(r, "incremental", "bytes") / med(r, "full", "bytes"))
         s["frozen_share_of_full"] = per_run(lambda r: r["frozen_bytes"] / med(r, "full", "bytes"))
-        s["restore_vs_full"] = per_run(lambda r: r["incremental"]["restore"]["seconds"] / r["full"]["restore"]["seconds"])
+        s["restore_vs_full"] = per_run(
+            lambda r: r["incremental"]["restore"]["seconds"] / r["full"]["restore"]["seconds"]
+        )
         if "stall" in reps[0]:
-            s["stall_ms"] = {m: spread([1e3 * statistics.median(r["stall"][m][1:]) for r in reps]) for m in ("full", "incremental")}
+            s["stall_ms"] = {
+                m: spread([1e3 * statistics.median(r["stall"][m][1:]) for r in reps]) for m in ("full", "incremental")
+            }
         report[scenario] = s
     return report
 
@@ -293,17 +328,28 @@ def print_report(report: dict[str, Any], where: str) -> None:
         for m in ("full", "incremental", "trainable"):
             if m in s:
                 r = s[m]
-                line = (f"  {m:12s} first {r['bytes_first'] / MiB:8.2f} MiB  later {r['bytes_later']['median'] / MiB:8.3f} MiB"
-                        f"  save {1e3 * r['seconds_later']['median']:7.1f} ms")  # fmt: skip
+                line = (
+                    f"  {m:12s} first {r['bytes_first'] / MiB:8.2f} MiB  later {r['bytes_later']['median'] / MiB:8.3f} MiB"
+                    f"  save {1e3 * r['seconds_later']['median']:7.1f} ms"
+                )
                 if "restore_s" in r:
                     line += f"  restore {1e3 * r['restore_s']['median']:7.1f} ms {r['restore_requests'] or ''}"
                 print(line)
-        for k in ("bytes_vs_trainable", "seconds_vs_trainable", "bytes_vs_full", "frozen_share_of_full", "restore_vs_full"):
+        for k in (
+            "bytes_vs_trainable",
+            "seconds_vs_trainable",
+            "bytes_vs_full",
+            "frozen_share_of_full",
+            "restore_vs_full",
+        ):
             if k in s:
                 v = s[k]
                 print(f"  {k:22s} {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f})")
         if "stall_ms" in s:
-            print("  stall ms " + ", ".join(f"{m} {v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" for m, v in s["stall_ms"].items()))
+            print(
+                "  stall ms "
+                + ", ".join(f"{m} {v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" for m, v in s["stall_ms"].items())
+            )
 
 
 def main() -> None:
@@ -320,8 +366,13 @@ def main() -> None:
     p.add_argument("--json", help="write the report here")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    full: dict[str, Any] = {"args": vars(args), "host": platform.node(), "cpus": os.cpu_count(),
-                            "torch": torch.__version__, "loadavg_start": os.getloadavg()}  # fmt: skip
+    full: dict[str, Any] = {
+        "args": vars(args),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "loadavg_start": os.getloadavg(),
+    }
     for where in ["local"] + (["s3"] if args.s3 else []):
         target = Target(where == "s3")
         try:

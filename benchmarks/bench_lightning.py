@@ -37,14 +37,11 @@ import tempfile
 import time
 import warnings
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
-
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from goodput_ckpt.integrations.lightning import AsyncGoodputCheckpointIO, GoodputCheckpointIO
 
@@ -94,7 +91,11 @@ def _plugins(method: str):
         inner = (_timed(TorchCheckpointIO) if method.startswith("torch") else _timed(GoodputCheckpointIO))()
         outer = (_timed(AsyncCheckpointIO) if method.startswith("torch") else _timed(AsyncGoodputCheckpointIO))(inner)
         return outer, inner, outer
-    io = {"torch": _timed(TorchCheckpointIO), "torch+fsync": _timed(_FsyncTorchIO), "goodput": _timed(GoodputCheckpointIO)}[method]()
+    io = {
+        "torch": _timed(TorchCheckpointIO),
+        "torch+fsync": _timed(_FsyncTorchIO),
+        "goodput": _timed(GoodputCheckpointIO),
+    }[method]()
     return io, io, io
 
 
@@ -108,10 +109,16 @@ def run_once(method: str, root: str, args) -> dict:
     data = DataLoader(TensorDataset(torch.randn(4, args.width)), batch_size=4)
     ckpts = os.path.join(root, method)
     trainer = pl.Trainer(
-        max_epochs=args.epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, plugins=[io],
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        plugins=[io],
         callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, save_last=False)],
-    )  # fmt: skip
+    )
     trainer.fit(model, data)  # its teardown waits for the async saves
     last = os.path.join(ckpts, sorted(os.listdir(ckpts))[-1])
     t = time.perf_counter()
@@ -120,7 +127,11 @@ def run_once(method: str, root: str, args) -> dict:
     assert torch.equal(loaded["state_dict"]["net.0.weight"], model.state_dict()["net.0.weight"])
     shutil.rmtree(ckpts)
     assert len(inner.save_s) == len(outer.save_s) == args.epochs
-    return {"stall_s": statistics.median(outer.save_s[1:]), "save_s": statistics.median(inner.save_s[1:]), "load_s": load_s}
+    return {
+        "stall_s": statistics.median(outer.save_s[1:]),
+        "save_s": statistics.median(inner.save_s[1:]),
+        "load_s": load_s,
+    }
 
 
 def main() -> None:
@@ -139,7 +150,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {m: [] for m in names}
     try:
         for r in range(args.repeats):
-            for m in names[r % len(names):] + names[: r % len(names)]:
+            for m in names[r % len(names) :] + names[: r % len(names)]:
                 results[m].append(run_once(m, root, args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -147,15 +158,24 @@ def main() -> None:
     summary = {
         "checkpoint_mib": round(params * 4 * 3 / 2**20, 1),  # weights + Adam's two moments, fp32
         "repeats": args.repeats,
-        **{m: {k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)] for k in ("stall_s", "save_s", "load_s")}
-           for m, rs in results.items()},
-    }  # fmt: skip
+        **{
+            m: {
+                k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)]
+                for k in ("stall_s", "save_s", "load_s")
+            }
+            for m, rs in results.items()
+        },
+    }
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"checkpoint about {summary['checkpoint_mib']} MiB of tensors, {args.repeats} repeats (min / median / max, s)")
+    print(
+        f"checkpoint about {summary['checkpoint_mib']} MiB of tensors, {args.repeats} repeats (min / median / max, s)"
+    )
     for m in names:
-        row = "   ".join(f"{k[:-2]} " + " / ".join(f"{v:.3f}" for v in summary[m][k]) for k in ("stall_s", "save_s", "load_s"))
+        row = "   ".join(
+            f"{k[:-2]} " + " / ".join(f"{v:.3f}" for v in summary[m][k]) for k in ("stall_s", "save_s", "load_s")
+        )
         print(f"  {m:14s} {row}")
 
 

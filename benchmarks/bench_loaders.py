@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the Se
 
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
 from goodput_ckpt.data import TokenStream  # noqa: E402
-from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache  # noqa: E402
 from goodput_ckpt.tools.measure._bench_measure import spread_of as _stats  # noqa: E402
+from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache  # noqa: E402
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 MiB = 1 << 20
@@ -79,8 +79,9 @@ def import_streaming() -> Any:
 
 def write_mds(out: Path, tokens: list[np.ndarray], seq_len: int, shard_bytes: int) -> None:
     streaming = import_streaming()
-    with streaming.MDSWriter(out=str(out), columns={"tokens": f"ndarray:uint16:{seq_len}"},
-                             size_limit=shard_bytes + (1 << 16)) as w:  # fmt: skip
+    with streaming.MDSWriter(
+        out=str(out), columns={"tokens": f"ndarray:uint16:{seq_len}"}, size_limit=shard_bytes + (1 << 16)
+    ) as w:
         for shard in tokens:
             for row in shard.reshape(-1, seq_len):
                 w.write({"tokens": row})
@@ -124,8 +125,9 @@ def s3tc_pass(url: str, prefix: str, seq_len: int) -> Pass:
     from s3torchconnector import S3ClientConfig, S3IterableDataset
 
     def run() -> int:
-        ds = S3IterableDataset.from_prefix(prefix, region="us-east-1", endpoint=url,
-                                           s3client_config=S3ClientConfig(force_path_style=True))  # fmt: skip
+        ds = S3IterableDataset.from_prefix(
+            prefix, region="us-east-1", endpoint=url, s3client_config=S3ClientConfig(force_path_style=True)
+        )
         n = 0
         for reader in ds:
             data = bytearray(reader.read())
@@ -157,9 +159,13 @@ def timed(label: str, methods: dict[str, Pass], repeats: int, total: int, before
     peers = [m for m in methods if m != "ours"]
     best = [min(secs[p][r] for p in peers) for r in range(repeats)] if peers else []
     rel = {p: [secs[p][r] / secs["ours"][r] for r in range(repeats)] for p in peers}
-    out = {"order": order, "seconds": secs, "load_average": [load0, os.getloadavg()[0]],
-           "mib_s": {m: total / MiB / statistics.median(s) for m, s in secs.items()},
-           "ratio_vs": {p: _stats(v) for p, v in rel.items()}}  # fmt: skip
+    out = {
+        "order": order,
+        "seconds": secs,
+        "load_average": [load0, os.getloadavg()[0]],
+        "mib_s": {m: total / MiB / statistics.median(s) for m, s in secs.items()},
+        "ratio_vs": {p: _stats(v) for p, v in rel.items()},
+    }
     if best:
         out["ratio_vs_best_peer"] = _stats([b / o for b, o in zip(best, secs["ours"])])
     return out
@@ -169,9 +175,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per = parse_size(args.size) // args.shards // (args.seq_len * 2) * (args.seq_len * 2)
     total = per * args.shards
     rng = np.random.default_rng(0)
-    report: dict[str, Any] = {"bytes": total, "shards": args.shards, "seq_len": args.seq_len, "repeats": args.repeats,
-                              "batch_size": args.batch_size,
-                              "cpus": os.cpu_count(), "skipped": {}}  # fmt: skip
+    report: dict[str, Any] = {
+        "bytes": total,
+        "shards": args.shards,
+        "seq_len": args.seq_len,
+        "repeats": args.repeats,
+        "batch_size": args.batch_size,
+        "cpus": os.cpu_count(),
+        "skipped": {},
+    }
     try:
         import_streaming()
     except ImportError as e:
@@ -203,7 +215,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["local"] = timed("local", methods, args.repeats, total, evict)
         if "s3" in args.targets:
             import boto3
-
             from helpers.s3 import SeaweedServer, s3_env
 
             os.environ.update(s3_env())
@@ -220,7 +231,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 opts = {"endpoint_url": server.url, "addressing_style": "path", "region": "us-east-1"}
                 methods = {"ours": ours("s3://tokens/raw", names, args.seq_len, opts)}
                 if "streaming" not in report["skipped"]:
-                    methods["streaming"] = streaming_pass("", "s3://tokens/mds", args.seq_len, Path(tmp), args.batch_size)
+                    methods["streaming"] = streaming_pass(
+                        "", "s3://tokens/mds", args.seq_len, Path(tmp), args.batch_size
+                    )
                 if "s3tc" not in report["skipped"]:
                     methods["s3tc"] = s3tc_pass(server.url, "s3://tokens/raw/", args.seq_len)
                 report["s3"] = timed("s3", methods, args.repeats, total, lambda: None)
@@ -230,21 +243,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    print(f"{report['bytes'] / MiB:.0f} MiB of uint16 tokens in {report['shards']} shards, seq_len {report['seq_len']}, "
-          f"{report['repeats']} repeats, Streaming batch_size {report['batch_size']}, 1 rank, no workers, on {report['cpus']} CPUs")  # fmt: skip
+    print(
+        f"{report['bytes'] / MiB:.0f} MiB of uint16 tokens in {report['shards']} shards, seq_len {report['seq_len']}, "
+        f"{report['repeats']} repeats, Streaming batch_size {report['batch_size']}, 1 rank, no workers, on {report['cpus']} CPUs"
+    )
     for target in ("local", "s3"):
         if target not in report:
             continue
         r = report[target]
         la = r["load_average"]
-        print(f"{target}: order " + " | ".join(", ".join(o) for o in r["order"]) + f"; load average {la[0]:.2f} before, {la[1]:.2f} after")
+        print(
+            f"{target}: order "
+            + " | ".join(", ".join(o) for o in r["order"])
+            + f"; load average {la[0]:.2f} before, {la[1]:.2f} after"
+        )
         for m, v in r["mib_s"].items():
             print(f"  {m:9s} {v:7.0f} MiB/s (median)")
         for p, s in r["ratio_vs"].items():
             print(f"  ours vs {p:9s} {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f})")
         if "ratio_vs_best_peer" in r:
             s = r["ratio_vs_best_peer"]
-            print(f"  ours vs the best peer of each repeat: {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f})")
+            print(
+                f"  ours vs the best peer of each repeat: {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f})"
+            )
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
 

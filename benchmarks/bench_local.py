@@ -74,7 +74,15 @@ import torch.distributed.checkpoint as dcp
 # The synthetic state is the library's, so `goodput-ckpt bench` measures the same one.
 from goodput_ckpt.cli._output import parse_size
 from goodput_ckpt.tools.measure._bench_measure import (  # noqa: F401 - wait_quiet, _busy_seconds: sweep_local, bench_tiers
-    DEFAULT_QUIET, Load, Sample, _busy_seconds, ratio_spread, run_rotation, save_and_load, wait_quiet)
+    DEFAULT_QUIET,
+    Load,
+    Sample,
+    _busy_seconds,
+    ratio_spread,
+    run_rotation,
+    save_and_load,
+    wait_quiet,
+)
 from goodput_ckpt.tools.measure._bench_measure import measure as timed  # noqa: F401 - sweep_local's name for it
 from goodput_ckpt.tools.measure._bench_scratch import evict_page_cache
 from goodput_ckpt.tools.measure._bench_state import State, empty_like_nested, flat_equal, flatten, make_state
@@ -157,8 +165,11 @@ def no_save_hashing() -> Iterator[None]:
     import goodput_ckpt.dcp.writer  # noqa: F401 - loads the write path's modules
 
     fake = types.SimpleNamespace(blake3=_NoHash)
-    patched = [m for n, m in list(sys.modules.items())
-               if n.startswith("goodput_ckpt.") and getattr(m, "blake3", None) is blake3]
+    patched = [
+        m
+        for n, m in list(sys.modules.items())
+        if n.startswith("goodput_ckpt.") and getattr(m, "blake3", None) is blake3
+    ]
     if not patched:
         raise RuntimeError("no goodput_ckpt module imports blake3: update no_save_hashing")
     for m in patched:
@@ -186,7 +197,7 @@ def _raw_save(ctx: Ctx, d: str) -> None:
         for t in ctx.state.flat.values():
             view = raw_bytes(t)
             while view:
-                view = view[os.write(fd, view[: 64 * MiB]):]
+                view = view[os.write(fd, view[: 64 * MiB]) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -199,7 +210,7 @@ def _raw_read(ctx: Ctx, d: str, threads: int = 1, block: int = 16 * MiB) -> dict
         if threads == 1:
             off = 0
             while off < len(buf):
-                n = os.preadv(fd, [buf[off: off + block]], off)
+                n = os.preadv(fd, [buf[off : off + block]], off)
                 if n == 0:
                     raise EOFError("raw.bin is short")
                 off += n
@@ -316,29 +327,62 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "raw": Method("raw", _raw_save, (("raw", _raw_read), ("raw-par4", lambda c, d: _raw_read(c, d, 4)),
-                                      ("raw-direct4", _raw_direct_read)),
-                  "1 thread, os.write <=64 MiB, fsync; read 1 thread / 4 threads, 16 MiB preadv / "
-                  "4 threads, 16 MiB O_DIRECT preadv into reused aligned buffers (no copy)"),
-    "ours": Method("ours", _ours_save, (("ours", _ours_load(True)), ("ours-noverify", _ours_load(False)),
-                                        ("ours-direct", _ours_load(True, direct_reads=True))),
-                   "CheckpointWriter (fsyncs itself); load verify=True / verify=False / "
-                   "verify=True with O_DIRECT reads (direct_reads=True)"),
+    "raw": Method(
+        "raw",
+        _raw_save,
+        (("raw", _raw_read), ("raw-par4", lambda c, d: _raw_read(c, d, 4)), ("raw-direct4", _raw_direct_read)),
+        "1 thread, os.write <=64 MiB, fsync; read 1 thread / 4 threads, 16 MiB preadv / "
+        "4 threads, 16 MiB O_DIRECT preadv into reused aligned buffers (no copy)",
+    ),
+    "ours": Method(
+        "ours",
+        _ours_save,
+        (
+            ("ours", _ours_load(True)),
+            ("ours-noverify", _ours_load(False)),
+            ("ours-direct", _ours_load(True, direct_reads=True)),
+        ),
+        "CheckpointWriter (fsyncs itself); load verify=True / verify=False / "
+        "verify=True with O_DIRECT reads (direct_reads=True)",
+    ),
     "ours-nohash": Method("ours-nohash", _ours_nohash_save, (), "CheckpointWriter with blake3 patched to a no-op"),
-    "fsw-default": Method("fsw-default", _fsw_save(), (("fsw-default", _fsr_load),),
-                          "FileSystemWriter() (sync_files=True fsyncs); FileSystemReader()"),
-    "fsw-t4": Method("fsw-t4", _fsw_save(thread_count=4), (("fsw-t4", _fsr_load),),
-                     "FileSystemWriter(thread_count=4); FileSystemReader()"),
-    "torch.save": Method("torch.save", _torch_save, (("torch.save", _torch_load),),
-                         "torch.save + explicit fsync; torch.load(weights_only=True)"),
-    "safetensors": Method("safetensors", _st_save, (("safetensors", _st_load),),
-                          "save_file + explicit fsync; load_file (mmap) + touch every page"),
+    "fsw-default": Method(
+        "fsw-default",
+        _fsw_save(),
+        (("fsw-default", _fsr_load),),
+        "FileSystemWriter() (sync_files=True fsyncs); FileSystemReader()",
+    ),
+    "fsw-t4": Method(
+        "fsw-t4",
+        _fsw_save(thread_count=4),
+        (("fsw-t4", _fsr_load),),
+        "FileSystemWriter(thread_count=4); FileSystemReader()",
+    ),
+    "torch.save": Method(
+        "torch.save",
+        _torch_save,
+        (("torch.save", _torch_load),),
+        "torch.save + explicit fsync; torch.load(weights_only=True)",
+    ),
+    "safetensors": Method(
+        "safetensors",
+        _st_save,
+        (("safetensors", _st_load),),
+        "save_file + explicit fsync; load_file (mmap) + touch every page",
+    ),
 }
 
 
 # -- the runner: the shared procedure (goodput_ckpt/tools/measure/_bench_measure.py) -----------------------
-def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]], check: bool,
-               reverse_loads: bool = False, quiet: float = DEFAULT_QUIET) -> dict[str, Any]:
+def run_method(
+    m: Method,
+    ctx: Ctx,
+    base: str,
+    samples: dict[str, list[Sample]],
+    check: bool,
+    reverse_loads: bool = False,
+    quiet: float = DEFAULT_QUIET,
+) -> dict[str, Any]:
     """One method, one repeat, by the procedure ``goodput-ckpt bench`` runs (save_and_load)."""
     d = tempfile.mkdtemp(prefix=m.name.replace(".", "_") + "-", dir=base)
     info: dict[str, Any] = {}
@@ -362,9 +406,17 @@ def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]],
         info["files"], info["disk_bytes"] = tree_files(where)
 
     loads = [Load(name, lambda where, load=load: load(ctx, where), after(name)) for name, load in m.loads]
-    got = save_and_load(save, loads[::-1] if reverse_loads else loads, target=d, warm=d + "-warm",
-                        remove=lambda p: shutil.rmtree(p, ignore_errors=True), evict=evict_page_cache,
-                        quiet=quiet, dev=ctx.dev, between=files)  # fmt: skip
+    got = save_and_load(
+        save,
+        loads[::-1] if reverse_loads else loads,
+        target=d,
+        warm=d + "-warm",
+        remove=lambda p: shutil.rmtree(p, ignore_errors=True),
+        evict=evict_page_cache,
+        quiet=quiet,
+        dev=ctx.dev,
+        between=files,
+    )
     samples.setdefault(f"save:{m.name}", []).append(got.save)
     for name, sample in got.loads.items():
         samples.setdefault(f"load:{name}", []).append(sample)
@@ -372,19 +424,34 @@ def run_method(m: Method, ctx: Ctx, base: str, samples: dict[str, list[Sample]],
     return info
 
 
-def run(state: State, methods: list[str], repeats: int, base: str, writer_kw: dict | None = None,
-        reader_kw: dict | None = None, check: bool = True, quiet: float = DEFAULT_QUIET,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    ctx = Ctx(state, empty_like_nested(state.nested), torch.zeros(state.nbytes, dtype=torch.uint8),
-              dict(writer_kw or {}), dict(reader_kw or {}), os.stat(base).st_dev)
+def run(
+    state: State,
+    methods: list[str],
+    repeats: int,
+    base: str,
+    writer_kw: dict | None = None,
+    reader_kw: dict | None = None,
+    check: bool = True,
+    quiet: float = DEFAULT_QUIET,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    ctx = Ctx(
+        state,
+        empty_like_nested(state.nested),
+        torch.zeros(state.nbytes, dtype=torch.uint8),
+        dict(writer_kw or {}),
+        dict(reader_kw or {}),
+        os.stat(base).st_dev,
+    )
     samples: dict[str, list[Sample]] = {}
     infos: dict[str, Any] = {}
     load0 = os.getloadavg()
 
     def one(name: str, rep: int) -> None:
         t0 = time.perf_counter()
-        infos[name] = run_method(METHODS[name], ctx, base, samples, check and rep == 0,
-                                 reverse_loads=rep % 2 == 1, quiet=quiet)
+        infos[name] = run_method(
+            METHODS[name], ctx, base, samples, check and rep == 0, reverse_loads=rep % 2 == 1, quiet=quiet
+        )
         log(f"  repeat {rep + 1}/{repeats} {name:<12} {time.perf_counter() - t0:6.1f} s")
 
     order = run_rotation(methods, repeats, one)
@@ -401,8 +468,13 @@ def run(state: State, methods: list[str], repeats: int, base: str, writer_kw: di
             "worst_gbps": state.nbytes / max(s.wall for s in ss) / GB,
             "gbps": state.nbytes / wall / GB,
         }
-    return {"results": results, "methods": infos, "cold_cache": cold, "order": order,
-            "loadavg": {"start": load0, "end": os.getloadavg()}}
+    return {
+        "results": results,
+        "methods": infos,
+        "cold_cache": cold,
+        "order": order,
+        "loadavg": {"start": load0, "end": os.getloadavg()},
+    }
 
 
 def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]:
@@ -422,16 +494,28 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
         if x is None or y is None:
             return None
         v = x / y
-        return {"value": v, "target": target, "kind": kind, "ok": v >= target, "of": f"{a} / {b}",
-                "per_repeat": spread(a, b)}
+        return {
+            "value": v,
+            "target": target,
+            "kind": kind,
+            "ok": v >= target,
+            "of": f"{a} / {b}",
+            "per_repeat": spread(a, b),
+        }
 
     def overhead(hashed: str, plain: str, limit: float) -> dict[str, Any] | None:
         x, y = g(hashed), g(plain)
         if x is None or y is None:
             return None
         v = 1 - x / y
-        return {"value": v, "target": limit, "kind": "max", "ok": v <= limit,
-                "of": f"1 - {hashed} / {plain} (throughput lost to hashing)", "per_repeat": spread(hashed, plain)}
+        return {
+            "value": v,
+            "target": limit,
+            "kind": "max",
+            "ok": v <= limit,
+            "of": f"1 - {hashed} / {plain} (throughput lost to hashing)",
+            "per_repeat": spread(hashed, plain),
+        }
 
     out = {
         "save vs raw write+fsync": ratio("save:ours", "save:raw", 0.9),
@@ -444,22 +528,32 @@ def ratios(res: dict[str, Any], stat: str = "gbps") -> dict[str, dict[str, Any]]
     out = {k: v for k, v in out.items() if v is not None}
     # Context, not targets: how much faster than FileSystemReader any reader of this disk could
     # be, taking the parallel raw read as the disk's limit.
-    for name, a, b in (("(disk limit) raw-par4 vs FileSystemReader", "load:raw-par4", "load:fsw-default"),
-                       ("O_DIRECT reads vs default (both verified)", "load:ours-direct", "load:ours"),
-                       ("(disk limit) raw-direct4 vs raw-par4", "load:raw-direct4", "load:raw-par4"),
-                       ("(disk limit) raw-par4 vs raw sequential read", "load:raw-par4", "load:raw")):
+    for name, a, b in (
+        ("(disk limit) raw-par4 vs FileSystemReader", "load:raw-par4", "load:fsw-default"),
+        ("O_DIRECT reads vs default (both verified)", "load:ours-direct", "load:ours"),
+        ("(disk limit) raw-direct4 vs raw-par4", "load:raw-direct4", "load:raw-par4"),
+        ("(disk limit) raw-par4 vs raw sequential read", "load:raw-par4", "load:raw"),
+    ):
         x, y = g(a), g(b)
         if x is not None and y is not None:
-            out[name] = {"value": x / y, "target": None, "kind": "info", "ok": True, "of": f"{a} / {b}",
-                         "per_repeat": spread(a, b)}
+            out[name] = {
+                "value": x / y,
+                "target": None,
+                "kind": "info",
+                "ok": True,
+                "of": f"{a} / {b}",
+                "per_repeat": spread(a, b),
+            }
     return out
 
 
 def table(report: dict[str, Any]) -> str:
     """The results as text: one row per load variant, then the notes."""
     res = report["results"]
-    head = (f"{'method':<15}{'save GB/s':>10}{'load GB/s':>10}{'save min-max':>13}{'load min-max':>13}{'save s':>8}"
-            f"{'load s':>8}{'save cpu':>9}{'load cpu':>9}{'others':>10}{'files':>6}")
+    head = (
+        f"{'method':<15}{'save GB/s':>10}{'load GB/s':>10}{'save min-max':>13}{'load min-max':>13}{'save s':>8}"
+        f"{'load s':>8}{'save cpu':>9}{'load cpu':>9}{'others':>10}{'files':>6}"
+    )
     lines = [head]
 
     def fmt(r: dict | None, key: str, spec: str) -> str:
@@ -486,13 +580,17 @@ def table(report: dict[str, Any]) -> str:
         ld = res.get(lkey) if lkey else None
         files = report["methods"].get(label, {}).get("files", "") if skey else ""
         others = f"{fmt(s, 'other_cpus', '.1f')}/{fmt(ld, 'other_cpus', '.1f')}"
-        lines.append(f"{label:<15}{fmt(s, 'gbps', '.3f'):>10}{fmt(ld, 'gbps', '.3f'):>10}"
-                     f"{spread(s):>13}{spread(l):>13}"
-                     f"{fmt(s, 'median_s', '.2f'):>8}{fmt(ld, 'median_s', '.2f'):>8}"
-                     f"{fmt(s, 'cpu_seconds', '.2f'):>9}{fmt(ld, 'cpu_seconds', '.2f'):>9}{others:>10}{files!s:>6}")
-    lines.append("GB/s and s: medians; min-max: slowest and fastest repeat (GB/s); cpu: this process's CPU seconds (median); "
-                 "others: CPUs busy\nwith other processes of this machine during the measurement "
-                 "(save/load, median), a noise gauge")
+        lines.append(
+            f"{label:<15}{fmt(s, 'gbps', '.3f'):>10}{fmt(ld, 'gbps', '.3f'):>10}"
+            f"{spread(s):>13}{spread(ld):>13}"
+            f"{fmt(s, 'median_s', '.2f'):>8}{fmt(ld, 'median_s', '.2f'):>8}"
+            f"{fmt(s, 'cpu_seconds', '.2f'):>9}{fmt(ld, 'cpu_seconds', '.2f'):>9}{others:>10}{files!s:>6}"
+        )
+    lines.append(
+        "GB/s and s: medians; min-max: slowest and fastest repeat (GB/s); cpu: this process's CPU seconds (median); "
+        "others: CPUs busy\nwith other processes of this machine during the measurement "
+        "(save/load, median), a noise gauge"
+    )
     return "\n".join(lines + notes)
 
 
@@ -503,15 +601,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (default: the temp dir)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS))
+    p.add_argument(
+        "--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS)
+    )
     p.add_argument("--chunk-size", help="CheckpointWriter chunk_size (default: the library's)")
     p.add_argument("--write-threads", type=int, help="CheckpointWriter thread_count")
     p.add_argument("--files-per-rank", type=int, help="CheckpointWriter files_per_rank")
     p.add_argument("--read-threads", type=int, help="CheckpointReader thread_count")
-    p.add_argument("--quiet", type=float, default=DEFAULT_QUIET,
-                   help="before each measurement wait up to this many seconds for other processes to "
-                        f"leave the CPUs and the disk idle (the machine is shared; default {DEFAULT_QUIET:g}, "
-                        "as goodput-ckpt bench); 0 disables")
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=DEFAULT_QUIET,
+        help="before each measurement wait up to this many seconds for other processes to "
+        f"leave the CPUs and the disk idle (the machine is shared; default {DEFAULT_QUIET:g}, "
+        "as goodput-ckpt bench); 0 disables",
+    )
     p.add_argument("--no-check", action="store_true", help="skip comparing loaded values with the source")
     a = p.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]
@@ -535,8 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     base = tempfile.mkdtemp(prefix="goodput-bench-", dir=a.dir)
     t0 = time.perf_counter()
     state = make_state(size, a.seed)
-    print(f"state: {state.nbytes / (1 << 30):.3f} GiB in {len(state.flat)} tensors ({state.large} of 1-64 MiB, "
-          f"{state.small} under 64 KiB), built in {time.perf_counter() - t0:.1f} s; writing under {base}")
+    print(
+        f"state: {state.nbytes / (1 << 30):.3f} GiB in {len(state.flat)} tensors ({state.large} of 1-64 MiB, "
+        f"{state.small} under 64 KiB), built in {time.perf_counter() - t0:.1f} s; writing under {base}"
+    )
     free = shutil.disk_usage(base).free
     if free < 2.5 * state.nbytes:
         raise SystemExit(f"only {free / GB:.1f} GB free under {base}: need about {2.5 * state.nbytes / GB:.1f}")
@@ -545,26 +651,42 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     rep["config"] = {
-        "size": state.nbytes, "tensors": len(state.flat), "small_tensors": state.small, "seed": a.seed,
-        "repeats": a.repeats, "dir": a.dir, "methods": methods,
-        "writer": {"chunk_size": writer_kw.get("chunk_size", wr.DEFAULT_CHUNK_SIZE),
-                   "thread_count": writer_kw.get("thread_count", wr.DEFAULT_WRITE_THREADS),
-                   "files_per_rank": writer_kw.get("files_per_rank")},
+        "size": state.nbytes,
+        "tensors": len(state.flat),
+        "small_tensors": state.small,
+        "seed": a.seed,
+        "repeats": a.repeats,
+        "dir": a.dir,
+        "methods": methods,
+        "writer": {
+            "chunk_size": writer_kw.get("chunk_size", wr.DEFAULT_CHUNK_SIZE),
+            "thread_count": writer_kw.get("thread_count", wr.DEFAULT_WRITE_THREADS),
+            "files_per_rank": writer_kw.get("files_per_rank"),
+        },
         "reader": {"thread_count": reader_kw.get("thread_count", rd.DEFAULT_READ_THREADS), "task_bytes": rd.TASK_BYTES},
     }
-    rep["env"] = {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
-                  "platform": platform.platform(), "cold_cache": rep["cold_cache"]}
+    rep["env"] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "cold_cache": rep["cold_cache"],
+    }
     rep["ratios"] = ratios(rep["results"])
     rep["ratios_best"] = ratios(rep["results"], "best_gbps")
     print()
-    print(f"payload {state.nbytes / GB:.3f} GB; median of {a.repeats}; GB = 1e9 bytes; "
-          f"loads {'COLD (files evicted from the page cache before each)' if rep['cold_cache'] else 'WARM (could not evict: no posix_fadvise)'}; "
-          f"quiet wait up to {a.quiet:g} s before each step")
+    print(
+        f"payload {state.nbytes / GB:.3f} GB; median of {a.repeats}; GB = 1e9 bytes; "
+        f"loads {'COLD (files evicted from the page cache before each)' if rep['cold_cache'] else 'WARM (could not evict: no posix_fadvise)'}; "
+        f"quiet wait up to {a.quiet:g} s before each step"
+    )
     print(f"ours: {rep['config']['writer']} {rep['config']['reader']}")
     print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(rep["order"])))
     la = rep["loadavg"]
-    print(f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
-          f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {os.cpu_count()} CPUs")
+    print(
+        f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
+        f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {os.cpu_count()} CPUs"
+    )
     print(table(rep))
     print()
     print(f"{'target':<44}{'median':>8}{'best':>8}{'per repeat min / median / max':>32}")
@@ -581,8 +703,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tgt = f"target {cmp} " + (f"{r['target'] * 100:.0f}%" if r["kind"] == "max" else f"{r['target']}x")
         print(f"{name:<44}{shown(r):>8}{shown(b):>8}{r['per_repeat']:>32}   {tgt}  [{r['of']}]")
-    print("(! = target missed; median: ratio of medians; best: ratio of the fastest repeats; per repeat: the speed\n"
-          "ratio within each repeat, as goodput-ckpt bench prints it; for the overheads, the hashed/plain speed)")
+    print(
+        "(! = target missed; median: ratio of medians; best: ratio of the fastest repeats; per repeat: the speed\n"
+        "ratio within each repeat, as goodput-ckpt bench prints it; for the overheads, the hashed/plain speed)"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=2)

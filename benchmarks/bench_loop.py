@@ -95,7 +95,11 @@ def worker(a: argparse.Namespace) -> int:
     import torch.distributed.checkpoint as dcp
     from torch import nn
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     torch.set_num_threads(1)
     rank = int(os.environ["BENCH_RANK"])
@@ -170,12 +174,36 @@ def worker(a: argparse.Namespace) -> int:
 
 # -- the driver ---------------------------------------------------------------------------------
 def _launch(a: argparse.Namespace, method: str, root: Path, phase: str) -> None:
-    args = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--phase", phase,
-            "--root", str(root), "--ranks", str(a.ranks), "--steps", str(a.steps), "--every", str(a.every),
-            "--kill-at", str(a.kill_at), "--width", str(a.width), "--layers", str(a.layers), "--batch", str(a.batch)]
+    args = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--method",
+        method,
+        "--phase",
+        phase,
+        "--root",
+        str(root),
+        "--ranks",
+        str(a.ranks),
+        "--steps",
+        str(a.steps),
+        "--every",
+        str(a.every),
+        "--kill-at",
+        str(a.kill_at),
+        "--width",
+        str(a.width),
+        "--layers",
+        str(a.layers),
+        "--batch",
+        str(a.batch),
+    ]
     repo = str(Path(__file__).resolve().parents[1])  # the workers import goodput_ckpt from this tree
     path = os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])
-    procs = [subprocess.Popen(args, env={**os.environ, "BENCH_RANK": str(r), "PYTHONPATH": path}) for r in range(a.ranks)]
+    procs = [
+        subprocess.Popen(args, env={**os.environ, "BENCH_RANK": str(r), "PYTHONPATH": path}) for r in range(a.ranks)
+    ]
     for p in procs:
         try:
             p.wait(timeout=_WORKER_TIMEOUT_S)
@@ -212,16 +240,36 @@ def one_run(a: argparse.Namespace, method: str, root: Path) -> dict[str, Any]:
         stalls = [e["stall"] for e in first + resume if e["kind"] == "save"]
         lost_s = sum(e["seconds"] for e in first if e["kind"] == "step" and e["step"] > restore["step"])
         # How long each save ran in the background: from async_save's return to its future's end.
-        returned = {(log, e["step"]): e["t"] for log, events in (("first", first), ("resume", resume))
-                    for e in events if e["kind"] == "save"}
-        background = [e["t"] - returned[(log, e["step"])] for log, events in (("first", first), ("resume", resume))
-                      for e in events if e["kind"] == "saved" and (log, e["step"]) in returned]
-        per_rank.append({"total": total, "undisturbed": undisturbed, "stepped": stepped, "restore": restore["seconds"],
-                         "restored_step": restore["step"], "lost": a.kill_at - restore["step"], "lost_s": lost_s,
-                         "stall_s": sum(stalls), "final_wait": end["final_wait"],
-                         "other_s": total - stepped - sum(stalls) - restore["seconds"] - end["final_wait"],
-                         "background_median": statistics.median(background) if background else 0.0,
-                         "stall_median": statistics.median(stalls), "stall_max": max(stalls), "saves": len(stalls)})
+        returned = {
+            (log, e["step"]): e["t"]
+            for log, events in (("first", first), ("resume", resume))
+            for e in events
+            if e["kind"] == "save"
+        }
+        background = [
+            e["t"] - returned[(log, e["step"])]
+            for log, events in (("first", first), ("resume", resume))
+            for e in events
+            if e["kind"] == "saved" and (log, e["step"]) in returned
+        ]
+        per_rank.append(
+            {
+                "total": total,
+                "undisturbed": undisturbed,
+                "stepped": stepped,
+                "restore": restore["seconds"],
+                "restored_step": restore["step"],
+                "lost": a.kill_at - restore["step"],
+                "lost_s": lost_s,
+                "stall_s": sum(stalls),
+                "final_wait": end["final_wait"],
+                "other_s": total - stepped - sum(stalls) - restore["seconds"] - end["final_wait"],
+                "background_median": statistics.median(background) if background else 0.0,
+                "stall_median": statistics.median(stalls),
+                "stall_max": max(stalls),
+                "saves": len(stalls),
+            }
+        )
     shutil.rmtree(root)
     worst = max(per_rank, key=lambda x: x["total"])
     worst["stall_median"] = max(x["stall_median"] for x in per_rank)
@@ -256,14 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     state_bytes = 3 * 4 * a.layers * (a.width * a.width + a.width)  # weights, exp_avg, exp_avg_sq in fp32
     base = Path(tempfile.mkdtemp(prefix="goodput-loop-", dir=a.dir))
     load0 = os.getloadavg()
-    print(f"{a.ranks} rank(s), {a.layers} x Linear({a.width}) + AdamW ({state_bytes / (1 << 20):.0f} MiB of state), "
-          f"{a.steps} steps, async save every {a.every}, kill after step {a.kill_at}; {a.repeats} repeats; "
-          f"load average {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f}, {os.cpu_count()} CPUs")
+    print(
+        f"{a.ranks} rank(s), {a.layers} x Linear({a.width}) + AdamW ({state_bytes / (1 << 20):.0f} MiB of state), "
+        f"{a.steps} steps, async save every {a.every}, kill after step {a.kill_at}; {a.repeats} repeats; "
+        f"load average {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f}, {os.cpu_count()} CPUs"
+    )
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     orders = []
     try:
         for rep in range(a.repeats):
-            order = list(METHODS[rep % 2:] + METHODS[: rep % 2])
+            order = list(METHODS[rep % 2 :] + METHODS[: rep % 2])
             orders.append(order)
             for m in order:
                 runs[m].append(one_run(a, m, base / f"{m}-{rep}"))
@@ -273,39 +323,84 @@ def main(argv: list[str] | None = None) -> int:
             ideal = statistics.median(x for m in METHODS for x in runs[m][-1]["undisturbed"])
             for m in METHODS:
                 r = runs[m][-1]
-                r.update(ideal_step=ideal, useful=a.steps * ideal, goodput=a.steps * ideal / r["total"],
-                         slowdown_s=r["stepped"] - r["lost_s"] - a.steps * ideal)
-            print(f"repeat {rep + 1}: order {', '.join(order)}; " + "; ".join(
-                f"{m} goodput {runs[m][-1]['goodput']:.3f}, restored step {runs[m][-1]['restored_step']}" for m in order)
-                + f"; load average {os.getloadavg()[0]:.1f}")
+                r.update(
+                    ideal_step=ideal,
+                    useful=a.steps * ideal,
+                    goodput=a.steps * ideal / r["total"],
+                    slowdown_s=r["stepped"] - r["lost_s"] - a.steps * ideal,
+                )
+            print(
+                f"repeat {rep + 1}: order {', '.join(order)}; "
+                + "; ".join(
+                    f"{m} goodput {runs[m][-1]['goodput']:.3f}, restored step {runs[m][-1]['restored_step']}"
+                    for m in order
+                )
+                + f"; load average {os.getloadavg()[0]:.1f}"
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     load1 = os.getloadavg()
-    report: dict[str, Any] = {"ranks": a.ranks, "state_bytes": state_bytes, "steps": a.steps, "every": a.every,
-                              "kill_at": a.kill_at, "order": orders, "load_average": [load0[0], load1[0]], "methods": {}}
-    print(f"\n{'method':<8}{'goodput min':>12}{'median':>8}{'max':>7}{'stall s median':>16}{'(max)':>8}"
-          f"{'lost steps':>11}{'restore s':>10}")
+    report: dict[str, Any] = {
+        "ranks": a.ranks,
+        "state_bytes": state_bytes,
+        "steps": a.steps,
+        "every": a.every,
+        "kill_at": a.kill_at,
+        "order": orders,
+        "load_average": [load0[0], load1[0]],
+        "methods": {},
+    }
+    print(
+        f"\n{'method':<8}{'goodput min':>12}{'median':>8}{'max':>7}{'stall s median':>16}{'(max)':>8}"
+        f"{'lost steps':>11}{'restore s':>10}"
+    )
     for m in METHODS:
-        fig = {k: _stats([r[k] for r in runs[m]]) for k in (
-            "goodput", "stall_median", "stall_max", "lost", "restore", "total", "useful", "ideal_step", "slowdown_s",
-            "lost_s", "stall_s",
-            "final_wait", "other_s", "background_median")}
+        fig = {
+            k: _stats([r[k] for r in runs[m]])
+            for k in (
+                "goodput",
+                "stall_median",
+                "stall_max",
+                "lost",
+                "restore",
+                "total",
+                "useful",
+                "ideal_step",
+                "slowdown_s",
+                "lost_s",
+                "stall_s",
+                "final_wait",
+                "other_s",
+                "background_median",
+            )
+        }
         report["methods"][m] = fig
         g = fig["goodput"]
-        print(f"{m:<8}{g['min']:>12.3f}{g['median']:>8.3f}{g['max']:>7.3f}{fig['stall_median']['median']:>16.3f}"
-              f"{fig['stall_max']['median']:>8.3f}{fig['lost']['median']:>11.0f}{fig['restore']['median']:>10.3f}")
-    print("\nwhere the total went, seconds (medians): useful (steps x undisturbed step) / steps' slowdown beside "
-          "saves / lost steps / stalls / restore / final wait / other; a save's median time in the background")
+        print(
+            f"{m:<8}{g['min']:>12.3f}{g['median']:>8.3f}{g['max']:>7.3f}{fig['stall_median']['median']:>16.3f}"
+            f"{fig['stall_max']['median']:>8.3f}{fig['lost']['median']:>11.0f}{fig['restore']['median']:>10.3f}"
+        )
+    print(
+        "\nwhere the total went, seconds (medians): useful (steps x undisturbed step) / steps' slowdown beside "
+        "saves / lost steps / stalls / restore / final wait / other; a save's median time in the background"
+    )
     for m in METHODS:
         f = report["methods"][m]
-        print(f"{m:<8}" + " / ".join(f"{f[k]['median']:.2f}" for k in ("useful", "slowdown_s", "lost_s", "stall_s", "restore",
-                                                                       "final_wait", "other_s"))
-              + f"; background {f['background_median']['median']:.2f} s")
+        print(
+            f"{m:<8}"
+            + " / ".join(
+                f"{f[k]['median']:.2f}"
+                for k in ("useful", "slowdown_s", "lost_s", "stall_s", "restore", "final_wait", "other_s")
+            )
+            + f"; background {f['background_median']['median']:.2f} s"
+        )
     ratio = [o["goodput"] / t["goodput"] for o, t in zip(runs["ours"], runs["torch"])]
     stall = [t["stall_median"] / o["stall_median"] for o, t in zip(runs["ours"], runs["torch"])]
     report["ours_vs_torch"] = {"goodput": _stats(ratio), "stall": _stats(stall)}
-    print(f"ours vs torch, same repeat: goodput ratio {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}), "
-          f"stall (torch's / ours) {statistics.median(stall):.2f} ({min(stall):.2f}-{max(stall):.2f})")
+    print(
+        f"ours vs torch, same repeat: goodput ratio {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}), "
+        f"stall (torch's / ours) {statistics.median(stall):.2f} ({min(stall):.2f}-{max(stall):.2f})"
+    )
     print(f"load average at the end {load1[0]:.1f}")
     if a.json:
         with open(a.json, "w") as fh:

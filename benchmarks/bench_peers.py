@@ -64,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
 from goodput_ckpt.cli._output import parse_size  # noqa: E402
+from goodput_ckpt.tools.measure._bench_measure import spread_of as stats  # noqa: E402
 from goodput_ckpt.tools.measure._bench_save import timed_save  # noqa: E402
 from goodput_ckpt.tools.measure._bench_state import make_state  # noqa: E402
-from goodput_ckpt.tools.measure._bench_measure import spread_of as stats  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -104,8 +104,13 @@ def wall_and_cpu(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return time.perf_counter() - t0, _cpu() - c0, out
 
 
-def run_rounds(methods: dict[str, Method], state: Any, repeats: int, remove: Callable[[str], None],
-               where: Callable[[str, str], str]) -> dict[str, Any]:  # fmt: skip
+def run_rounds(
+    methods: dict[str, Method],
+    state: Any,
+    repeats: int,
+    remove: Callable[[str], None],
+    where: Callable[[str, str], str],
+) -> dict[str, Any]:
     """Save (after a warm-up save) and load with every method once per repeat, rotating the order."""
     secs: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in methods}
     cpu: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in methods}
@@ -133,8 +138,9 @@ def ratios(res: dict[str, Any], ours: str = "ours") -> dict[str, Any]:
     secs = res["seconds"]
     return {
         peer: {p: stats([t / o for t, o in zip(secs[peer][p], secs[ours][p])]) for p in ("save", "load")}
-        for peer in secs if peer != ours
-    }  # fmt: skip
+        for peer in secs
+        if peer != ours
+    }
 
 
 # -- local DCP --------------------------------------------------------------------------------------
@@ -166,7 +172,9 @@ def s3_methods(state: Any, url: str, bucket: str, skipped: dict[str, str]) -> di
         dcp.load(dest, storage_reader=CheckpointReader(f"s3://{bucket}/{p}", verify=True, **opts))
         return dest
 
-    out: dict[str, Method] = {"ours": (lambda p: dcp.save(state, storage_writer=CheckpointWriter(f"s3://{bucket}/{p}", **opts)), ours_load)}
+    out: dict[str, Method] = {
+        "ours": (lambda p: dcp.save(state, storage_writer=CheckpointWriter(f"s3://{bucket}/{p}", **opts)), ours_load)
+    }
     try:
         from s3torchconnector import S3ClientConfig
         from s3torchconnector._s3client import S3Client
@@ -199,8 +207,10 @@ def s3_methods(state: Any, url: str, bucket: str, skipped: dict[str, str]) -> di
     try:
         import s3fs  # noqa: F401
     except ImportError:
-        skipped["fsspec"] = ("s3fs is not installed (pip install s3fs; on the development machine its releases for "
-                             "this fsspec require a botocore older than the project's boto3)")  # fmt: skip
+        skipped["fsspec"] = (
+            "s3fs is not installed (pip install s3fs; on the development machine its releases for "
+            "this fsspec require a botocore older than the project's boto3)"
+        )
     else:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -228,19 +238,30 @@ def s3_remover(client: Any, bucket: str) -> Callable[[str], None]:
 # -- the run ----------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     st = make_state(parse_size(args.size))
-    report: dict[str, Any] = {"bytes": st.nbytes, "tensors": len(st.flat), "repeats": args.repeats, "world_size": 1,
-                              "load_average_before": os.getloadavg()[0], "cpus": os.cpu_count(), "skipped": {}}  # fmt: skip
+    report: dict[str, Any] = {
+        "bytes": st.nbytes,
+        "tensors": len(st.flat),
+        "repeats": args.repeats,
+        "world_size": 1,
+        "load_average_before": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "skipped": {},
+    }
     skipped = report["skipped"]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         if "local" in args.targets:
             root = Path(tmp, "local")
             root.mkdir()
-            res = run_rounds(local_methods(st.nested), st.nested, args.repeats, lambda d: shutil.rmtree(d, ignore_errors=True),
-                             lambda m, tag: str(root / f"{m}-{tag}"))  # fmt: skip
+            res = run_rounds(
+                local_methods(st.nested),
+                st.nested,
+                args.repeats,
+                lambda d: shutil.rmtree(d, ignore_errors=True),
+                lambda m, tag: str(root / f"{m}-{tag}"),
+            )
             report["local"] = {**res, "ratios": ratios(res)}
         if "s3" in args.targets:
             import boto3
-
             from helpers.s3 import SeaweedServer, s3_env
 
             os.environ.update(s3_env())
@@ -251,8 +272,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(4):  # untimed warm-up: SeaweedFS grows its volumes on the first writes
                     client.put_object(Bucket="peers", Key=f"warm/{i}", Body=os.urandom(32 * MiB))
                 s3_remover(client, "peers")("warm")
-                res = run_rounds(s3_methods(st.nested, server.url, "peers", skipped), st.nested, args.repeats,
-                                 s3_remover(client, "peers"), lambda m, tag: f"{m}-{tag}")  # fmt: skip
+                res = run_rounds(
+                    s3_methods(st.nested, server.url, "peers", skipped),
+                    st.nested,
+                    args.repeats,
+                    s3_remover(client, "peers"),
+                    lambda m, tag: f"{m}-{tag}",
+                )
                 report["s3"] = {**res, "ratios": ratios(res)}
             finally:
                 server.stop()
@@ -269,9 +295,11 @@ def fmt(s: dict[str, Any]) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    print(f"state: {report['bytes'] / MiB:.0f} MiB in {report['tensors']} tensors; {report['repeats']} repeats; 1 rank; "
-          f"load average {report['load_average_before']:.2f} before, {report['load_average_after']:.2f} after, "
-          f"on {report['cpus']} CPUs")  # fmt: skip
+    print(
+        f"state: {report['bytes'] / MiB:.0f} MiB in {report['tensors']} tensors; {report['repeats']} repeats; 1 rank; "
+        f"load average {report['load_average_before']:.2f} before, {report['load_average_after']:.2f} after, "
+        f"on {report['cpus']} CPUs"
+    )
     for target in ("local", "s3"):
         if target not in report:
             continue
@@ -280,18 +308,29 @@ def print_report(report: dict[str, Any]) -> None:
         for m, s in r["seconds"].items():
             mib = report["bytes"] / MiB
             c = r["cpu_seconds"][m]
-            print(f"  {m:9s} save {mib / statistics.median(s['save']):6.0f} MiB/s, {statistics.median(c['save']):.2f} CPU-s  "
-                  f"load {mib / statistics.median(s['load']):6.0f} MiB/s, {statistics.median(c['load']):.2f} CPU-s (medians)")  # fmt: skip
+            print(
+                f"  {m:9s} save {mib / statistics.median(s['save']):6.0f} MiB/s, {statistics.median(c['save']):.2f} CPU-s  "
+                f"load {mib / statistics.median(s['load']):6.0f} MiB/s, {statistics.median(c['load']):.2f} CPU-s (medians)"
+            )
         for peer, rr in r["ratios"].items():
-            print(f"  ours vs {peer:9s} save {fmt(rr['save'])}  load {fmt(rr['load'])}  (median (min-max) of theirs/ours seconds)")
+            print(
+                f"  ours vs {peer:9s} save {fmt(rr['save'])}  load {fmt(rr['load'])}  (median (min-max) of theirs/ours seconds)"
+            )
     if "tiers" in report:
         r = report["tiers"]
-        print(f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW): order " + " | ".join(", ".join(o) for o in r["order"]))
+        print(
+            f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW): order "
+            + " | ".join(", ".join(o) for o in r["order"])
+        )
         for m, s in r["seconds"].items():
-            print(f"  {m:16s} stall {statistics.median(s['stall']):.3f} s  durable {statistics.median(s['durable']):.3f} s  "
-                  f"restore {statistics.median(s['restore']):.3f} s (medians)")  # fmt: skip
+            print(
+                f"  {m:16s} stall {statistics.median(s['stall']):.3f} s  durable {statistics.median(s['durable']):.3f} s  "
+                f"restore {statistics.median(s['restore']):.3f} s (medians)"
+            )
         for peer, rr in r["ratios"].items():
-            print(f"  manager vs {peer:16s} stall {fmt(rr['stall'])}  durable {fmt(rr['durable'])}  restore {fmt(rr['restore'])}")
+            print(
+                f"  manager vs {peer:16s} stall {fmt(rr['stall'])}  durable {fmt(rr['durable'])}  restore {fmt(rr['restore'])}"
+            )
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
 

@@ -90,8 +90,12 @@ def _clock(fn: Callable[[], Any]) -> dict[str, float]:
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     fn()
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    return {"wall": wall, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
-            "minflt": float(r1.ru_minflt - r0.ru_minflt)}
+    return {
+        "wall": wall,
+        "user": r1.ru_utime - r0.ru_utime,
+        "sys": r1.ru_stime - r0.ru_stime,
+        "minflt": float(r1.ru_minflt - r0.ru_minflt),
+    }
 
 
 # -- --phases: timers around the library's parts, installed by this script only -------------------
@@ -100,8 +104,8 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
     """Wrap the save's parts with timers; yields ``{part: [seconds, calls]}``, filled by the save."""
     import blake3 as real_blake3
 
-    import goodput_ckpt.engine.hashed_write as hw
     import goodput_ckpt.dcp.writer as wr
+    import goodput_ckpt.engine.hashed_write as hw
     import goodput_ckpt.storage.local as local
 
     acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -119,6 +123,7 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
                 return fn(*a, **k)
             finally:
                 add(part, time.perf_counter() - t)
+
         return wrapped
 
     class _Hasher:
@@ -142,9 +147,14 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
             elif gc_start:
                 add("full gc", time.perf_counter() - gc_start.pop())
 
-    saved = [(os, "pwritev", os.pwritev), (hw, "blake3", hw.blake3), (local, "_SYNC_FILE_RANGE", local._SYNC_FILE_RANGE),
-             (local._LocalSink, "close", local._LocalSink.close), (local.LocalStore, "put_commit_record",
-             local.LocalStore.put_commit_record), (wr, "write_hashed_files", wr.write_hashed_files)]
+    saved = [
+        (os, "pwritev", os.pwritev),
+        (hw, "blake3", hw.blake3),
+        (local, "_SYNC_FILE_RANGE", local._SYNC_FILE_RANGE),
+        (local._LocalSink, "close", local._LocalSink.close),
+        (local.LocalStore, "put_commit_record", local.LocalStore.put_commit_record),
+        (wr, "write_hashed_files", wr.write_hashed_files),
+    ]
     os.pwritev = timer("pwritev (thread-s)", os.pwritev)
     hw.blake3 = type("blake3", (), {"blake3": _Hasher})
     if local._SYNC_FILE_RANGE is not None:
@@ -179,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="256MiB")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", default="1,2", help="extra ours-tN methods (thread_count), comma-separated; '' for none")
+    p.add_argument(
+        "--threads", default="1,2", help="extra ours-tN methods (thread_count), comma-separated; '' for none"
+    )
     p.add_argument("--phases", action="store_true", help="one instrumented save per repeat (see the module doc)")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--json")
@@ -189,14 +201,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats must be at least 1")
 
     state = make_state(parse_size(a.size), a.seed)
-    methods: dict[str, Callable[[str], None]] = {"raw": lambda w: raw_save(state, w), "ours": lambda w: ours_save(state, w)}
+    methods: dict[str, Callable[[str], None]] = {
+        "raw": lambda w: raw_save(state, w),
+        "ours": lambda w: ours_save(state, w),
+    }
     for n in [int(x) for x in a.threads.split(",") if x.strip()]:
         methods[f"ours-t{n}"] = lambda w, n=n: ours_save(state, w, thread_count=n)
     names = list(methods)
     base = tempfile.mkdtemp(prefix="goodput-physical-", dir=a.dir)
     load0 = os.getloadavg()
-    print(f"state {state.nbytes / MiB:.0f} MiB in {len(state.flat)} tensors, {a.repeats} repeats, under {base}; "
-          f"load average {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f}, {os.cpu_count()} CPUs")
+    print(
+        f"state {state.nbytes / MiB:.0f} MiB in {len(state.flat)} tensors, {a.repeats} repeats, under {base}; "
+        f"load average {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f}, {os.cpu_count()} CPUs"
+    )
     samples: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     orders: list[list[str]] = []
     phases: list[dict[str, Any]] = []
@@ -217,10 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
 
     load1 = os.getloadavg()
-    report: dict[str, Any] = {"bytes": state.nbytes, "tensors": len(state.flat), "repeats": a.repeats, "order": orders,
-                              "load_average": [load0[0], load1[0]], "seconds": {}, "vs_raw": {}, "cpu": {}}
-    print(f"\n{'method':<10}{'seconds (median)':>18}{'raw/method min':>16}{'median':>8}{'max':>7}"
-          f"{'user s':>8}{'sys s':>7}{'minflt':>8}")
+    report: dict[str, Any] = {
+        "bytes": state.nbytes,
+        "tensors": len(state.flat),
+        "repeats": a.repeats,
+        "order": orders,
+        "load_average": [load0[0], load1[0]],
+        "seconds": {},
+        "vs_raw": {},
+        "cpu": {},
+    }
+    print(
+        f"\n{'method':<10}{'seconds (median)':>18}{'raw/method min':>16}{'median':>8}{'max':>7}"
+        f"{'user s':>8}{'sys s':>7}{'minflt':>8}"
+    )
     for n in names:
         walls = [s["wall"] for s in samples[n]]
         ratio = [r["wall"] / s["wall"] for r, s in zip(samples["raw"], samples[n])]
@@ -228,16 +255,20 @@ def main(argv: list[str] | None = None) -> int:
         report["vs_raw"][n] = stats(ratio)
         cpu = {k: statistics.median(s[k] for s in samples[n]) for k in ("user", "sys", "minflt")}
         report["cpu"][n] = cpu
-        print(f"{n:<10}{statistics.median(walls):>18.3f}{min(ratio):>16.2f}{statistics.median(ratio):>8.2f}"
-              f"{max(ratio):>7.2f}{cpu['user']:>8.2f}{cpu['sys']:>7.2f}{cpu['minflt']:>8.0f}")
+        print(
+            f"{n:<10}{statistics.median(walls):>18.3f}{min(ratio):>16.2f}{statistics.median(ratio):>8.2f}"
+            f"{max(ratio):>7.2f}{cpu['user']:>8.2f}{cpu['sys']:>7.2f}{cpu['minflt']:>8.0f}"
+        )
     if phases:
         report["phases"] = phases
         print("\nparts of an instrumented ours save (median over repeats; thread-s: summed over writer threads)")
         print(f"  {'save (wall)':<50}{statistics.median(ph['wall'] for ph in phases):>8.3f} s")
         for part in dict.fromkeys(k for ph in phases for k in ph["parts"]):
             vals = [ph["parts"].get(part, {"seconds": 0.0, "calls": 0}) for ph in phases]
-            print(f"  {part:<50}{statistics.median(v['seconds'] for v in vals):>8.3f} s"
-                  f"{statistics.median(v['calls'] for v in vals):>8.0f} calls")
+            print(
+                f"  {part:<50}{statistics.median(v['seconds'] for v in vals):>8.3f} s"
+                f"{statistics.median(v['calls'] for v in vals):>8.0f} calls"
+            )
     print(f"load average at the end {load1[0]:.1f}")
     if a.json:
         with open(a.json, "w") as fh:

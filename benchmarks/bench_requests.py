@@ -106,8 +106,10 @@ def main() -> int:
 
     shapes = [(t.fqn, t.shape) for t in model_tensors("tiny")]
     os.environ.update(s3_env())
-    print(f"{len(shapes)} tensors (bench_scale 'tiny', Shard(0)); manager: {args.layers} FSDP2 layers + AdamW; "
-          f"server {args.server}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"{len(shapes)} tensors (bench_scale 'tiny', Shard(0)); manager: {args.layers} FSDP2 layers + AdamW; "
+        f"server {args.server}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     order: list[str] = []
     reports: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
     walls: dict[int, list[float]] = {w: [] for w in worlds}
@@ -125,24 +127,37 @@ def main() -> int:
                     out = Path(tmp, f"w{w}-r{rep}.json")
                     t0 = time.perf_counter()
                     run_ranks(
-                        count_rank_requests, w, server.url, f"s3://{BUCKET}/w{w}-r{rep}", shapes, args.layers, str(out),
-                        report_dir=Path(tmp, f"ranks-w{w}-r{rep}"), timeout=600,
-                    )  # fmt: skip
+                        count_rank_requests,
+                        w,
+                        server.url,
+                        f"s3://{BUCKET}/w{w}-r{rep}",
+                        shapes,
+                        args.layers,
+                        str(out),
+                        report_dir=Path(tmp, f"ranks-w{w}-r{rep}"),
+                        timeout=600,
+                    )
                     walls[w].append(time.perf_counter() - t0)
                     reports[w].append(json.loads(out.read_text()))
-                    print(f"  W={w} repeat {rep}: {walls[w][-1]:.1f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"  W={w} repeat {rep}: {walls[w][-1]:.1f} s, load average {os.getloadavg()[0]:.1f}", flush=True
+                    )
         finally:
             server.stop()
     print("order:", "; ".join(order))
     for w in worlds:
         ts = sorted(walls[w])
-        print(f"  W={w}: run wall time min {ts[0]:.1f} / median {statistics.median(ts):.1f} / max {ts[-1]:.1f} s ({len(ts)} repeats)")
+        print(
+            f"  W={w}: run wall time min {ts[0]:.1f} / median {statistics.median(ts):.1f} / max {ts[-1]:.1f} s ({len(ts)} repeats)"
+        )
     summary = {w: summarize(reports[w]) for w in worlds}
     print_table(worlds, summary)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"worlds": worlds, "order": order, "walls": walls, "summary": summary, "reports": reports}, indent=1)
+            json.dumps(
+                {"worlds": worlds, "order": order, "walls": walls, "summary": summary, "reports": reports}, indent=1
+            )
         )
     return 0
 

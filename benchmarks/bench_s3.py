@@ -129,8 +129,11 @@ def boto_client(env: Env, tuned: bool, crc: bool = False):
 
     kw: dict[str, Any] = {"s3": {"addressing_style": "path"}}
     if tuned:
-        kw.update(max_pool_connections=32, request_checksum_calculation="when_required",
-                  response_checksum_validation="when_required")  # fmt: skip
+        kw.update(
+            max_pool_connections=32,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
     if crc:  # botocore adds a CRC-32 header (over http) and sends the body unsigned
         kw.update(request_checksum_calculation="when_supported")
         kw["s3"]["payload_signing_enabled"] = False
@@ -205,11 +208,16 @@ def raw_requests(env: Env, bucket: str, prefix: str):
     from botocore.config import Config
 
     client = boto3.client(
-        "s3", endpoint_url=env.url, region_name="us-east-1",
-        config=Config(max_pool_connections=32, request_checksum_calculation="when_required",
-                      response_checksum_validation="when_required",
-                      s3={"addressing_style": "path", "payload_signing_enabled": False}),
-    )  # fmt: skip
+        "s3",
+        endpoint_url=env.url,
+        region_name="us-east-1",
+        config=Config(
+            max_pool_connections=32,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
+        ),
+    )
     part = 8 * MiB
     bodies = [env.raw[o : o + part] for o in range(0, len(env.raw), part)]
     crcs = [base64.b64encode(zlib.crc32(b).to_bytes(4, "big")).decode() for b in bodies]
@@ -253,7 +261,12 @@ def raw_requests(env: Env, bucket: str, prefix: str):
 def fsspec_peer(env: Env, bucket: str, prefix: str):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    so = {"endpoint_url": env.url, "key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"region_name": "us-east-1"}}
+    so = {
+        "endpoint_url": env.url,
+        "key": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
 
     def save(where: str = prefix) -> None:
         dcp.save(env.state, storage_writer=FsspecWriter(f"s3://{bucket}/{where}", thread_count=4, **so))
@@ -274,7 +287,10 @@ def s3tc_peer(env: Env, bucket: str, prefix: str):
     cfg = S3ClientConfig(force_path_style=True)
 
     def save(where: str = prefix) -> None:
-        dcp.save(env.state, storage_writer=S3StorageWriter("us-east-1", f"s3://{bucket}/{where}", s3client_config=cfg, thread_count=4))
+        dcp.save(
+            env.state,
+            storage_writer=S3StorageWriter("us-east-1", f"s3://{bucket}/{where}", s3client_config=cfg, thread_count=4),
+        )
 
     def load() -> Any:
         dest = zeros_like_nested(env.state)
@@ -336,7 +352,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     metrics_port = free_port(55535)
     data_dir = Path(tempfile.mkdtemp(prefix="bench-s3-"))
     server = SeaweedServer(data_dir, extra_args=(f"-metricsPort={metrics_port}",))
-    env = Env(server.url, f"http://127.0.0.1:{server.master_port}", f"http://127.0.0.1:{metrics_port}/metrics", state, nbytes, raw)
+    env = Env(
+        server.url,
+        f"http://127.0.0.1:{server.master_port}",
+        f"http://127.0.0.1:{metrics_port}/metrics",
+        state,
+        nbytes,
+        raw,
+    )
     results: dict[str, dict[str, Phase]] = {}
     orders: list[list[str]] = []
     load0 = os.getloadavg()
@@ -361,8 +384,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res = results.setdefault(m, {"save": Phase(), "load": Phase()})
                 # An untimed warm-up save of the same method first, deleted before the clock
                 # starts: the procedure goodput-ckpt bench and bench_local.py share.
-                timed_save(save, prefix, warm=f"{prefix}-warm", remove=lambda p: remove_prefix(env, bucket, p),
-                           clock=lambda fn: measure(env, bucket, fn, res["save"]))  # fmt: skip
+                timed_save(
+                    save,
+                    prefix,
+                    warm=f"{prefix}-warm",
+                    remove=lambda p: remove_prefix(env, bucket, p),
+                    clock=lambda fn: measure(env, bucket, fn, res["save"]),
+                )
                 got = measure(env, bucket, load, res["load"])
                 ok = got == raw if isinstance(got, bytearray) else same(got, state)
                 if not ok:
@@ -390,10 +418,14 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
         for name, ph in phases.items():
             t = statistics.median(ph.seconds)
             row[name] = {
-                "seconds": t, "mib_s": nbytes / MiB / t, "cpu_s": statistics.median(ph.cpu),
-                "min_mib_s": nbytes / MiB / max(ph.seconds), "max_mib_s": nbytes / MiB / min(ph.seconds),
-                "requests": ph.requests[-1], "all_seconds": ph.seconds,
-            }  # fmt: skip
+                "seconds": t,
+                "mib_s": nbytes / MiB / t,
+                "cpu_s": statistics.median(ph.cpu),
+                "min_mib_s": nbytes / MiB / max(ph.seconds),
+                "max_mib_s": nbytes / MiB / min(ph.seconds),
+                "requests": ph.requests[-1],
+                "all_seconds": ph.seconds,
+            }
         rows[m] = row
     ceiling = {p: max((rows[m][p]["mib_s"] for m in TM_METHODS if m in rows), default=None) for p in ("save", "load")}
     ratios: dict[str, Any] = {}
@@ -412,7 +444,9 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
     if "ours" in results:
         for p in ("save", "load"):
             mine = results["ours"][p].seconds
-            theirs_by_ref = {ref: results[ref][p].seconds for ref in (*TM_METHODS, "fsspec", "s3tc", "raw") if ref in results}
+            theirs_by_ref = {
+                ref: results[ref][p].seconds for ref in (*TM_METHODS, "fsspec", "s3tc", "raw") if ref in results
+            }
             best_tm = [min(ts) for ts in zip(*(results[m][p].seconds for m in TM_METHODS if m in results))]
             if best_tm:
                 theirs_by_ref["ceiling"] = best_tm
@@ -422,11 +456,17 @@ def summarize(results: dict[str, dict[str, Phase]], nbytes: int, args: argparse.
                 spread[p][ref] = (min(r), statistics.median(r), max(r))
             per_repeat[p] = {ref: v[1] for ref, v in spread[p].items()}
     return {
-        "payload_bytes": nbytes, "repeats": args.repeats, "python": platform.python_version(),
-        "torch": torch.__version__, "cpus": os.cpu_count(), "results": rows, "ratios_of_ours": ratios,
-        "median_ratio_per_repeat": per_repeat, "ratio_per_repeat_spread": spread,
+        "payload_bytes": nbytes,
+        "repeats": args.repeats,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "results": rows,
+        "ratios_of_ours": ratios,
+        "median_ratio_per_repeat": per_repeat,
+        "ratio_per_repeat_spread": spread,
         "tm_vs_other_tm": tm_vs_other_tm(results),
-    }  # fmt: skip
+    }
 
 
 def tm_vs_other_tm(results: dict[str, dict[str, Phase]]) -> dict[str, Any]:
@@ -447,15 +487,21 @@ def tm_vs_other_tm(results: dict[str, dict[str, Phase]]) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"payload {report['payload_bytes'] / MiB:.0f} MiB, median of {report['repeats']} repeat(s); "
-          "min-max: slowest and fastest repeat")
+    print(
+        f"payload {report['payload_bytes'] / MiB:.0f} MiB, median of {report['repeats']} repeat(s); "
+        "min-max: slowest and fastest repeat"
+    )
     print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(report.get("order", []))))
     la = report.get("loadavg")
     if la:
-        print(f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
-              f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {report['cpus']} CPUs")
-    print(f"{'method':<15}{'save MiB/s':>11}{'min-max':>11}{'cpu s':>7}  {'save requests':<34}"
-          f"{'load MiB/s':>11}{'min-max':>11}{'cpu s':>7}  load requests")
+        print(
+            f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
+            f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {report['cpus']} CPUs"
+        )
+    print(
+        f"{'method':<15}{'save MiB/s':>11}{'min-max':>11}{'cpu s':>7}  {'save requests':<34}"
+        f"{'load MiB/s':>11}{'min-max':>11}{'cpu s':>7}  load requests"
+    )
     for m, row in report["results"].items():
         cells = []
         for p in ("save", "load"):
@@ -470,11 +516,15 @@ def print_table(report: dict[str, Any]) -> None:
     for p, refs in report["ratios_of_ours"].items():
         print(f"ours {p}: " + ", ".join(f"{v:.2f}x {k}" for k, v in refs.items()))
     for p, refs in report.get("ratio_per_repeat_spread", {}).items():
-        print(f"ours {p}, per-repeat ratios min/median/max: "
-              + ", ".join(f"{lo:.2f}/{med:.2f}/{hi:.2f}x {k}" for k, (lo, med, hi) in refs.items()))
+        print(
+            f"ours {p}, per-repeat ratios min/median/max: "
+            + ", ".join(f"{lo:.2f}/{med:.2f}/{hi:.2f}x {k}" for k, (lo, med, hi) in refs.items())
+        )
     if report.get("tm_vs_other_tm"):
-        print("each TransferManager setting's save vs the fastest other setting, per repeat min/median/max: "
-              + ", ".join(f"{k} {lo:.2f}/{med:.2f}/{hi:.2f}x" for k, (lo, med, hi) in report["tm_vs_other_tm"].items()))
+        print(
+            "each TransferManager setting's save vs the fastest other setting, per repeat min/median/max: "
+            + ", ".join(f"{k} {lo:.2f}/{med:.2f}/{hi:.2f}x" for k, (lo, med, hi) in report["tm_vs_other_tm"].items())
+        )
 
 
 def main() -> None:

@@ -70,6 +70,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -84,16 +85,13 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-import numpy as np
-
+from goodput_ckpt.dcp import manifest_share
 from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, build_manifest, forget_layouts
-from goodput_ckpt.engine.rank_writes import OBJECT, RankWrites, from_table, layout_of
 from goodput_ckpt.dcp.load_planner import tensor_read_items
+from goodput_ckpt.engine.rank_writes import OBJECT, RankWrites, from_table, layout_of
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
 from goodput_ckpt.format.manifest import ALIGNMENT, DTYPE_SIZES, FileEntry, parse_manifest
 from goodput_ckpt.storage import open_store
-
-from goodput_ckpt.dcp import manifest_share
 
 #: The collector pause load_shared puts around its broadcast (None: a package from before it).
 gc_paused = getattr(manifest_share, "gc_paused", None)
@@ -151,11 +149,27 @@ def model_tensors(model: str) -> list[Tensor]:
 #: ``RNG_ROW_BYTES`` per rank (``state.rng.row_width`` of a process with NumPy and no CUDA).
 RNG_ROW_BYTES = 15094
 RNG_ITEMS = [
-    ("python", (625,), "int64"), ("python_gauss", (2,), "float64"), ("numpy", (624,), "int64"),
-    ("numpy_pos", (2,), "int64"), ("numpy_gauss", (1,), "float64"), ("torch", (5056,), "uint8"),
-]  # fmt: skip
-PARAM_GROUP_KEYS = ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
-                    "differentiable", "fused", "decoupled_weight_decay", "params"]  # fmt: skip
+    ("python", (625,), "int64"),
+    ("python_gauss", (2,), "float64"),
+    ("numpy", (624,), "int64"),
+    ("numpy_pos", (2,), "int64"),
+    ("numpy_gauss", (1,), "float64"),
+    ("torch", (5056,), "uint8"),
+]
+PARAM_GROUP_KEYS = [
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+    "params",
+]
 LOADER_BYTES, OBJECT_BYTES = 512, 100
 
 Own = tuple[str, tuple[int, ...] | None, str]  # fqn, shape (None: an object), dtype
@@ -196,7 +210,9 @@ def own_metadata(item: Own) -> TensorStorageMetadata | BytesStorageMetadata:
     if shape is None:
         return BytesStorageMetadata()
     chunk = ChunkStorageMetadata(offsets=torch.Size((0,) * len(shape)), sizes=torch.Size(shape))
-    return TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape), chunks=[chunk])
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape), chunks=[chunk]
+    )
 
 
 def own_length(item: Own) -> int:
@@ -325,7 +341,10 @@ class _LazyChunks(list):
 
     def _made(self) -> list[ChunkStorageMetadata]:
         if not super().__len__() and self._n:
-            super().extend(ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in shard(self._t, self._world, "fsdp"))
+            super().extend(
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                for o, s, _ in shard(self._t, self._world, "fsdp")
+            )
         return self
 
     def __len__(self) -> int:
@@ -356,7 +375,9 @@ def simulate_compact(model: str, world: int, plan_rank: int, state: str = "bare"
             continue
         items = own_items(tensors, 0 if first else 1, state)
         rows = [(None if it[1] is None else (0,) * len(it[1]), own_length(it), it[1]) for it in items]
-        table = _table([(MetadataIndex("", None if o is None else torch.Size(o)), 0, n, sh) for o, n, sh in rows], dims=2)
+        table = _table(
+            [(MetadataIndex("", None if o is None else torch.Size(o)), 0, n, sh) for o, n, sh in rows], dims=2
+        )
         end = 0
         for row, (_, n, _) in zip(table, rows):
             row[1] = -(-end // ALIGNMENT) * ALIGNMENT
@@ -398,7 +419,9 @@ def simulate_compact(model: str, world: int, plan_rank: int, state: str = "bare"
         hashes = tuple(f"{rank:032x}{c:032x}" for c in range(math.ceil(size / CHUNK_SIZE)))
         files = (FileEntry(name, size, hashes),) if len(table) else ()
         if _OWN:
-            writes = RankWrites(files, blob, digest, table, layout_of(digest, table, own_blob), len(own_table), own_blob)
+            writes = RankWrites(
+                files, blob, digest, table, layout_of(digest, table, own_blob), len(own_table), own_blob
+            )
         else:
             writes = _from_table(files, json.loads(own_blob) + json.loads(blob), table, len(own_table))
         results.append([WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=writes)])
@@ -408,13 +431,18 @@ def simulate_compact(model: str, world: int, plan_rank: int, state: str = "bare"
         if plan_rank < k:
             c = -(-t.shape[0] // world)
             o0 = plan_rank * c
-            box = ChunkStorageMetadata(offsets=torch.Size((o0,) + (0,) * (len(t.shape) - 1)), sizes=torch.Size((min(c, t.shape[0] - o0),) + t.shape[1:]))
+            box = ChunkStorageMetadata(
+                offsets=torch.Size((o0,) + (0,) * (len(t.shape) - 1)),
+                sizes=torch.Size((min(c, t.shape[0] - o0),) + t.shape[1:]),
+            )
             local[plan_rank].append((t.fqn, box))
     for item in owns[plan_rank] + [it for it in owns[0] if it[0].startswith("optim.state.")]:
         md_item = sd_md[item[0]]
         if isinstance(md_item, TensorStorageMetadata):
             local[plan_rank].append((item[0], md_item.chunks[0]))
-    planner_data = {t.fqn: (t.fqn,) for t in tensors} | {fqn: tuple(fqn.split(".")) for items in owns for fqn, *_ in items}
+    planner_data = {t.fqn: (t.fqn,) for t in tensors} | {
+        fqn: tuple(fqn.split(".")) for items in owns for fqn, *_ in items
+    }
     md = Metadata(state_dict_metadata=sd_md, planner_data=planner_data)
     return Simulated(md, results, md, local, int(held.sum()) + sum(map(len, owns)), world)
 
@@ -463,7 +491,9 @@ def _run(fn: Callable[[], Any], memory: bool) -> tuple[Any, float, float]:
     return out, dt, peak
 
 
-def plan_one_rank(md: Metadata, local: list[tuple[str, ChunkStorageMetadata]], read_items: Callable[..., list[Any]]) -> list[Any]:
+def plan_one_rank(
+    md: Metadata, local: list[tuple[str, ChunkStorageMetadata]], read_items: Callable[..., list[Any]]
+) -> list[Any]:
     """One rank's restore planning against ``md``: ``read_items`` for each local chunk (torch's
     ``create_read_items_for_chunk_list``, or ``GridLoadPlanner``'s ``tensor_read_items``), and
     each read's location."""
@@ -508,7 +538,12 @@ def ours(sim: Simulated, store: Any, plan_rank: int, memory: bool, timings: dict
 
     results = rec("gather", lambda: pickle.loads(pickle.dumps(sim.results, protocol=pickle.HIGHEST_PROTOCOL)))
     forget_layouts()  # the first save of a run: every item
-    build = lambda: build_manifest(sim.metadata, results, chunk_size=CHUNK_SIZE, created_at="", user_metadata={}, version=version)  # noqa: E731
+
+    def build():
+        return build_manifest(
+            sim.metadata, results, chunk_size=CHUNK_SIZE, created_at="", user_metadata={}, version=version
+        )
+
     rec("build", build)
     manifest = rec("build_same", build)  # a later save, same layout: the entries reused
     data = rec("serialize", manifest.to_json)
@@ -543,7 +578,9 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
 
     per_item = [[] for _ in range(sim.world)]  # FileSystemWriter's results: one per item
     for index, info in sim.torch_metadata.storage_data.items():
-        per_item[int(info.relative_path[2:].split("_")[0])].append(WriteResult(index=index, size_in_bytes=info.length, storage_data=info))
+        per_item[int(info.relative_path[2:].split("_")[0])].append(
+            WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+        )
     rec("torch.gather", lambda: pickle.loads(pickle.dumps(per_item, protocol=pickle.HIGHEST_PROTOCOL)))
     per_item = []
     blob = rec("torch.dumps", lambda: pickle.dumps(sim.torch_metadata, protocol=pickle.HIGHEST_PROTOCOL))
@@ -555,12 +592,21 @@ def torch_side(sim: Simulated, plan_rank: int, memory: bool, timings: dict[str, 
 
 
 def measure(
-    model: str, world: int, mesh: str, repeats: int, memory: bool, order_log: list[str], methods: list[str], state: str = "bare"
+    model: str,
+    world: int,
+    mesh: str,
+    repeats: int,
+    memory: bool,
+    order_log: list[str],
+    methods: list[str],
+    state: str = "bare",
 ) -> dict[str, Any]:
     plan_rank = world // 2
     t0 = time.perf_counter()
     compact = mesh == "fsdp" and "torch" not in methods and "v1" not in methods
-    sim = simulate_compact(model, world, plan_rank, state) if compact else simulate(model, world, mesh, plan_rank, state)
+    sim = (
+        simulate_compact(model, world, plan_rank, state) if compact else simulate(model, world, mesh, plan_rank, state)
+    )
     setup = time.perf_counter() - t0
     timings: dict[str, Phase] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
@@ -568,27 +614,42 @@ def measure(
         for rep in range(repeats + (1 if memory else 0)):
             traced = memory and rep == 0
             order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
-            order_log.append(f"{model}/{mesh}/W={world} rep {rep}{' (tracemalloc)' if traced else ''}: {' '.join(order)}")
+            order_log.append(
+                f"{model}/{mesh}/W={world} rep {rep}{' (tracemalloc)' if traced else ''}: {' '.join(order)}"
+            )
             for m in order:
                 if m != "torch":
                     ours(sim, store, plan_rank, traced, timings, int(m[1:]))
                 else:
                     torch_side(sim, plan_rank, traced, timings)
     row: dict[str, Any] = {
-        "model": model, "mesh": mesh, "state": state, "world": world, "tensors": len(sim.metadata.state_dict_metadata),
-        "chunks": sim.chunks, "setup_s": round(setup, 2), "simulation": "compact" if compact else "full", "phases": {},
-    }  # fmt: skip
+        "model": model,
+        "mesh": mesh,
+        "state": state,
+        "world": world,
+        "tensors": len(sim.metadata.state_dict_metadata),
+        "chunks": sim.chunks,
+        "setup_s": round(setup, 2),
+        "simulation": "compact" if compact else "full",
+        "phases": {},
+    }
     for ph in timings.values():
         s = sorted(ph.seconds)
         row["phases"][ph.name] = {
-            "min": s[0], "median": statistics.median(s), "max": s[-1], "peak_mb": round(ph.peak_mb, 1), "bytes": ph.bytes,
-        }  # fmt: skip
+            "min": s[0],
+            "median": statistics.median(s),
+            "max": s[-1],
+            "peak_mb": round(ph.peak_mb, 1),
+            "bytes": ph.bytes,
+        }
     p = row["phases"]
     med = lambda n: p[n]["median"]  # noqa: E731
     for v in ("v1", "v2"):
         if v in methods:
             row[f"{v}_save_s"] = med(f"{v}.build") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
-            row[f"{v}_save_same_s"] = med(f"{v}.build_same") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
+            row[f"{v}_save_same_s"] = (
+                med(f"{v}.build_same") + med(f"{v}.serialize") + med(f"{v}.parse") + med(f"{v}.write")
+            )
             row[f"{v}_restore_s"] = med(f"{v}.parse") + med(f"{v}.rebuild")
             if f"{v}.share_loads" in p:  # what every rank but the coordinator pays before its plan
                 row[f"{v}_rank_restore_s"] = med(f"{v}.share_loads") + med(f"{v}.rebuild") + med(f"{v}.plan")
@@ -600,7 +661,9 @@ def measure(
 
 
 def print_row(row: dict[str, Any]) -> None:
-    print(f"\n{row['model']} {row['mesh']} {row['state']} W={row['world']}: {row['tensors']} tensors, {row['chunks']} chunks (setup {row['setup_s']} s)")
+    print(
+        f"\n{row['model']} {row['mesh']} {row['state']} W={row['world']}: {row['tensors']} tensors, {row['chunks']} chunks (setup {row['setup_s']} s)"
+    )
     print(f"  {'phase':<12} {'min s':>8} {'median s':>9} {'max s':>8} {'peak MB':>9} {'bytes':>12}")
     for name, ph in row["phases"].items():
         nbytes = f"{ph['bytes']:,}" if ph["bytes"] else ""
@@ -611,7 +674,11 @@ def print_row(row: dict[str, Any]) -> None:
         print(
             f"  {v} coordinator: first save {row[f'{v}_save_s']:.3f} s (build+serialize+parse+write), later "
             f"saves {row[f'{v}_save_same_s']:.3f} s (build_same+...), restore {row[f'{v}_restore_s']:.3f} s (parse+rebuild"
-            + ("+share_dumps); each other rank " + f"{row[f'{v}_rank_restore_s']:.3f} s (share_loads+rebuild+plan)" if f"{v}_rank_restore_s" in row else ")")
+            + (
+                "+share_dumps); each other rank " + f"{row[f'{v}_rank_restore_s']:.3f} s (share_loads+rebuild+plan)"
+                if f"{v}_rank_restore_s" in row
+                else ")"
+            )
         )
     p = row["phases"]
     if not {"v1.parse", "v2.parse", "torch.loads"} <= set(p):
@@ -631,13 +698,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="64,256", help="world sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--state", choices=("bare", "training", "training-v1", "training-no-rng"), default="bare",
+        "--state",
+        choices=("bare", "training", "training-v1", "training-no-rng"),
+        default="bare",
         help="bare: parameters and AdamW moments; training: also what CheckpointManager saves besides "
         "(AdamW steps and param groups on rank 0, each rank's generators and dataloader position as its "
         "rows of two tensors); training-v1: as schema 1 saved them, seven items per rank; "
         "training-no-rng: training with save_rng=False (no generators)",
-    )  # fmt: skip
-    ap.add_argument("--methods", default="v1,v2,torch", help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)")
+    )
+    ap.add_argument(
+        "--methods",
+        default="v1,v2,torch",
+        help="what to measure: v1, v2, torch (v1 and torch are slow at 1,024+ ranks)",
+    )
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
     ap.add_argument("--check", action="store_true", help="compare real gloo saves (2-16 ranks) with the simulation")
     ap.add_argument("--json", help="write the rows here")
@@ -652,7 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.layouts.split(","):
         for mesh in args.mesh.split(","):
             for world in (int(w) for w in args.ranks.split(",")):
-                row = measure(model, world, mesh, args.repeats, not args.no_memory, order_log, args.methods.split(","), args.state)
+                row = measure(
+                    model, world, mesh, args.repeats, not args.no_memory, order_log, args.methods.split(","), args.state
+                )
                 print_row(row)
                 sys.stdout.flush()
                 rows.append(row)

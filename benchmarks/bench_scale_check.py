@@ -48,7 +48,9 @@ def _save_rank(rank: int, world: int, path: str, port: int) -> None:
     try:
         mesh = init_device_mesh("cpu", (world,))
         sd = {
-            t.fqn: distribute_tensor(torch.zeros(t.shape, dtype=getattr(torch, t.dtype)), mesh, [Shard(0)], src_data_rank=None)
+            t.fqn: distribute_tensor(
+                torch.zeros(t.shape, dtype=getattr(torch, t.dtype)), mesh, [Shard(0)], src_data_rank=None
+            )
             for t in model_tensors("tiny")
         }
         dcp.save(sd, storage_writer=CheckpointWriter(path, chunk_size=CHUNK_SIZE, thread_count=1))
@@ -62,7 +64,9 @@ def _simulated(world: int) -> bytes:
     from goodput_ckpt.dcp.commit_build import build_manifest
 
     sim = simulate("tiny", world, "fsdp", 0)
-    m = build_manifest(sim.metadata, sim.results, chunk_size=CHUNK_SIZE, created_at="2026-01-01T00:00:00Z", user_metadata={})
+    m = build_manifest(
+        sim.metadata, sim.results, chunk_size=CHUNK_SIZE, created_at="2026-01-01T00:00:00Z", user_metadata={}
+    )
     return m.to_json()
 
 
@@ -87,7 +91,9 @@ def run_check(worlds: list[int]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-scale-check-") as tmp:
         for world in worlds:
             path = str(Path(tmp, f"w{world}"))
-            mp.start_processes(_save_rank, args=(world, path, _free_port()), nprocs=world, start_method="spawn", join=True)
+            mp.start_processes(
+                _save_rank, args=(world, path, _free_port()), nprocs=world, start_method="spawn", join=True
+            )
             real = Path(path, MANIFEST_NAME).read_bytes()
             sim = _simulated(world)
             same = _shape_of(real) == _shape_of(sim)

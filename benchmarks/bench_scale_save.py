@@ -110,11 +110,17 @@ class SimShard:
             _BOXES[key] = _compute_local_shape_and_global_offset(self.shape, (self.world,), [self.rank], [Shard(0)])
         sizes, offsets = _BOXES[key]  # an untimed rank: computed once per run (the benchmark's own time)
         sizes, offsets = torch.Size(sizes), torch.Size(offsets)
-        return [WriteItem(
-            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                        properties=TensorProperties(dtype=self.dtype), size=torch.Size(self.shape)),
-        )]  # fmt: skip
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=torch.Size(self.shape),
+                ),
+            )
+        ]
 
 
 def state_dict(layout: str, rank: int, world: int) -> dict[str, Any]:
@@ -130,7 +136,12 @@ def state_dict(layout: str, rank: int, world: int) -> dict[str, Any]:
         }
         for p in params
     }
-    groups = [{k: (0.9, 0.95) if k == "betas" else ([p.fqn for p in params] if k == "params" else 1e-4) for k in PARAM_GROUP_KEYS}]
+    groups = [
+        {
+            k: (0.9, 0.95) if k == "betas" else ([p.fqn for p in params] if k == "params" else 1e-4)
+            for k in PARAM_GROUP_KEYS
+        }
+    ]
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
@@ -143,12 +154,22 @@ def ours_results(plan: SavePlan) -> list[WriteResult]:
     sizes = [_nbytes(it) for it in items]
     placements, file_sizes = place_items(sizes, 1)
     names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
-    entries = [FileEntry(n, s, tuple(f"{i:064x}" for i in range(math.ceil(s / CHUNK)))) for n, s in zip(names, file_sizes)]
+    entries = [
+        FileEntry(n, s, tuple(f"{i:064x}" for i in range(math.ceil(s / CHUNK)))) for n, s in zip(names, file_sizes)
+    ]
     written = tuple(
-        (items[p.item].index.fqn, None if items[p.item].index.offset is None else tuple(items[p.item].index.offset), p.file, p.offset, p.length)
+        (
+            items[p.item].index.fqn,
+            None if items[p.item].index.offset is None else tuple(items[p.item].index.offset),
+            p.file,
+            p.offset,
+            p.length,
+        )
         for p in placements
     )
-    boxes = [None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements]
+    boxes = [
+        None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements
+    ]
     writes = rank_writes(tuple(entries), written, boxes, own=own)
     return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
 
@@ -166,7 +187,10 @@ def torch_results(plan: SavePlan) -> list[WriteResult]:
 def _nbytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 100
-    return math.prod(item.tensor_data.chunk.sizes) * DTYPE_SIZES[str(item.tensor_data.properties.dtype).removeprefix("torch.")]
+    return (
+        math.prod(item.tensor_data.chunk.sizes)
+        * DTYPE_SIZES[str(item.tensor_data.properties.dtype).removeprefix("torch.")]
+    )
 
 
 # -- one simulated save --------------------------------------------------------------------------------
@@ -223,38 +247,44 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
 
     blobs = []
     for r in range(W):  # 1. local step
+
         def local(r: int = r) -> bytes:
             meta = writers[r].storage_meta()
             planners[r].set_up_planner(state_dict=ranks.states[r], storage_meta=meta, is_coordinator=r == 0)
             writers[r].set_up_storage_writer(r == 0, rank=r, use_collectives=True)
             plan = writers[r].prepare_local_plan(planners[r].create_local_plan())
             return pickle.dumps(plan)
+
         blobs.append(timed(r, "local plan", local))
     clock.bytes["plans gathered"] = sum(map(len, blobs))
     if traced:
         gc.collect()
         tracemalloc.start()
     coord = "coordinator"
-    plans = clock.run(coord, "gather: unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+    plans = clock.run(coord, "gather: unpickle plans", lambda blobs=blobs: [pickle.loads(b) for b in blobs])
     del blobs
-    final, metadata = clock.run(coord, "create_global_plan", lambda: planners[0].create_global_plan(plans))
-    final = clock.run(coord, "prepare_global_plan", lambda: writers[0].prepare_global_plan(final))
+    final, metadata = clock.run(coord, "create_global_plan", lambda plans=plans: planners[0].create_global_plan(plans))
+    final = clock.run(coord, "prepare_global_plan", lambda final=final: writers[0].prepare_global_plan(final))
     del plans
-    scattered = clock.run(coord, "scatter: pickle plans", lambda: [pickle.dumps(p) for p in final])
+    scattered = clock.run(coord, "scatter: pickle plans", lambda final=final: [pickle.dumps(p) for p in final])
     del final
     clock.bytes["plans scattered"] = sum(map(len, scattered))
     results = []
     for r in range(W):  # 3. finish_plan, write_data's bookkeeping
-        def write(r: int = r) -> bytes:
+
+        def write(r: int = r, scattered: list[bytes] = scattered) -> bytes:
             plan = planners[r].finish_plan(pickle.loads(scattered[r]))
             res = ours_results(plan) if ranks.method.startswith("ours") else torch_results(plan)
             return pickle.dumps(res)
+
         results.append(timed(r, "finish_plan + write bookkeeping", write))
     del scattered
     clock.bytes["results gathered"] = sum(map(len, results))
-    all_results = clock.run(coord, "gather: unpickle results", lambda: [pickle.loads(b) for b in results])
+    all_results = clock.run(
+        coord, "gather: unpickle results", lambda results=results: [pickle.loads(b) for b in results]
+    )
     del results
-    clock.run(coord, "finish (commit)", lambda: writers[0].finish(metadata, all_results))
+    clock.run(coord, "finish (commit)", lambda all_results=all_results: writers[0].finish(metadata, all_results))
     del all_results
     blob = clock.run(coord, "broadcast: pickle Metadata", lambda: pickle.dumps(metadata))
     clock.bytes["Metadata broadcast"] = len(blob)
@@ -295,7 +325,9 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
                 totals = sorted(sum(v for (w, _), v in getattr(c, kind).items() if w == who) for c in clocks)
                 row[f"{who} {kind} s"] = {"min": totals[0], "median": statistics.median(totals), "max": totals[-1]}
             row[f"{who} phases cpu s"] = {
-                ph: statistics.median(c.cpu.get((who, ph), 0.0) for c in clocks) for (w, ph) in clocks[0].cpu if w == who
+                ph: statistics.median(c.cpu.get((who, ph), 0.0) for c in clocks)
+                for (w, ph) in clocks[0].cpu
+                if w == who
             }
         out["saves"][save] = row
     return out
@@ -305,10 +337,14 @@ def print_row(row: dict[str, Any]) -> None:
     W = row["world"]
     for save, r in row["saves"].items():
         label = "first save" if save == 1 else "later save, same layout"
-        print(f"\n{row['method']} {row['layout']} W={W}, {label}:  bytes {r['bytes']}, coordinator peak {r['coordinator peak MB']} MB")
+        print(
+            f"\n{row['method']} {row['layout']} W={W}, {label}:  bytes {r['bytes']}, coordinator peak {r['coordinator peak MB']} MB"
+        )
         for who in timed_ranks(W).values():
             cpu, wall = r[f"{who} cpu s"], r[f"{who} wall s"]
-            print(f"  {who:<12} cpu {cpu['min']:8.3f} / {cpu['median']:8.3f} / {cpu['max']:8.3f} s   wall median {wall['median']:8.3f} s")
+            print(
+                f"  {who:<12} cpu {cpu['min']:8.3f} / {cpu['median']:8.3f} / {cpu['max']:8.3f} s   wall median {wall['median']:8.3f} s"
+            )
             for ph, s in r[f"{who} phases cpu s"].items():
                 print(f"      {ph:<34} {s:8.3f}")
 
@@ -321,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--check", action="store_true", help="compare with a real 8-rank gloo save (bench_scale_save_check.py)")
+    ap.add_argument(
+        "--check", action="store_true", help="compare with a real 8-rank gloo save (bench_scale_save_check.py)"
+    )
     args = ap.parse_args(argv)
     if args.check:
         from bench_scale_save_check import run_check  # noqa: PLC0415 - only this mode spawns processes

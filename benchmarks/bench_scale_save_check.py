@@ -102,7 +102,10 @@ def _save_rank(rank: int, world: int, root: str, port: int) -> None:
             for method in ("ours", "torch"):
                 tag = f"{method} {save}"
                 if method == "ours":
-                    planner, writer = counting(ReplicaGroupingSavePlanner)(plan_cache=cache), writer_counting(CheckpointWriter)(f"{root}/{tag}")
+                    planner, writer = (
+                        counting(ReplicaGroupingSavePlanner)(plan_cache=cache),
+                        writer_counting(CheckpointWriter)(f"{root}/{tag}"),
+                    )
                 else:
                     planner, writer = counting(DefaultSavePlanner)(), writer_counting(FileSystemWriter)(f"{root}/{tag}")
                 planner._tag = writer._tag = tag
@@ -130,9 +133,18 @@ def run_check(world: int = 8) -> int:
                 r, s = real[f"{method} {save} {payload}"], sim["saves"][save]["bytes"][payload]
                 ok = abs(r - s) <= max(0.01 * r, 64)
                 failures += not ok
-                print(f"  {method:<6} save {save} {payload:<19} real {r:>10,}  simulated {s:>10,}  {'ok' if ok else 'DIFFERS'}")
+                print(
+                    f"  {method:<6} save {save} {payload:<19} real {r:>10,}  simulated {s:>10,}  {'ok' if ok else 'DIFFERS'}"
+                )
             cpu = [c[f"{method} {save} local plan cpu s"] for c in ranks]
-            print(f"  {method:<6} save {save} create_local_plan cpu s, real ranks 0/1/{world // 2}: "
-                  f"{cpu[0]:.4f} / {cpu[1]:.4f} / {cpu[world // 2]:.4f}; simulated: "
-                  + " / ".join(f"{v['local plan']:.4f}" for v in [sim['saves'][save][f'{w} phases cpu s'] for w in ('coordinator', 'rank 1', f'rank {world // 2}')]))  # fmt: skip
+            print(
+                f"  {method:<6} save {save} create_local_plan cpu s, real ranks 0/1/{world // 2}: "
+                f"{cpu[0]:.4f} / {cpu[1]:.4f} / {cpu[world // 2]:.4f}; simulated: "
+                + " / ".join(
+                    f"{v['local plan']:.4f}"
+                    for v in [
+                        sim["saves"][save][f"{w} phases cpu s"] for w in ("coordinator", "rank 1", f"rank {world // 2}")
+                    ]
+                )
+            )
     return 1 if failures else 0

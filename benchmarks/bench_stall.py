@@ -113,9 +113,8 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, scratch: str) -> int:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from goodput_ckpt import CheckpointManager, CheckpointWriter
 
@@ -128,8 +127,11 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
 
     tensors = state_tensors(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    print(f"state: {nbytes / MiB:.0f} MiB in {len(tensors)} tensors; {args.repeats} saves each; "
-          f"torch threads {torch.get_num_threads()}; scratch {scratch}", flush=True)  # fmt: skip
+    print(
+        f"state: {nbytes / MiB:.0f} MiB in {len(tensors)} tensors; {args.repeats} saves each; "
+        f"torch threads {torch.get_num_threads()}; scratch {scratch}",
+        flush=True,
+    )
     res: dict[str, float] = {}
     counter = iter(range(10**9))
 
@@ -285,7 +287,8 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
         "torch-async / manager": res["torch-async"] / res["manager"],
         "torch-async-staging / manager": res["torch-async-staging"] / res["manager"],
         "writer-async / manager": res["writer-async"] / res["manager"],
-        "step-after-manager / step-after-manager-blocking": res["step-after-manager"] / res["step-after-manager-blocking"],
+        "step-after-manager / step-after-manager-blocking": res["step-after-manager"]
+        / res["step-after-manager-blocking"],
         "step-during-save / step-idle": res["step-during-save"] / res["step-idle"],
         "cost-manager / cost-manager-blocking": res["cost-manager"] / res["cost-manager-blocking"],
         "cost-sync / cost-manager": res["cost-sync"] / res["cost-manager"],
@@ -308,9 +311,19 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
     print(f"\nsteps per save window (manager, median): {steps_per_window}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"state_bytes": nbytes, "repeats": args.repeats, "ms": res, "ratios": ratios,
-                       "torch": torch.__version__, "python": platform.python_version(),
-                       "cpus": os.cpu_count()}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "state_bytes": nbytes,
+                    "repeats": args.repeats,
+                    "ms": res,
+                    "ratios": ratios,
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                    "cpus": os.cpu_count(),
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

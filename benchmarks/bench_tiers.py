@@ -161,9 +161,15 @@ def _save_phase(cfg: dict[str, Any], rep: int, model, opt, opts: dict[str, Any])
     base = Path(cfg["base"], f"rep{rep}")
     local = str(base / "local" / "node{node}")
     with CheckpointManager(
-        f"s3://{BUCKET}/tiers{rep}", local_dir=local, local_world_size=LOCAL_WORLD, replicas=1,
-        persist_every=cfg["persist_every"], keep_last=2, timeline=False, **opts,
-    ) as mgr:  # fmt: skip
+        f"s3://{BUCKET}/tiers{rep}",
+        local_dir=local,
+        local_world_size=LOCAL_WORLD,
+        replicas=1,
+        persist_every=cfg["persist_every"],
+        keep_last=2,
+        timeline=False,
+        **opts,
+    ) as mgr:
         for step in range(cfg["saves"]):
             _step(model, opt, step)
             mgr.save(step, model=model, optimizer=opt)
@@ -212,10 +218,16 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
                 step = last + 1
             else:
                 mgr = CheckpointManager(
-                    f"s3://{BUCKET}/tiers{rep}", local_dir=str(base / "local" / "node{node}"),
-                    local_world_size=LOCAL_WORLD, replicas=1, persist_every=cfg["persist_every"], keep_last=2,
-                    timeline=False, verify=method != "local-noverify", **opts,
-                )  # fmt: skip
+                    f"s3://{BUCKET}/tiers{rep}",
+                    local_dir=str(base / "local" / "node{node}"),
+                    local_world_size=LOCAL_WORLD,
+                    replicas=1,
+                    persist_every=cfg["persist_every"],
+                    keep_last=2,
+                    timeline=False,
+                    verify=method != "local-noverify",
+                    **opts,
+                )
                 step = last
             dist.barrier()
             busy0, ours0, t0 = _busy_seconds(), _pid_cpu(pids), time.perf_counter()
@@ -229,11 +241,17 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
             same = got == step and len(have) == len(want) and all(torch.equal(a, b) for a, b in zip(want, have))
             per_rank = _gather({"seconds": record["seconds"], "sources": record.get("sources"), "same": same})
             restores[method] = {
-                "seconds": max(r["seconds"] for r in per_rank), "wall_s": wall, "rank_seconds": [r["seconds"] for r in per_rank],
-                "sources": [r["sources"] for r in per_rank], "same": all(r["same"] for r in per_rank),
-                "machine_cpus": busy, "our_cpus": ours, "other_cpus": max(0.0, busy - ours), "quiet_wait_s": quiet_s,
+                "seconds": max(r["seconds"] for r in per_rank),
+                "wall_s": wall,
+                "rank_seconds": [r["seconds"] for r in per_rank],
+                "sources": [r["sources"] for r in per_rank],
+                "same": all(r["same"] for r in per_rank),
+                "machine_cpus": busy,
+                "our_cpus": ours,
+                "other_cpus": max(0.0, busy - ours),
+                "quiet_wait_s": quiet_s,
                 "bytes": record["bytes"],
-            }  # fmt: skip
+            }
             del fresh, fresh_opt
             # FSDP modules hold reference cycles: without this, the garbage collector frees the
             # previous restore's model and optimizer (0.3-0.4 s here) in the middle of the next
@@ -248,7 +266,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         Path(cfg["base"], "results.json").write_text(json.dumps(reps))
 
 
-def _bytes_only(method: str, cfg: dict[str, Any], rep: int, step: int, rank: int, pids: list[int], quiet_s: float) -> dict[str, Any]:
+def _bytes_only(
+    method: str, cfg: dict[str, Any], rep: int, step: int, rank: int, pids: list[int], quiet_s: float
+) -> dict[str, Any]:
     """Every rank reads its own data file of ``step`` into a buffer, from its node's local copy
     (``bytes-local``: one sequential ``readinto``) or from S3 (``bytes-s3``: 8 MiB ranged GETs on
     8 threads, boto3 with no checksums): the bytes of a restore and nothing else, no hashing,
@@ -266,10 +286,16 @@ def _bytes_only(method: str, cfg: dict[str, Any], rep: int, step: int, rank: int
     client = None
     if method == "bytes-s3":
         client = boto3.client(
-            "s3", endpoint_url=cfg["s3_options"]["endpoint_url"], region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}, max_pool_connections=16,
-                          request_checksum_calculation="when_required", response_checksum_validation="when_required"),
-        )  # fmt: skip
+            "s3",
+            endpoint_url=cfg["s3_options"]["endpoint_url"],
+            region_name="us-east-1",
+            config=Config(
+                s3={"addressing_style": "path"},
+                max_pool_connections=16,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
     key = f"tiers{rep}/{step_dir_name(step)}/{path.name}"
     part = 8 * MiB
 
@@ -300,11 +326,17 @@ def _bytes_only(method: str, cfg: dict[str, Any], rep: int, step: int, rank: int
     same = buf == path.read_bytes()  # untimed: what arrived is the file
     per_rank = _gather({"seconds": seconds, "same": same, "bytes": size})
     return {
-        "seconds": max(r["seconds"] for r in per_rank), "wall_s": wall, "rank_seconds": [r["seconds"] for r in per_rank],
-        "sources": [None] * len(per_rank), "same": all(r["same"] for r in per_rank),
-        "machine_cpus": busy, "our_cpus": ours, "other_cpus": max(0.0, busy - ours), "quiet_wait_s": quiet_s,
+        "seconds": max(r["seconds"] for r in per_rank),
+        "wall_s": wall,
+        "rank_seconds": [r["seconds"] for r in per_rank],
+        "sources": [None] * len(per_rank),
+        "same": all(r["same"] for r in per_rank),
+        "machine_cpus": busy,
+        "our_cpus": ours,
+        "other_cpus": max(0.0, busy - ours),
+        "quiet_wait_s": quiet_s,
         "bytes": sum(r["bytes"] for r in per_rank),
-    }  # fmt: skip
+    }
 
 
 def _gather(value: Any) -> list[Any]:
@@ -343,12 +375,13 @@ def _check_sources(method: str, sources: list[dict[str, int]]) -> None:
     ok = {
         "local": all(t == {"local"} for t in tiers),
         "local-noverify": all(t == {"local"} for t in tiers),
-        "replica": all(t == {"local"} for t in tiers[:LOCAL_WORLD]) and all("replica" in t and "persistent" not in t for t in tiers[LOCAL_WORLD:]),
+        "replica": all(t == {"local"} for t in tiers[:LOCAL_WORLD])
+        and all("replica" in t and "persistent" not in t for t in tiers[LOCAL_WORLD:]),
         "persistent": all(t == {"persistent"} for t in tiers),
         "s3-one-tier": all(not t for t in tiers),
         "bytes-local": True,
         "bytes-s3": True,
-    }[method]  # fmt: skip
+    }[method]
     if not ok:
         raise SystemExit(f"{method}: the restore read from {sources}, not from the tiers this scenario tests")
 
@@ -363,11 +396,12 @@ def summarize(reps: list[dict[str, Any]], args: argparse.Namespace, nbytes: int)
             _check_sources(m, r["sources"])
         seconds = [rep["restores"][m]["seconds"] for rep in reps]
         restores[m] = {
-            "seconds": _stats(seconds), "mib_s": nbytes / MiB / statistics.median(seconds),
+            "seconds": _stats(seconds),
+            "mib_s": nbytes / MiB / statistics.median(seconds),
             "sources": reps[0]["restores"][m]["sources"],
             "other_cpus": _stats([rep["restores"][m]["other_cpus"] for rep in reps]),
             "our_cpus": _stats([rep["restores"][m]["our_cpus"] for rep in reps]),
-        }  # fmt: skip
+        }
     speedup = {}
     if BASELINE in args.methods:
         for m in args.methods:
@@ -376,7 +410,9 @@ def summarize(reps: list[dict[str, Any]], args: argparse.Namespace, nbytes: int)
     # from S3, per repeat (no restore can beat it by more than its own fixed costs allow).
     limit = {}
     if set(BYTES_ONLY) <= set(args.methods):
-        limit = _stats([rep["restores"]["bytes-s3"]["seconds"] / rep["restores"]["bytes-local"]["seconds"] for rep in reps])
+        limit = _stats(
+            [rep["restores"]["bytes-s3"]["seconds"] / rep["restores"]["bytes-local"]["seconds"] for rep in reps]
+        )
     local_saves, persists, one_saves = [], [], []
     for rep in reps:
         two = rep["timeline"]["two_tier"]
@@ -384,19 +420,41 @@ def summarize(reps: list[dict[str, Any]], args: argparse.Namespace, nbytes: int)
         persists += list(_per_step(two, "persist", skip_first=False).values())
         one_saves += list(_per_step(rep["timeline"]["one_tier"], "save", skip_first=True).values())
     saves = {
-        "local": {k: _stats([s[k] for s in local_saves]) for k in ("stall_s", "wait_s", "write_s", "replicate_s", "durable_s")},
-        "persist": {"seconds": _stats([p["seconds"] for p in persists]), "bytes": persists[0]["bytes"] if persists else 0},
+        "local": {
+            k: _stats([s[k] for s in local_saves]) for k in ("stall_s", "wait_s", "write_s", "replicate_s", "durable_s")
+        },
+        "persist": {
+            "seconds": _stats([p["seconds"] for p in persists]),
+            "bytes": persists[0]["bytes"] if persists else 0,
+        },
         "s3-one-tier": {k: _stats([s[k] for s in one_saves]) for k in ("stall_s", "wait_s", "write_s", "durable_s")},
-    }  # fmt: skip
+    }
     return {
-        "payload_bytes": nbytes, "state": args.state, "world_size": WORLD, "nodes": WORLD // LOCAL_WORLD, "repeats": args.repeats,
-        "saves_per_repeat": args.saves, "persist_every": args.persist_every, "interval_s": args.interval, "python": platform.python_version(),
-        "torch": torch.__version__, "cpus": os.cpu_count(), "restore": restores,
-        "restore_speedup_vs_persistent": speedup, "bytes_s3_vs_local": limit, "save": saves, "order": [rep["order"] for rep in reps],
+        "payload_bytes": nbytes,
+        "state": args.state,
+        "world_size": WORLD,
+        "nodes": WORLD // LOCAL_WORLD,
+        "repeats": args.repeats,
+        "saves_per_repeat": args.saves,
+        "persist_every": args.persist_every,
+        "interval_s": args.interval,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "restore": restores,
+        "restore_speedup_vs_persistent": speedup,
+        "bytes_s3_vs_local": limit,
+        "save": saves,
+        "order": [rep["order"] for rep in reps],
         "restored_step": reps[0]["step"] if reps else None,
-        "busy": [{m: {k: rep["restores"][m][k] for k in ("machine_cpus", "our_cpus", "other_cpus", "quiet_wait_s")}
-                  for m in rep["order"]} for rep in reps],
-    }  # fmt: skip
+        "busy": [
+            {
+                m: {k: rep["restores"][m][k] for k in ("machine_cpus", "our_cpus", "other_cpus", "quiet_wait_s")}
+                for m in rep["order"]
+            }
+            for rep in reps
+        ],
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -423,14 +481,22 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         import boto3
         from botocore.config import Config
 
-        boto3.client("s3", endpoint_url=server.url, region_name="us-east-1",
-                     config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket=BUCKET)  # fmt: skip
+        boto3.client(
+            "s3", endpoint_url=server.url, region_name="us-east-1", config=Config(s3={"addressing_style": "path"})
+        ).create_bucket(Bucket=BUCKET)
         cfg = {
-            "size": size, "repeats": args.repeats, "saves": args.saves, "persist_every": args.persist_every,
-            "methods": list(args.methods), "quiet": args.quiet, "state": args.state, "interval": args.interval, "base": str(scratch / "ranks"),
+            "size": size,
+            "repeats": args.repeats,
+            "saves": args.saves,
+            "persist_every": args.persist_every,
+            "methods": list(args.methods),
+            "quiet": args.quiet,
+            "state": args.state,
+            "interval": args.interval,
+            "base": str(scratch / "ranks"),
             "server_pid": server.proc.pid,
             "s3_options": {"endpoint_url": server.url, "addressing_style": "path", "region": "us-east-1"},
-        }  # fmt: skip
+        }
         Path(cfg["base"]).mkdir()
         # The two-tier restore opens the persistent step without the manager's storage options
         # (goodput_ckpt/manager/tiers/mend.py, store_of): boto3's own variable points it here.
@@ -456,25 +522,35 @@ def _cell(st: dict[str, Any], fmt: str = "{:.2f}") -> str:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{report['state']} state of {report['payload_bytes'] / MiB:.0f} MiB on {report['world_size']} ranks / {report['nodes']} nodes, "
-          f"restored step {report['restored_step']}; median (min-max) of {report['repeats']} repeat(s)")
+    print(
+        f"{report['state']} state of {report['payload_bytes'] / MiB:.0f} MiB on {report['world_size']} ranks / {report['nodes']} nodes, "
+        f"restored step {report['restored_step']}; median (min-max) of {report['repeats']} repeat(s)"
+    )
     print("order: " + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(report["order"])))
     la = report["loadavg"]
-    print(f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
-          f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {report['cpus']} CPUs")
+    print(
+        f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in la['start'])}, "
+        f"at end {'/'.join(f'{x:.1f}' for x in la['end'])} on {report['cpus']} CPUs"
+    )
     print(f"{'restore':<13}{'seconds':>22}{'MiB/s':>7}{'x vs persistent':>24}{'other CPUs':>20}  sources (per rank)")
     for m, r in report["restore"].items():
         sp = report["restore_speedup_vs_persistent"].get(m, {})
         src = " ".join(",".join(f"{k}={v}" for k, v in sorted((s or {"s3": "-"}).items())) for s in r["sources"])
-        print(f"{m:<13}{_cell(r['seconds'], '{:.3f}'):>22}{r['mib_s']:>7.0f}{_cell(sp):>24}{_cell(r['other_cpus']):>20}  {src}")
+        print(
+            f"{m:<13}{_cell(r['seconds'], '{:.3f}'):>22}{r['mib_s']:>7.0f}{_cell(sp):>24}{_cell(r['other_cpus']):>20}  {src}"
+        )
     if report["bytes_s3_vs_local"]:
-        print(f"bytes only (each rank reads its own data file, nothing else): S3 takes {_cell(report['bytes_s3_vs_local'])}x "
-              "the local tier's time")
+        print(
+            f"bytes only (each rank reads its own data file, nothing else): S3 takes {_cell(report['bytes_s3_vs_local'])}x "
+            "the local tier's time"
+        )
     s = report["save"]
     print("per save, slowest rank, seconds (first save of each manager left out):")
     for k in ("stall_s", "wait_s", "write_s", "replicate_s", "durable_s"):
         print(f"  local tier {k:<12}{_cell(s['local'][k], '{:.3f}'):>26}")
-    print(f"  persist    {'seconds':<12}{_cell(s['persist']['seconds'], '{:.3f}'):>26}  ({s['persist']['bytes'] / MiB:.0f} MiB uploaded)")
+    print(
+        f"  persist    {'seconds':<12}{_cell(s['persist']['seconds'], '{:.3f}'):>26}  ({s['persist']['bytes'] / MiB:.0f} MiB uploaded)"
+    )
     for k in ("stall_s", "write_s", "durable_s"):
         print(f"  S3 one-tier {k:<11}{_cell(s['s3-one-tier'][k], '{:.3f}'):>26}")
 
@@ -486,10 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=4, help="two-tier saves per repeat (default 4)")
     ap.add_argument("--persist-every", type=int, default=2)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds of (simulated) training between saves")
-    ap.add_argument("--state", choices=("fsdp2", "replicated"), default="fsdp2",
-                    help="fsdp2 (default): sharded over the 4 ranks; replicated: the whole state on every rank")
+    ap.add_argument(
+        "--state",
+        choices=("fsdp2", "replicated"),
+        default="fsdp2",
+        help="fsdp2 (default): sharded over the 4 ranks; replicated: the whole state on every rank",
+    )
     ap.add_argument("--methods", default=",".join(METHODS), type=lambda s: [m for m in s.split(",") if m])
-    ap.add_argument("--quiet", type=float, default=10.0, help="wait up to this long for a quiet machine before a restore")
+    ap.add_argument(
+        "--quiet", type=float, default=10.0, help="wait up to this long for a quiet machine before a restore"
+    )
     ap.add_argument("--dir", default=None, help="scratch directory (default: the system's temp)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the whole job's limit, seconds")
     ap.add_argument("--raw", action="store_true", help="keep every repeat's records in the JSON")

@@ -66,12 +66,26 @@ def _size(text: str) -> int:
 
 
 def _stream_seconds(
-    root: str, names: list[str], seq_len: int, ahead: int | None, options: dict, batch: int | None, loader: bool = False,
-    block: int | None = None, per_request: int | None = None,
+    root: str,
+    names: list[str],
+    seq_len: int,
+    ahead: int | None,
+    options: dict,
+    batch: int | None,
+    loader: bool = False,
+    block: int | None = None,
+    per_request: int | None = None,
 ) -> tuple[float, int]:
     """Seconds to take every item of a new TokenStream, and the token bytes taken."""
     ds = TokenStream(
-        root, names, seq_len=seq_len, dtype="uint16", read_ahead=ahead, storage_options=options, batch_size=batch, block=block,
+        root,
+        names,
+        seq_len=seq_len,
+        dtype="uint16",
+        read_ahead=ahead,
+        storage_options=options,
+        batch_size=batch,
+        block=block,
         blocks_per_request=per_request,
     )
     items = ds
@@ -196,15 +210,35 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=32, help="sequences per item in the batch and loader methods")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--block", type=int, default=None, help="TokenStream block (sequences per read; default: 4 MiB worth locally, 8 MiB on S3)")
-    ap.add_argument("--read-ahead", type=int, default=None, help="TokenStream read_ahead (default: the stream's, by store)")
-    ap.add_argument("--per-request", type=int, default=None, help="TokenStream blocks_per_request (default: the stream's, by store)")
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=None,
+        help="TokenStream block (sequences per read; default: 4 MiB worth locally, 8 MiB on S3)",
+    )
+    ap.add_argument(
+        "--read-ahead", type=int, default=None, help="TokenStream read_ahead (default: the stream's, by store)"
+    )
+    ap.add_argument(
+        "--per-request", type=int, default=None, help="TokenStream blocks_per_request (default: the stream's, by store)"
+    )
     ap.add_argument("--s3", action="store_true", help="also against SeaweedFS on 127.0.0.1")
-    ap.add_argument("--volume", action="store_true", help="with --s3: also through an rclone mount of that bucket (--vfs-cache-mode off)")
+    ap.add_argument(
+        "--volume",
+        action="store_true",
+        help="with --s3: also through an rclone mount of that bucket (--vfs-cache-mode off)",
+    )
     ap.add_argument("--no-local", action="store_true", help="skip the local targets")
-    ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both", help="local files: evicted before each pass, cached, or both")
+    ap.add_argument(
+        "--cache",
+        choices=("cold", "warm", "both"),
+        default="both",
+        help="local files: evicted before each pass, cached, or both",
+    )
     ap.add_argument("--plain2", action="store_true", help="local: also a plain read alternating two 8 MiB buffers")
-    ap.add_argument("--profile", action="store_true", help="print a cProfile of one pass per stream method instead of timing")
+    ap.add_argument(
+        "--profile", action="store_true", help="print a cProfile of one pass per stream method instead of timing"
+    )
     a = ap.parse_args(argv)
     per = _size(a.size) // a.shards // (a.seq_len * 2) * (a.seq_len * 2)
     total = per * a.shards
@@ -230,15 +264,36 @@ def main(argv: list[str]) -> int:
             return {
                 "plain": cold(plain),
                 **extra,
-                "seq": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, None, block=a.block, per_request=a.per_request)),
-                "batch": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, block=a.block, per_request=a.per_request)),
-                "loader": cold(lambda: _stream_seconds(src, names, a.seq_len, a.read_ahead, opts, a.batch_size, True, a.block, a.per_request)),
+                "seq": cold(
+                    lambda: _stream_seconds(
+                        src, names, a.seq_len, a.read_ahead, opts, None, block=a.block, per_request=a.per_request
+                    )
+                ),
+                "batch": cold(
+                    lambda: _stream_seconds(
+                        src,
+                        names,
+                        a.seq_len,
+                        a.read_ahead,
+                        opts,
+                        a.batch_size,
+                        block=a.block,
+                        per_request=a.per_request,
+                    )
+                ),
+                "loader": cold(
+                    lambda: _stream_seconds(
+                        src, names, a.seq_len, a.read_ahead, opts, a.batch_size, True, a.block, a.per_request
+                    )
+                ),
             }
 
         targets = []
         if not a.no_local:
             for cache in ("cold", "warm") if a.cache == "both" else (a.cache,):
-                targets.append((f"local ({cache})", methods(lambda: _plain_local(root, names), str(root), {}, cache == "cold")))
+                targets.append(
+                    (f"local ({cache})", methods(lambda: _plain_local(root, names), str(root), {}, cache == "cold"))
+                )
         server = mount = None
         if a.s3:
             import boto3
@@ -251,7 +306,9 @@ def main(argv: list[str]) -> int:
             for name in names:
                 client.upload_file(str(root / name), "tokens", f"shards/{name}")
             opts = {"endpoint_url": server.url, "addressing_style": "path", "region": "us-east-1"}
-            targets.append(("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None)))
+            targets.append(
+                ("s3", methods(lambda: _plain_s3(client, "tokens", "shards", names), "s3://tokens/shards", opts, None))
+            )
             if a.volume:  # the same objects as files of a strict FUSE mount (a volume store)
                 from helpers.volume import RcloneMount
 

@@ -70,7 +70,11 @@ def make_checkpoint(path: Path, size: int) -> int:
         n = mib * MiB // 4 // 3  # param + exp_avg + exp_avg_sq
         w = torch.randn(n // 256, 256, generator=g)
         model[f"layer{i}.weight"] = w
-        optim[f"layer{i}.weight"] = {"exp_avg": torch.randn(w.shape, generator=g), "exp_avg_sq": torch.rand(w.shape, generator=g), "step": torch.tensor(10.0)}
+        optim[f"layer{i}.weight"] = {
+            "exp_avg": torch.randn(w.shape, generator=g),
+            "exp_avg_sq": torch.rand(w.shape, generator=g),
+            "step": torch.tensor(10.0),
+        }
         total += 3 * w.numel() * 4
         i += 1
     for j in range(500):  # many small tensors: norms, biases
@@ -92,6 +96,7 @@ def raw_read(path: Path, threads: int) -> float:
                 while f.readinto(view):
                     pass
     else:
+
         def read(args):
             p, off, n = args
             fd = os.open(p, os.O_RDONLY)
@@ -100,7 +105,11 @@ def raw_read(path: Path, threads: int) -> float:
             finally:
                 os.close(fd)
 
-        tasks = [(p, off, min(16 * MiB, p.stat().st_size - off)) for p in files for off in range(0, p.stat().st_size, 16 * MiB)]
+        tasks = [
+            (p, off, min(16 * MiB, p.stat().st_size - off))
+            for p in files
+            for off in range(0, p.stat().st_size, 16 * MiB)
+        ]
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(read, tasks))
     return time.perf_counter() - t0
@@ -195,7 +204,9 @@ def main() -> None:
     ap.add_argument("--size", default="2GiB")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one on /tmp's disk)")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", default="8", help="verify thread counts to measure, comma separated (first is the headline)")
+    ap.add_argument(
+        "--threads", default="8", help="verify thread counts to measure, comma separated (first is the headline)"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -215,8 +226,12 @@ def main() -> None:
 
         def record(name: str, nbytes: int, seconds: list[float], peaks: list[int] | None = None) -> None:
             s = statistics.median(seconds)
-            results[name] = {"seconds": s, "gbps": nbytes / s / GB, "runs_gbps": [round(nbytes / x / GB, 3) for x in seconds],
-                             "peak_mib": (statistics.median(peaks) / MiB) if peaks else None}  # fmt: skip
+            results[name] = {
+                "seconds": s,
+                "gbps": nbytes / s / GB,
+                "runs_gbps": [round(nbytes / x / GB, 3) for x in seconds],
+                "peak_mib": (statistics.median(peaks) / MiB) if peaks else None,
+            }
 
         ratios: dict[int, list[float]] = {}
         for _rep in range(a.repeats):
@@ -237,10 +252,21 @@ def main() -> None:
             drop_caches()
             r = run_child("verify-quick", str(src))
             results.setdefault("_quick", {"runs": [], "peaks": []})["runs"].append(r["seconds"])
-            jobs = [("raw-copy", "raw-copy", str(src), str(scratch / "copy")), ("reshard-to-2", "reshard", str(src), str(scratch / "w2"), "2")]
+            jobs = [
+                ("raw-copy", "raw-copy", str(src), str(scratch / "copy")),
+                ("reshard-to-2", "reshard", str(src), str(scratch / "w2"), "2"),
+            ]
             for fmt, dst in (("safetensors", "m.safetensors"), ("torch", "m.pt"), ("dcp", "d")):
                 jobs.append((f"convert-to-{fmt}", "convert", str(src), str(scratch / dst), fmt))
-                jobs.append((f"convert-{fmt}-to-goodput", "convert", str(scratch / dst), str(scratch / f"back-{fmt}"), "goodput"))
+                jobs.append(
+                    (
+                        f"convert-{fmt}-to-goodput",
+                        "convert",
+                        str(scratch / dst),
+                        str(scratch / f"back-{fmt}"),
+                        "goodput",
+                    )
+                )
             for name, op, *args in jobs:
                 drop_caches()
                 r = run_child(op, *args)
@@ -266,18 +292,32 @@ def main() -> None:
         for t, rs in ratios.items():
             results[f"verify-t{t}"]["x_raw_paired"] = statistics.median(rs)
         raw = results["raw-read"]["gbps"]
-        print(f"checkpoint: {file_bytes / GB:.2f} GB in data files, {tensor_bytes / GB:.2f} GB of tensors; cold cache: {cold}; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"checkpoint: {file_bytes / GB:.2f} GB in data files, {tensor_bytes / GB:.2f} GB of tensors; cold cache: {cold}; "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
         for t, rs in ratios.items():
-            print(f"verify-t{t} / raw-read, paired runs: median {statistics.median(rs):.2f} ({', '.join(f'{x:.2f}' for x in rs)})")
+            print(
+                f"verify-t{t} / raw-read, paired runs: median {statistics.median(rs):.2f} ({', '.join(f'{x:.2f}' for x in rs)})"
+            )
         copy = results["raw-copy"]["gbps"]
         print(f"{'method':32s} {'GB/s':>7s} {'x raw-read':>10s} {'x raw-copy':>10s} {'peak MiB':>9s}")
         for name, r in results.items():
             peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
             print(f"{name:32s} {r['gbps']:7.2f} {r['gbps'] / raw:10.2f} {r['gbps'] / copy:10.2f} {peak:>9s}")
         if a.json:
-            Path(a.json).write_text(json.dumps({"size": file_bytes, "tensor_bytes": tensor_bytes, "cold_cache": cold,
-                                                "cpus": os.cpu_count(), "results": results}, indent=2))  # fmt: skip
+            Path(a.json).write_text(
+                json.dumps(
+                    {
+                        "size": file_bytes,
+                        "tensor_bytes": tensor_bytes,
+                        "cold_cache": cold,
+                        "cpus": os.cpu_count(),
+                        "results": results,
+                    },
+                    indent=2,
+                )
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

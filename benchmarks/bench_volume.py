@@ -63,9 +63,9 @@ import torch.distributed.checkpoint as dcp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the SeaweedFS and FUSE recipes
 sys.path.insert(0, str(HERE))
+from bench_local import drop_caches, empty_like_nested, flat_equal, flatten, make_state, parse_size, raw_bytes  # noqa: E402
 from helpers.s3 import SeaweedServer, s3_env  # noqa: E402
 from helpers.volume import RcloneMount, WeedMount, assert_strict, fuse_unavailable  # noqa: E402
-from bench_local import drop_caches, empty_like_nested, flat_equal, flatten, make_state, parse_size, raw_bytes  # noqa: E402
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter  # noqa: E402
 
@@ -221,8 +221,11 @@ def run_mount(kind: str, server: SeaweedServer, work: Path, args: argparse.Names
     bucket = f"bench-volume-{kind}"
     boto3.client("s3", endpoint_url=server.url, region_name="us-east-1").create_bucket(Bucket=bucket)
     mdir = work / f"{kind}-mount"
-    mount = (RcloneMount(server.url, bucket, mdir / "mnt", mdir) if kind == "rclone"
-             else WeedMount(server.filer_port, bucket, mdir / "mnt", mdir))  # fmt: skip
+    mount = (
+        RcloneMount(server.url, bucket, mdir / "mnt", mdir)
+        if kind == "rclone"
+        else WeedMount(server.filer_port, bucket, mdir / "mnt", mdir)
+    )
     try:
         if kind == "rclone":
             assert_strict(mount.path)
@@ -234,7 +237,7 @@ def run_mount(kind: str, server: SeaweedServer, work: Path, args: argparse.Names
         seconds: dict[str, dict[str, list[Phase]]] = {}
         errors: dict[str, str] = {}
         for rep in range(args.repeats):
-            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+            order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
             for m in order:
                 if m in errors:
                     continue
@@ -248,8 +251,11 @@ def run_mount(kind: str, server: SeaweedServer, work: Path, args: argparse.Names
                     continue
                 for p, s in phases.items():
                     seconds.setdefault(m, {}).setdefault(p, []).append(s)
-                print(f"[{kind}] repeat {rep}: {m} " + " ".join(f"{p}={s:.2f}s" for p, s in phases.items()),
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[{kind}] repeat {rep}: {m} " + " ".join(f"{p}={s:.2f}s" for p, s in phases.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for child in bench.mount.iterdir():
                     shutil.rmtree(child, ignore_errors=True)
         nbytes = bench.state.nbytes
@@ -261,13 +267,17 @@ def run_mount(kind: str, server: SeaweedServer, work: Path, args: argparse.Names
 def _row(v: list[Phase], nbytes: int) -> dict[str, Any]:
     t = statistics.median(v)
     return {
-        "seconds": t, "mib_s": nbytes / MiB / t, "all": [float(x) for x in v],
+        "seconds": t,
+        "mib_s": nbytes / MiB / t,
+        "all": [float(x) for x in v],
         "client_cpu_s": statistics.median(x.client_cpu for x in v),
         "server_cpu_s": statistics.median(x.server_cpu for x in v),
-    }  # fmt: skip
+    }
 
 
-def summarize(kind: str, seconds: dict[str, dict[str, list[Phase]]], errors: dict[str, str], nbytes: int) -> dict[str, Any]:
+def summarize(
+    kind: str, seconds: dict[str, dict[str, list[Phase]]], errors: dict[str, str], nbytes: int
+) -> dict[str, Any]:
     rows = {m: {p: _row(v, nbytes) for p, v in phases.items()} for m, phases in seconds.items()}
     ratios: dict[str, float] = {}
 
@@ -315,8 +325,14 @@ def main() -> None:
     os.environ.update(s3_env())
     work = Path(tempfile.mkdtemp(prefix="bench-volume-"))
     server = SeaweedServer(work / "seaweed")
-    report: dict[str, Any] = {"repeats": args.repeats, "python": platform.python_version(), "torch": torch.__version__,
-                              "cpus": os.cpu_count(), "cold_cache": drop_caches(), "mounts": []}  # fmt: skip
+    report: dict[str, Any] = {
+        "repeats": args.repeats,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cold_cache": drop_caches(),
+        "mounts": [],
+    }
     try:
         for kind in [k for k in args.mounts.split(",") if k]:
             report["mounts"].append(run_mount(kind, server, work, args))

@@ -173,8 +173,9 @@ def measure_stall(device: torch.device, scratch: Path, layers: int, repeats: int
     return {"bytes": nbytes, "stall_s": statistics.median(stalls), "copy_s": statistics.median(copies), "ratio": ratio}
 
 
-def run_checks(device: torch.device, scratch: Path, *, stall_layers: int, repeats: int,
-               out: Callable[[str], None] = print) -> dict[str, str]:  # fmt: skip
+def run_checks(
+    device: torch.device, scratch: Path, *, stall_layers: int, repeats: int, out: Callable[[str], None] = print
+) -> dict[str, str]:
     """Run every check on ``device``; returns check -> "ok: ..." or "FAILED: ..."."""
     results: dict[str, str] = {}
     checks: dict[str, Callable[[], str]] = {
@@ -190,8 +191,10 @@ def run_checks(device: torch.device, scratch: Path, *, stall_layers: int, repeat
         out(f"gpu-check: {name}: {results[name]}")
     try:
         s = measure_stall(device, scratch, stall_layers, repeats)
-        results["stall"] = (f"ok: {s['bytes'] / (1 << 20):.0f} MiB, save stall {s['stall_s'] * 1e3:.1f} ms vs bare copy "
-                            f"{s['copy_s'] * 1e3:.1f} ms: {s['ratio']:.2f}x (target <= 1.25x on a GPU; median of {repeats})")  # fmt: skip
+        results["stall"] = (
+            f"ok: {s['bytes'] / (1 << 20):.0f} MiB, save stall {s['stall_s'] * 1e3:.1f} ms vs bare copy "
+            f"{s['copy_s'] * 1e3:.1f} ms: {s['ratio']:.2f}x (target <= 1.25x on a GPU; median of {repeats})"
+        )
     except Exception as e:
         results["stall"] = f"FAILED: {type(e).__name__}: {e}"
     out(f"gpu-check: stall: {results['stall']}")
@@ -222,12 +225,17 @@ def main(argv: list[str] | None = None) -> int:
         results = run_checks(device, Path(tmp), stall_layers=a.stall_layers, repeats=a.repeats)
     if not a.no_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", str(ROOT / "tests")]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
         tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
         results["tests"] = ("ok: " if proc.returncode in (0, 5) else "FAILED: ") + tail
         print(f"gpu-check: tests (pytest -m cuda): {results['tests']}")
     failed = [k for k, v in results.items() if v.startswith("FAILED")]
-    print(f"gpu-check: summary: {len(results) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    print(
+        f"gpu-check: summary: {len(results) - len(failed)} ok, {len(failed)} failed"
+        + (f" ({', '.join(failed)})" if failed else "")
+    )
     return 1 if failed else 0
 
 

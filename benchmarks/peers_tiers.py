@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from bench_peers import rotate, stats
 
 try:  # module level: its manager pickles the state-dict object itself
@@ -119,12 +118,27 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
         def run(where: Path) -> tuple[float, float, float]:
             from torchtitan.components.checkpointer.dcp import CheckpointManager as Titan
 
-            cfg = Titan.Config(enable=True, folder="ckpt", interval=1, async_mode=mode, last_save_model_only=False, keep_latest_k=0,
-                               initial_load_model_only=False)
+            cfg = Titan.Config(
+                enable=True,
+                folder="ckpt",
+                interval=1,
+                async_mode=mode,
+                last_save_model_only=False,
+                keep_latest_k=0,
+                initial_load_model_only=False,
+            )
 
             def make() -> Any:
-                return Titan(cfg, dataloader=None, model_parts=[model], optimizers=_TitanOptimizers(model, opt),
-                             lr_schedulers=_NoSchedulers(), states={}, sd_adapter=None, base_folder=str(where))  # fmt: skip
+                return Titan(
+                    cfg,
+                    dataloader=None,
+                    model_parts=[model],
+                    optimizers=_TitanOptimizers(model, opt),
+                    lr_schedulers=_NoSchedulers(),
+                    states={},
+                    sd_adapter=None,
+                    base_folder=str(where),
+                )
 
             m = make()
             m.save(1)  # the first save (its async mode's gloo group, staging memory)
@@ -178,17 +192,24 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
 
         return run
 
-    methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {"manager": manager(False), "manager-2tier": manager(True)}
+    methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {
+        "manager": manager(False),
+        "manager-2tier": manager(True),
+    }
     if NVRX_MISSING is None:
         methods["nvrx-local"], methods["nvrx-local+fsync"] = nvrx(False), nvrx(True)
     else:
         skipped["nvrx-local"] = NVRX_MISSING
-    skipped["nvrx-local async"] = ("its save(is_async=True) calls torch.cuda.synchronize() (no CUDA here) and its "
-                                   "AsyncRequest needs the CUDA path; its replication (a group per node) was not set up either")  # fmt: skip
+    skipped["nvrx-local async"] = (
+        "its save(is_async=True) calls torch.cuda.synchronize() (no CUDA here) and its "
+        "AsyncRequest needs the CUDA path; its replication (a group per node) was not set up either"
+    )
     try:
         import torchtitan.components.checkpointer.dcp  # noqa: F401
     except Exception as e:  # it imports much of its trainer
-        skipped["torchtitan"] = f"torchtitan's checkpointer does not import ({type(e).__name__}: {e}): pip install torchtitan"
+        skipped["torchtitan"] = (
+            f"torchtitan's checkpointer does not import ({type(e).__name__}: {e}): pip install torchtitan"
+        )
     else:
         methods["titan-sync"], methods["titan-async"] = titan("disabled"), titan("async")
     out: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "restore": []} for m in methods}
@@ -204,6 +225,11 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
             out[m]["durable"].append(durable)
             out[m]["restore"].append(restore)
     nbytes = sum(t.numel() * t.element_size() for t in want)
-    rel = {peer: {p: stats([t / o for t, o in zip(out[peer][p], out["manager"][p])]) for p in ("stall", "durable", "restore")}
-           for peer in out if peer != "manager"}  # fmt: skip
+    rel = {
+        peer: {
+            p: stats([t / o for t, o in zip(out[peer][p], out["manager"][p])]) for p in ("stall", "durable", "restore")
+        }
+        for peer in out
+        if peer != "manager"
+    }
     return {"bytes": nbytes, "order": order, "seconds": out, "ratios": rel}

@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             w = [x for x, _ in pts]
             med = [p["median"] for _, p in pts]
             err = [[m - p["min"] for m, (_, p) in zip(med, pts)], [p["max"] - m for m, (_, p) in zip(med, pts)]]
-            ax.errorbar(w, med, yerr=err, marker="o", capsize=3, label=label, linestyle="--" if ph.startswith("torch") else "-")
+            ax.errorbar(
+                w, med, yerr=err, marker="o", capsize=3, label=label, linestyle="--" if ph.startswith("torch") else "-"
+            )
         ax.axhline(1.0, color="red", linewidth=0.8, label="goal: 1 s per save / restore")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylabel("seconds (sum of phase medians)" if args.totals else "seconds (median, bars: min-max)")
         r0 = rows[0]
         states = sorted({r["state"] for r in rows})
-        ax.set_title(f"Commit record cost against W: {r0['model']} {r0['mesh']}, {'/'.join(states)} state, {r0['tensors']:,} tensors at W = {r0['world']:,}")
+        ax.set_title(
+            f"Commit record cost against W: {r0['model']} {r0['mesh']}, {'/'.join(states)} state, {r0['tensors']:,} tensors at W = {r0['world']:,}"
+        )
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.grid(True, which="both", alpha=0.3)
         fig.tight_layout()

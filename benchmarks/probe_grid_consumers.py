@@ -63,7 +63,14 @@ def _run(op: str, a: argparse.Namespace) -> dict:
     env = dict(os.environ)
     path = [a.package] if a.package else []
     env["PYTHONPATH"] = os.pathsep.join(path + [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=a.timeout, cwd=tempfile.gettempdir())
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=a.timeout,
+        cwd=tempfile.gettempdir(),
+    )
     if proc.returncode:
         raise SystemExit(f"{op}: the child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -88,9 +95,11 @@ def main(argv: list[str]) -> int:
         rows[op] = {k: [g[k] for g in got] for k in ("cpu_s", "peak_mb", "growth_mb")}
         rows[op].update(result=got[0]["result"], manifest_bytes=got[0]["manifest_bytes"], package=got[0]["package"])
     for op, r in rows.items():
-        print(f"{op}: CPU s {_spread(r['cpu_s'])}, peak RSS MB {_spread(r['peak_mb'])}, raised by the call "
-              f"{_spread(r['growth_mb'])} MB; median (min-max) of {a.repeats}; "
-              f"{r['manifest_bytes']} B manifest, {a.files} x {a.runs} cells; result {r['result']}; {r['package']}")  # fmt: skip
+        print(
+            f"{op}: CPU s {_spread(r['cpu_s'])}, peak RSS MB {_spread(r['peak_mb'])}, raised by the call "
+            f"{_spread(r['growth_mb'])} MB; median (min-max) of {a.repeats}; "
+            f"{r['manifest_bytes']} B manifest, {a.files} x {a.runs} cells; result {r['result']}; {r['package']}"
+        )
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0

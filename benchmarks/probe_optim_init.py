@@ -65,8 +65,10 @@ def main(argv: list[str]) -> int:
     base = statistics.median(times["torch-init"])
     for name in names:
         t = sorted(times[name])
-        print(f"  {name:10s} min {t[0]:.4f} / median {statistics.median(t):.4f} / max {t[-1]:.4f} s; "
-              f"torch-init / this {base / max(statistics.median(t), 1e-9):.1f}x")  # fmt: skip
+        print(
+            f"  {name:10s} min {t[0]:.4f} / median {statistics.median(t):.4f} / max {t[-1]:.4f} s; "
+            f"torch-init / this {base / max(statistics.median(t), 1e-9):.1f}x"
+        )
     return 0
 
 

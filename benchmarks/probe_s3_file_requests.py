@@ -29,9 +29,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the servers, the counter
 
@@ -65,7 +66,12 @@ def main(argv: list[str]) -> int:
             client = boto3.client("s3", endpoint_url=server.url, region_name="us-east-1")
             client.create_bucket(Bucket=BUCKET)
             counter = RequestCounter()
-            opts = {"endpoint_url": server.url, "addressing_style": "path", "region": "us-east-1", "session": counter.session()}
+            opts = {
+                "endpoint_url": server.url,
+                "addressing_style": "path",
+                "region": "us-east-1",
+                "session": counter.session(),
+            }
             root = open_store(f"s3://{BUCKET}/root", opts)
             step_store = open_store(f"s3://{BUCKET}/root/{step_dir_name(step)}", opts)
 
@@ -108,8 +114,10 @@ def main(argv: list[str]) -> int:
                 print(f"repeat {rep + 1}/{a.repeats} done, load average {os.getloadavg()[0]:.1f}", flush=True)
         finally:
             server.stop()
-    print(f"\n{a.files} data files + 1 commit record, server {a.server}, {os.cpu_count()} CPUs; "
-          f"model: {a.latency_ms:g} ms per request, sequential")  # fmt: skip
+    print(
+        f"\n{a.files} data files + 1 commit record, server {a.server}, {os.cpu_count()} CPUs; "
+        f"model: {a.latency_ms:g} ms per request, sequential"
+    )
     print("| operation | requests | by operation | wall s (min / median / max) | modelled s |")
     print("|---|---|---|---|---|")
     for label, _, _ in cases:
@@ -118,8 +126,10 @@ def main(argv: list[str]) -> int:
         walls = sorted(w for _, w in rows[label])
         total = sum(ops.values())
         by = ", ".join(f"{op} {n}" for op, n in ops.items())
-        print(f"| {label} | {total} | {by} | {walls[0]:.2f} / {statistics.median(walls):.2f} / {walls[-1]:.2f} "
-              f"| {total * a.latency_ms / 1000:.2f} |")  # fmt: skip
+        print(
+            f"| {label} | {total} | {by} | {walls[0]:.2f} / {statistics.median(walls):.2f} / {walls[-1]:.2f} "
+            f"| {total * a.latency_ms / 1000:.2f} |"
+        )
     return 0
 
 

@@ -105,9 +105,11 @@ def multipart_method(env: Env, data: memoryview, part: int, conc: int, body: str
         from botocore.config import Config
 
         client = boto3.client(
-            "s3", endpoint_url=env.url, region_name="us-east-1",
+            "s3",
+            endpoint_url=env.url,
+            region_name="us-east-1",
             config=client.meta.config.merge(Config(parameter_validation=False)),
-        )  # fmt: skip
+        )
     offsets = list(range(0, len(data), part))
     pre: list = []
     pre_crc: list[str] = []
@@ -240,25 +242,36 @@ def main() -> int:
                 time.sleep(0.3)  # the server finishes its bookkeeping of the last request
                 scpu[m].append(server_cpu(server.proc.pid) - s0)
                 remove_prefix(env, BUCKET, prefix)
-            print(f"repeat {rep + 1}: " + ", ".join(f"{m} {wall[m][-1]:.2f}s" for m in order), file=sys.stderr, flush=True)
+            print(
+                f"repeat {rep + 1}: " + ", ".join(f"{m} {wall[m][-1]:.2f}s" for m in order), file=sys.stderr, flush=True
+            )
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{n / MiB:.0f} MiB, {a.repeats} repeats; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs; order: " + " | ".join(",".join(o) for o in orders))  # fmt: skip
-    print(f"{'method':<13}{'MiB/s':>7}{'wall s min/med/max':>22}{'client cpu':>11}{'server cpu':>11}{'floor s':>8}"
-          f"{'busy':>6}{'time vs tm-crc':>17}{'cpu vs tm-crc':>16}")  # fmt: skip
+    print(
+        f"{n / MiB:.0f} MiB, {a.repeats} repeats; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs; order: " + " | ".join(",".join(o) for o in orders)
+    )
+    print(
+        f"{'method':<13}{'MiB/s':>7}{'wall s min/med/max':>22}{'client cpu':>11}{'server cpu':>11}{'floor s':>8}"
+        f"{'busy':>6}{'time vs tm-crc':>17}{'cpu vs tm-crc':>16}"
+    )
     ncpu = os.cpu_count() or 1
     for m in methods:
         w = wall[m]
         total = [c + sc for c, sc in zip(cpu[m], scpu[m])]
         cells = []
-        for mine, ref in ((w, wall.get("tm-crc")), (total, [c + sc for c, sc in zip(cpu["tm-crc"], scpu["tm-crc"])] if "tm-crc" in cpu else None)):
+        for mine, ref in (
+            (w, wall.get("tm-crc")),
+            (total, [c + sc for c, sc in zip(cpu["tm-crc"], scpu["tm-crc"])] if "tm-crc" in cpu else None),
+        ):
             r = [t / x for x, t in zip(mine, ref)] if ref else None
             cells.append(f"{min(r):.2f}/{statistics.median(r):.2f}/{max(r):.2f}" if r else "-")
-        print(f"{m:<13}{n / MiB / statistics.median(w):>7.0f}{f'{min(w):.2f}/{statistics.median(w):.2f}/{max(w):.2f}':>22}"
-              f"{statistics.median(cpu[m]):>11.2f}{statistics.median(scpu[m]):>11.2f}{statistics.median(total) / ncpu:>8.2f}"
-              f"{statistics.median(t / (ncpu * x) for t, x in zip(total, w)):>6.2f}{cells[0]:>17}{cells[1]:>16}")  # fmt: skip
+        print(
+            f"{m:<13}{n / MiB / statistics.median(w):>7.0f}{f'{min(w):.2f}/{statistics.median(w):.2f}/{max(w):.2f}':>22}"
+            f"{statistics.median(cpu[m]):>11.2f}{statistics.median(scpu[m]):>11.2f}{statistics.median(total) / ncpu:>8.2f}"
+            f"{statistics.median(t / (ncpu * x) for t, x in zip(total, w)):>6.2f}{cells[0]:>17}{cells[1]:>16}"
+        )
     return 0
 
 

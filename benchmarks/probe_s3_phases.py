@@ -69,8 +69,11 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="512MiB")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--methods", default="ours,ours-nohash,raw",
-                   help="also ours-t8 (thread_count=8) and ours-mc32 (max_concurrency=32)")
+    p.add_argument(
+        "--methods",
+        default="ours,ours-nohash,raw",
+        help="also ours-t8 (thread_count=8) and ours-mc32 (max_concurrency=32)",
+    )
     a = p.parse_args()
     os.environ.update(s3_env())
     wrap(wr.CheckpointWriter, "_clear_or_refuse_existing", "clear0", "clear1")
@@ -94,7 +97,7 @@ def main() -> int:
 
         boto3.client("s3", endpoint_url=env.url, region_name="us-east-1").create_bucket(Bucket="probe")
         for rep in range(a.repeats):
-            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+            order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
             orders.append(order)
             for m in order:
                 prefix = f"{m}-{rep}"
@@ -102,6 +105,7 @@ def main() -> int:
                 if m == "raw":
                     save, _ = raw_requests(env, "probe", prefix)
                 else:
+
                     def save(m=m, prefix=prefix):
                         w = CheckpointWriter(f"s3://probe/{prefix}", **opts, **variants[m])
                         if m == "ours-nohash":
@@ -109,6 +113,7 @@ def main() -> int:
                                 dcp.save(st.nested, storage_writer=w, no_dist=True)
                         else:
                             dcp.save(st.nested, storage_writer=w, no_dist=True)
+
                 c0, t0 = time.process_time(), time.perf_counter()
                 save()
                 t1 = time.perf_counter()

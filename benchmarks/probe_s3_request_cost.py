@@ -44,7 +44,9 @@ def main(argv: list[str]) -> int:
             src = open_store("s3://probe", opts).open_source("k")
             buf = bytearray(16)
             methods = {
-                "boto3 get_object": lambda: client.get_object(Bucket="probe", Key="k", Range="bytes=0-15")["Body"].read(),
+                "boto3 get_object": lambda: client.get_object(Bucket="probe", Key="k", Range="bytes=0-15")[
+                    "Body"
+                ].read(),
                 "S3Source.read_into": lambda: src.read_into(0, [buf]),
             }
             for fn in methods.values():  # warm the connection pools
@@ -62,11 +64,15 @@ def main(argv: list[str]) -> int:
                     wall[name].append((time.perf_counter() - t0) / a.requests * 1e3)
         finally:
             server.stop()
-    print(f"{a.requests} GETs of 16 bytes per repeat, {a.repeats} repeats, order alternating; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{a.requests} GETs of 16 bytes per repeat, {a.repeats} repeats, order alternating; load average {os.getloadavg()[0]:.2f}"
+    )
     for name in names:
         c, w = sorted(cpu[name]), sorted(wall[name])
-        print(f"  {name:20s} client CPU ms/GET min {c[0]:.2f} / median {statistics.median(c):.2f} / max {c[-1]:.2f}; "
-              f"wall ms/GET median {statistics.median(w):.2f}")  # fmt: skip
+        print(
+            f"  {name:20s} client CPU ms/GET min {c[0]:.2f} / median {statistics.median(c):.2f} / max {c[-1]:.2f}; "
+            f"wall ms/GET median {statistics.median(w):.2f}"
+        )
     return 0
 
 

@@ -104,9 +104,11 @@ def main() -> int:
     for c in conds:
         o, t = times[("ours", c)], times[("torch", c)]
         r = [y / x for x, y in zip(o, t)]
-        print(f"{c:<12} ours {min(o):.2f}/{statistics.median(o):.2f}/{max(o):.2f} s  "
-              f"torch {min(t):.2f}/{statistics.median(t):.2f}/{max(t):.2f} s  "
-              f"ratio {min(r):.2f}/{statistics.median(r):.2f}/{max(r):.2f}x (min/median/max)")
+        print(
+            f"{c:<12} ours {min(o):.2f}/{statistics.median(o):.2f}/{max(o):.2f} s  "
+            f"torch {min(t):.2f}/{statistics.median(t):.2f}/{max(t):.2f} s  "
+            f"ratio {min(r):.2f}/{statistics.median(r):.2f}/{max(r):.2f}x (min/median/max)"
+        )
     return 0
 
 

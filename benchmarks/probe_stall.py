@@ -68,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
                 os.sync()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"{args.size}, {args.repeats} repeats, order swapped every repeat (ours first in repeat 1); load average "
-          f"{load0[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
+    print(
+        f"{args.size}, {args.repeats} repeats, order swapped every repeat (ours first in repeat 1); load average "
+        f"{load0[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     for name in WRITERS:
         s, t = stall[name], total[name]
-        print(f"{name:<6} stall {min(s):.3f} / {statistics.median(s):.3f} / {max(s):.3f} s "
-              f"{[round(x, 3) for x in s]}; until durable {statistics.median(t):.2f} s")  # fmt: skip
+        print(
+            f"{name:<6} stall {min(s):.3f} / {statistics.median(s):.3f} / {max(s):.3f} s "
+            f"{[round(x, 3) for x in s]}; until durable {statistics.median(t):.2f} s"
+        )
     ratios = [a / b for a, b in zip(stall["ours"], stall["torch"])]
     print(f"stall ours / torch per repeat: {min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}x")
     return 0

@@ -45,45 +45,79 @@ LOG_ENV, TRIALS_ENV = "GOODPUT_RELIABILITY_LOG", "GOODPUT_FAULT_TRIALS"  # as in
 FROM_OUTCOMES = {
     "tests/faults/test_sigkill.py": ("SIGKILL during one dcp.save (256 MiB; new location, overwrite) [tests]", "local"),
     "tests/faults/test_corruption.py": ("corruption: targeted flips, truncation, garbled manifests [tests]", "local"),
-    "tests/format/test_manifest_hostile.py": ("hostile manifests: traversal, absurd sizes, pickle payloads [tests]", "local"),
+    "tests/format/test_manifest_hostile.py": (
+        "hostile manifests: traversal, absurd sizes, pickle payloads [tests]",
+        "local",
+    ),
     "tests/storage/test_s3_faults.py": (
-        "S3 faults: 503, 500, resets, stalls, cut bodies; count and probability [tests]", "s3 (moto)"),
+        "S3 faults: 503, 500, resets, stalls, cut bodies; count and probability [tests]",
+        "s3 (moto)",
+    ),
 }
 #: Hostile inputs and destructive paths (issue 16): one row per module, from its test outcomes;
 #: ``--hostile`` runs only these.
 HOSTILE = {
-    "tests/storage/test_no_escape.py": ("hostile: links inside a location; overwrite deletes only what it owns [tests]", "local"),
-    "tests/tools/ops/test_destination_alias.py": ("hostile: destination an alias of the source (link, bind mount, .., nested) [tests]", "local"),
-    "tests/tools/ops/test_hostile_verdicts.py": ("hostile: corpus through verify, inspect and dcp.load, one verdict [tests]", "local"),
+    "tests/storage/test_no_escape.py": (
+        "hostile: links inside a location; overwrite deletes only what it owns [tests]",
+        "local",
+    ),
+    "tests/tools/ops/test_destination_alias.py": (
+        "hostile: destination an alias of the source (link, bind mount, .., nested) [tests]",
+        "local",
+    ),
+    "tests/tools/ops/test_hostile_verdicts.py": (
+        "hostile: corpus through verify, inspect and dcp.load, one verdict [tests]",
+        "local",
+    ),
     "tests/format/test_tiling.py": ("hostile: adversarial chunk tilings (staircase), bounded work [tests]", "format"),
     "tests/format/test_parse_memory.py": ("hostile: parse memory per manifest byte bounded [tests]", "format"),
-    "tests/tools/ops/test_verify.py": ("hostile: verify buffers bounded by file sizes; verify verdicts [tests]", "local"),
+    "tests/tools/ops/test_verify.py": (
+        "hostile: verify buffers bounded by file sizes; verify verdicts [tests]",
+        "local",
+    ),
     "tests/tools/test_formats_dcp_fs.py": ("hostile: DCP .metadata claims, pickles passed through [tests]", "local"),
-    "tests/tools/test_formats_safetensors.py": ("hostile: safetensors headers as the reference library judges [tests]", "local"),
+    "tests/tools/test_formats_safetensors.py": (
+        "hostile: safetensors headers as the reference library judges [tests]",
+        "local",
+    ),
     "tests/engine/test_untrusted_load.py": ("hostile: deflate bombs, refused pickles named [tests]", "local"),
     "tests/cli/test_cli_errors.py": ("hostile: no tracebacks, data errors exit 1 [tests]", "cli"),
     "tests/cli/test_cli_escaping.py": ("hostile: control characters escaped in human output [tests]", "cli"),
     "tests/storage/test_redact.py": ("hostile: credentials in URLs never echoed [tests]", "all"),
     "tests/storage/test_contract.py": ("hostile: capped small reads, one error type per event [tests]", "all"),
     "tests/format/test_grid_consumers.py": (
-        "hostile: 186 KB manifest of 4 M grid cells: verify, inspect, load, reshard per run, counted [tests]", "local"),
-    "tests/format/test_key_index.py": ("hostile: keys of a byte range found run by run, bounded work [tests]", "format"),
+        "hostile: 186 KB manifest of 4 M grid cells: verify, inspect, load, reshard per run, counted [tests]",
+        "local",
+    ),
+    "tests/format/test_key_index.py": (
+        "hostile: keys of a byte range found run by run, bounded work [tests]",
+        "format",
+    ),
     "tests/manager/test_retention_unsafe_keys.py": (
-        "hostile: unsafe keys in step directories skipped, retention goes on [tests]", "s3 (moto)"),
+        "hostile: unsafe keys in step directories skipped, retention goes on [tests]",
+        "s3 (moto)",
+    ),
     # Issue 33: the training state (loader rows, data positions, generator slots), bounded like the manifest.
     "tests/data/test_saved_state_hostile.py": (
-        "hostile: saved loader state: counts, cycles, stride-0 bitmaps, bombs, RNG slots, token shards [tests]", "local"),
+        "hostile: saved loader state: counts, cycles, stride-0 bitmaps, bombs, RNG slots, token shards [tests]",
+        "local",
+    ),
     "tests/state/test_restore_hostile.py": (
-        "hostile: loader state through restore, both paths: refused before model, optimizer, loader, RNG, objects change [tests]", "local"),
+        "hostile: loader state through restore, both paths: refused before model, optimizer, loader, RNG, objects change [tests]",
+        "local",
+    ),
 }
 #: Two-tier checkpoints (issue 18): lost nodes, damaged copies, SIGKILL during local saves,
 #: replication and persistent uploads; ``--tiers`` runs only these.
 TIERS = {
     "tests/manager/test_tiers.py": (
-        "two tiers: lost node, damaged local copies and replicas, fallback tier by tier [tests]", "local (4 ranks, 2 nodes)"),
+        "two tiers: lost node, damaged local copies and replicas, fallback tier by tier [tests]",
+        "local (4 ranks, 2 nodes)",
+    ),
     "tests/manager/test_tiers_acceptance.py": (
         "two tiers: FSDP2 job, 4 failures restored bit-exact; SIGKILL in local save/replication/persist [tests]",
-        "local (4 ranks, 2 nodes)"),
+        "local (4 ranks, 2 nodes)",
+    ),
 }
 FROM_OUTCOMES.update(HOSTILE)
 FROM_OUTCOMES.update(TIERS)
@@ -130,9 +164,14 @@ def rows_from(lines: list[dict[str, Any]], outcomes: dict[str, dict[str, Any]]) 
         seen = [o for o in by_module.get(module, []) if o in ("passed", "failed")]
         if seen:
             rows[(scenario, backend)] = {
-                "scenario": scenario, "backend": backend, "trials": len(seen), "faults_injected": len(seen),
-                "detected_or_recovered": seen.count("passed"), "data_lost": seen.count("failed"), "details": [],
-            }  # fmt: skip
+                "scenario": scenario,
+                "backend": backend,
+                "trials": len(seen),
+                "faults_injected": len(seen),
+                "detected_or_recovered": seen.count("passed"),
+                "data_lost": seen.count("failed"),
+                "details": [],
+            }
     return list(rows.values())
 
 
@@ -157,16 +196,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in cells) for i in range(len(HEADERS))]
     out = []
     for n, row in enumerate(cells):
-        out.append("| " + " | ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))) + " |")
+        out.append(
+            "| " + " | ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))) + " |"
+        )
         if n == 0:
-            out.append("|" + "|".join(("-" * (w + 2)) if i < 2 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|")
+            out.append(
+                "|" + "|".join(("-" * (w + 2)) if i < 2 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
+            )
     return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     ap.add_argument("--long", action="store_true", help="more trials (GOODPUT_FAULT_TRIALS=100)")
-    ap.add_argument("--trials", type=int, help="trials per backend for the randomized scenarios (default 30, --long 100)")
+    ap.add_argument(
+        "--trials", type=int, help="trials per backend for the randomized scenarios (default 30, --long 100)"
+    )
     ap.add_argument("--quick", action="store_true", help="leave out the tests marked slow")
     ap.add_argument("--json", type=Path, help="also write the rows and the outcomes to this file")
     ap.add_argument("-k", dest="keyword", help="only the tests pytest -k selects")
@@ -182,7 +227,14 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     log = Path(tempfile.mkdtemp(prefix="goodput-reliability-")) / "results.jsonl"
     os.environ[LOG_ENV], os.environ[TRIALS_ENV] = str(log), str(trials)
-    pytest_args = [*(HOSTILE if args.hostile else TIERS if args.tiers else SUITE), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    pytest_args = [
+        *(HOSTILE if args.hostile else TIERS if args.tiers else SUITE),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+    ]
     if args.quick:
         pytest_args += ["-m", "not slow"]
     if args.keyword:
@@ -200,15 +252,20 @@ def main(argv: list[str]) -> int:
 
     command = " ".join(["benchmarks/reliability_report.py", *argv])
     print(f"\n## Reliability report: {command}")
-    print(f"{TRIALS_ENV}={trials}; {len(plugin.tests)} tests in {seconds:.0f} s: "
-          + ", ".join(f"{n} {o}" for o, n in counts.items() if n) + "\n")  # fmt: skip
+    print(
+        f"{TRIALS_ENV}={trials}; {len(plugin.tests)} tests in {seconds:.0f} s: "
+        + ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+        + "\n"
+    )
     print(table(rows))
     notes = [(r, merged(r["details"])) for r in rows if r["details"]]
     if notes:
         print("\nDetails:")
         for r, d in notes:
-            parts = [f"{k}: " + (", ".join(f"{k2} {v2}" for k2, v2 in v.items()) if isinstance(v, dict) else str(v))
-                     for k, v in d.items()]  # fmt: skip
+            parts = [
+                f"{k}: " + (", ".join(f"{k2} {v2}" for k2, v2 in v.items()) if isinstance(v, dict) else str(v))
+                for k, v in d.items()
+            ]
             print(f"- {r['scenario']} ({r['backend']}): {'; '.join(parts)}")
     if xfailed or xpassed:
         print("\nKnown bugs (tests marked xfail):")
@@ -224,11 +281,22 @@ def main(argv: list[str]) -> int:
             print(f"- {nodeid}\n{why[-1500:]}")
     lost = sum(r["data_lost"] for r in rows)
     if args.json is not None:
-        args.json.write_text(json.dumps({
-            "command": command, "trials_per_backend": trials, "seconds": round(seconds, 1), "pytest_exit": int(rc),
-            "counts": counts, "rows": rows, "known_bugs": [{"test": n, "reason": w} for n, w in xfailed + xpassed],
-            "failed": [n for n, _ in failed], "skipped": [{"test": n, "reason": w} for n, w in skipped],
-        }, indent=2))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "trials_per_backend": trials,
+                    "seconds": round(seconds, 1),
+                    "pytest_exit": int(rc),
+                    "counts": counts,
+                    "rows": rows,
+                    "known_bugs": [{"test": n, "reason": w} for n, w in xfailed + xpassed],
+                    "failed": [n for n, _ in failed],
+                    "skipped": [{"test": n, "reason": w} for n, w in skipped],
+                },
+                indent=2,
+            )
+        )
     return 1 if failed or lost or rc != 0 else 0
 
 

@@ -54,7 +54,9 @@ def _save(ctx: bl.Ctx, base: str, kw: dict[str, Any], quiet: float, writeback: b
     if not writeback:
         local_mod._SYNC_FILE_RANGE = None
     try:
-        s, _ = bl.timed(lambda: (dcp.save(ctx.state.nested, storage_writer=CheckpointWriter(d, **kw)), bl.fsync_path(d)))
+        s, _ = bl.timed(
+            lambda: (dcp.save(ctx.state.nested, storage_writer=CheckpointWriter(d, **kw)), bl.fsync_path(d))
+        )
     finally:
         if not writeback:
             local_mod._SYNC_FILE_RANGE = saved
@@ -67,7 +69,9 @@ def _load(ctx: bl.Ctx, d: str, threads: int, task_bytes: int, quiet: float) -> b
     old = reader_mod.TASK_BYTES
     reader_mod.TASK_BYTES = task_bytes
     try:
-        s, _ = bl.timed(lambda: dcp.load(ctx.dest, storage_reader=CheckpointReader(d, verify=True, thread_count=threads)))
+        s, _ = bl.timed(
+            lambda: dcp.load(ctx.dest, storage_reader=CheckpointReader(d, verify=True, thread_count=threads))
+        )
     finally:
         reader_mod.TASK_BYTES = old
     return s
@@ -112,11 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files-per-rank", default="1,2")
     p.add_argument("--read-threads", default="4,8,16")
     p.add_argument("--task-mib", default="8,16,32,64", help="reader TASK_BYTES in MiB (at least one chunk)")
-    p.add_argument("--writeback-ab", action="store_true",
-                   help="also run every writer configuration with the local store's early writeback "
-                        "(sync_file_range) disabled")
-    p.add_argument("--design", choices=("oat", "grid"), default="oat",
-                   help="oat: vary one knob at a time around the library defaults; grid: every combination")
+    p.add_argument(
+        "--writeback-ab",
+        action="store_true",
+        help="also run every writer configuration with the local store's early writeback (sync_file_range) disabled",
+    )
+    p.add_argument(
+        "--design",
+        choices=("oat", "grid"),
+        default="oat",
+        help="oat: vary one knob at a time around the library defaults; grid: every combination",
+    )
     p.add_argument("--skip-writer", action="store_true")
     p.add_argument("--skip-reader", action="store_true")
     p.add_argument("--quiet", type=float, default=10.0, help="see bench_local.py --quiet")
@@ -124,13 +134,19 @@ def main(argv: list[str] | None = None) -> int:
 
     state = bl.make_state(bl.parse_size(a.size), a.seed)
     base = tempfile.mkdtemp(prefix="goodput-sweep-", dir=a.dir)
-    ctx = bl.Ctx(state, bl.empty_like_nested(state.nested), torch.zeros(state.nbytes, dtype=torch.uint8),
-                 dev=os.stat(base).st_dev)
+    ctx = bl.Ctx(
+        state,
+        bl.empty_like_nested(state.nested),
+        torch.zeros(state.nbytes, dtype=torch.uint8),
+        dev=os.stat(base).st_dev,
+    )
     chunks = _ints(a.chunk_mib, MiB)
     wbs = (True, False) if a.writeback_ab else (True,)
     if a.design == "grid":
         wconfigs = list(itertools.product(chunks, _ints(a.write_threads), _ints(a.files_per_rank), wbs))
-        rconfigs = [(c, t, tb) for c in chunks for t in _ints(a.read_threads) for tb in _ints(a.task_mib, MiB) if tb >= c]
+        rconfigs = [
+            (c, t, tb) for c in chunks for t in _ints(a.read_threads) for tb in _ints(a.task_mib, MiB) if tb >= c
+        ]
     else:
         # One knob at a time around the library defaults: fewer configurations, so more repeats
         # fit in the quiet spells of a shared machine.
@@ -139,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         wset = {(c, bt, bf, True) for c in chunks} | {(bc, t, bf, True) for t in _ints(a.write_threads)}
         wset |= {(bc, bt, f, True) for f in _ints(a.files_per_rank)} | {(bc, bt, bf, wb) for wb in wbs}
         wconfigs = sorted(wset)
-        rset = {(bc, t, rtb) for t in _ints(a.read_threads)} | {(bc, rt, tb) for tb in _ints(a.task_mib, MiB) if tb >= bc}
+        rset = {(bc, t, rtb) for t in _ints(a.read_threads)} | {
+            (bc, rt, tb) for tb in _ints(a.task_mib, MiB) if tb >= bc
+        }
         rconfigs = sorted(rset)
         chunks = [bc]
-    print(f"state {state.nbytes / (1 << 30):.2f} GiB, {len(state.flat)} tensors; {len(wconfigs)} writer and "
-          f"{len(rconfigs)} reader configurations x {a.repeats} repeats; under {base}")
+    print(
+        f"state {state.nbytes / (1 << 30):.2f} GiB, {len(state.flat)} tensors; {len(wconfigs)} writer and "
+        f"{len(rconfigs)} reader configurations x {a.repeats} repeats; under {base}"
+    )
     wsamples: dict[tuple, list[tuple[bl.Sample, float]]] = {c: [] for c in wconfigs}
     rsamples: dict[tuple, list[tuple[bl.Sample, float]]] = {c: [] for c in rconfigs}
     raw_w: list[bl.Sample] = []
@@ -155,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             w, r = _raw(ctx, base, a.quiet)
             raw_w.append(w)
             raw_r.append(r)
-            print(f"repeat {rep + 1}: raw write {state.nbytes / w.wall / bl.GB:.3f} GB/s, "
-                  f"read {state.nbytes / r.wall / bl.GB:.3f} GB/s")
+            print(
+                f"repeat {rep + 1}: raw write {state.nbytes / w.wall / bl.GB:.3f} GB/s, "
+                f"read {state.nbytes / r.wall / bl.GB:.3f} GB/s"
+            )
             if not a.skip_writer:
                 order = wconfigs[:]
                 rng.shuffle(order)
@@ -184,23 +206,34 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": a.repeats,
         "raw_write_gbps": n / statistics.median(s.wall for s in raw_w) / bl.GB,
         "raw_read_gbps": n / statistics.median(s.wall for s in raw_r) / bl.GB,
-        "writer": [], "reader": [],
+        "writer": [],
+        "reader": [],
     }
-    print(f"\nraw write+fsync {report['raw_write_gbps']:.3f} GB/s, raw read {report['raw_read_gbps']:.3f} GB/s "
-          f"(medians); vs_raw = median over repeats of (config GB/s / raw GB/s of that repeat)")
+    print(
+        f"\nraw write+fsync {report['raw_write_gbps']:.3f} GB/s, raw read {report['raw_read_gbps']:.3f} GB/s "
+        f"(medians); vs_raw = median over repeats of (config GB/s / raw GB/s of that repeat)"
+    )
     if wsamples and not a.skip_writer:
-        print(f"\n{'chunk MiB':>9}{'threads':>8}{'files':>6}{'wback':>6}{'GB/s':>8}{'best':>8}{'vs raw':>8}  others (CPUs)")
+        print(
+            f"\n{'chunk MiB':>9}{'threads':>8}{'files':>6}{'wback':>6}{'GB/s':>8}{'best':>8}{'vs raw':>8}  others (CPUs)"
+        )
         for (c, t, f, wb), ss in sorted(wsamples.items(), key=lambda kv: -_summary(n, kv[1])["vs_raw"]):
             sm = _summary(n, ss)
-            report["writer"].append({"chunk_size": c, "thread_count": t, "files_per_rank": f, "early_writeback": wb, **sm})
-            print(f"{c // MiB:>9}{t:>8}{f:>6}{'on' if wb else 'off':>6}{sm['gbps']:>8.3f}{sm['best_gbps']:>8.3f}"
-                  f"{sm['vs_raw']:>8.2f}  {sm['other_cpus']}")
+            report["writer"].append(
+                {"chunk_size": c, "thread_count": t, "files_per_rank": f, "early_writeback": wb, **sm}
+            )
+            print(
+                f"{c // MiB:>9}{t:>8}{f:>6}{'on' if wb else 'off':>6}{sm['gbps']:>8.3f}{sm['best_gbps']:>8.3f}"
+                f"{sm['vs_raw']:>8.2f}  {sm['other_cpus']}"
+            )
     if rsamples and not a.skip_reader:
         print(f"\n{'chunk MiB':>9}{'threads':>8}{'task MiB':>9}{'GB/s':>8}{'best':>8}{'vs raw':>8}  others (CPUs)")
         for (c, t, tb), ss in sorted(rsamples.items(), key=lambda kv: -_summary(n, kv[1])["vs_raw"]):
             sm = _summary(n, ss)
             report["reader"].append({"chunk_size": c, "thread_count": t, "task_bytes": tb, **sm})
-            print(f"{c // MiB:>9}{t:>8}{tb // MiB:>9}{sm['gbps']:>8.3f}{sm['best_gbps']:>8.3f}{sm['vs_raw']:>8.2f}  {sm['other_cpus']}")
+            print(
+                f"{c // MiB:>9}{t:>8}{tb // MiB:>9}{sm['gbps']:>8.3f}{sm['best_gbps']:>8.3f}{sm['vs_raw']:>8.2f}  {sm['other_cpus']}"
+            )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=2)

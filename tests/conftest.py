@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from helpers.samples import copy_ckpt, sample_state, save
 
 #: The store fixtures (moto, SeaweedFS, FUSE mounts): one definition, so one server per session.

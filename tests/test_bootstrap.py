@@ -44,16 +44,27 @@ def _layout(tmp_path: Path) -> tuple[Path, dict[str, str]]:
         (stubs / name / "__init__.py").write_text(f"__version__ = {version!r}\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for path, text in ((venv_bin / "python", FAKE_PYTHON), (bin_dir / "fusermount3", "#!/bin/sh\n"), (bin_dir / "rclone", "#!/bin/sh\n")):
+    for path, text in (
+        (venv_bin / "python", FAKE_PYTHON),
+        (bin_dir / "fusermount3", "#!/bin/sh\n"),
+        (bin_dir / "rclone", "#!/bin/sh\n"),
+    ):
         path.write_text(text)
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(stubs), "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(stubs),
+        "TMPDIR": str(tmp_path),
+        "HOME": str(tmp_path),
+    }
     return repo, env
 
 
 def test_one_line_per_step_and_no_backend_noise(tmp_path):
     repo, env = _layout(tmp_path)
-    p = subprocess.run(["bash", str(repo / "tools" / "bootstrap")], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        ["bash", str(repo / "tools" / "bootstrap")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == [
         "bootstrap: installed torch==2.13.0",
@@ -66,8 +77,13 @@ def test_one_line_per_step_and_no_backend_noise(tmp_path):
 
 def test_a_failing_step_shows_its_output_and_exit_status(tmp_path):
     repo, env = _layout(tmp_path)
-    p = subprocess.run(["bash", str(repo / "tools" / "bootstrap")], capture_output=True, text=True,
-                       env={**env, "FAIL_STEP": "editable"}, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        ["bash", str(repo / "tools" / "bootstrap")],
+        capture_output=True,
+        text=True,
+        env={**env, "FAIL_STEP": "editable"},
+        timeout=120,
+    )
     assert p.returncode == 3
     assert p.stdout.splitlines() == ["bootstrap: installed torch==2.13.0"]
     assert p.stderr.startswith("bootstrap: installed goodput-ckpt (editable, with test extras) failed (exit 3):\n")

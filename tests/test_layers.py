@@ -110,7 +110,6 @@ def test_storage_and_manifest_import_without_torch():
     assert out.stdout.strip() == "ok"
 
 
-
 def test_engine_imports_without_torch():
     """Every module of the byte engine imports with torch unimportable (``sys.modules["torch"] =
     None`` makes any ``import torch`` fail), so the tools and tiers that use it directly need no torch."""

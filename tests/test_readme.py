@@ -31,4 +31,7 @@ def test_ls_lists_what_the_quick_start_saved(tmp_path):
     out = io.StringIO()
     assert main(["ls", str(tmp_path), "--json"], stdout=out) == 0
     rows = json.loads(out.getvalue())["checkpoints"]
-    assert [(r["step"], r["name"], r["status"]) for r in rows] == [(100, "step_100", "complete"), (200, "step_200", "complete")]
+    assert [(r["step"], r["name"], r["status"]) for r in rows] == [
+        (100, "step_100", "complete"),
+        (200, "step_200", "complete"),
+    ]

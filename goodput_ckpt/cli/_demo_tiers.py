@@ -50,7 +50,9 @@ def render_tiers(r: TierDemoReport, out: Output) -> None:
     """Print a :class:`~goodput_ckpt.tools.demos.results.TierDemoReport`."""
     one, two = r.modes
     nodes = f"{r.world_size} ranks as {r.nodes} nodes of {r.local_world_size}"
-    out.print(f"\ngoodput-ckpt demo --tiers: {nodes} on {r.device}, {r.steps} steps, async save every {r.save_every} steps")
+    out.print(
+        f"\ngoodput-ckpt demo --tiers: {nodes} on {r.device}, {r.steps} steps, async save every {r.save_every} steps"
+    )
     lost = "" if r.lost_node is None else f", then node {r.lost_node}'s local directory deleted (a lost node)"
     out.print(f"failure: SIGKILL of the whole job after step {r.killed_after_step}{lost}")
     out.print(f"one tier:  every save to {one.root}")
@@ -61,7 +63,10 @@ def render_tiers(r: TierDemoReport, out: Output) -> None:
         return [f"{m.seconds[key]:.2f} s" for m in (one, two)]
 
     rows = [
-        ["resumed bit for bit", *("yes" if m.bit_exact else f"NO ({len(m.mismatches)} values differ)" for m in (one, two))],
+        [
+            "resumed bit for bit",
+            *("yes" if m.bit_exact else f"NO ({len(m.mismatches)} values differ)" for m in (one, two)),
+        ],
         ["restored", *(_restored(m) for m in (one, two))],
         ["stall per save", *(_ms(m.stall_per_save_s) for m in (one, two))],
         ["background per save", *(_ms(m.background_per_save_s) for m in (one, two))],
@@ -79,7 +84,9 @@ def render_tiers(r: TierDemoReport, out: Output) -> None:
     ]
     out.print(table(["", "ONE TIER", "TWO TIERS"], rows, right=(1, 2)))
     out.print(f"\nMeasured for this failure: goodput {r.gain:+.1f} percentage points with two tiers, checkpoint cost")
-    out.print(f"{_cost(one):.2f} s -> {_cost(two):.2f} s. With one failure in a short run, the restart (the same work in")
+    out.print(
+        f"{_cost(one):.2f} s -> {_cost(two):.2f} s. With one failure in a short run, the restart (the same work in"
+    )
     out.print("both: process start to model built) and run-to-run noise (other) can outweigh the checkpoints;")
     out.print("the model below weighs the measured costs over a long run.\n")
     for line in _model_lines(r):

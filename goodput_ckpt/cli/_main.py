@@ -73,9 +73,15 @@ def build_parser(commands: Sequence[Command]) -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show the traceback of any error")
     store_opts = argparse.ArgumentParser(add_help=False)
     store_opts.add_argument(
-        "-o", "--option", dest="options", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+        "-o",
+        "--option",
+        dest="options",
+        action="append",
+        type=_parse_option,
+        default=[],
+        metavar="KEY=VALUE",
         help="storage backend option (repeatable), e.g. -o fsync=false",
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for cmd in commands:
         epilog = "examples:\n" + "\n".join(f"  {e}" for e in cmd.examples) if cmd.examples else None
@@ -209,5 +215,10 @@ def _message(e: BaseException, kind: str) -> str:
 def _error_doc(e: BaseException, kind: str) -> dict[str, Any]:
     doc: dict[str, Any] = {"type": kind, "message": redact(_message(e, kind))}
     if isinstance(e, CheckpointError):
-        doc.update(path=redact(e.path) if e.path else e.path, byte_range=to_jsonable(e.byte_range), key=e.key, version=to_jsonable(e.version))
+        doc.update(
+            path=redact(e.path) if e.path else e.path,
+            byte_range=to_jsonable(e.byte_range),
+            key=e.key,
+            version=to_jsonable(e.version),
+        )
     return doc

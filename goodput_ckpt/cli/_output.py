@@ -61,8 +61,22 @@ def human_seconds(seconds: float) -> str:
     return f"{1000 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-          "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str) -> int:
@@ -153,8 +167,18 @@ class _Bar:
             if self._bar is not None:
                 self._bar.close()
             delay = max(0.0, BAR_DELAY - (time.monotonic() - self._started))
-            self._bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=self._stream,
-                             delay=delay, leave=False, bar_format=_BAR_FORMAT, **_bar_size(self._stream))  # fmt: skip
+            self._bar = tqdm(
+                total=total,
+                desc=what,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self._stream,
+                delay=delay,
+                leave=False,
+                bar_format=_BAR_FORMAT,
+                **_bar_size(self._stream),
+            )
 
     def advance(self, n: int) -> None:
         with self._lock:
@@ -191,7 +215,14 @@ class Output:
     seconds (counted from this object's creation, which ``main`` does before any heavy import).
     """
 
-    def __init__(self, *, json_mode: bool = False, progress: bool = True, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        json_mode: bool = False,
+        progress: bool = True,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
         self.json_mode = json_mode
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr

@@ -9,21 +9,47 @@ from ._registry import Command
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("uri", nargs="?", default=None,
-                   help="where to write: a directory (default: the current one), a path on a mounted volume, "
-                        "or s3://bucket/prefix; a goodput-bench-* child is created there and removed")  # fmt: skip
-    p.add_argument("--size", type=parse_size, default="1GiB", metavar="SIZE",
-                   help="synthetic state size, e.g. 256MiB, 4GiB, 1.5GB (default 1GiB; needs about 3x in memory)")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=3, metavar="N", help="measurements per figure; medians shown (default 3)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="threads of goodput's writer, reader and verify")
-    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                   help="thread_count of torch's writer (default: torch's default, 1)")  # fmt: skip
-    p.add_argument("--quiet", type=float, default=None, metavar="SECONDS",
-                   help="before each timed step wait at most this long for other processes to leave the CPUs "
-                        "and the disk idle (default 10; 0: do not wait)")  # fmt: skip
+    p.add_argument(
+        "uri",
+        nargs="?",
+        default=None,
+        help="where to write: a directory (default: the current one), a path on a mounted volume, "
+        "or s3://bucket/prefix; a goodput-bench-* child is created there and removed",
+    )
+    p.add_argument(
+        "--size",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="synthetic state size, e.g. 256MiB, 4GiB, 1.5GB (default 1GiB; needs about 3x in memory)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, metavar="N", help="measurements per figure; medians shown (default 3)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="threads of goodput's writer, reader and verify"
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="thread_count of torch's writer (default: torch's default, 1)",
+    )
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="before each timed step wait at most this long for other processes to leave the CPUs "
+        "and the disk idle (default 10; 0: do not wait)",
+    )
     p.add_argument("--keep", action="store_true", help="leave the last repeat's checkpoints in place")
-    p.add_argument("--plot", metavar="PATH", help="also draw a bar chart (PNG) here; needs matplotlib: "
-                   "pip install 'goodput-ckpt[plot]'")  # fmt: skip
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also draw a bar chart (PNG) here; needs matplotlib: pip install 'goodput-ckpt[plot]'",
+    )
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -39,11 +65,17 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             out.warn(f"goodput-ckpt bench: error: {e}")  # a usage error: nothing ran
             return EXIT_USAGE
     report = bench(
-        args.uri, size=args.size, repeats=args.repeats, thread_count=args.threads,
-        torch_thread_count=args.torch_threads, keep=args.keep,
+        args.uri,
+        size=args.size,
+        repeats=args.repeats,
+        thread_count=args.threads,
+        torch_thread_count=args.torch_threads,
+        keep=args.keep,
         **({} if args.quiet is None else {"quiet": args.quiet}),
-        progress=None if args.no_progress else out.note, bar=out.progress(), **args.options,
-    )  # fmt: skip
+        progress=None if args.no_progress else out.note,
+        bar=out.progress(),
+        **args.options,
+    )
     if args.plot:
         from ..tools.measure._bench_plot import plot_report
 
@@ -76,11 +108,21 @@ def render(report, out: Output) -> None:
             rows.append([m.name, "n/a", "n/a", "n/a", "n/a", "n/a"])
             continue
         verify = _gbps(m.verify_gbps) if m.verify_s else (m.verify_reason or "-")
-        rows.append([m.name, _gbps(m.save_gbps), _gbps(m.load_gbps), _secs(m.median("save_s")),
-                     _secs(m.median("stall_s")), verify])  # fmt: skip
+        rows.append(
+            [
+                m.name,
+                _gbps(m.save_gbps),
+                _gbps(m.load_gbps),
+                _secs(m.median("save_s")),
+                _secs(m.median("stall_s")),
+                verify,
+            ]
+        )
     r = report.ratios
     rows.append(["ours/torch", _ratio(r["save_gbps"]), _ratio(r["load_gbps"]), "-", _ratio(r["stall_s"]), "-"])
-    out.print(table(["METHOD", "SAVE GB/s", "LOAD GB/s", "SAVE s", "STALL s", "VERIFY GB/s"], rows, right=(1, 2, 3, 4, 5)))
+    out.print(
+        table(["METHOD", "SAVE GB/s", "LOAD GB/s", "SAVE s", "STALL s", "VERIFY GB/s"], rows, right=(1, 2, 3, 4, 5))
+    )
     out.print()
     for m in report.methods:
         out.print(f"{m.name + ':':<9}{m.writer} / {m.reader}" + (f": {m.reason}" if m.reason else ""))
@@ -90,21 +132,28 @@ def render(report, out: Output) -> None:
     if report.order:
         out.print("order:   " + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(report.order)))
     if report.loadavg:
-        out.print("load avg: " + " -> ".join("/".join(f"{x:.1f}" for x in la) for la in report.loadavg)
-                  + f" (1/5/15 min, start -> end; {report.host.get('cpus')} CPUs)")  # fmt: skip
+        out.print(
+            "load avg: "
+            + " -> ".join("/".join(f"{x:.1f}" for x in la) for la in report.loadavg)
+            + f" (1/5/15 min, start -> end; {report.host.get('cpus')} CPUs)"
+        )
     cache = {
         True: "loads and verify read from storage (page cache evicted)",
         False: "page cache NOT evicted (no posix_fadvise here): loads may be served from memory",
         None: "remote storage",
     }[report.cold_cache]
     where = f"kept: {', '.join(report.kept)}" if report.kept else "removed after the run"
-    out.print(f"state:   {human_bytes(report.size_bytes)} ({report.size_bytes / 1e9:.3f} GB) in {report.tensors} tensors; "
-              f"median of {report.repeats} repeat{'s' if report.repeats != 1 else ''}; {cache}")  # fmt: skip
+    out.print(
+        f"state:   {human_bytes(report.size_bytes)} ({report.size_bytes / 1e9:.3f} GB) in {report.tensors} tensors; "
+        f"median of {report.repeats} repeat{'s' if report.repeats != 1 else ''}; {cache}"
+    )
     out.print(f"where:   {report.root} ({report.backend}); {where}")
-    out.print("GB = 1e9 bytes. SAVE s: a synchronous dcp.save, until durable, right after a warm-up save.\n"
-              "STALL s: how long dcp.async_save blocks the caller (measured after every save and load).\n"
-              "ours/torch: above 1 is faster for GB/s, below 1 is a shorter stall; the table's row is the ratio\n"
-              "of the medians, 'per repeat' the ratio within each repeat.")  # fmt: skip
+    out.print(
+        "GB = 1e9 bytes. SAVE s: a synchronous dcp.save, until durable, right after a warm-up save.\n"
+        "STALL s: how long dcp.async_save blocks the caller (measured after every save and load).\n"
+        "ours/torch: above 1 is faster for GB/s, below 1 is a shorter stall; the table's row is the ratio\n"
+        "of the medians, 'per repeat' the ratio within each repeat."
+    )
 
 
 COMMAND = Command(

@@ -15,23 +15,46 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="input: a checkpoint directory, a .pt file, a .safetensors file or directory")
     p.add_argument("dst", help="output location (a directory; a file for torch and NAME.safetensors)")
     p.add_argument("--to", required=True, choices=_FORMATS, help="output format")
-    p.add_argument("--from", dest="source_format", choices=_FORMATS, default=None, help="input format (default: detected)")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="unpickle torch inputs without weights_only restrictions (only for files you trust)")  # fmt: skip
-    p.add_argument("--shard-size", type=parse_size, default=None, metavar="SIZE",
-                   help="safetensors directory output: bytes per shard, HF-style (e.g. 5GB)")  # fmt: skip
+    p.add_argument(
+        "--from", dest="source_format", choices=_FORMATS, default=None, help="input format (default: detected)"
+    )
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="unpickle torch inputs without weights_only restrictions (only for files you trust)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="safetensors directory output: bytes per shard, HF-style (e.g. 5GB)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace what is at DST")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="parallel reads/writes (default 4)")
-    p.add_argument("--chunk-size", type=parse_size, default=None, metavar="SIZE", help="goodput output: hash chunk size")
+    p.add_argument(
+        "--chunk-size", type=parse_size, default=None, metavar="SIZE", help="goodput output: hash chunk size"
+    )
     p.add_argument("--no-verify", action="store_true", help="goodput input: do not check chunk hashes while reading")
-    sel = p.add_argument_group("what to export (default: a CheckpointManager checkpoint converted to safetensors "
-                               "exports its model alone, 'model.' stripped, tied weights once; otherwise everything)")
+    sel = p.add_argument_group(
+        "what to export (default: a CheckpointManager checkpoint converted to safetensors "
+        "exports its model alone, 'model.' stripped, tied weights once; otherwise everything)"
+    )
     only = sel.add_mutually_exclusive_group()
-    only.add_argument("--model-only", action="store_true", help="only the model's keys, 'model.' stripped (a Hugging Face model)")
+    only.add_argument(
+        "--model-only", action="store_true", help="only the model's keys, 'model.' stripped (a Hugging Face model)"
+    )
     only.add_argument("--all", action="store_true", help="every key as stored (optimizer, RNG, loader state included)")
-    only.add_argument("--keys", action="append", default=None, metavar="PATTERN",
-                      help="only keys matching this fnmatch pattern (repeatable), e.g. 'model.*'")  # fmt: skip
-    sel.add_argument("--strip-prefix", default=None, metavar="P", help="remove P from the exported keys' names (e.g. model.)")
+    only.add_argument(
+        "--keys",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="only keys matching this fnmatch pattern (repeatable), e.g. 'model.*'",
+    )
+    sel.add_argument(
+        "--strip-prefix", default=None, metavar="P", help="remove P from the exported keys' names (e.g. model.)"
+    )
     add_two_store_options(p)
 
 
@@ -40,12 +63,23 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     src_opts, dst_opts = two_store_options(args)
     r = convert_checkpoint(
-        args.src, args.dst, to=args.to, source_format=args.source_format, trust_pickle=args.trust_pickle,
-        overwrite=args.overwrite, shard_size=args.shard_size, chunk_size=args.chunk_size, thread_count=args.threads,
-        verify=not args.no_verify, progress=out.progress(), src_options=src_opts, dst_options=dst_opts,
-        select="model" if args.model_only else "all" if args.all else "auto", keys=args.keys,
+        args.src,
+        args.dst,
+        to=args.to,
+        source_format=args.source_format,
+        trust_pickle=args.trust_pickle,
+        overwrite=args.overwrite,
+        shard_size=args.shard_size,
+        chunk_size=args.chunk_size,
+        thread_count=args.threads,
+        verify=not args.no_verify,
+        progress=out.progress(),
+        src_options=src_opts,
+        dst_options=dst_opts,
+        select="model" if args.model_only else "all" if args.all else "auto",
+        keys=args.keys,
         strip_prefix=args.strip_prefix,
-    )  # fmt: skip
+    )
     if out.json_mode:
         out.emit_json(r)
     else:

@@ -14,23 +14,51 @@ from .plan import parse_duration
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default="goodput-demo", help="local work directory: logs, fingerprints, timeline (default ./goodput-demo)")
-    p.add_argument("--uri", help="checkpoint root: a path, s3://bucket/prefix or a volume path (default DIR/checkpoints)")
+    p.add_argument(
+        "--dir",
+        default="goodput-demo",
+        help="local work directory: logs, fingerprints, timeline (default ./goodput-demo)",
+    )
+    p.add_argument(
+        "--uri", help="checkpoint root: a path, s3://bucket/prefix or a volume path (default DIR/checkpoints)"
+    )
     p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
-    p.add_argument("--save-every", type=int, default=20, metavar="N", help="async checkpoint every N steps (default 20)")
+    p.add_argument(
+        "--save-every", type=int, default=20, metavar="N", help="async checkpoint every N steps (default 20)"
+    )
     p.add_argument("--width", type=int, default=1024, help="model width: 4 layers of width² parameters (default 1024)")
-    p.add_argument("--kill-at", type=int, metavar="STEP", help="SIGKILL the job after this step (default: a save step 40-70%% in)")
+    p.add_argument(
+        "--kill-at", type=int, metavar="STEP", help="SIGKILL the job after this step (default: a save step 40-70%% in)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the default kill point")
     p.add_argument("--ranks", type=int, metavar="N", help="training ranks (default 2; 4 with --tiers: 2 nodes of 2)")
     tiers = p.add_argument_group("two tiers", "run the same job and failure on one tier and on two, side by side")
-    tiers.add_argument("--tiers", action="store_true", help="compare every save persistent with node-local saves + replicas")
-    tiers.add_argument("--persist-every", type=int, default=3, metavar="K", help="two tiers: persist every K-th save (default 3)")
-    tiers.add_argument("--failure", choices=FAILURES, default="node",
-                       help="node: kill the job and delete the last node's local directory (default); job: kill only")  # fmt: skip
-    tiers.add_argument("--node-mtbf", type=parse_duration, default=4 * 3600.0, metavar="DURATION",
-                       help="the two-level model's MTBF of failures a replica survives (default 4h)")  # fmt: skip
-    tiers.add_argument("--job-mtbf", type=parse_duration, default=3 * 86400.0, metavar="DURATION",
-                       help="the two-level model's MTBF of failures that need the persistent tier (default 3d)")  # fmt: skip
+    tiers.add_argument(
+        "--tiers", action="store_true", help="compare every save persistent with node-local saves + replicas"
+    )
+    tiers.add_argument(
+        "--persist-every", type=int, default=3, metavar="K", help="two tiers: persist every K-th save (default 3)"
+    )
+    tiers.add_argument(
+        "--failure",
+        choices=FAILURES,
+        default="node",
+        help="node: kill the job and delete the last node's local directory (default); job: kill only",
+    )
+    tiers.add_argument(
+        "--node-mtbf",
+        type=parse_duration,
+        default=4 * 3600.0,
+        metavar="DURATION",
+        help="the two-level model's MTBF of failures a replica survives (default 4h)",
+    )
+    tiers.add_argument(
+        "--job-mtbf",
+        type=parse_duration,
+        default=3 * 86400.0,
+        metavar="DURATION",
+        help="the two-level model's MTBF of failures that need the persistent tier (default 3d)",
+    )
 
 
 #: The options that only the two-tier demo reads, with their defaults.
@@ -46,10 +74,17 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --tiers")
     cfg = DemoConfig(
-        workdir=args.dir, uri=args.uri, storage_options=args.options, steps=args.steps, save_every=args.save_every,
-        width=args.width, kill_at=args.kill_at, seed=args.seed, world_size=args.ranks or (4 if args.tiers else 2),
+        workdir=args.dir,
+        uri=args.uri,
+        storage_options=args.options,
+        steps=args.steps,
+        save_every=args.save_every,
+        width=args.width,
+        kill_at=args.kill_at,
+        seed=args.seed,
+        world_size=args.ranks or (4 if args.tiers else 2),
         **{k: getattr(args, k) for k in _TIER_ONLY},
-    )  # fmt: skip
+    )
     show = not args.no_progress
 
     def on_event(kind: str, text: str) -> None:
@@ -72,13 +107,17 @@ def _pct(part: float, total: float) -> str:
 
 def render(r: DemoReport, out: Output) -> None:
     """Print a :class:`~goodput_ckpt.tools.demos.results.DemoReport`."""
-    out.print(f"\ngoodput-ckpt demo: {r.world_size} ranks on {r.device}, {r.steps} steps, async save every {r.save_every} steps")
+    out.print(
+        f"\ngoodput-ckpt demo: {r.world_size} ranks on {r.device}, {r.steps} steps, async save every {r.save_every} steps"
+    )
     out.print(f"checkpoints: {r.root}\n")
     if r.bit_exact:
         out.print(f"RESUME OK   all {r.values_compared} values (parameters, optimizer, scheduler, every rank's RNG and")
         out.print("            dataloader position) equal the uninterrupted run's, bit for bit")
     else:
-        out.print(f"RESUME DIFFERS  {len(r.mismatches)} of {r.values_compared} values differ from the uninterrupted run:")
+        out.print(
+            f"RESUME DIFFERS  {len(r.mismatches)} of {r.values_compared} values differ from the uninterrupted run:"
+        )
         for m in r.mismatches[:10]:
             out.print(f"  {m}")
     flight = (
@@ -90,8 +129,14 @@ def render(r: DemoReport, out: Output) -> None:
     out.print(f"RESTARTED   from step {r.restored_step}, the newest complete checkpoint")
     bad = [c for c in r.checkpoints if not c["ok"]]
     sizes = human_bytes(max((c["bytes"] for c in r.checkpoints), default=0))
-    verdict = "all verified" if not bad else f"{len(bad)} FAILED verification: " + ", ".join(f"step {c['step']} {c['status']}" for c in bad)
-    out.print(f"CHECKPOINTS {len(r.checkpoints)} kept (steps {', '.join(str(c['step']) for c in r.checkpoints)}; {sizes} each), {verdict}\n")
+    verdict = (
+        "all verified"
+        if not bad
+        else f"{len(bad)} FAILED verification: " + ", ".join(f"step {c['step']} {c['status']}" for c in bad)
+    )
+    out.print(
+        f"CHECKPOINTS {len(r.checkpoints)} kept (steps {', '.join(str(c['step']) for c in r.checkpoints)}; {sizes} each), {verdict}\n"
+    )
 
     s = r.seconds
     rows = [

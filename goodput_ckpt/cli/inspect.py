@@ -13,8 +13,14 @@ DCP_FORMAT = "torch-dcp"
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("uri", help="checkpoint location")
-    p.add_argument("-k", "--keys", action="append", default=None, metavar="GLOB",
-                   help="list only keys matching this shell-style glob (repeatable), e.g. 'model.layers.*'")  # fmt: skip
+    p.add_argument(
+        "-k",
+        "--keys",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="list only keys matching this shell-style glob (repeatable), e.g. 'model.layers.*'",
+    )
     p.add_argument("--summary", action="store_true", help="omit the item table")
 
 
@@ -34,9 +40,13 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 def _render(r, out: Output, *, items: bool) -> None:
     out.print(escape(r.uri))
     if r.format == DCP_FORMAT:
-        out.print(f"  format      {r.format} (torch DCP's FileSystemWriter layout, metadata version {escape(r.version or '?')})")
+        out.print(
+            f"  format      {r.format} (torch DCP's FileSystemWriter layout, metadata version {escape(r.version or '?')})"
+        )
     else:
-        out.print(f"  format      {r.format}, format version {r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})")
+        out.print(
+            f"  format      {r.format}, format version {r.version} (written by goodput-ckpt {escape(r.library_version or '?')}, torch {escape(r.torch_version or '?')})"
+        )
         if r.training_schema is not None:
             out.print(f"  training    CheckpointManager state, training-state schema {r.training_schema}")
         out.print(f"  created     {escape(r.created_at or '?')}")
@@ -45,16 +55,33 @@ def _render(r, out: Output, *, items: bool) -> None:
     hashes = f"hash chunks of {human_bytes(r.chunk_size)}" if r.chunk_size else "no hashes"
     out.print(f"  files       {r.files}, {human_bytes(r.file_bytes)} ({hashes})")
     if r.referenced_bytes:  # an incremental save: what it wrote, what earlier steps hold for it
-        out.print(f"  written     {human_bytes(r.file_bytes - r.referenced_bytes)}; referenced "
-                  f"{human_bytes(r.referenced_bytes)} in {', '.join(r.bases)}")  # fmt: skip
-    out.print(f"  items       {r.tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.objects} objects ({human_bytes(r.object_bytes)})")
+        out.print(
+            f"  written     {human_bytes(r.file_bytes - r.referenced_bytes)}; referenced "
+            f"{human_bytes(r.referenced_bytes)} in {', '.join(r.bases)}"
+        )
+    out.print(
+        f"  items       {r.tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.objects} objects ({human_bytes(r.object_bytes)})"
+    )
     out.print()
-    out.print(table(["SECTION", "TENSORS", "OBJECTS", "BYTES"],
-                    [[s.name, s.tensors, s.objects, human_bytes(s.bytes)] for s in r.sections], right=(1, 2, 3)))  # fmt: skip
+    out.print(
+        table(
+            ["SECTION", "TENSORS", "OBJECTS", "BYTES"],
+            [[s.name, s.tensors, s.objects, human_bytes(s.bytes)] for s in r.sections],
+            right=(1, 2, 3),
+        )
+    )
     if items:
         out.print()
-        rows = [[i.key, i.dtype or "object", "x".join(map(str, i.shape)) if i.shape else ("()" if i.kind == "tensor" else "-"),
-                 i.shards, human_bytes(i.bytes)] for i in r.items]  # fmt: skip
+        rows = [
+            [
+                i.key,
+                i.dtype or "object",
+                "x".join(map(str, i.shape)) if i.shape else ("()" if i.kind == "tensor" else "-"),
+                i.shards,
+                human_bytes(i.bytes),
+            ]
+            for i in r.items
+        ]
         out.print(table(["KEY", "DTYPE", "SHAPE", "SHARDS", "BYTES"], rows, right=(3, 4)))
         if r.pattern is not None:
             out.print(f"({len(r.items)} of {r.tensors + r.objects} items match {escape(' or '.join(r.pattern))})")

@@ -10,10 +10,14 @@ from ._registry import Command
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("root", help="manager root holding step_XXXXXXXX checkpoints")
-    p.add_argument("--verify", action="store_true", help="verify each complete checkpoint (hashes) so corrupt ones show")
+    p.add_argument(
+        "--verify", action="store_true", help="verify each complete checkpoint (hashes) so corrupt ones show"
+    )
     p.add_argument("--quick", action="store_true", help="with --verify: check sizes only")
     p.add_argument(
-        "--local-dir", metavar="DIR", help="the node-local tier of a two-tier manager ({node} allowed): show which tiers hold each step"
+        "--local-dir",
+        metavar="DIR",
+        help="the node-local tier of a two-tier manager ({node} allowed): show which tiers hold each step",
     )
 
 
@@ -21,7 +25,12 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from ..tools.ops.ls import list_checkpoints
 
     report = list_checkpoints(
-        args.root, verify=args.verify, quick=args.quick, progress=out.progress(), local_dir=args.local_dir, **args.options
+        args.root,
+        verify=args.verify,
+        quick=args.quick,
+        progress=out.progress(),
+        local_dir=args.local_dir,
+        **args.options,
     )
     if out.json_mode:
         out.emit_json(report)
@@ -38,10 +47,14 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                 row.append(", ".join(c.tiers) or "-")
         out.print(table(headers, rows, right=(0, 3, 4)))
         latest = report.latest_complete
-        out.print(f"{len(report.checkpoints)} checkpoint(s) under {escape(report.root)}; latest complete: {latest if latest is not None else 'none'}")
+        out.print(
+            f"{len(report.checkpoints)} checkpoint(s) under {escape(report.root)}; latest complete: {latest if latest is not None else 'none'}"
+        )
         local = [c.step for c in report.checkpoints if any(t.startswith("node ") for t in c.tiers)]
         if args.local_dir is not None:
-            out.print(f"newest on the local tier: {max(local) if local else 'none'} (a restore takes the newest step all ranks can rebuild)")
+            out.print(
+                f"newest on the local tier: {max(local) if local else 'none'} (a restore takes the newest step all ranks can rebuild)"
+            )
         for c in report.checkpoints:
             if c.status == "corrupt":
                 for p in c.problems:
@@ -61,7 +74,9 @@ COMMAND = Command(
         "directories are listed too. A root that is missing or holds no step directory: exit 2."
     ),
     examples=(
-        "goodput-ckpt ls /ckpt", "goodput-ckpt ls /ckpt --verify", "goodput-ckpt ls s3://bucket/run7 --json",
+        "goodput-ckpt ls /ckpt",
+        "goodput-ckpt ls /ckpt --verify",
+        "goodput-ckpt ls s3://bucket/run7 --json",
         "goodput-ckpt ls s3://bucket/run7 --local-dir '/local_disk0/ckpt'",
     ),
     configure=_configure,

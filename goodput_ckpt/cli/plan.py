@@ -48,14 +48,26 @@ _ONE_LEVEL_ONLY = ("stall", "mtbf", "gpus", "gpu_failures_per_hour", "current_in
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-bench", metavar="BENCH_JSON",
-                   help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output "
-                        "(flags override; two levels: persist, restore)")  # fmt: skip
-    p.add_argument("--from-timeline", metavar="TIMELINE_JSONL",
-                   help="take --stall, --persist and --restore from a CheckpointManager timeline "
-                        "(flags override; two levels: persist, restore)")  # fmt: skip
-    p.add_argument("--stall", type=parse_duration, help="time training blocks per checkpoint (required without --from-bench/--from-timeline)")
-    p.add_argument("--persist", type=parse_duration, help="time a background save takes to be durable after the stall (default 0)")
+    p.add_argument(
+        "--from-bench",
+        metavar="BENCH_JSON",
+        help="take --stall, --persist and --restore from `goodput-ckpt bench --json` output "
+        "(flags override; two levels: persist, restore)",
+    )
+    p.add_argument(
+        "--from-timeline",
+        metavar="TIMELINE_JSONL",
+        help="take --stall, --persist and --restore from a CheckpointManager timeline "
+        "(flags override; two levels: persist, restore)",
+    )
+    p.add_argument(
+        "--stall",
+        type=parse_duration,
+        help="time training blocks per checkpoint (required without --from-bench/--from-timeline)",
+    )
+    p.add_argument(
+        "--persist", type=parse_duration, help="time a background save takes to be durable after the stall (default 0)"
+    )
     p.add_argument("--restore", type=parse_duration, help="time to load a checkpoint after a restart (default 0)")
     p.add_argument("--restart", type=parse_duration, default=0.0, help="time to detect a failure and restart the job")
     mtbf = p.add_mutually_exclusive_group()
@@ -65,12 +77,26 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--current-interval", type=parse_duration, help="the interval you use now, for comparison")
     two = p.add_argument_group("two levels (node-local tier with replicas, persistent every k saves; docs/goodput.md)")
     two.add_argument("--local-stall", type=parse_duration, help="time training blocks per local save")
-    two.add_argument("--replicate", type=parse_duration, help="time after that stall until the local copy and its replica are complete")
-    two.add_argument("--local-restore", type=parse_duration, help="time to load a checkpoint from the local tier or a replica")
-    two.add_argument("--persist-stall", type=parse_duration, help="extra stall of a save that also goes to the persistent tier (default 0)")
-    two.add_argument("--node-mtbf", type=_duration_or_inf, help="MTBF of failures the local tier survives (a lost node); inf: none")
+    two.add_argument(
+        "--replicate",
+        type=parse_duration,
+        help="time after that stall until the local copy and its replica are complete",
+    )
+    two.add_argument(
+        "--local-restore", type=parse_duration, help="time to load a checkpoint from the local tier or a replica"
+    )
+    two.add_argument(
+        "--persist-stall",
+        type=parse_duration,
+        help="extra stall of a save that also goes to the persistent tier (default 0)",
+    )
+    two.add_argument(
+        "--node-mtbf", type=_duration_or_inf, help="MTBF of failures the local tier survives (a lost node); inf: none"
+    )
     two.add_argument("--job-mtbf", type=parse_duration, help="mean time between failures that need the persistent tier")
-    two.add_argument("--max-persist-every", type=int, default=10_000, help="the largest persist_every searched (default 10000)")
+    two.add_argument(
+        "--max-persist-every", type=int, default=10_000, help="the largest persist_every searched (default 10000)"
+    )
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -80,7 +106,9 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         return _run_two_level(args, out)
     if args.mtbf is None:
         if args.gpus is None:
-            raise ValueError("give --mtbf, or --gpus with --gpu-failures-per-hour (or --node-mtbf and --job-mtbf for two levels)")
+            raise ValueError(
+                "give --mtbf, or --gpus with --gpu-failures-per-hour (or --node-mtbf and --job-mtbf for two levels)"
+            )
         if args.gpu_failures_per_hour is None:
             raise ValueError("--gpus needs --gpu-failures-per-hour")
         args.mtbf = mtbf_from_fleet(args.gpus, args.gpu_failures_per_hour)
@@ -121,13 +149,16 @@ def _measured(args: argparse.Namespace) -> tuple[str | None, BenchMeasurement | 
     return None, None
 
 
-def _print_measured(args: argparse.Namespace, out: Output, source: str | None, measured: BenchMeasurement | None,
-                    names: tuple[str, ...]) -> None:  # fmt: skip
+def _print_measured(
+    args: argparse.Namespace, out: Output, source: str | None, measured: BenchMeasurement | None, names: tuple[str, ...]
+) -> None:
     """Which of ``names`` came from the report (those no flag gave), as one line."""
     if measured is not None:
         taken = [f"{n} {_fmt(getattr(measured, n))}" for n in names if getattr(args, n) is None]
-        out.print(f"from {source} ({measured.method}, {human_bytes(measured.size_bytes)} state on "
-                  f"{measured.backend}): {', '.join(taken) or 'nothing (every flag given)'}\n")  # fmt: skip
+        out.print(
+            f"from {source} ({measured.method}, {human_bytes(measured.size_bytes)} state on "
+            f"{measured.backend}): {', '.join(taken) or 'nothing (every flag given)'}\n"
+        )
 
 
 def _run_two_level(args: argparse.Namespace, out: Output) -> int:
@@ -137,16 +168,28 @@ def _run_two_level(args: argparse.Namespace, out: Output) -> int:
 
     given = [f"--{n.replace('_', '-')}" for n in _ONE_LEVEL_ONLY if getattr(args, n) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)}: only for the one-level plan; the two-level plan takes --local-stall, "
-                         "--persist-stall, --node-mtbf and --job-mtbf instead")  # fmt: skip
+        raise ValueError(
+            f"{', '.join(given)}: only for the one-level plan; the two-level plan takes --local-stall, "
+            "--persist-stall, --node-mtbf and --job-mtbf instead"
+        )
     missing = [f"--{n.replace('_', '-')}" for n in ("local_stall", "node_mtbf", "job_mtbf") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"the two-level plan needs {', '.join(missing)}")
     source, measured = _measured(args)
-    timing = {n: getattr(args, n) if getattr(args, n) is not None else getattr(measured, n, 0.0) for n in ("persist", "restore")}
+    timing = {
+        n: getattr(args, n) if getattr(args, n) is not None else getattr(measured, n, 0.0)
+        for n in ("persist", "restore")
+    }
     flags = {n: getattr(args, n) or 0.0 for n in ("replicate", "local_restore", "persist_stall")}
-    inputs = TwoLevelInputs(local_stall=args.local_stall, node_mtbf=args.node_mtbf, job_mtbf=args.job_mtbf, restart=args.restart,
-                            max_persist_every=args.max_persist_every, **flags, **timing)  # fmt: skip
+    inputs = TwoLevelInputs(
+        local_stall=args.local_stall,
+        node_mtbf=args.node_mtbf,
+        job_mtbf=args.job_mtbf,
+        restart=args.restart,
+        max_persist_every=args.max_persist_every,
+        **flags,
+        **timing,
+    )
     result = plan_two_level(inputs)
     if out.json_mode:
         key = "from_timeline" if args.from_timeline else "from_bench"
@@ -156,9 +199,25 @@ def _run_two_level(args: argparse.Namespace, out: Output) -> int:
         out.emit_json({**doc, key: None if measured is None else measured.to_dict()})
         return 0
     _print_measured(args, out, source, measured, ("persist", "restore"))
-    rows = [["two levels (best)", _fmt(result.local_interval), result.persist_every, _fmt(result.persistent_period), _pct(result.goodput)]]
-    rows += [[f"  persist_every {o.persist_every}", _fmt(o.local_interval), o.persist_every, _fmt(o.persistent_period), _pct(o.goodput)]
-             for o in result.options]  # fmt: skip
+    rows = [
+        [
+            "two levels (best)",
+            _fmt(result.local_interval),
+            result.persist_every,
+            _fmt(result.persistent_period),
+            _pct(result.goodput),
+        ]
+    ]
+    rows += [
+        [
+            f"  persist_every {o.persist_every}",
+            _fmt(o.local_interval),
+            o.persist_every,
+            _fmt(o.persistent_period),
+            _pct(o.goodput),
+        ]
+        for o in result.options
+    ]
     one = result.one_level
     rows.append(["one level (Daly)", "-", "-", _fmt(one.optimal_interval), _pct(one.goodput_at_optimum)])
     out.print(table(["SCHEDULE", "LOCAL EVERY", "PERSIST_EVERY", "PERSISTENT EVERY", "GOODPUT"], rows, right=(2,)))

@@ -12,13 +12,21 @@ from ._registry import Command
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="checkpoint to read")
     p.add_argument("dst", help="new checkpoint location")
-    p.add_argument("--world-size", "-w", type=int, required=True, metavar="M", help="ranks of the output (1 consolidates)")
-    p.add_argument("--rank-state", choices=("auto", "keep", "drop"), default="auto",
-                   help="per-rank RNG/dataloader entries: keep them, drop them, or auto (keep when the world "
-                        "size is unchanged, else refuse and ask)")  # fmt: skip
+    p.add_argument(
+        "--world-size", "-w", type=int, required=True, metavar="M", help="ranks of the output (1 consolidates)"
+    )
+    p.add_argument(
+        "--rank-state",
+        choices=("auto", "keep", "drop"),
+        default="auto",
+        help="per-rank RNG/dataloader entries: keep them, drop them, or auto (keep when the world "
+        "size is unchanged, else refuse and ask)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="parallel chunk writers (default 4)")
-    p.add_argument("--chunk-size", type=_size, default=None, metavar="SIZE", help="hash chunk size of the output (default 8MiB)")
+    p.add_argument(
+        "--chunk-size", type=_size, default=None, metavar="SIZE", help="hash chunk size of the output (default 8MiB)"
+    )
     p.add_argument("--no-verify", action="store_true", help="do not check the source's chunk hashes while reading")
     add_two_store_options(p)
 
@@ -34,10 +42,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     src_opts, dst_opts = two_store_options(args)
     r = reshard_checkpoint(
-        args.src, args.dst, world_size=args.world_size, rank_state=args.rank_state, overwrite=args.overwrite,
-        thread_count=args.threads, chunk_size=args.chunk_size, verify=not args.no_verify, progress=out.progress(),
-        src_options=src_opts, dst_options=dst_opts,
-    )  # fmt: skip
+        args.src,
+        args.dst,
+        world_size=args.world_size,
+        rank_state=args.rank_state,
+        overwrite=args.overwrite,
+        thread_count=args.threads,
+        chunk_size=args.chunk_size,
+        verify=not args.no_verify,
+        progress=out.progress(),
+        src_options=src_opts,
+        dst_options=dst_opts,
+    )
     if out.json_mode:
         out.emit_json(r)
     else:
@@ -47,7 +63,9 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             f"{human_bytes(r.tensor_bytes)} in {human_seconds(r.seconds)} ({human_rate(r.tensor_bytes, r.seconds)})"
         )
         if r.per_rank_kept or r.per_rank_dropped:
-            out.print(f"per-rank state ({r.rank_state}): {len(r.per_rank_kept)} kept, {len(r.per_rank_dropped)} dropped")
+            out.print(
+                f"per-rank state ({r.rank_state}): {len(r.per_rank_kept)} kept, {len(r.per_rank_dropped)} dropped"
+            )
     return 0
 
 

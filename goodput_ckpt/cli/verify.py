@@ -17,7 +17,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace, out: Output) -> int:
     from ..tools.ops.verify import verify_checkpoint
 
-    report = verify_checkpoint(args.uri, quick=args.quick, thread_count=args.threads, progress=out.progress(), **args.options)
+    report = verify_checkpoint(
+        args.uri, quick=args.quick, thread_count=args.threads, progress=out.progress(), **args.options
+    )
     if out.json_mode:
         out.emit_json(report)
     else:
@@ -26,10 +28,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 
 def render(report, out: Output) -> None:
-    what = "sizes checked" if report.quick or report.notes else f"{human_bytes(report.bytes_hashed)} hashed in {human_seconds(report.seconds)} ({human_rate(report.bytes_hashed, report.seconds)})"
+    what = (
+        "sizes checked"
+        if report.quick or report.notes
+        else f"{human_bytes(report.bytes_hashed)} hashed in {human_seconds(report.seconds)} ({human_rate(report.bytes_hashed, report.seconds)})"
+    )
     fmt = f"format version {report.version}" if report.version is not None else escape(report.format)
     if report.ok:
-        out.print(f"OK  {escape(report.uri)}: {fmt}, world size {report.world_size or '-'}, {report.files} file(s), {what}")
+        out.print(
+            f"OK  {escape(report.uri)}: {fmt}, world size {report.world_size or '-'}, {report.files} file(s), {what}"
+        )
     else:
         n = len(report.problems)
         out.print(f"{report.status.upper()}  {escape(report.uri)}: {n} problem{'s' if n != 1 else ''}")

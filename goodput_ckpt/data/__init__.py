@@ -19,4 +19,12 @@ from .randomness import sample_generator, sample_seed
 from .sampler import ElasticSampler
 from .tokens import TokenStream
 
-__all__ = ["ElasticSampler", "EpochPosition", "GlobalPosition", "TokenStream", "epoch_order", "sample_generator", "sample_seed"]
+__all__ = [
+    "ElasticSampler",
+    "EpochPosition",
+    "GlobalPosition",
+    "TokenStream",
+    "epoch_order",
+    "sample_generator",
+    "sample_seed",
+]

@@ -35,9 +35,14 @@ def saved_tensor(value: Any, dtype: torch.dtype, numel: int, field: str) -> torc
         ValueError: naming ``field``, otherwise.
     """
     ok = (
-        isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type == "cpu"
-        and value.dtype == dtype and value.dim() == 1 and value.numel() == numel and value.is_contiguous()
-    )  # fmt: skip
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and value.device.type == "cpu"
+        and value.dtype == dtype
+        and value.dim() == 1
+        and value.numel() == numel
+        and value.is_contiguous()
+    )
     if not ok:
         got = (
             f"{value.dtype} {tuple(value.shape)} (strides {value.stride() if value.layout == torch.strided else value.layout})"

@@ -81,7 +81,9 @@ def checked_token_counts(
             field = f"progress[{k!r}] (shard {shards[i]!r} holds {lengths[i]}, base {base[i]})"
             progress[i] = saved_int(c, base[i], lengths[i], field)
     except ValueError as e:
-        raise CorruptCheckpointError(f"{what}: TokenStream counts do not fit its {n} shard(s): {e}", key="dataloader") from None
+        raise CorruptCheckpointError(
+            f"{what}: TokenStream counts do not fit its {n} shard(s): {e}", key="dataloader"
+        ) from None
     return base, progress
 
 

@@ -97,7 +97,9 @@ class GlobalPosition:
         head = min(world_size * low, length)  # pending indices [0, head) are consumed
         if head == length:
             return GlobalPosition(self.epoch, n)
-        js = sorted({j for r, c in enumerate(counts) for k in range(low, c) if (j := (r + world_size * k) % length) >= head})
+        js = sorted(
+            {j for r, c in enumerate(counts) for k in range(low, c) if (j := (r + world_size * k) % length) >= head}
+        )
         first = int(self._positions(torch.tensor([head]))[0])  # the first pending item not in the prefix
         done = {t for t in self.taken if t > first}
         done.update(self._positions(torch.tensor(js, dtype=torch.int64)).tolist() if js else ())

@@ -152,7 +152,9 @@ class EpochPosition:
                 ws = saved_int(seg[0], 1, MAX_WORLD_SIZE, f"segment {k}'s world size")
                 if len(seg[1]) != ws:
                     raise ValueError(f"segment {k} of {ws} rank(s) holds {len(seg[1])} counts")
-                segs.append((ws, tuple(saved_int(c, 0, hi, f"segment {k}'s count of rank {r}") for r, c in enumerate(seg[1]))))
+                segs.append(
+                    (ws, tuple(saved_int(c, 0, hi, f"segment {k}'s count of rank {r}") for r, c in enumerate(seg[1])))
+                )
             done = state.get("done")
             if done is not None:
                 numel = -(-n // 8) if n is not None else done.numel() if isinstance(done, torch.Tensor) else 0

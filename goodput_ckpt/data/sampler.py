@@ -317,7 +317,9 @@ class ElasticSampler(Sampler[int]):
                 base, length, old_ws = pos, pos.pending_count(len(self.dataset)), ws
             in_step = ws == old_ws and pos == base
             if in_step:  # counted against the share of its position: the one every rank saved
-                consumed = self._saved_consumed(st, since, batch_size, _share(length, ws, drop_last=self.drop_last), what)
+                consumed = self._saved_consumed(
+                    st, since, batch_size, _share(length, ws, drop_last=self.drop_last), what
+                )
             if not in_step or by_rank.get(rank, consumed) != consumed:
                 raise TopologyChangeError(
                     f"{where}: old rank {r} saved another data position (sampler rank {rank} of {ws}, epoch "
@@ -340,7 +342,9 @@ class ElasticSampler(Sampler[int]):
         try:
             new = base.advanced(old_ws, counts, n)
         except OutOfStepError as e:
-            raise TopologyChangeError(f"{where}: the old ranks were not in step: {e}", path=where, key="dataloader") from None
+            raise TopologyChangeError(
+                f"{where}: the old ranks were not in step: {e}", path=where, key="dataloader"
+            ) from None
         left = new.pending_count(n)
         note = (
             f"data position taken up elastically: epoch {new.epoch}, {sum(counts)} sample(s) consumed "
@@ -367,8 +371,13 @@ def _same_v1(raw: Any, checked: dict) -> bool:
     if not isinstance(raw, dict) or raw.get("epoch") != checked["epoch"] or raw.get("segments") != checked["segments"]:
         return False
     a, b = raw.get("done"), checked["done"]
-    return (a is None and b is None) or (isinstance(a, torch.Tensor) and b is not None and a.shape == b.shape
-                                         and a.dtype == b.dtype and torch.equal(a, b))  # fmt: skip
+    return (a is None and b is None) or (
+        isinstance(a, torch.Tensor)
+        and b is not None
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a, b)
+    )
 
 
 class _ElasticIterator(Iterator[int]):

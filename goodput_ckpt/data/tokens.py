@@ -378,7 +378,9 @@ class TokenStream(IterableDataset):
         for st in self.find_states(loader_state, what):
             self._saved(st, what)
 
-    def elastic_resume(self, loader_states: list[Any], *, batch_size: int | None = None, where: str = "checkpoint") -> str:
+    def elastic_resume(
+        self, loader_states: list[Any], *, batch_size: int | None = None, where: str = "checkpoint"
+    ) -> str:
         """Take up the per-shard counts of all old ranks' readers (module docstring; checked and
         merged by :meth:`prepare_elastic_resume`); the next ``iter()`` deals the unfinished shards."""
         return self.prepare_elastic_resume(loader_states, batch_size=batch_size, where=where)()

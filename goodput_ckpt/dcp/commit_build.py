@@ -14,13 +14,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._version import __version__
+from ..engine.rank_writes import RankWrites, Written, rank_writes
 from ..errors import CheckpointError
 from ..format.dcp_metadata import encode_planner_data, encode_storage_meta
 from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
 from ..format.manifest import FORMAT_VERSION, REFERENCES_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
-from ..engine.rank_writes import RankWrites, Written, rank_writes
 
 __all__ = ["RANK_WRITES_KEY", "RankWrites", "Written", "build_manifest", "forget_layouts", "rank_writes"]
 

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from ..engine.group_grids import Group, Spec, batched_grids
+from ..engine.rank_writes import FILE, LENGTH, NDIM, OBJECT, OFFSET, RankWrites
 from ..errors import CheckpointError
 from ..format.dcp_metadata import dtype_name
 from ..format.grid import GridChunks
 from ..format.grid_detect import grid_from_rows
 from ..format.manifest import DTYPE_SIZES, ChunkEntry, ObjectEntry, TensorEntry
-from ..engine.group_grids import Group, Spec, batched_grids
-from ..engine.rank_writes import FILE, LENGTH, NDIM, OBJECT, OFFSET, RankWrites
 
 __all__ = ["items_from_ranks"]
 
@@ -59,7 +59,9 @@ class _Rows:
 
         def add(members: list[int], tables: list[np.ndarray], keys: Callable[[], list[str]]) -> None:
             if any(t.shape != tables[0].shape for t in tables):
-                raise CheckpointError("CheckpointWriter.finish: ranks with the same item keys sent tables of other shapes")
+                raise CheckpointError(
+                    "CheckpointWriter.finish: ranks with the same item keys sent tables of other shapes"
+                )
             try:
                 decoded = keys()
             except ValueError as e:
@@ -141,7 +143,9 @@ def items_from_ranks(
                 items[fqn] = ObjectEntry(fqn, "torch.save", names[row[FILE]], row[OFFSET], row[LENGTH])
                 continue
             chunks = _chunks(fqn, md, cols, owners, names, grids=grids)
-        items[fqn] = TensorEntry(fqn, dtype_name(md.properties.dtype, fqn), tuple(md.size), chunks, bool(md.properties.requires_grad))
+        items[fqn] = TensorEntry(
+            fqn, dtype_name(md.properties.dtype, fqn), tuple(md.size), chunks, bool(md.properties.requires_grad)
+        )
     return items
 
 
@@ -179,9 +183,15 @@ def _chunks(
     # this rank (DCP's chunks themselves are then not walked).
     if grids and cols.shape[1] == len(md.chunks) and dims <= width and (cols[NDIM] == dims).all():
         grid = grid_from_rows(
-            shape, DTYPE_SIZES[dtype], cols[FILE], cols[OFFSET], cols[LENGTH],
-            cols[4 : 4 + dims].T, cols[4 + width : 4 + width + dims].T, names,
-        )  # fmt: skip
+            shape,
+            DTYPE_SIZES[dtype],
+            cols[FILE],
+            cols[OFFSET],
+            cols[LENGTH],
+            cols[4 : 4 + dims].T,
+            cols[4 + width : 4 + width + dims].T,
+            names,
+        )
         if grid is not None:
             return grid
     return _explicit(fqn, md, cols, owners, names)
@@ -203,10 +213,13 @@ def _explicit(
         offsets = tuple(ch.offsets)
         loc = where.get(offsets)
         if loc is None:
-            raise CheckpointError(f"chunk {list(offsets)} of tensor {fqn!r} is in DCP's metadata but no rank wrote it", key=fqn)
+            raise CheckpointError(
+                f"chunk {list(offsets)} of tensor {fqn!r} is in DCP's metadata but no rank wrote it", key=fqn
+            )
         if not 0 <= loc[0] < len(names):
             raise CheckpointError(
-                f"chunk {list(offsets)} of tensor {fqn!r} was written to file {loc[0]}, of {len(names)} written", key=fqn
+                f"chunk {list(offsets)} of tensor {fqn!r} was written to file {loc[0]}, of {len(names)} written",
+                key=fqn,
             )
         out.append(ChunkEntry(offsets, tuple(ch.sizes), names[loc[0]], loc[1], loc[2]))
     return tuple(out)

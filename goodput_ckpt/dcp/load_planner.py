@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from ..format.dcp_metadata import grid_of
 from ..format.grid import GridChunks
-from .state_fit import check_fit
 from .rank_rows import RankRow, find_rank_rows, put_back_rank_rows, resolve_rank_row
+from .state_fit import check_fit
 
 try:  # torch's own helper since 2.0; private, so keep a fallback for a torch that moves it
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
@@ -84,7 +84,9 @@ def grid_read_items(fqn: str, grid: GridChunks, local_chunks: Sequence[ChunkStor
     return items
 
 
-def tensor_read_items(fqn: str, md: TensorStorageMetadata, local_chunks: Sequence[ChunkStorageMetadata]) -> list[ReadItem]:
+def tensor_read_items(
+    fqn: str, md: TensorStorageMetadata, local_chunks: Sequence[ChunkStorageMetadata]
+) -> list[ReadItem]:
     """The reads that fill ``local_chunks`` from saved tensor ``md``: by grid arithmetic where it
     is a v2 grid, else torch's own sweep over its saved chunks."""
     grid = grid_of(md.chunks)
@@ -148,7 +150,11 @@ class GridLoadPlanner(DefaultLoadPlanner):
                 if strict:
                     raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
                 continue
-            if isinstance(saved, TensorStorageMetadata) and getattr(obj, "size", None) is not None and saved.size != obj.size():
+            if (
+                isinstance(saved, TensorStorageMetadata)
+                and getattr(obj, "size", None) is not None
+                and saved.size != obj.size()
+            ):
                 raise ValueError(f"Size mismatch between saved {saved.size} and current: {obj.size()} for {fqn}")
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the DTensor's (sub)mesh
@@ -170,7 +176,7 @@ class GridLoadPlanner(DefaultLoadPlanner):
         self._row_lock = threading.Lock()
         self._row_reads = Counter(
             item.dest_index.fqn for item in plan.items if getattr(self._row_of(item), "decode", None) is not None
-        )  # fmt: skip
+        )
         return plan
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

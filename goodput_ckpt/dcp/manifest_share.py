@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
-from .collectives import Group
 from ..format.gc_pause import gc_paused
+from .collectives import Group
 
 __all__ = ["load_shared"]
 

@@ -133,7 +133,9 @@ class SavePlanCache:
             scatter = [SavePlan([], usable=False) for _ in all_plans]
         else:
             final, metadata = plan_all(local)
-            scatter = [p if all_plans[r].usable or cached is None else _delta(cached[2][r], p) for r, p in enumerate(final)]
+            scatter = [
+                p if all_plans[r].usable or cached is None else _delta(cached[2][r], p) for r, p in enumerate(final)
+            ]
         with self._lock:
             self._pending_global = (digests, local, final, metadata)
         return scatter, metadata

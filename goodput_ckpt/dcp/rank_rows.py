@@ -71,9 +71,14 @@ class RankRow:
     __slots__ = ("decode", "decoded", "rank", "row", "widen", "world_size")
 
     def __init__(
-        self, row: torch.Tensor, rank: int, world_size: int, *, widen: bool = False,
+        self,
+        row: torch.Tensor,
+        rank: int,
+        world_size: int,
+        *,
+        widen: bool = False,
         decode: Callable[[RankRow], Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if row.dim() < 1 or row.shape[0] != 1:
             raise ValueError(f"a rank's row must have a leading dimension of 1, got shape {tuple(row.shape)}")
         if widen and row.dim() != 2:
@@ -258,7 +263,9 @@ def check_rank_rows(plans: Sequence[SavePlan]) -> None:
             data = item.tensor_data
             if item.type != WriteItemType.SHARD or data is None or not data.size or data.size[0] != world:
                 continue
-            if tuple(data.chunk.sizes[:1]) != (1,) or tuple(data.chunk.offsets) != (rank,) + (0,) * (len(data.size) - 1):
+            if tuple(data.chunk.sizes[:1]) != (1,) or tuple(data.chunk.offsets) != (rank,) + (0,) * (
+                len(data.size) - 1
+            ):
                 continue
             first = seen.setdefault(item.index.fqn, (rank, data.size))
             if first[1] != data.size:

@@ -25,26 +25,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
+from ..engine.manifest_load import load_manifest
+from ..engine.read_plan import Request, Task, plan_tasks, sequential_lanes
+from ..engine.read_runs import run_jobs
+from ..engine.untrusted_load import check_inflation, weights_only_refusal
 from ..errors import CheckpointError, IncompleteCheckpointError, remember_swallowed
 from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
-from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..format.grid import GridChunks
+from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from ..format.references import with_references
 from ..storage import FileSource, Store, is_supported_uri, open_store
 from ..storage.base import FileOrigin, redact
-from ..engine.manifest_load import load_manifest
 from .manifest_share import load_shared
 from .read_sources import ReadSources
-from ..engine.read_plan import Request, Task, plan_tasks, sequential_lanes
-from ..engine.read_runs import run_jobs
 from .tensor_bytes import byte_view, check_byte_order
-from ..engine.untrusted_load import check_inflation, weights_only_refusal
 
 __all__ = ["CheckpointReader", "DEFAULT_READ_THREADS"]
 
@@ -119,7 +119,9 @@ class CheckpointReader(StorageReader):
         **options: Any,
     ) -> None:
         super().__init__()
-        if thread_count is not None and (isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1):
+        if thread_count is not None and (
+            isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1
+        ):
             raise ValueError(f"thread_count must be a positive integer, got {thread_count!r}")
         self.verify = bool(verify)
         self.thread_count = thread_count or DEFAULT_READ_THREADS
@@ -206,7 +208,9 @@ class CheckpointReader(StorageReader):
     def _load_shared(self) -> Manifest:
         # Collective when a process group exists: one rank reads, the others receive it.
         return load_shared(
-            lambda: load_manifest(self._store, check_files=not self.partial), group=self.process_group, enabled=self._shares_manifest()
+            lambda: load_manifest(self._store, check_files=not self.partial),
+            group=self.process_group,
+            enabled=self._shares_manifest(),
         )
 
     def read_metadata(self) -> Metadata:
@@ -246,7 +250,9 @@ class CheckpointReader(StorageReader):
         for item in plan.items:
             loc = storage.get(item.storage_index)
             if not isinstance(loc, StoredRange):
-                raise CheckpointError(f"item {item.storage_index.fqn!r} is not in the checkpoint", key=item.storage_index.fqn)
+                raise CheckpointError(
+                    f"item {item.storage_index.fqn!r} is not in the checkpoint", key=item.storage_index.fqn
+                )
             req = self._request(manifest, item, loc, planner)
             if req is not None:
                 requests.append(req)
@@ -257,9 +263,13 @@ class CheckpointReader(StorageReader):
         checked = self.checked_files | (frozenset() if self.verify else frozenset(file_sizes) - read_from.keys())
         verify = self.verify or bool(read_from.keys() - self.checked_files)
         tasks = plan_tasks(
-            requests, chunk_size=manifest.chunk_size, verify=verify, file_sizes=file_sizes, task_bytes=TASK_BYTES,
+            requests,
+            chunk_size=manifest.chunk_size,
+            verify=verify,
+            file_sizes=file_sizes,
+            task_bytes=TASK_BYTES,
             unverified=checked,
-        )  # fmt: skip
+        )
         sources: dict[str, FileSource] = {}
         alloc_lock = threading.Lock()
 
@@ -289,7 +299,9 @@ class CheckpointReader(StorageReader):
                 jobs,
                 threads=self.thread_count,
                 read=lambda t: self._read_task(t, sources[t.file], manifest, alloc_lock),
-                verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest)) if verify else None,
+                verify=(lambda t, bufs: None if t.file in checked else self._verify(t, bufs, manifest))
+                if verify
+                else None,
                 job_done=job_done,
             )
             for item in plan.items:
@@ -322,7 +334,8 @@ class CheckpointReader(StorageReader):
         region = planner.resolve_tensor(item).detach()
         if tuple(region.shape) != lengths:
             raise CheckpointError(
-                f"tensor {key!r}: the planner's destination has shape {tuple(region.shape)}, expected {lengths}", key=key
+                f"tensor {key!r}: the planner's destination has shape {tuple(region.shape)}, expected {lengths}",
+                key=key,
             )
         first = sum(o * s for o, s in zip(item.storage_offsets, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, lengths, strides)) if numel else first - 1

@@ -84,4 +84,3 @@ def record_stored(
     }
     reuse.bytes_written = bytes_written
     reuse.bytes_referenced = bytes_referenced
-

@@ -57,11 +57,15 @@ def check_fit(local: Mapping[str, Any], saved: Mapping[str, Any], *, strict: boo
         local_size = size() if callable(size) and not isinstance(obj, (int, float)) else None
         if isinstance(md, TensorStorageMetadata):
             if local_size is None:
-                problems.append(f"{fqn}: saved as a {_dtype(md.properties.dtype)} tensor {_shape(md.size)}, here a {type(obj).__name__}")
+                problems.append(
+                    f"{fqn}: saved as a {_dtype(md.properties.dtype)} tensor {_shape(md.size)}, here a {type(obj).__name__}"
+                )
                 keys.append(fqn)
             elif tuple(md.size) != tuple(local_size):
                 here = f"{_dtype(obj.dtype)} {_shape(local_size)}" if hasattr(obj, "dtype") else _shape(local_size)
-                problems.append(f"{fqn}: saved {_dtype(md.properties.dtype)} {_shape(md.size)}, this state dict's {here}")
+                problems.append(
+                    f"{fqn}: saved {_dtype(md.properties.dtype)} {_shape(md.size)}, this state dict's {here}"
+                )
                 keys.append(fqn)
     optim = _optimizer_difference(missing, local, saved)
     if optim is not None:
@@ -76,7 +80,9 @@ def check_fit(local: Mapping[str, Any], saved: Mapping[str, Any], *, strict: boo
     if not problems:
         return
     more = f" (and {len(problems) - SHOWN} more mismatches)" if len(problems) > SHOWN else ""
-    raise CheckpointError("the state dict does not fit the checkpoint: " + "; ".join(problems[:SHOWN]) + more, key=", ".join(keys[:64]))
+    raise CheckpointError(
+        "the state dict does not fit the checkpoint: " + "; ".join(problems[:SHOWN]) + more, key=", ".join(keys[:64])
+    )
 
 
 def _names(keys: Any, prefix: str) -> tuple[set[str], set[str]]:
@@ -89,13 +95,19 @@ def _names(keys: Any, prefix: str) -> tuple[set[str], set[str]]:
     return state, options
 
 
-def _optimizer_difference(missing: list[str], local: Mapping[str, Any], saved: Mapping[str, Any]) -> tuple[str, list[str]] | None:
+def _optimizer_difference(
+    missing: list[str], local: Mapping[str, Any], saved: Mapping[str, Any]
+) -> tuple[str, list[str]] | None:
     """For missing keys in an optimizer section (one the checkpoint also has): which state
     names and options differ, and the missing keys it explains; ``None`` when none is."""
     prefixes = []
     for k in missing:
         m = _OPTIM.match(k)
-        if m is not None and m.group(1) not in prefixes and any(s.startswith(m.group(1) + "param_groups.") for s in saved):
+        if (
+            m is not None
+            and m.group(1) not in prefixes
+            and any(s.startswith(m.group(1) + "param_groups.") for s in saved)
+        ):
             prefixes.append(m.group(1))
     if not prefixes:
         return None
@@ -104,8 +116,10 @@ def _optimizer_difference(missing: list[str], local: Mapping[str, Any], saved: M
     saved_state, saved_opts = _names(saved, prefix)
     parts = []
     if local_state != saved_state:
-        parts.append(f"its state holds {', '.join(sorted(local_state)) or 'nothing'}, the saved state "
-                     f"{', '.join(sorted(saved_state)) or 'nothing'}")  # fmt: skip
+        parts.append(
+            f"its state holds {', '.join(sorted(local_state)) or 'nothing'}, the saved state "
+            f"{', '.join(sorted(saved_state)) or 'nothing'}"
+        )
     if local_opts - saved_opts:
         parts.append(f"its param_groups have {', '.join(sorted(local_opts - saved_opts))}, which the saved ones lack")
         if saved_opts - local_opts:

@@ -44,18 +44,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
-from ..errors import CheckpointError
-from ..format.dcp_metadata import dtype_name
-from ..format.manifest import DTYPE_SIZES
-from ..storage import Store, is_supported_uri, open_store
-from ..storage.base import redact
-from .commit_build import RANK_WRITES_KEY, build_manifest, rank_writes
 from ..engine.hashed_write import (
     check_chunk_size,
     clear_or_refuse_existing,
@@ -66,9 +60,15 @@ from ..engine.hashed_write import (
     write_hashed_files,
 )
 from ..engine.layout import place_items
+from ..errors import CheckpointError
+from ..format.dcp_metadata import dtype_name
+from ..format.manifest import DTYPE_SIZES
+from ..storage import Store, is_supported_uri, open_store
+from ..storage.base import redact
+from .commit_build import RANK_WRITES_KEY, build_manifest, rank_writes
 from .incremental import IncrementalPlan
-from .references_write import add_referenced_files, record_stored, referenced_items
 from .plan_cache import PlanDigest
+from .references_write import add_referenced_files, record_stored, referenced_items
 from .staging import stage_state_dict
 from .tensor_bytes import TensorByteSource, check_byte_order
 
@@ -386,7 +386,6 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         )
         publish_manifest(self._store, manifest, replace=self.overwrite)
         remove_stale_files_after_commit(self._store, set(manifest.files))
-
 
 
 #: torch's save-plan caching hands a rank whose plan did not change the cached final plan of the

@@ -135,7 +135,10 @@ class _Tensor:
 
 
 def batched_grids(
-    groups: Sequence[Group], parts: Sequence[Sequence[tuple[int, int]]], specs: Sequence[Spec | None], names: Sequence[str]
+    groups: Sequence[Group],
+    parts: Sequence[Sequence[tuple[int, int]]],
+    specs: Sequence[Spec | None],
+    names: Sequence[str],
 ) -> list[GridChunks | None]:
     """Per tensor, its grid, or ``None`` where this path does not decide (the caller then runs
     ``grid_from_rows`` on the tensor's rows). ``parts[t]``: where tensor ``t``'s rows are, in
@@ -185,13 +188,17 @@ def _one_cell(group: Group, p: int, spec: Spec, names: Sequence[str]) -> GridChu
     return GridChunks(shape, shape, spec.esize, ((1, row[FILE], 1, row[OFFSET]),), names)
 
 
-def _start(groups: Sequence[Group], members: Sequence[int], parts: Sequence[tuple[int, int]], spec: Spec) -> _Tensor | None:
+def _start(
+    groups: Sequence[Group], members: Sequence[int], parts: Sequence[tuple[int, int]], spec: Spec
+) -> _Tensor | None:
     """The grid the tensor's first row names, if the tensor can take this path (``members``:
     each group's member count)."""
     shape, dims = spec.shape, len(spec.shape)
     starts = [0, *accumulate(members[g] for g, _ in parts)]
     n = starts.pop()
-    if n != spec.chunks or len(parts) > 64 + n // 64:  # one group per rank or so: the boundaries would all be looked at in Python
+    if (
+        n != spec.chunks or len(parts) > 64 + n // 64
+    ):  # one group per rank or so: the boundaries would all be looked at in Python
         return None
     if not parts or not dims or 0 in shape or any(groups[g].width < dims for g, _ in parts):
         return None
@@ -291,7 +298,9 @@ def _any_last(flags: np.ndarray) -> np.ndarray:
 def _finish(groups: Sequence[Group], tensor: _Tensor, spec: Spec, names: Sequence[str]) -> GridChunks | None:
     """Check the anchors in full and form the runs; ``None`` when an anchor is not its cell."""
     n, dims, starts = tensor.n, len(spec.shape), tensor.starts
-    irregular = sorted(set(tensor.irregular) | {s - 1 for s in starts[1:]})  # a part's first row follows a pair of two groups
+    irregular = sorted(
+        set(tensor.irregular) | {s - 1 for s in starts[1:]}
+    )  # a part's first row follows a pair of two groups
     if len(irregular) > _irregular_cap(n) + len(starts):
         return None
 
@@ -303,7 +312,12 @@ def _finish(groups: Sequence[Group], tensor: _Tensor, spec: Spec, names: Sequenc
         v = groups[g].row(r - starts[q], p)
         w = groups[g].width
         sizes = tuple(v[4 + w : 4 + w + dims])
-        return v[FILE], v[OFFSET], v[LENGTH], sizes if v[NDIM] == dims and _is_cell(v[4 : 4 + dims], sizes, v[LENGTH], r, tensor, spec) else ()
+        return (
+            v[FILE],
+            v[OFFSET],
+            v[LENGTH],
+            sizes if v[NDIM] == dims and _is_cell(v[4 : 4 + dims], sizes, v[LENGTH], r, tensor, spec) else (),
+        )
 
     anchors = {0, n - 1} | {r + 1 for r in irregular}
     rows = {r: row(r) for r in anchors | set(irregular)}
@@ -324,7 +338,11 @@ def _finish(groups: Sequence[Group], tensor: _Tensor, spec: Spec, names: Sequenc
         file, offset, *_ = rows[k] if k in rows else row(k)
         return file, offset
 
-    breaks = sorted(b for b in {x for r in irregular for x in (r, r + 1)} if 1 <= b <= n - 2 and (not link(b)[0] or link(b)[1] != link(b - 1)[1]))
+    breaks = sorted(
+        b
+        for b in {x for r in irregular for x in (r, r + 1)}
+        if 1 <= b <= n - 2 and (not link(b)[0] or link(b)[1] != link(b - 1)[1])
+    )
     return GridChunks(spec.shape, tensor.block, spec.esize, greedy_runs(n, breaks, cell, link), names)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import blake3
 
-from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, OVERWRITE_HINT
+from ..errors import OVERWRITE_HINT, CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from ..format.commit_record import COMMITTED, MISSING, TORN, file_problems, read_commit_record
 from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..storage import Store

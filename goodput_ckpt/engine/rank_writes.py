@@ -33,7 +33,18 @@ import numpy as np
 
 from ..format.manifest import FileEntry
 
-__all__ = ["FILE", "LENGTH", "NDIM", "OBJECT", "OFFSET", "RankWrites", "Written", "from_table", "layout_of", "rank_writes"]
+__all__ = [
+    "FILE",
+    "LENGTH",
+    "NDIM",
+    "OBJECT",
+    "OFFSET",
+    "RankWrites",
+    "Written",
+    "from_table",
+    "layout_of",
+    "rank_writes",
+]
 
 #: One written item: key, chunk offsets (``None`` for an object), file index in the rank's
 #: ``files``, byte offset, length.

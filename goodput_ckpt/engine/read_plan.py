@@ -105,7 +105,9 @@ def plan_tasks(
                 cut = lo
                 while cut < hi:
                     # Task boundaries fall on chunk boundaries, so no chunk is split across tasks.
-                    nxt = min(hi, (cut // chunk_size + task_chunks) * chunk_size) if verify_file else min(hi, cut + step)
+                    nxt = (
+                        min(hi, (cut // chunk_size + task_chunks) * chunk_size) if verify_file else min(hi, cut + step)
+                    )
                     tasks.append(_make_task(file, cut, nxt, wreqs))
                     cut = nxt
     return tasks

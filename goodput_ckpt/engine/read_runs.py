@@ -45,7 +45,9 @@ def run_jobs(
     """
     runs = sum(len(j) > 1 for j in jobs)
     hashers = (
-        ThreadPoolExecutor(min(threads, runs), thread_name_prefix="goodput-hash") if verify is not None and runs else None
+        ThreadPoolExecutor(min(threads, runs), thread_name_prefix="goodput-hash")
+        if verify is not None and runs
+        else None
     )
 
     def run(job: list[Task]) -> None:

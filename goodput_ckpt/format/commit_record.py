@@ -31,8 +31,8 @@ from ..storage.base import Store
 from ..storage.bulk import file_sizes
 from .key_index import KeyIndex
 from .parse import parse_manifest
-from .seal import seal_of
 from .schema import MANIFEST_NAME, FileEntry, Manifest
+from .seal import seal_of
 
 __all__ = [
     "COMMITTED",
@@ -349,7 +349,9 @@ def checksum_error(
     )
 
 
-def short_read_error(e: IncompleteCheckpointError, keys: str, byte_range: tuple[int, int] | None) -> CorruptCheckpointError:
+def short_read_error(
+    e: IncompleteCheckpointError, keys: str, byte_range: tuple[int, int] | None
+) -> CorruptCheckpointError:
     """A data file of a committed checkpoint that ended early or vanished while being read: it
     was damaged after the commit (the store says only that the read came up short)."""
     return CorruptCheckpointError(f"{e} (keys: {keys})", path=e.path, byte_range=byte_range, key=keys)

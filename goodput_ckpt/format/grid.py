@@ -56,7 +56,9 @@ class GridChunks(Sequence[ChunkEntry]):
 
     __slots__ = ("shape", "block", "esize", "runs", "names", "counts", "_starts", "_n")
 
-    def __init__(self, shape: tuple[int, ...], block: tuple[int, ...], esize: int, runs: tuple[Run, ...], names: Sequence[str]) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], block: tuple[int, ...], esize: int, runs: tuple[Run, ...], names: Sequence[str]
+    ) -> None:
         self.shape, self.block, self.esize, self.runs, self.names = shape, block, esize, runs, names
         self.counts = _counts(shape, block)
         starts, n = [], 0
@@ -98,7 +100,9 @@ class GridChunks(Sequence[ChunkEntry]):
         r = bisect.bisect_right(self._starts, k) - 1
         _, first, step, offset = self.runs[r]
         offsets, sizes = self.box(k)
-        return ChunkEntry(offsets, sizes, self.names[first + step * (k - self._starts[r])], offset, math.prod(sizes) * self.esize)
+        return ChunkEntry(
+            offsets, sizes, self.names[first + step * (k - self._starts[r])], offset, math.prod(sizes) * self.esize
+        )
 
     def __iter__(self) -> Iterator[ChunkEntry]:
         return (self[k] for k in range(self._n))
@@ -117,9 +121,12 @@ class GridChunks(Sequence[ChunkEntry]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, GridChunks):
-            return (self.shape, self.block, self.esize, self.runs) == (other.shape, other.block, other.esize, other.runs) and [
-                self.names[r[1]] for r in self.runs
-            ] == [other.names[r[1]] for r in other.runs]
+            return (self.shape, self.block, self.esize, self.runs) == (
+                other.shape,
+                other.block,
+                other.esize,
+                other.runs,
+            ) and [self.names[r[1]] for r in self.runs] == [other.names[r[1]] for r in other.runs]
         return isinstance(other, Sequence) and len(other) == self._n and all(a == b for a, b in zip(self, other))
 
     def __hash__(self) -> int:
@@ -156,7 +163,9 @@ def _uniform(shape: Sequence[int], block: Sequence[int], counts: Sequence[int], 
     return True
 
 
-def parse_grid(doc: Any, shape: tuple[int, ...], esize: int, names: Sequence[str], key: str, budget: list[int]) -> GridChunks:
+def parse_grid(
+    doc: Any, shape: tuple[int, ...], esize: int, names: Sequence[str], key: str, budget: list[int]
+) -> GridChunks:
     """Validate a grid entry's own fields (``budget[0]``: cells this manifest may still describe).
 
     Its byte ranges are checked later, with every other item's, by :func:`check_spans` (fed
@@ -170,7 +179,9 @@ def parse_grid(doc: Any, shape: tuple[int, ...], esize: int, names: Sequence[str
         raise GridError(f"{where} must be an object with lists 'block' and 'runs'", key)
     block = doc["block"]
     if len(block) != len(shape) or not shape or 0 in shape:
-        raise GridError(f"{where}: block {block!r:.80} does not fit the shape {list(shape)} (a grid needs elements)", key)
+        raise GridError(
+            f"{where}: block {block!r:.80} does not fit the shape {list(shape)} (a grid needs elements)", key
+        )
     for b, s in zip(block, shape):
         if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= s:
             raise GridError(f"{where}: block {block!r:.80} is not within the shape {list(shape)}", key)
@@ -192,11 +203,16 @@ def parse_grid(doc: Any, shape: tuple[int, ...], esize: int, names: Sequence[str
         if not 1 <= count <= cells - n:
             raise GridError(f"{where} run {i}: {count} cells, but {cells - n} of the grid's {cells} are left", key)
         if first < 0 or step < 1 or first + step * (count - 1) >= len(names):
-            raise GridError(f"{where} run {i}: file indices {first} + {step} x k (k < {count}) are not all among the {len(names)} files", key)
+            raise GridError(
+                f"{where} run {i}: file indices {first} + {step} x k (k < {count}) are not all among the {len(names)} files",
+                key,
+            )
         if not 0 <= offset <= MAX_FILE_BYTES or offset % ALIGNMENT:
             raise GridError(f"{where} run {i}: byte offset {offset} is not a multiple of {ALIGNMENT} in range", key)
         if count > 1 and not _uniform(shape, block_t, counts, n, count):
-            raise GridError(f"{where} run {i}: cells {n}-{n + count - 1} differ in size (a run holds one byte length)", key)
+            raise GridError(
+                f"{where} run {i}: cells {n}-{n + count - 1} differ in size (a run holds one byte length)", key
+            )
         runs.append((count, first, step, offset))
         n += count
     if n != cells:
@@ -258,4 +274,6 @@ def _overlap(spans: list[Span], names: Sequence[str], owner: np.ndarray, f: int,
 
 
 def _beyond(names: Sequence[str], limit: np.ndarray, f: int, offset: int, end: int, key: str) -> None:
-    raise GridError(f"item {key!r}: byte range [{offset}, {end}) lies beyond the end of {names[f]!r} ({int(limit[f])} bytes)", key)
+    raise GridError(
+        f"item {key!r}: byte range [{offset}, {end}) lies beyond the end of {names[f]!r} ({int(limit[f])} bytes)", key
+    )

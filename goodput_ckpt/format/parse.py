@@ -21,6 +21,10 @@ from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.base import check_relative_name
+from .gc_pause import gc_paused
+from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
+from .nesting import int_keys_problem
+from .references import base_problem
 from .schema import (
     ALIGNMENT,
     DTYPE_SIZES,
@@ -43,10 +47,6 @@ from .schema import (
     ObjectEntry,
     TensorEntry,
 )
-from .gc_pause import gc_paused
-from .nesting import int_keys_problem
-from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
-from .references import base_problem
 from .seal import check_seal, refuse_damaged_version
 from .tiling import TilingBudget, TilingError, check_tiling
 
@@ -117,9 +117,7 @@ def parse_manifest(data: bytes, *, location: str = "") -> Manifest:
     try:
         return _parse_body(doc)
     except _Bad as e:
-        raise CorruptCheckpointError(
-            f"manifest {where_file} is invalid: {e}", path=where_file, key=e.key
-        ) from None
+        raise CorruptCheckpointError(f"manifest {where_file} is invalid: {e}", path=where_file, key=e.key) from None
 
 
 def _get(doc: dict, name: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -167,8 +165,7 @@ def _parse_files(doc: dict, chunk_size: int) -> dict[str, FileEntry]:
         chunks = _get(fd, "chunks", list, f"file {path!r}")
         if len(chunks) != math.ceil(size / chunk_size):
             raise _Bad(
-                f"file {path!r}: {len(chunks)} chunk hashes for {size} bytes "
-                f"(expected {math.ceil(size / chunk_size)})",
+                f"file {path!r}: {len(chunks)} chunk hashes for {size} bytes (expected {math.ceil(size / chunk_size)})",
                 file=path,
             )
         if not _hex_digests(chunks):

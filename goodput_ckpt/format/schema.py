@@ -52,14 +52,28 @@ ALIGNMENT = 64
 
 #: Element size in bytes of every dtype the format can carry, by its canonical name (torch's).
 DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
     "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
-}  # fmt: skip
+}
 
 OBJECT_ENCODINGS = ("torch.save",)
 
@@ -181,8 +195,13 @@ class Manifest:
                 if ok is None:
                     ok = grid_ok[id(e.chunks.names)] = list(e.chunks.names) == names
                 if ok:
-                    return {"kind": "tensor", "dtype": e.dtype, "shape": list(e.shape),
-                            "requires_grad": e.requires_grad, "grid": e.chunks.to_json()}  # fmt: skip
+                    return {
+                        "kind": "tensor",
+                        "dtype": e.dtype,
+                        "shape": list(e.shape),
+                        "requires_grad": e.requires_grad,
+                        "grid": e.chunks.to_json(),
+                    }
             return _item_to_json(e)
 
         doc = {
@@ -241,10 +260,14 @@ def _item_to_json(e: TensorEntry | ObjectEntry) -> dict[str, Any]:
             "shape": list(e.shape),
             "requires_grad": e.requires_grad,
             "chunks": [
-                {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
-                 "offset": c.offset, "length": c.length}
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "file": c.file,
+                    "offset": c.offset,
+                    "length": c.length,
+                }
                 for c in e.chunks
             ],
-        }  # fmt: skip
-    return {"kind": "object", "encoding": e.encoding, "file": e.file, "offset": e.offset,
-            "length": e.length}  # fmt: skip
+        }
+    return {"kind": "object", "encoding": e.encoding, "file": e.file, "offset": e.offset, "length": e.length}

@@ -48,7 +48,9 @@ def is_committed(uri: str | os.PathLike, options: Mapping[str, Any] | None = Non
     return record_status(uri, options) == COMMITTED
 
 
-def committed_numbered(root: str | os.PathLike, prefix: str, options: Mapping[str, Any] | None = None) -> dict[int, str]:
+def committed_numbered(
+    root: str | os.PathLike, prefix: str, options: Mapping[str, Any] | None = None
+) -> dict[int, str]:
     """The committed checkpoints named ``<prefix><number>`` directly under ``root``, from one
     listing: number -> URI, sorted by number.
 

@@ -54,7 +54,9 @@ def restore_process_rng(rngs: Any, index: int, world: int, where: str) -> bool:
             raise ValueError("it is not a mapping of generator names to tensors")
         check_rng(state)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"{where}: the RNG state of process {index} is unusable: {e}", path=where, key="rng") from e
+        raise CheckpointError(
+            f"{where}: the RNG state of process {index} is unusable: {e}", path=where, key="rng"
+        ) from e
     for note in restore_rng(state):
         logger.warning("%s: %s", where, note)
     return True
@@ -71,4 +73,6 @@ def load_into(obj: Any, state: Any, what: str, where: str, **kwargs: Any) -> Non
     try:
         obj.load_state_dict(state, **kwargs)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise CheckpointError(f"{where}: the saved {what} state does not fit this {what}: {e}", path=where, key=what) from e
+        raise CheckpointError(
+            f"{where}: the saved {what} state does not fit this {what}: {e}", path=where, key=what
+        ) from e

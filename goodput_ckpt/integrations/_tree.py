@@ -76,7 +76,9 @@ def encode_tree(tree: Any) -> tuple[Any, dict[str, Any]]:
 
     def enc(x: Any, path: tuple[Any, ...]) -> Any:
         if len(path) > MAX_DEPTH:
-            raise CheckpointError(f"the checkpoint dict nests deeper than {MAX_DEPTH} levels at {'/'.join(map(str, path[:8]))}/...")
+            raise CheckpointError(
+                f"the checkpoint dict nests deeper than {MAX_DEPTH} levels at {'/'.join(map(str, path[:8]))}/..."
+            )
         t = type(x)
         if t in _SCALARS:
             return x
@@ -120,7 +122,7 @@ def decode_tree(skeleton: Any, values: Mapping[str, Any], *, where: str = "") ->
             return node
         if type(node) is not dict or len(node) != 1:
             raise bad(f"holds {type(node).__name__} {node!r:.80}, not a scalar or a one-key tagged object", path)
-        (tag, body), = node.items()
+        ((tag, body),) = node.items()
         if tag == "d" and type(body) is dict:
             return {k: dec(v, [*path, k]) for k, v in body.items()}
         if tag == "m" and type(body) is list:
@@ -187,8 +189,9 @@ def load_tree(uri: str | os.PathLike, *, process_group: Any = None, **reader_opt
         raise CheckpointError(
             f"{where}: checkpoint skeleton version {meta.get('version')!r:.40} is not supported "
             f"(this library reads version {TREE_VERSION})",
-            path=where, version=str(meta.get("version"))[:40],
-        )  # fmt: skip
+            path=where,
+            version=str(meta.get("version"))[:40],
+        )
     state: dict[str, Any] = {}
     for key, entry in manifest.items.items():
         if isinstance(entry, TensorEntry):
@@ -218,7 +221,8 @@ def check_tree_kind(tree: Any, uri: str, *, kind: str, version: int, layout: str
     if tree.get("version") != version:
         raise CheckpointError(
             f"{uri}: {layout} checkpoint layout version {tree.get('version')!r:.40} is not supported "
-            f"(this library reads version {version})", path=uri, version=str(tree.get("version"))[:40],
-        )  # fmt: skip
+            f"(this library reads version {version})",
+            path=uri,
+            version=str(tree.get("version"))[:40],
+        )
     return tree
-

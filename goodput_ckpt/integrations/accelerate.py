@@ -43,8 +43,14 @@ __all__ = ["CHECKPOINT_KIND", "load_state", "save_state"]
 #: What the checkpoint's tree says it is, and the layout version of that tree.
 CHECKPOINT_KIND = "accelerate.Accelerator"
 _VERSION = 1
-_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_NPU,
-              DistributedType.MULTI_MLU, DistributedType.MULTI_XPU)  # fmt: skip
+_SUPPORTED = (
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_XPU,
+)
 
 
 def _check_supported(accelerator: Any) -> None:
@@ -95,8 +101,9 @@ def save_state(accelerator: Any, uri: str | os.PathLike, *, thread_count: int | 
     return uri
 
 
-def load_state(accelerator: Any, uri: str | os.PathLike, *, verify: bool = True, thread_count: int | None = None,
-               **options: Any) -> None:  # fmt: skip
+def load_state(
+    accelerator: Any, uri: str | os.PathLike, *, verify: bool = True, thread_count: int | None = None, **options: Any
+) -> None:
     """Load what :func:`save_state` saved at ``uri`` into ``accelerator``'s prepared objects,
     and set this process's RNG streams. Every process calls this (each reads the checkpoint).
 
@@ -146,14 +153,18 @@ def _load_loader_state(loader: Any, saved: Any, uri: str) -> None:
         raise CheckpointError(f"{uri}: a saved dataloader state is not a mapping", path=uri, key="dataloaders")
     sampler_state = saved.get("sampler")
     if sampler_state is not None:
-        if not isinstance(sampler_state, dict) or not all(type(sampler_state.get(k)) is int for k in ("epoch", "initial_seed")):
+        if not isinstance(sampler_state, dict) or not all(
+            type(sampler_state.get(k)) is int for k in ("epoch", "initial_seed")
+        ):
             raise CheckpointError(f"{uri}: a saved sampler position is not two integers", path=uri, key="dataloaders")
         sampler = get_sampler(loader) if hasattr(loader, "sampler") else None
         if not isinstance(sampler, SeedableRandomSampler):
             raise CheckpointError(
                 f"{uri}: the checkpoint holds a seedable sampler's position and the prepared dataloader has "
-                f"{type(sampler).__name__} (use_seedable_sampler differs from the saving run)", path=uri, key="dataloaders",
-            )  # fmt: skip
+                f"{type(sampler).__name__} (use_seedable_sampler differs from the saving run)",
+                path=uri,
+                key="dataloaders",
+            )
         sampler.set_epoch(sampler_state["epoch"])
         sampler.initial_seed = sampler_state["initial_seed"]
     if saved.get("state") is not None and getattr(loader, "use_stateful_dataloader", False):
@@ -162,15 +173,21 @@ def _load_loader_state(loader: Any, saved: Any, uri: str) -> None:
 
 def _check_tree(tree: Any, uri: str, accelerator: Any) -> None:
     check_tree_kind(tree, uri, kind=CHECKPOINT_KIND, version=_VERSION, layout="Accelerate")
-    for key, have in (("models", accelerator._models), ("optimizers", accelerator._optimizers),
-                      ("schedulers", accelerator._schedulers), ("dataloaders", accelerator._dataloaders),
-                      ("custom", accelerator._custom_objects)):  # fmt: skip
+    for key, have in (
+        ("models", accelerator._models),
+        ("optimizers", accelerator._optimizers),
+        ("schedulers", accelerator._schedulers),
+        ("dataloaders", accelerator._dataloaders),
+        ("custom", accelerator._custom_objects),
+    ):
         saved = tree.get(key)
         if not isinstance(saved, list) or len(saved) != len(have):
             count = len(saved) if isinstance(saved, list) else "no list of"
             raise CheckpointError(
                 f"{uri} holds {count} {key} and the Accelerator has {len(have)} prepared (or registered): "
-                "load into the same set of objects that was saved", path=uri, key=key,
-            )  # fmt: skip
+                "load into the same set of objects that was saved",
+                path=uri,
+                key=key,
+            )
     if type(tree.get("step")) is not int:
         raise CheckpointError(f"{uri}: the saved accelerator step is not an integer", path=uri, key="step")

@@ -61,7 +61,9 @@ class GoodputCheckpointIO(CheckpointIO):
         if extra is None:
             return dict(self.options)
         if not isinstance(extra, Mapping):
-            raise TypeError(f"storage_options must be a mapping of goodput-ckpt backend options, got {type(extra).__name__}")
+            raise TypeError(
+                f"storage_options must be a mapping of goodput-ckpt backend options, got {type(extra).__name__}"
+            )
         return {**self.options, **extra}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
@@ -74,7 +76,9 @@ class GoodputCheckpointIO(CheckpointIO):
         """
         save_tree(checkpoint, path, thread_count=self.thread_count, **self._options(storage_options))
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load the dict saved at ``path``.
 
         Args:
@@ -99,8 +103,12 @@ class GoodputCheckpointIO(CheckpointIO):
                 path=os.fspath(path),
             )
         tree = load_tree(
-            path, verify=self.verify, trust_pickle=weights_only is False, thread_count=self.thread_count, **self._options()
-        )  # fmt: skip
+            path,
+            verify=self.verify,
+            trust_pickle=weights_only is False,
+            thread_count=self.thread_count,
+            **self._options(),
+        )
         if device is None:
             return tree
         return _move(tree, device)
@@ -142,7 +150,6 @@ def _move(x: Any, device: torch.device) -> Any:
     if type(x) in (list, tuple):
         return type(x)(_move(v, device) for v in x)
     return x
-
 
 
 class AsyncGoodputCheckpointIO(AsyncCheckpointIO):

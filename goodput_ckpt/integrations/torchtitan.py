@@ -70,8 +70,14 @@ class GoodputCheckpointManager(CheckpointManager):
         self.goodput = config
 
     @torch.no_grad()
-    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
-                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:  # fmt: skip
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Any:
         """torchtitan's ``dcp_save`` with our writer (Hugging Face exports: torchtitan's own)."""
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
@@ -80,8 +86,13 @@ class GoodputCheckpointManager(CheckpointManager):
         if async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-            ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
-                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)  # fmt: skip
+            ret = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
         else:
             try:
                 ret = dcp.save(state_dict, storage_writer=writer)
@@ -96,7 +107,9 @@ class GoodputCheckpointManager(CheckpointManager):
         if from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         cfg = self.goodput
-        reader = CheckpointReader(checkpoint_id, verify=cfg.verify, thread_count=cfg.thread_count, **cfg.storage_options)
+        reader = CheckpointReader(
+            checkpoint_id, verify=cfg.verify, thread_count=cfg.thread_count, **cfg.storage_options
+        )
         try:
             dcp.load(state_dict, storage_reader=reader)
         except (Exception, CheckpointException) as e:  # a damaged file: CorruptCheckpointError, named

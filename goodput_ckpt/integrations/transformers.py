@@ -92,9 +92,15 @@ class GoodputTrainerMixin:
             writes through their own engines (not supported here).
     """
 
-    def __init__(self, *args: Any, checkpoint_root: str | os.PathLike | None = None,
-                 checkpoint_options: dict[str, Any] | None = None, verify: bool = True,
-                 thread_count: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_root: str | os.PathLike | None = None,
+        checkpoint_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        thread_count: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise CheckpointError(
@@ -102,8 +108,10 @@ class GoodputTrainerMixin:
                 "state through their own engines (deepspeed save_checkpoint, accelerate's save_fsdp_model)"
             )
         if self.args.push_to_hub:
-            logger.warning("push_to_hub: checkpoints in goodput-ckpt's format are not pushed (the model that "
-                           "trainer.push_to_hub() or save_model() writes is)")  # fmt: skip
+            logger.warning(
+                "push_to_hub: checkpoints in goodput-ckpt's format are not pushed (the model that "
+                "trainer.push_to_hub() or save_model() writes is)"
+            )
         self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         self.checkpoint_options = dict(checkpoint_options or {})
         self.checkpoint_verify = bool(verify)
@@ -183,8 +191,13 @@ class GoodputTrainerMixin:
 
     # ---- resume ----
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:  # fmt: skip
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest committed
         checkpoint of ours under the root (the Trainer's own search when there is none), a
         string from that location (the Trainer's own load when it is not ours).
@@ -195,8 +208,12 @@ class GoodputTrainerMixin:
         """
         uri = self._goodput_find(resume_from_checkpoint, trial)
         if uri is None:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)  # fmt: skip
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
         tree = _load_checkpoint(uri, verify=self.checkpoint_verify, **self._goodput_io())
         with tempfile.TemporaryDirectory(prefix="goodput-hf-resume-") as staged:
             with open(os.path.join(staged, _STATE_FILE), "w", encoding="utf-8") as f:
@@ -204,8 +221,9 @@ class GoodputTrainerMixin:
             self._goodput_resume = _Resume(staged, uri, tree)
             logger.info("resuming from %s", uri)
             try:
-                return super().train(resume_from_checkpoint=staged, trial=trial,
-                                     ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)  # fmt: skip
+                return super().train(
+                    resume_from_checkpoint=staged, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+                )
             finally:
                 self._goodput_resume = None
 
@@ -213,7 +231,9 @@ class GoodputTrainerMixin:
         if resume is None or resume is False:
             return None
         if resume is True:
-            found = committed_numbered(self._goodput_run_root(trial), f"{PREFIX_CHECKPOINT_DIR}-", self.checkpoint_options)
+            found = committed_numbered(
+                self._goodput_run_root(trial), f"{PREFIX_CHECKPOINT_DIR}-", self.checkpoint_options
+            )
             return next(reversed(found.values()), None)
         uri = os.fspath(resume)
         # Ours when it has a commit record of ours, even a damaged one: the load then says what is
@@ -228,7 +248,9 @@ class GoodputTrainerMixin:
         tree = self._goodput_tree(resume_from_checkpoint)
         if tree is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_into(model if model is not None else self.model, tree["model"], "model", self._goodput_resume.uri, strict=True)
+        load_into(
+            model if model is not None else self.model, tree["model"], "model", self._goodput_resume.uri, strict=True
+        )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         tree = self._goodput_tree(checkpoint)
@@ -275,6 +297,9 @@ def _load_checkpoint(uri: str, **reader_options: Any) -> dict[str, Any]:
         raise CheckpointError(f"{uri}: the Trainer checkpoint lacks its model or trainer state", path=uri)
     unknown = sorted(set(state) - _STATE_FIELDS, key=str)
     if unknown:  # the Trainer builds TrainerState(**state): an unknown key would be its TypeError
-        raise CheckpointError(f"{uri}: the trainer state holds fields this transformers does not know: "
-                              f"{unknown[:5]!r:.200}", path=uri, key="trainer_state")  # fmt: skip
+        raise CheckpointError(
+            f"{uri}: the trainer state holds fields this transformers does not know: {unknown[:5]!r:.200}",
+            path=uri,
+            key="trainer_state",
+        )
     return tree

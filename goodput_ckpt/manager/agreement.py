@@ -117,7 +117,9 @@ class ExistingSteps:
         self.group = group
         self._seen: set[int] | None = None  # listed at the first save, every rank
 
-    def refuse(self, step: int, uri: str, *, list_steps: Callable[[], list[int]] | None, saved: set[int], where: str) -> None:
+    def refuse(
+        self, step: int, uri: str, *, list_steps: Callable[[], list[int]] | None, saved: set[int], where: str
+    ) -> None:
         """Raise ``CheckpointExistsError`` when ``step`` is committed (``list_steps``: on the
         ranks that list; ``saved``: the steps this manager committed; ``where``: for the message).
         Collective at the first call."""
@@ -138,6 +140,7 @@ def agree_on_latest(root: Store, group: Group, *, keep_last: int | None) -> int 
     Raises:
         CheckpointError: on every rank, when the coordinator could not list the root.
     """
+
     def decide() -> int | None:
         fresh: list[str] = []
         latest = clean_before_restore(root, keep_last=keep_last, fresh_start=fresh)
@@ -183,8 +186,7 @@ def raise_if_any_rank_failed(
         for rank, (_, value, _) in enumerate(gathered):
             if value != gathered[0][1]:
                 raise CheckpointError(
-                    f"the ranks disagree on {agree[0]}: rank 0 has {gathered[0][1]!r}, rank {rank} has "
-                    f"{value!r}"
+                    f"the ranks disagree on {agree[0]}: rank 0 has {gathered[0][1]!r}, rank {rank} has {value!r}"
                 )
     return [told for _, _, told in gathered]
 

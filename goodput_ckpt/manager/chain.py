@@ -25,12 +25,12 @@ from ..dcp.collectives import Group
 from ..dcp.read_sources import ReadSources
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
+from ..state import Topology
 from ..storage import open_store
 from ..storage.base import Store
 from .agreement import agree_on_latest, decide_on_coordinator, raise_if_any_rank_failed
 from .config import ManagerConfig
 from .disk_full import make_room
-from ..state import Topology
 from .job import JobState, job_of, survey_job
 from .restoring import ROWS_PART, TENSORS_PART, Restored, RestoreTarget
 from .retention import apply_retention, scan_steps
@@ -106,7 +106,9 @@ class PersistentChain:
 
     names = (PERSISTENT,)
 
-    def __init__(self, root: Store, root_uri: str, storage_options: dict[str, Any], group: Group, config: ManagerConfig) -> None:
+    def __init__(
+        self, root: Store, root_uri: str, storage_options: dict[str, Any], group: Group, config: ManagerConfig
+    ) -> None:
         self.root, self.root_uri, self.storage_options = root, root_uri, storage_options
         self.group, self.config = group, config
 
@@ -150,7 +152,9 @@ class PersistentChain:
             plan = target.plan(manifest, uri)
         except CheckpointError as e:
             local_err = e
-        told = raise_if_any_rank_failed(self.group, local_err, agree=target.agreement(plan), tell=target.reads_rows(plan))
+        told = raise_if_any_rank_failed(
+            self.group, local_err, agree=target.agreement(plan), tell=target.reads_rows(plan)
+        )
         assert plan is not None and isinstance(manifest, Manifest)
         what = f"loading step {step} from {uri}"
         # A rank without rows still joins the rows' dcp.load when another rank reads some: its
@@ -192,9 +196,16 @@ def open_chain(
     if config.local_dir is None:
         return PersistentChain(root, root_uri, storage_options, group, config)
     return Tiers.open(
-        config, root_uri=root_uri, storage_options=storage_options, pg=group.pg, topology=topology,
-        local_world_size=local_world_size, timeline=timeline, on_failure=on_failure, job=job,
-    )  # fmt: skip
+        config,
+        root_uri=root_uri,
+        storage_options=storage_options,
+        pg=group.pg,
+        topology=topology,
+        local_world_size=local_world_size,
+        timeline=timeline,
+        on_failure=on_failure,
+        job=job,
+    )
 
 
 def agree_on_job(config: ManagerConfig, root: Store, group: Group) -> JobState:
@@ -202,5 +213,7 @@ def agree_on_job(config: ManagerConfig, root: Store, group: Group) -> JobState:
     the root's job file and the save numbers the chain's tiers hold (one broadcast)."""
     node_dir = None if config.local_dir is None else local_root(config.local_dir, 0)
     return decide_on_coordinator(
-        group, lambda: survey_job(root, node_dir, lambda u: open_store(u, {})), f"reading the job identity of {root.uri}"
-    )  # fmt: skip
+        group,
+        lambda: survey_job(root, node_dir, lambda u: open_store(u, {})),
+        f"reading the job identity of {root.uri}",
+    )

@@ -135,13 +135,24 @@ class CheckpointManager:
         **storage_options: Any,
     ) -> None:
         self.config = ManagerConfig(
-            keep_last=keep_last, async_save=async_save, async_staging=async_staging, fail_fast=fail_fast, save_rng=save_rng,
-            allow_topology_change=allow_topology_change, overwrite=overwrite, thread_count=thread_count,
-            chunk_size=chunk_size, verify=verify, timeout_s=timeout_s,
-            local_dir=None if local_dir is None else os.fspath(local_dir), replicas=replicas,
-            persist_every=persist_every, local_keep_last=local_keep_last, free_space_on_full=free_space_on_full,
+            keep_last=keep_last,
+            async_save=async_save,
+            async_staging=async_staging,
+            fail_fast=fail_fast,
+            save_rng=save_rng,
+            allow_topology_change=allow_topology_change,
+            overwrite=overwrite,
+            thread_count=thread_count,
+            chunk_size=chunk_size,
+            verify=verify,
+            timeout_s=timeout_s,
+            local_dir=None if local_dir is None else os.fspath(local_dir),
+            replicas=replicas,
+            persist_every=persist_every,
+            local_keep_last=local_keep_last,
+            free_space_on_full=free_space_on_full,
             incremental=incremental,
-        )  # fmt: skip
+        )
         if on_error is not None and not callable(on_error):
             raise TypeError("on_error must be callable(step, error)")
         self.root_uri = os.fspath(root_uri)
@@ -158,17 +169,28 @@ class CheckpointManager:
         self._incremental = IncrementalSaves.open(self.config.incremental)  # None: every save is full
         # The save thread reaches the chain through these (looked up at each call).
         self._saves = SaveJobs(
-            pg=self._pg, staging=self._staging, timeline=self._timeline, timeout_s=self.config.timeout_s,
-            on_commit=self._on_commit, on_error=on_error,
+            pg=self._pg,
+            staging=self._staging,
+            timeline=self._timeline,
+            timeout_s=self.config.timeout_s,
+            on_commit=self._on_commit,
+            on_error=on_error,
             after_write=lambda job, err: self._chain.after_write(job, err),
             make_room=(lambda job: self._chain.make_room(job)) if self.config.free_space_on_full else None,
-        )  # fmt: skip
+        )
         #: The job's storage: [persistent], or [local, replicas, persistent] with ``local_dir``.
         self._chain: Chain = open_chain(
-            self.config, root=self._root, root_uri=self.root_uri, storage_options=self._storage_options,
-            group=self._group, topology=self._topology, local_world_size=local_world_size, timeline=self._timeline,
-            on_failure=self._saves.report_failure, job=self._job,
-        )  # fmt: skip
+            self.config,
+            root=self._root,
+            root_uri=self.root_uri,
+            storage_options=self._storage_options,
+            group=self._group,
+            topology=self._topology,
+            local_world_size=local_world_size,
+            timeline=self._timeline,
+            on_failure=self._saves.report_failure,
+            job=self._job,
+        )
 
     @property
     def job_id(self) -> str:
@@ -269,10 +291,22 @@ class CheckpointManager:
         t_waited = time.perf_counter()
         try:
             job, state, models = prepare_save(
-                step, uri=uri, options=options, model=model, optimizer=optimizer, dataloader=dataloader, extra=extra,
-                stateful=stateful, config=self.config, topology=self._topology, job=self._job, root=self._root,
-                started=started, waited_s=t_waited - t0, incremental=self._incremental,
-            )  # fmt: skip
+                step,
+                uri=uri,
+                options=options,
+                model=model,
+                optimizer=optimizer,
+                dataloader=dataloader,
+                extra=extra,
+                stateful=stateful,
+                config=self.config,
+                topology=self._topology,
+                job=self._job,
+                root=self._root,
+                started=started,
+                waited_s=t_waited - t0,
+                incremental=self._incremental,
+            )
         except Exception as e:
             fail_on_every_rank(self._group, uri, e, options)
             raise
@@ -337,9 +371,14 @@ class CheckpointManager:
         models = normalize(model, optimizer)
         check_stateful(stateful)
         target = RestoreTarget(
-            models=models, dataloader=dataloader, stateful=dict(stateful), topology=self._topology, config=self.config,
-            group=self._group, timeline=self._timeline,
-        )  # fmt: skip
+            models=models,
+            dataloader=dataloader,
+            stateful=dict(stateful),
+            topology=self._topology,
+            config=self.config,
+            group=self._group,
+            timeline=self._timeline,
+        )
         try:
             # The chain picks the step and loads it in two parts (the per-rank rows, checked on
             # every rank, then the tensors: .restoring); then it is applied.
@@ -403,4 +442,3 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this CheckpointManager ({self._root.uri}) is closed")
-

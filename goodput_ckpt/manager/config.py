@@ -34,8 +34,16 @@ class ManagerConfig:
     incremental: bool | int = False
 
     def __post_init__(self) -> None:
-        for name in ("async_save", "async_staging", "fail_fast", "save_rng", "allow_topology_change", "overwrite", "verify",
-                     "free_space_on_full"):
+        for name in (
+            "async_save",
+            "async_staging",
+            "fail_fast",
+            "save_rng",
+            "allow_topology_change",
+            "overwrite",
+            "verify",
+            "free_space_on_full",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("thread_count", "chunk_size"):

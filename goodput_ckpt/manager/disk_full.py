@@ -60,9 +60,14 @@ def free_oldest(store: Store, *, protect: Collection[int] = ()) -> list[int]:
 
 
 def make_room(
-    group: Group, store: Store, *, owner_of: dict[int, int], step: int,
-    needed: int, protect: Collection[int] = (),
-) -> bool:  # fmt: skip
+    group: Group,
+    store: Store,
+    *,
+    owner_of: dict[int, int],
+    step: int,
+    needed: int,
+    protect: Collection[int] = (),
+) -> bool:
     """Every rank, after the save of ``step`` failed: whether some rank's disk is short of space
     (one gather), after making room on each disk short of it (its owner, ``owner_of[rank]``,
     deletes what :func:`free_oldest` names). ``needed``: the bytes this rank saves."""
@@ -74,6 +79,9 @@ def make_room(
         freed = free_oldest(store, protect=protect)
         logger.warning(
             "the save of step %d failed: the disk under %s is full; deleted step(s) %s (free_space_on_full) "
-            "and trying once more", step, store.uri, ", ".join(map(str, freed)) or "none",
-        )  # fmt: skip
+            "and trying once more",
+            step,
+            store.uri,
+            ", ".join(map(str, freed)) or "none",
+        )
     return True

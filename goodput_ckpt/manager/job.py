@@ -208,7 +208,9 @@ def foreign_entries(node_dir: str, job_id: str) -> list[str]:
     for e in entries:
         if e.name == mine or not e.is_dir(follow_symlinks=False):
             continue
-        if (e.name.startswith(JOB_DIR_PREFIX) and is_job_id(e.name[len(JOB_DIR_PREFIX):])) or parse_step_dir(e.name) is not None:
+        if (e.name.startswith(JOB_DIR_PREFIX) and is_job_id(e.name[len(JOB_DIR_PREFIX) :])) or parse_step_dir(
+            e.name
+        ) is not None:
             found.append(e.name)
     return sorted(found)
 

@@ -49,6 +49,7 @@ logger = logging.getLogger("goodput_ckpt.manager")
 #: The two parts of a plan's destination, loaded in this order (``state.apply.split_dest``).
 ROWS_PART, TENSORS_PART = 0, 1
 
+
 @dataclass
 class Restored:
     """What a chain's restore chose and loaded: the step, where it was read (for messages and
@@ -91,9 +92,14 @@ class RestoreTarget:
         """This rank's plan (``state.plan_restore``); raises ``CheckpointError`` (the chain
         gathers every rank's outcome before any load)."""
         return plan_restore(
-            manifest, where=where, models=self.models, dataloader=self.dataloader, stateful=self.stateful,
-            topology=self.topology, allow_topology_change=self.config.allow_topology_change,
-        )  # fmt: skip
+            manifest,
+            where=where,
+            models=self.models,
+            dataloader=self.dataloader,
+            stateful=self.stateful,
+            topology=self.topology,
+            allow_topology_change=self.config.allow_topology_change,
+        )
 
     @staticmethod
     def agreement(plan: RestorePlan | None) -> tuple[str, Any]:
@@ -115,9 +121,13 @@ class RestoreTarget:
     def reader(self, where: str, sources: ReadSources | None = None, **options: Any) -> CheckpointReader:
         """A reader of ``where`` with the manager's settings (``sources``: a chain's tier inputs)."""
         return CheckpointReader(
-            where, verify=self.config.verify, thread_count=self.config.thread_count, process_group=self.group.pg,
-            sources=sources, **options,
-        )  # fmt: skip
+            where,
+            verify=self.config.verify,
+            thread_count=self.config.thread_count,
+            process_group=self.group.pg,
+            sources=sources,
+            **options,
+        )
 
     def read(self, part: int, plan: RestorePlan, reader: CheckpointReader, what: str, *, local: bool = False) -> None:
         """``dcp.load`` of part ``part`` of ``plan``'s destination through ``reader``: every rank
@@ -140,9 +150,11 @@ class RestoreTarget:
             self.readers[part] = reader
             no_dist = deliberate_no_dist(self.group.single or local)
             try:
-                dcp.load(dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self.group.pg, no_dist=no_dist)
+                dcp.load(
+                    dest, storage_reader=reader, planner=GridLoadPlanner(), process_group=self.group.pg, no_dist=no_dist
+                )
             except (Exception, CheckpointException) as e:
-                raise as_checkpoint_error(e, what)
+                raise as_checkpoint_error(e, what) from e
         if local and part == ROWS_PART and not plan.elastic_from:
             self.decoded = decode_restore(plan)
 
@@ -174,10 +186,15 @@ class RestoreTarget:
             loader_states = loader_states_read([r.rows_read for r in readers], [r.keys_read for r in readers])
         self.timeline.emit(
             RestoreRecord(
-                step=restored.step, rank=self.topology.rank, world_size=self.topology.world_size, time=self.started,
-                seconds=time.perf_counter() - self.t0, bytes=tensor_nbytes(plan.dest), sources=restored.sources,
+                step=restored.step,
+                rank=self.topology.rank,
+                world_size=self.topology.world_size,
+                time=self.started,
+                seconds=time.perf_counter() - self.t0,
+                bytes=tensor_nbytes(plan.dest),
+                sources=restored.sources,
                 loader_states=loader_states,
-            )  # fmt: skip
+            )
         )
         for note in plan.notes:  # one channel: the log (docs/manager.md, "What a restore reports")
             logger.warning("restore of step %d: %s", restored.step, note)

@@ -39,8 +39,14 @@ from .step_references import protected_steps
 from .timeline import TIMELINE_NAME
 
 __all__ = [
-    "StepScan", "apply_retention", "clean_before_restore", "delete_step", "describe_fresh_start", "retention_victims",
-    "scan_steps", "spare_referenced",
+    "StepScan",
+    "apply_retention",
+    "clean_before_restore",
+    "delete_step",
+    "describe_fresh_start",
+    "retention_victims",
+    "scan_steps",
+    "spare_referenced",
 ]
 
 logger = logging.getLogger("goodput_ckpt.retention")
@@ -86,8 +92,13 @@ def _warn_skipped(root: Store, names: list[str]) -> None:
     if new:
         _warned.update((root.uri, n) for n in new)
         shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
-        logger.warning("skipping %d object(s) under %s whose names are not safe relative paths (left in place, "
-                       "never read or deleted; remove them by hand): %s", len(new), root.uri, shown)  # fmt: skip
+        logger.warning(
+            "skipping %d object(s) under %s whose names are not safe relative paths (left in place, "
+            "never read or deleted; remove them by hand): %s",
+            len(new),
+            root.uri,
+            shown,
+        )
 
 
 def _record_is_torn(root: Store, step: int, names: list[str]) -> bool:
@@ -188,7 +199,9 @@ def _remove_empty_step_dirs(root: Store) -> None:
     if base is None or not os.path.isdir(base):
         return
     try:
-        entries = [e for e in os.scandir(base) if parse_step_dir(e.name) is not None and e.is_dir(follow_symlinks=False)]
+        entries = [
+            e for e in os.scandir(base) if parse_step_dir(e.name) is not None and e.is_dir(follow_symlinks=False)
+        ]
     except OSError as e:
         logger.warning("could not look for empty step directories under %s: %s", root.uri, e)
         return

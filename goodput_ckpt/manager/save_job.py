@@ -303,9 +303,12 @@ class SaveJobs:
         for attempt in range(2):
             try:
                 dcp.save(
-                    state, storage_writer=job.writer, planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS, plan_cache=self.plan_cache),
-                    process_group=self.pg, no_dist=deliberate_no_dist(self.pg is None),
-                )  # fmt: skip
+                    state,
+                    storage_writer=job.writer,
+                    planner=ReplicaGroupingSavePlanner(widen_rows=WIDENED_ROWS, plan_cache=self.plan_cache),
+                    process_group=self.pg,
+                    no_dist=deliberate_no_dist(self.pg is None),
+                )
                 if job.writer.reuse is not None:  # an incremental save: the writer's own counters
                     job.record.written_bytes = job.writer.bytes_written
                     job.record.referenced_bytes = job.writer.bytes_referenced

@@ -60,23 +60,36 @@ def prepare_save(
     models = normalize(model, optimizer)
     check_stateful(stateful)
     state, metadata = build_save_state(
-        step, models=models, dataloader=dataloader, stateful=stateful, topology=topology, save_rng=config.save_rng,
+        step,
+        models=models,
+        dataloader=dataloader,
+        stateful=stateful,
+        topology=topology,
+        save_rng=config.save_rng,
         extra=extra,
-    )  # fmt: skip
+    )
     job.claim(root, topology.rank == 0)
     metadata.update(job_metadata(job.id, job.next_save))
     job.next_save += 1
     # An async save commits only if every rank's deferred copies are good (staging/confirmed_writer.py).
     writer_options = dict(
-        thread_count=config.thread_count, chunk_size=config.chunk_size, overwrite=config.overwrite, metadata=metadata,
+        thread_count=config.thread_count,
+        chunk_size=config.chunk_size,
+        overwrite=config.overwrite,
+        metadata=metadata,
         **options,
-    )  # fmt: skip
+    )
     if incremental is not None:
         writer_options["reuse"] = incremental.plan(step, state, models)
     writer_cls = ConfirmedWriter if config.async_save else CheckpointWriter
     writer = writer_cls(uri, **writer_options)
     record = SaveRecord(
-        step=step, rank=topology.rank, world_size=topology.world_size, time=started, is_async=config.async_save,
-        wait_s=waited_s, bytes=tensor_nbytes(state),
-    )  # fmt: skip
+        step=step,
+        rank=topology.rank,
+        world_size=topology.world_size,
+        time=started,
+        is_async=config.async_save,
+        wait_s=waited_s,
+        bytes=tensor_nbytes(state),
+    )
     return SaveJob(step, uri, writer, record), state, models

@@ -137,14 +137,29 @@ class SaveRecord:
     def to_json(self) -> Record:
         """The record as the JSON object of the timeline file."""
         return {
-            "event": "save", "step": self.step, "rank": self.rank, "world_size": self.world_size,
-            "time": self.time, "async": self.is_async, "wait_s": self.wait_s, "stage_s": self.stage_s,
-            "guard_s": self.guard_s, "stall_s": self.stall_s, "write_s": self.write_s,
-            "durable_s": self.durable_s, "bytes": self.bytes, "gbps": self.gbps, "ok": self.ok, "error": self.error,
+            "event": "save",
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "time": self.time,
+            "async": self.is_async,
+            "wait_s": self.wait_s,
+            "stage_s": self.stage_s,
+            "guard_s": self.guard_s,
+            "stall_s": self.stall_s,
+            "write_s": self.write_s,
+            "durable_s": self.durable_s,
+            "bytes": self.bytes,
+            "gbps": self.gbps,
+            "ok": self.ok,
+            "error": self.error,
             **({} if self.tier is None else {"tier": self.tier, "replicate_s": self.replicate_s}),
-            **({} if self.written_bytes is None else
-               {"written_bytes": self.written_bytes, "referenced_bytes": self.referenced_bytes}),
-        }  # fmt: skip
+            **(
+                {}
+                if self.written_bytes is None
+                else {"written_bytes": self.written_bytes, "referenced_bytes": self.referenced_bytes}
+            ),
+        }
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -163,11 +178,18 @@ class RestoreRecord:
     def to_json(self) -> Record:
         """The record as the JSON object of the timeline file."""
         return {
-            "event": "restore", "step": self.step, "rank": self.rank, "world_size": self.world_size,
-            "time": self.time, "seconds": self.seconds, "bytes": self.bytes, "ok": True, "error": None,
+            "event": "restore",
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "time": self.time,
+            "seconds": self.seconds,
+            "bytes": self.bytes,
+            "ok": True,
+            "error": None,
             **({} if self.sources is None else {"sources": dict(self.sources)}),
             **({} if self.loader_states is None else {"loader_states": self.loader_states}),
-        }  # fmt: skip
+        }
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -187,10 +209,16 @@ class PersistRecord:
     def to_json(self) -> Record:
         """The record as the JSON object of the timeline file."""
         return {
-            "event": "persist", "step": self.step, "rank": self.rank, "world_size": self.world_size,
-            "time": self.time, "seconds": self.seconds, "bytes": self.bytes, "ok": self.error is None,
+            "event": "persist",
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "time": self.time,
+            "seconds": self.seconds,
+            "bytes": self.bytes,
+            "ok": self.error is None,
             "error": self.error,
-        }  # fmt: skip
+        }
 
 
 def timeline_target(timeline: Any, root_traits: Any) -> Any:

@@ -5,6 +5,7 @@ RNG, per-rank dataloader state, other stateful objects and user metadata.
 :mod:`.dataloader` and :mod:`.modules` each handle one kind of state. The manager sits above.
 """
 
+from .apply import apply_restore
 from .bundle import (
     EXTRA_KEY,
     META_KEY,
@@ -18,7 +19,6 @@ from .bundle import (
     rank_key,
     training_meta,
 )
-from .apply import apply_restore
 from .modules import ModelSet, normalize
 
 __all__ = [

@@ -128,8 +128,12 @@ def _apply_rng(plan: RestorePlan, decoded: DecodedState) -> None:
         logger.warning(
             "%s: saved by another number of ranks, so this rank's RNG streams (Python, NumPy, torch, CUDA) "
             "were re-derived, not restored: seed %d from base seed %d, step %d, rank %d (see docs/manager.md)",
-            plan.where, seed, base, step, rank,
-        )  # fmt: skip
+            plan.where,
+            seed,
+            base,
+            step,
+            rank,
+        )
 
 
 def apply_restore(plan: RestorePlan, decoded: DecodedState | None = None) -> None:

@@ -191,14 +191,14 @@ def decode_dataloader_row(row: torch.Tensor, *, key: str) -> Any:
     """
     flat = row.reshape(-1)
     if flat.dtype != torch.uint8 or flat.numel() < ROW_HEADER:
-        raise CheckpointError(f"the saved dataloader row {key!r} is not a uint8 row of at least {ROW_HEADER} bytes", key=key)
+        raise CheckpointError(
+            f"the saved dataloader row {key!r} is not a uint8 row of at least {ROW_HEADER} bytes", key=key
+        )
     n = int.from_bytes(flat[:ROW_HEADER].numpy().tobytes(), "little")
     if n > flat.numel() - ROW_HEADER:
         raise CheckpointError(
             f"the saved dataloader row {key!r} claims {n} bytes but holds {flat.numel() - ROW_HEADER}", key=key
         )
     if n == 0:  # torch.save never writes 0 bytes: a row the save filled for a rank without one
-        raise CheckpointError(
-            f"no dataloader state was saved in {key!r}: that rank's save got no dataloader=", key=key
-        )
+        raise CheckpointError(f"no dataloader state was saved in {key!r}: that rank's save got no dataloader=", key=key)
     return decode_dataloader_state(flat[ROW_HEADER : ROW_HEADER + n], key=key)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from . import optim_state as shaping
 
@@ -178,9 +178,13 @@ def tied_keys(model_state: Any, prefix: str) -> dict[str, str]:
         if local.numel() == 0 or local.device.type == "meta":
             return
         ident = (
-            local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()),
-            local.dtype, tuple(value.shape),
-        )  # fmt: skip
+            local.untyped_storage().data_ptr(),
+            local.storage_offset(),
+            tuple(local.shape),
+            tuple(local.stride()),
+            local.dtype,
+            tuple(value.shape),
+        )
         if ident in seen:
             out[key] = seen[ident]
         else:

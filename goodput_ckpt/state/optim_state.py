@@ -50,7 +50,11 @@ def saved_states(manifest: Manifest, prefix: str) -> dict[str, dict[str, TensorE
     return out
 
 
-def preshape(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], saved: Mapping[str, Mapping[str, TensorEntry | None]]) -> bool:
+def preshape(
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    saved: Mapping[str, Mapping[str, TensorEntry | None]],
+) -> bool:
     """Create the state of fresh ``optimizers`` from ``saved`` (module docstring); ``False``, and
     nothing changed, where torch's initialization must run instead."""
     if not saved or any(opt.state for opt in optimizers):

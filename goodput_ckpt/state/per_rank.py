@@ -71,9 +71,12 @@ def rows_width(manifest: Manifest, section: str, rows: int, width: int | None, w
     entry = manifest.items.get(key)
     shape = tuple(getattr(entry, "shape", ()))
     if (
-        not isinstance(entry, TensorEntry) or entry.dtype != "uint8" or len(shape) != 2 or shape[0] != rows
+        not isinstance(entry, TensorEntry)
+        or entry.dtype != "uint8"
+        or len(shape) != 2
+        or shape[0] != rows
         or (width is not None and shape[1] != width)
-    ):  # fmt: skip
+    ):
         got = "missing" if entry is None else f"{getattr(entry, 'dtype', 'an object')} {shape}"
         want = f"({rows}, {'n' if width is None else width})"
         raise CorruptCheckpointError(
@@ -104,7 +107,9 @@ def blob_template(manifest: Manifest, key: str, where: str) -> torch.Tensor:
     """Schema 1: an empty tensor the size of the per-rank item ``key``."""
     entry = manifest.items.get(key)
     if not isinstance(entry, TensorEntry):
-        raise CorruptCheckpointError(f"{where}: per-rank item {key!r} is missing from the manifest", path=where, key=key)
+        raise CorruptCheckpointError(
+            f"{where}: per-rank item {key!r} is missing from the manifest", path=where, key=key
+        )
     return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, key))
 
 
@@ -188,5 +193,7 @@ def loader_states_read(rows_read: Iterable[Mapping[str, int]], keys_read: Iterab
     rank, an elastic one every old rank's on the coordinator only (docs/manager.md): the restore
     record carries it so that the promise is checked, not assumed."""
     rows = sum(r.get(_LOADER_ROWS, 0) for r in rows_read)
-    keys = sum(n for k in keys_read for key, n in k.items() if key.startswith(_LOADER_KEY_PREFIX) and key != _LOADER_ROWS)
+    keys = sum(
+        n for k in keys_read for key, n in k.items() if key.startswith(_LOADER_KEY_PREFIX) and key != _LOADER_ROWS
+    )
     return rows + keys

@@ -154,7 +154,12 @@ def check_layout(raw: Any) -> RngLayout:
         name, dtype, numel = slot
         if not isinstance(name, str) or not 0 < len(name) <= 64 or dtype not in _DTYPES:
             raise ValueError(f"bad RNG layout slot {slot!r:.60}")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0 or _slot_bytes(dtype, numel) > _MAX_SLOT_BYTES:
+        if (
+            isinstance(numel, bool)
+            or not isinstance(numel, int)
+            or numel < 0
+            or _slot_bytes(dtype, numel) > _MAX_SLOT_BYTES
+        ):
             raise ValueError(f"RNG layout slot {name!r}: count must be an integer of at most {_MAX_SLOT_BYTES} bytes")
         want = _slot_spec(name)
         if want is None or dtype != want[0] or (want[1] is not None and numel != want[1]):
@@ -169,9 +174,13 @@ def check_layout(raw: Any) -> RngLayout:
 
 #: The generators a row may hold: name -> (dtype, count; ``None``: any bounded count).
 _SLOTS: dict[str, tuple[str, int | None]] = {
-    "python": ("int64", 625), "python_gauss": ("float64", 2), "numpy": ("int64", 624),
-    "numpy_pos": ("int64", 2), "numpy_gauss": ("float64", 1), "torch": ("uint8", None),
-}  # fmt: skip
+    "python": ("int64", 625),
+    "python_gauss": ("float64", 2),
+    "numpy": ("int64", 624),
+    "numpy_pos": ("int64", 2),
+    "numpy_gauss": ("float64", 1),
+    "torch": ("uint8", None),
+}
 #: Slots restored together: one without the others cannot be set.
 _GROUPS = (("python", "python_gauss"), ("numpy", "numpy_pos", "numpy_gauss"))
 
@@ -209,7 +218,9 @@ def check_rng(state: dict[str, torch.Tensor]) -> None:
         spec = _slot_spec(name)
         flat = value.reshape(-1)
         if spec is None or flat.dtype != _DTYPES[spec[0]] or (spec[1] is not None and flat.numel() != spec[1]):
-            raise ValueError(f"generator state {name!r} is {flat.dtype} x {flat.numel()}, not a form this version knows")
+            raise ValueError(
+                f"generator state {name!r} is {flat.dtype} x {flat.numel()}, not a form this version knows"
+            )
     _check_values(state)
     if "python" in state:
         random.Random().setstate(_python_state(state))
@@ -241,7 +252,10 @@ def _check_values(state: dict[str, torch.Tensor]) -> None:
     if "numpy" in state:
         keys, (pos, has_gauss) = state["numpy"], (int(x) for x in state["numpy_pos"].tolist())
         need(bool(((keys >= 0) & (keys < 1 << 32)).all()), "numpy: a word is not 32-bit")
-        need(0 <= pos <= _MT_WORDS and has_gauss in (0, 1), f"numpy_pos: position {pos} or gauss flag {has_gauss} is out of range")
+        need(
+            0 <= pos <= _MT_WORDS and has_gauss in (0, 1),
+            f"numpy_pos: position {pos} or gauss flag {has_gauss} is out of range",
+        )
 
 
 def _python_state(state: dict[str, torch.Tensor]) -> tuple:
@@ -294,7 +308,9 @@ def unpack_rng(row: torch.Tensor, layout: RngLayout) -> dict[str, torch.Tensor]:
     """
     flat = row.reshape(-1)
     if flat.dtype != torch.uint8 or flat.numel() != row_width(layout):
-        raise ValueError(f"an RNG row of {flat.numel()} {flat.dtype} values, the layout needs {row_width(layout)} uint8")
+        raise ValueError(
+            f"an RNG row of {flat.numel()} {flat.dtype} values, the layout needs {row_width(layout)} uint8"
+        )
     present = flat[: len(layout)].tolist()
     if any(p not in (0, 1) for p in present):
         raise ValueError("an RNG row's presence bytes must be 0 or 1")

@@ -174,8 +174,7 @@ def _build_config(cls: type, options: Mapping[str, Any], backend: str, spellings
         hints = [f"{k} -> {spellings[k]}" for k in unknown if spellings and k in spellings]
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)} for the {backend} backend; "
-            f"known options: {', '.join(sorted(known)) or 'none'}"
-            + (f" (use: {'; '.join(hints)})" if hints else "")
+            f"known options: {', '.join(sorted(known)) or 'none'}" + (f" (use: {'; '.join(hints)})" if hints else "")
         )
     return cls(**options)
 

@@ -15,6 +15,7 @@ __all__ = ["BODIES", "FILL_PIECE", "b64", "crc32", "crc32_b64", "fill"]
 #: (docs/benchmarks.md, "Constants in storage/").
 FILL_PIECE = 256 << 10
 
+
 def _load_crc32() -> Any:
     """ISA-L's CRC-32 (``isal``), else zlib's: the same checksum (S3's ``CRC32``).
 

@@ -79,7 +79,9 @@ def _new_client(cfg: S3Config, *, sign_payload: bool | None) -> Any:
         return cfg.session.client("s3", endpoint_url=cfg.endpoint_url, config=botocore_config)
     with _session_lock:
         # Explicit credentials (never combined with a session) override the chain for this client.
-        return _default_session().client("s3", endpoint_url=cfg.endpoint_url, config=botocore_config, **cfg.credentials())
+        return _default_session().client(
+            "s3", endpoint_url=cfg.endpoint_url, config=botocore_config, **cfg.credentials()
+        )
 
 
 def _default_session() -> Any:

@@ -111,7 +111,9 @@ class S3Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 raise ValueError(f"{name} must be a number of seconds in (0, 86400], got {value!r}")
         age = self.stale_upload_age
-        if age is not None and (isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= 365 * 86400):
+        if age is not None and (
+            isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= 365 * 86400
+        ):
             raise ValueError(f"stale_upload_age must be None or a number of seconds in [0, 1 year], got {age!r}")
         _check_credentials(self)
         if self.client is not None:
@@ -121,9 +123,7 @@ class S3Config:
             if self.addressing_style != "auto":
                 own.append("addressing_style")
             if own:
-                raise ValueError(
-                    f"{', '.join(own)} cannot be combined with client: configure the client itself"
-                )
+                raise ValueError(f"{', '.join(own)} cannot be combined with client: configure the client itself")
             meta = getattr(self.client, "meta", None)
             if getattr(getattr(meta, "service_model", None), "service_name", None) != "s3":
                 raise TypeError(f"client must be a boto3 S3 client, got {type(self.client).__name__}")

@@ -49,7 +49,9 @@ def delete_keys(store: S3Store, keys: Sequence[str]) -> None:
         except _NoBatchDelete:
             # A server without DeleteObjects (Google Cloud Storage's XML API, some gateways):
             # one DeleteObject per key, as before batches existed.
-            log.info("%s does not support DeleteObjects: deleting %d object(s) one at a time", store.uri, len(keys) - start)
+            log.info(
+                "%s does not support DeleteObjects: deleting %d object(s) one at a time", store.uri, len(keys) - start
+            )
             for key in keys[start:]:
                 store.call("deleting", key, lambda: store.client().delete_object(Bucket=store.bucket, Key=key))
             return
@@ -57,7 +59,6 @@ def delete_keys(store: S3Store, keys: Sequence[str]) -> None:
 
 class _NoBatchDelete(CheckpointError):
     """The server answered ``DeleteObjects`` with ``NotImplemented`` (HTTP 501)."""
-
 
 
 def _delete_batch(store: S3Store, keys: list[str]) -> None:

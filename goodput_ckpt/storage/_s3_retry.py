@@ -47,13 +47,24 @@ T = TypeVar("T")
 #: Error codes S3 and compatible servers use for throttling or a transient server-side fault.
 _TRANSIENT_CODES = frozenset(
     {
-        "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-        "TooManyRequests", "TooManyRequestsException", "RequestLimitExceeded", "RequestTimeout",
-        "RequestTimeoutException", "InternalError", "ServiceUnavailable", "BandwidthLimitExceeded",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "BandwidthLimitExceeded",
         "ConditionalRequestConflict",  # another conditional write to the key is in progress
-        "BadDigest", "XAmzContentSHA256Mismatch",  # the body was damaged in transit: send it again
+        "BadDigest",
+        "XAmzContentSHA256Mismatch",  # the body was damaged in transit: send it again
     }
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -193,4 +204,6 @@ def call_with_retries(
             if stop is None:
                 time.sleep(delay)
             elif stop.wait(delay):
-                raise CheckpointError(f"{what} {where} failed: {describe(e)}; another part of the same file failed", path=where) from e
+                raise CheckpointError(
+                    f"{what} {where} failed: {describe(e)}; another part of the same file failed", path=where
+                ) from e

@@ -56,7 +56,9 @@ def abort_stale_uploads(store: S3Store, *, older_than: float, recursive: bool = 
             store.call(
                 "aborting the stale multipart upload of",
                 key,
-                lambda: ignore_no_such_upload(lambda: client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)),
+                lambda: ignore_no_such_upload(
+                    lambda: client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+                ),
             )
             aborted.append(key)
             log.info("aborted a stale multipart upload of %s (idle for over %s s)", store.where(key), older_than)

@@ -98,7 +98,8 @@ class S3Sink:
             return
         if n > self._unit:
             raise CheckpointError(
-                f"write of {n} bytes to {self._where} exceeds the part size {self._unit} (a writer bug)", path=self._where
+                f"write of {n} bytes to {self._where} exceeds the part size {self._unit} (a writer bug)",
+                path=self._where,
             )
         upload_id = self._ensure_upload()
         for start in range(0, n, self._split):
@@ -167,7 +168,9 @@ class S3Sink:
                 self._store.call(
                     "aborting the multipart upload of",
                     self._key,
-                    lambda: ignore_no_such_upload(lambda: client.abort_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id)),
+                    lambda: ignore_no_such_upload(
+                        lambda: client.abort_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id)
+                    ),
                 )
             if was_closed or self._put_size is not None:
                 self._store.call("deleting", self._key, lambda: client.delete_object(Bucket=bucket, Key=self._key))
@@ -182,7 +185,10 @@ class S3Sink:
         extra = {"ChecksumCRC32": b64(crc)} if self._store.config.checksums else {}
         for attempt in range(1, SHORT_OBJECT_ATTEMPTS + 1):
             self._store.call(
-                "writing", self._key, lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra), stop=self._failed
+                "writing",
+                self._key,
+                lambda: client.put_object(Bucket=bucket, Key=self._key, Body=body, **extra),
+                stop=self._failed,
             )
             stored = self._store.size_of_key(self._key)
             if stored is None:
@@ -191,7 +197,9 @@ class S3Sink:
             if stored == len(body):
                 return
             if attempt < SHORT_OBJECT_ATTEMPTS:
-                log.warning("%s was stored with %s bytes instead of %d; sending it again", self._where, stored, len(body))
+                log.warning(
+                    "%s was stored with %s bytes instead of %d; sending it again", self._where, stored, len(body)
+                )
         raise self._short_object(stored, len(body))
 
     def _vanished(self) -> None:
@@ -214,7 +222,9 @@ class S3Sink:
         if self._state != "open":
             raise CheckpointError(f"{self._where} is already {self._state}", path=self._where)
         if self._error is not None:
-            raise CheckpointError(f"an earlier part of {self._where} failed: {self._error}", path=self._where) from self._error
+            raise CheckpointError(
+                f"an earlier part of {self._where} failed: {self._error}", path=self._where
+            ) from self._error
 
     def _acquire_slot(self, slots: threading.BoundedSemaphore) -> None:
         # Waits in short steps so that a failure elsewhere in the file stops the wait.
@@ -260,7 +270,9 @@ class S3Sink:
             resp = self._store.call(
                 f"uploading part {number} of",
                 self._key,
-                lambda: client.upload_part(Bucket=bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body, **extra),
+                lambda: client.upload_part(
+                    Bucket=bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body, **extra
+                ),
                 stop=self._failed,
             )
             with self._lock:
@@ -309,7 +321,9 @@ class S3Sink:
 
         def complete() -> None:
             try:
-                client.complete_multipart_upload(Bucket=bucket, Key=self._key, UploadId=upload_id, MultipartUpload=listing)
+                client.complete_multipart_upload(
+                    Bucket=bucket, Key=self._key, UploadId=upload_id, MultipartUpload=listing
+                )
             except Exception as e:
                 # A retried completion whose first attempt succeeded (its response was lost)
                 # finds no upload: the object must then exist with exactly our size.
@@ -317,6 +331,7 @@ class S3Sink:
                     raise
                 if self._store.size_of_key(self._key) != size:
                     raise
+
         self._store.call("completing the multipart upload of", self._key, complete)
         stored = self._store.size_of_key(self._key)
         if stored is None:

@@ -102,5 +102,7 @@ def delete_markers(volume: VolumeStore, files: Sequence[str]) -> None:
         _log.warning(
             "%s: %d upload marker(s) are still listed after their deletion (first: %s); "
             "the checkpoint is committed, the markers can be deleted by hand",
-            volume.uri, len(markers), markers[0],
-        )  # fmt: skip
+            volume.uri,
+            len(markers),
+            markers[0],
+        )

@@ -34,17 +34,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .direct_read import DirectSource, os_error
 from .base import (
     SMALL_FILE_LIMIT,
-    read_capped,
     Buffer,
     StoreTraits,
     check_relative_name,
     committed_elsewhere_error,
     drop_done,
+    read_capped,
     too_large_error,
 )
+from .direct_read import DirectSource, os_error
 
 __all__ = ["LocalConfig", "LocalStore"]
 
@@ -251,9 +251,7 @@ class LocalStore:
     # -- Store -----------------------------------------------------------------------------
     def prepare(self) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise CheckpointError(
-                f"checkpoint location {self.uri} exists and is not a directory", path=self.uri
-            )
+            raise CheckpointError(f"checkpoint location {self.uri} exists and is not a directory", path=self.uri)
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:

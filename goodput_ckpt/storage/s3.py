@@ -41,20 +41,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
+from ._s3_bodies import crc32_b64
 from ._s3_client import make_client
 from ._s3_config import DEFAULT_PART_SIZE, MIN_PART_SIZE, S3Config
 from ._s3_delete import delete_keys
 from ._s3_download import S3Source
 from ._s3_retry import call_with_retries, client_error_code, is_not_found
 from ._s3_stale import abort_stale_uploads
-from ._s3_bodies import crc32_b64
 from ._s3_upload import S3Sink
 from .base import (
     SMALL_FILE_LIMIT,
-    read_capped,
     StoreTraits,
     check_relative_name,
     committed_elsewhere_error,
+    read_capped,
     redact,
     too_large_error,
 )
@@ -63,6 +63,7 @@ __all__ = ["MIN_PART_SIZE", "S3Config", "S3Store", "parse_s3_uri"]
 
 T = TypeVar("T")
 log = logging.getLogger("goodput_ckpt.storage.s3")
+
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://bucket/prefix`` (the prefix without slashes at its ends).
@@ -168,7 +169,9 @@ class S3Store:
         translate: Callable[[BaseException], BaseException | None] | None = None,
     ) -> T:
         """Run one request with retries (see :func:`~._s3_retry.call_with_retries`)."""
-        return call_with_retries(fn, policy=self._policy, what=what, where=self.where(key), stop=stop, translate=translate)
+        return call_with_retries(
+            fn, policy=self._policy, what=what, where=self.where(key), stop=stop, translate=translate
+        )
 
     # -- names -------------------------------------------------------------------------------
     def key(self, name: str) -> str:

@@ -280,15 +280,19 @@ class StagedStore:
                     "the checkpoint was not committed on the volume",
                     path=self.uri,
                 ) from e
-        wait_for_markers(self.inner, [f for f in files if f not in own], deadline=deadline, timeout_s=self.commit_timeout_s)
+        wait_for_markers(
+            self.inner, [f for f in files if f not in own], deadline=deadline, timeout_s=self.commit_timeout_s
+        )
         self.inner.put_commit_record(name, data, replace=replace)
         try:  # committed: what is left is clean-up, which must not turn the save into a failure
             delete_markers(self.inner, files)
         except (OSError, CheckpointError) as e:
             _log.warning(
                 "%s: the checkpoint is committed, but deleting its upload markers failed (%s); "
-                "they can be deleted by hand", self.uri, e,
-            )  # fmt: skip
+                "they can be deleted by hand",
+                self.uri,
+                e,
+            )
         self._prune_stage()
 
     def _prune_stage(self) -> None:

@@ -46,8 +46,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError
 from .base import Buffer, StoreTraits, committed_elsewhere_error, drop_done, out_of_order_error
-from .direct_read import DirectSource
-from .direct_read import os_error
+from .direct_read import DirectSource, os_error
 from .local import LocalStore
 
 __all__ = ["VolumeConfig", "VolumeStore"]

@@ -7,7 +7,6 @@ run the installed console script to see exactly what a user sees.
 from __future__ import annotations
 
 import argparse
-
 import io
 import json
 import os
@@ -23,8 +22,8 @@ from helpers.samples import Opaque, copy_ckpt, flip_byte, item_range, manifest
 from goodput_ckpt import __version__
 from goodput_ckpt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from goodput_ckpt.cli._output import Output, parse_size
-from goodput_ckpt.format.manifest import FORMAT_VERSION
 from goodput_ckpt.format import MANIFEST_NAME
+from goodput_ckpt.format.manifest import FORMAT_VERSION
 
 SCRIPT = shutil.which("goodput-ckpt", path=str(Path(sys.executable).parent)) or "goodput-ckpt"
 
@@ -81,7 +80,16 @@ def test_verify_incomplete(incomplete):
 def test_inspect(sample_ckpt, incomplete, tmp_path):
     code, out, _ = run("inspect", sample_ckpt[0])
     assert code == 0
-    for text in (f"goodput-ckpt, format version {FORMAT_VERSION}", "step        100", "world size  1", "SECTION", "optimizer", "KEY", "model.embed.weight", "1001x64"):
+    for text in (
+        f"goodput-ckpt, format version {FORMAT_VERSION}",
+        "step        100",
+        "world size  1",
+        "SECTION",
+        "optimizer",
+        "KEY",
+        "model.embed.weight",
+        "1001x64",
+    ):
         assert text in out, text
     code, out, _ = run("inspect", sample_ckpt[0], "--keys", "rng.*", "--json")
     doc = json.loads(out)
@@ -114,7 +122,11 @@ def test_ls(sample_ckpt, tmp_path):
     assert code == 1 and "latest complete: 10" in out and "corrupt" in out and "checksum" in err
     code, out, _ = run("ls", root, "--json")
     doc = json.loads(out)
-    assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(10, "complete"), (20, "complete"), (30, "incomplete")]
+    assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [
+        (10, "complete"),
+        (20, "complete"),
+        (30, "incomplete"),
+    ]
     assert doc["latest_complete"] == 20
     assert run("ls", tmp_path / "nothing")[0] == 2
 
@@ -125,7 +137,9 @@ def test_reshard(sample_ckpt, corrupt, tmp_path):
     code, out, _ = run("reshard", src, tmp_path / "w2", "--world-size", "2", "--rank-state", "keep")
     assert code == 0 and "1 rank) ->" in out and "(2 ranks)" in out
     assert manifest(tmp_path / "w2")["world_size"] == 2
-    code, out, _ = run("reshard", src, tmp_path / "w3", "-w", "3", "--rank-state", "drop", "--json", "--chunk-size", "64KiB")
+    code, out, _ = run(
+        "reshard", src, tmp_path / "w3", "-w", "3", "--rank-state", "drop", "--json", "--chunk-size", "64KiB"
+    )
     doc = json.loads(out)
     assert code == 0 and doc["world_size"] == 3 and len(doc["files"]) == 3 and doc["gbps"] >= 0
     code, _, err = run("reshard", src, tmp_path / "w4", "--world-size", "4")  # auto refuses: per-rank state

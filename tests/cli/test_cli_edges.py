@@ -27,8 +27,10 @@ def test_a_closed_stdout_pipe_exits_quietly(sample_ckpt):
     env = dict(os.environ, PYTHONPATH=REPO)
     p = subprocess.Popen(
         [sys.executable, "-m", "goodput_ckpt.cli", "inspect", str(sample_ckpt[0])],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == EXIT_PIPE, err
@@ -49,7 +51,9 @@ def test_the_overwrite_hint_fits_the_caller(sample_ckpt, tmp_path):
 
 
 def test_shard_size_with_a_single_safetensors_file_is_refused(sample_ckpt, tmp_path):
-    code, _, err = run("convert", sample_ckpt[0], tmp_path / "m.safetensors", "--to", "safetensors", "--shard-size", "1MB")
+    code, _, err = run(
+        "convert", sample_ckpt[0], tmp_path / "m.safetensors", "--to", "safetensors", "--shard-size", "1MB"
+    )
     assert code == EXIT_USAGE and "single .safetensors file" in err
     assert not (tmp_path / "m.safetensors").exists()
 

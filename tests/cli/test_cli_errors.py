@@ -76,8 +76,15 @@ def test_hostile_foreign_inputs_are_exit_1(tmp_path):
     d.mkdir()
     raw = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
     (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
-    side = {"format": "goodput-ckpt.objects", "version": 1, "planner_data": None, "metadata": {},
-            "objects": {"t": {"$tensor": {"dtype": "float32", "shape": [-2, -2], "data": base64.b64encode(bytes(16)).decode()}}}}  # fmt: skip
+    side = {
+        "format": "goodput-ckpt.objects",
+        "version": 1,
+        "planner_data": None,
+        "metadata": {},
+        "objects": {
+            "t": {"$tensor": {"dtype": "float32", "shape": [-2, -2], "data": base64.b64encode(bytes(16)).decode()}}
+        },
+    }
     (d / "model.objects.json").write_text(json.dumps(side))
     code, _, err = run("convert", d, tmp_path / "o2", "--to", "goodput")
     assert code == EXIT_FAILED and "Traceback" not in err and "shape" in err

@@ -38,7 +38,12 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a[:1] + a[2:3]))
 @pytest.mark.parametrize(
     "name, kind",
-    [("a.pt", "a torch.save file"), ("legacy.pt", "a torch.save file"), ("m.safetensors", "a safetensors file"), ("notes.txt", "a file")],
+    [
+        ("a.pt", "a torch.save file"),
+        ("legacy.pt", "a torch.save file"),
+        ("m.safetensors", "a safetensors file"),
+        ("notes.txt", "a file"),
+    ],
 )
 def test_every_command_names_the_file_type_and_exits_2(files, tmp_path, argv, name, kind):
     f = files / name

@@ -44,8 +44,12 @@ def _on_pty(argv, tmp_path, *, size=(100, 24), delay=0.0, timeout=300.0) -> tupl
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", LAUNCH.format(delay=delay), *map(str, argv)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=slave, env=env, cwd=tmp_path,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=slave,
+            env=env,
+            cwd=tmp_path,
+        )
     os.close(slave)
     chunks = []
     deadline = time.monotonic() + timeout
@@ -111,7 +115,9 @@ def test_the_bench_draws_one_bar_with_its_lines_above(tmp_path):
     code, _, text = _on_pty(["bench", tmp_path, "--size", "8MiB", "--repeats", "1", "--quiet", "0"], tmp_path)
     assert code == 0, text
     assert "bench" in _bars(text) and "[1/1] goodput: save, load, verify" in text, text
-    code, stdout, text = _on_pty(["bench", tmp_path, "--size", "8MiB", "--repeats", "1", "--quiet", "0", "--json"], tmp_path)
+    code, stdout, text = _on_pty(
+        ["bench", tmp_path, "--size", "8MiB", "--repeats", "1", "--quiet", "0", "--json"], tmp_path
+    )
     assert code == 0 and json.loads(stdout)["schema"] and not _bars(text), text
 
 
@@ -123,8 +129,13 @@ def test_a_terminal_that_reports_no_size_still_gets_a_bar(root, tmp_path):
 
 def test_nothing_on_a_pipe(root, tmp_path):
     launch = LAUNCH.format(delay=0.0)
-    p = subprocess.run([sys.executable, "-c", launch, "verify", str(root / "root" / "step_00000010")],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", launch, "verify", str(root / "root" / "step_00000010")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0 and "%|" not in p.stderr and not _bars(p.stderr), p.stderr
 
 
@@ -138,7 +149,9 @@ def test_the_delay_counts_from_the_command_start():
             late = _output._Bar(tty, time.monotonic() - 10 * _output.BAR_DELAY)
             late.start(1 << 20, "write")
             late.close()
-            fresh = _output._Bar(tty, time.monotonic() + 3600)  # a command that "started" in the future never reaches the delay
+            fresh = _output._Bar(
+                tty, time.monotonic() + 3600
+            )  # a command that "started" in the future never reaches the delay
             fresh.start(1 << 20, "verify")
             fresh.advance(1 << 19)
             fresh.close()

@@ -23,10 +23,12 @@ def test_human_rate_and_seconds():
 def test_small_conversions_reshards_and_verifies_print_a_readable_rate(tmp_path):
     torch.save({"w": torch.arange(32.0)}, tmp_path / "a.pt")
     lines = []
-    for argv in (["convert", tmp_path / "a.pt", tmp_path / "g", "--to", "goodput"],
-                 ["convert", tmp_path / "g", tmp_path / "b.pt", "--to", "torch"],
-                 ["reshard", tmp_path / "g", tmp_path / "r", "--world-size", "2"],
-                 ["verify", tmp_path / "r"]):  # fmt: skip
+    for argv in (
+        ["convert", tmp_path / "a.pt", tmp_path / "g", "--to", "goodput"],
+        ["convert", tmp_path / "g", tmp_path / "b.pt", "--to", "torch"],
+        ["reshard", tmp_path / "g", tmp_path / "r", "--world-size", "2"],
+        ["verify", tmp_path / "r"],
+    ):
         out = io.StringIO()
         assert main([str(a) for a in argv], stdout=out, stderr=io.StringIO()) == 0
         lines.append(out.getvalue().splitlines()[0])

@@ -18,7 +18,9 @@ def _run(*argv):
 
 
 def test_plan_text_and_json():
-    code, out, _ = _run("plan", "--stall", "2s", "--restore", "90s", "--restart", "5m", "--mtbf", "3h", "--current-interval", "1h")
+    code, out, _ = _run(
+        "plan", "--stall", "2s", "--restore", "90s", "--restart", "5m", "--mtbf", "3h", "--current-interval", "1h"
+    )
     assert code == 0 and "optimal (Daly)" in out and "current" in out
     code, out, _ = _run("plan", "--stall", "2s", "--gpus", "4096", "--gpu-failures-per-hour", "2e-5", "--json")
     doc = json.loads(out)
@@ -56,7 +58,9 @@ def test_parse_duration():
 def bench_json(tmp_path_factory):
     """The --json output of a real (small) `goodput-ckpt bench`, written to a file."""
     where = tmp_path_factory.mktemp("bench")
-    code, out, err = _run("bench", str(where / "scratch"), "--size", "8MiB", "--repeats", "1", "--json", "--no-progress")
+    code, out, err = _run(
+        "bench", str(where / "scratch"), "--size", "8MiB", "--repeats", "1", "--json", "--no-progress"
+    )
     assert code == 0, err
     path = where / "bench.json"
     path.write_text(out)
@@ -75,7 +79,9 @@ def test_plan_from_bench(bench_json):
     assert plan_doc["inputs"]["persist"] == pytest.approx(persist)
     assert plan_doc["from_bench"]["method"] == "goodput" and plan_doc["from_bench"]["size_bytes"] == doc["size_bytes"]
     # Explicit flags override the measured figures; the others still come from the report.
-    code, out, _ = _run("plan", "--from-bench", str(path), "--mtbf", "3h", "--stall", "2s", "--restore", "90s", "--json")
+    code, out, _ = _run(
+        "plan", "--from-bench", str(path), "--mtbf", "3h", "--stall", "2s", "--restore", "90s", "--json"
+    )
     inputs = json.loads(out)["inputs"]
     assert (inputs["stall"], inputs["restore"]) == (2.0, 90.0) and inputs["persist"] == pytest.approx(persist)
     code, out, _ = _run("plan", "--from-bench", str(path), "--mtbf", "3h", "--stall", "2s")
@@ -114,8 +120,27 @@ def test_plan_from_a_real_manager_timeline(tmp_path):
     assert code == 2 and "not both" in err and "Traceback" not in err
 
 
-TWO_LEVEL = ("plan", "--local-stall", "2s", "--replicate", "8s", "--local-restore", "30s", "--persist-stall", "20s",
-             "--persist", "3m", "--restore", "5m", "--restart", "4m", "--node-mtbf", "4h", "--job-mtbf", "3d")  # fmt: skip
+TWO_LEVEL = (
+    "plan",
+    "--local-stall",
+    "2s",
+    "--replicate",
+    "8s",
+    "--local-restore",
+    "30s",
+    "--persist-stall",
+    "20s",
+    "--persist",
+    "3m",
+    "--restore",
+    "5m",
+    "--restart",
+    "4m",
+    "--node-mtbf",
+    "4h",
+    "--job-mtbf",
+    "3d",
+)
 
 
 def test_plan_two_levels_text_and_json():
@@ -127,8 +152,18 @@ def test_plan_two_levels_text_and_json():
     code, out, _ = _run(*TWO_LEVEL, "--json")
     doc = json.loads(out)
     assert code == 0
-    assert set(doc) == {"inputs", "local_interval", "persist_every", "persistent_period", "goodput", "bound",
-                        "one_level", "gain", "options", "from_bench"}  # fmt: skip
+    assert set(doc) == {
+        "inputs",
+        "local_interval",
+        "persist_every",
+        "persistent_period",
+        "goodput",
+        "bound",
+        "one_level",
+        "gain",
+        "options",
+        "from_bench",
+    }
     assert doc["inputs"]["node_mtbf"] == 4 * 3600 and doc["inputs"]["persist"] == 180
     assert isinstance(doc["persist_every"], int) and doc["persist_every"] > 1
     assert doc["goodput"] > doc["one_level"]["goodput_at_optimum"]
@@ -148,11 +183,17 @@ def test_plan_two_levels_without_node_failures():
 def test_plan_two_levels_from_bench(bench_json):
     path, doc = bench_json
     ours = doc["methods"][0]
-    code, out, err = _run("plan", "--from-bench", str(path), "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--json")
+    code, out, err = _run(
+        "plan", "--from-bench", str(path), "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--json"
+    )
     assert code == 0, err
     inputs = json.loads(out)["inputs"]
-    assert inputs["restore"] == ours["median"]["load_s"] and inputs["local_stall"] == 1.0  # the persistent tier's figures
-    code, out, _ = _run("plan", "--from-bench", str(path), "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d")
+    assert (
+        inputs["restore"] == ours["median"]["load_s"] and inputs["local_stall"] == 1.0
+    )  # the persistent tier's figures
+    code, out, _ = _run(
+        "plan", "--from-bench", str(path), "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d"
+    )
     assert code == 0 and out.startswith(f"from {path} (goodput, 8.0 MiB state on local): persist ")
 
 
@@ -162,11 +203,31 @@ def test_plan_two_levels_from_bench(bench_json):
         (("plan", "--local-stall", "1s", "--job-mtbf", "3d"), "needs --node-mtbf"),
         (("plan", "--node-mtbf", "4h", "--job-mtbf", "3d"), "needs --local-stall"),
         (("plan", "--local-stall", "1s", "--node-mtbf", "4h"), "needs --job-mtbf"),
-        (("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--mtbf", "3h"), "--mtbf: only for the one-level plan"),
-        (("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--stall", "1s", "--current-interval", "1h"),
-         "--stall, --current-interval: only for the one-level plan"),
+        (
+            ("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--mtbf", "3h"),
+            "--mtbf: only for the one-level plan",
+        ),
+        (
+            (
+                "plan",
+                "--local-stall",
+                "1s",
+                "--node-mtbf",
+                "4h",
+                "--job-mtbf",
+                "3d",
+                "--stall",
+                "1s",
+                "--current-interval",
+                "1h",
+            ),
+            "--stall, --current-interval: only for the one-level plan",
+        ),
         (("plan", "--local-stall", "1s", "--node-mtbf", "0s", "--job-mtbf", "3d"), "node_mtbf must be a positive"),
-        (("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--max-persist-every", "0"), "max_persist_every"),
+        (
+            ("plan", "--local-stall", "1s", "--node-mtbf", "4h", "--job-mtbf", "3d", "--max-persist-every", "0"),
+            "max_persist_every",
+        ),
         (("plan", "--stall", "1s"), "give --mtbf, or --gpus"),
     ],
 )

@@ -16,8 +16,6 @@ from goodput_ckpt.data import ElasticSampler
 BATCH = 2
 
 
-
-
 def _loader(n: int, rank: int, world: int, batch: int = BATCH, **kwargs):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -40,7 +38,9 @@ def train_and_save(rank: int, world: int, root: str, n: int, save_after: int | N
             mgr.save(i, model=model, dataloader=loader)
 
 
-def resume_and_read(rank: int, world: int, root: str, n: int, epochs: int, batch: int, opts: dict, out: str, jump_to: int | None) -> None:
+def resume_and_read(
+    rank: int, world: int, root: str, n: int, epochs: int, batch: int, opts: dict, out: str, jump_to: int | None
+) -> None:
     """Restore, then the loop of docs/guide.md: ``for epoch in range(sampler.epoch, epochs)``,
     ``set_epoch(epoch)`` (or first ``set_epoch(jump_to)`` when given), recording every sample
     id read with its epoch."""

@@ -31,7 +31,20 @@ def _needs_weed_and_restores_env():
 
 def test_tiny_run_measures_or_skips_every_peer(tmp_path, capsys):
     out = tmp_path / "loaders.json"
-    args = ["--size", "2MiB", "--shards", "2", "--seq-len", "1024", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
+    args = [
+        "--size",
+        "2MiB",
+        "--shards",
+        "2",
+        "--seq-len",
+        "1024",
+        "--repeats",
+        "1",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     assert bench_loaders.main(args) == 0
     report = json.loads(out.read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loaders.json"]

@@ -135,7 +135,10 @@ def test_each_shard_is_opened_once_whatever_read_ahead(tmp_path):
         tasks = [(i, p, min(4, 10 - p), p + 4 >= 10) for i in range(3) for p in range(0, 10, 4)]
         pool = BlockPool(4, SEQ, np.uint16, keep=4)
         with ThreadPoolExecutor(ahead) if ahead else nullcontext() as threads:
-            got = [(i, p, rows.shape[0]) for i, p, rows, _buf in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)]
+            got = [
+                (i, p, rows.shape[0])
+                for i, p, rows, _buf in _blocks.read_blocks(threads, pool, tasks, open_source, max(ahead, 1), SEQ * 2)
+            ]
         assert got == [t[:3] for t in tasks]
         assert opened == [0, 1, 2], f"read_ahead={ahead}: each shard opened once"
 
@@ -228,7 +231,13 @@ def test_reads_of_several_blocks_fetch_consecutive_blocks_of_one_shard(tmp_path,
     got, waiting = [], []
     with ThreadPoolExecutor(ahead) as threads:
         for i, p, rows, _buf in _blocks.read_blocks(
-            threads, pool, tasks, lambda i: _CountingSource(store.open_source(f"s{i}.bin"), log), ahead, SEQ * 2, per_request
+            threads,
+            pool,
+            tasks,
+            lambda i: _CountingSource(store.open_source(f"s{i}.bin"), log),
+            ahead,
+            SEQ * 2,
+            per_request,
         ):
             waiting.append(taken[0] - len(got) - 1)  # buffers being read or queued beside this one
             got.append((i, p, rows.clone()))
@@ -292,5 +301,7 @@ def test_a_failed_read_of_several_blocks_raises_and_gives_back_every_buffer(tmp_
     assert not out, "every buffer taken was given back"
     before = pool.allocated
     with ThreadPoolExecutor(4) as threads:
-        n = sum(1 for _ in _blocks.read_blocks(threads, pool, tasks, lambda i: store.open_source("s0.bin"), 4, SEQ * 2, 2))
+        n = sum(
+            1 for _ in _blocks.read_blocks(threads, pool, tasks, lambda i: store.open_source("s0.bin"), 4, SEQ * 2, 2)
+        )
     assert n == 6 and pool.allocated == before, "the failed pass's buffers were all given back"

@@ -19,10 +19,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import elastic_job  # noqa: E402
 import numpy as np
 import pytest
-
-import elastic_job  # noqa: E402
 
 from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port  # noqa: E402
 
@@ -42,11 +41,33 @@ def _launch(
 ) -> JobLaunch:
     port = free_port()
     cmds = [
-        [sys.executable, str(JOB), "--rank", str(r), "--world-size", str(ws), "--port", str(port),
-         "--workers", str(workers), "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--batch", str(batch),
-         "--root", str(root), "--log", str(log), "--tag", tag, *(["--tokens", str(tokens)] if tokens else [])]
+        [
+            sys.executable,
+            str(JOB),
+            "--rank",
+            str(r),
+            "--world-size",
+            str(ws),
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--steps",
+            str(steps),
+            "--save-every",
+            str(SAVE_EVERY),
+            "--batch",
+            str(batch),
+            "--root",
+            str(root),
+            "--log",
+            str(log),
+            "--tag",
+            tag,
+            *(["--tokens", str(tokens)] if tokens else []),
+        ]
         for r in range(ws)
-    ]  # fmt: skip
+    ]
     # The job imports goodput_ckpt from this checkout, whatever the installed one is.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return JobLaunch(cmds, str(logs), tag, env=env)

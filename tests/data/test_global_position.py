@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-
 from helpers.datasets import Ids
 
 from goodput_ckpt.data import ElasticSampler
@@ -144,7 +143,9 @@ def test_shares_and_advances_match_a_set_model_over_random_restarts(drop_last):
         for _ in range(rng.randint(1, 5)):
             w = rng.randint(1, 9)
             pending = [q for q in range(n) if q not in done]
-            shares = [[pending[j] for j in rank_share(len(pending), w, r, drop_last=drop_last).tolist()] for r in range(w)]
+            shares = [
+                [pending[j] for j in rank_share(len(pending), w, r, drop_last=drop_last).tolist()] for r in range(w)
+            ]
             for r in range(w):
                 assert pos.share(n, w, r, drop_last=drop_last).tolist() == shares[r]
             low = rng.randint(0, len(shares[0]))

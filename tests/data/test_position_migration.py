@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from helpers.datasets import Ids
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.data.sampler import VERSION
@@ -32,7 +31,9 @@ def test_a_version_1_position_resumes_elastically_on_the_same_samples(name):
     case = CASES[name]
     for world, want in case["expect"].items():
         for r in range(world):
-            s = ElasticSampler(Ids(case["n"]), seed=case["seed"], drop_last=case["drop_last"], num_replicas=world, rank=r)
+            s = ElasticSampler(
+                Ids(case["n"]), seed=case["seed"], drop_last=case["drop_last"], num_replicas=world, rank=r
+            )
             s.elastic_resume(case["states"], batch_size=None)
             assert s.epoch == case["epoch"]
             assert list(s) == want[r], f"{name}: rank {r} of {world}"

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.datasets import Ids
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-
-from helpers.datasets import Ids
 
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.data.global_position import MAX_TAKEN
 from goodput_ckpt.data.position import MAX_SEGMENTS
 from goodput_ckpt.errors import CheckpointError, TopologyChangeError
-
-
 
 
 def _loader(n, ws, rank, *, batch, workers, seed=0, drop_last=True):
@@ -190,7 +187,6 @@ def test_a_hostile_position_is_refused_before_it_drives_work():
     """A saved position is read from a checkpoint: its segment count and bitmap are bounded
     before they drive a loop or an index (a state with 10^5 segments, or a bitmap shorter than
     the epoch, was looped over or failed with an IndexError)."""
-    import torch
 
     from goodput_ckpt.data.position import MAX_SEGMENTS, EpochPosition
 

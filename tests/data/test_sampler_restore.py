@@ -33,7 +33,9 @@ def _run(tmp_path, *, n, save_world, save_after, load_world, epochs, batch=job.B
     root, out = str(tmp_path / "root"), tmp_path / "out"
     out.mkdir()
     run_ranks(job.train_and_save, save_world, root, n, save_after, batch, opts, report_dir=tmp_path / "r1")
-    run_ranks(job.resume_and_read, load_world, root, n, epochs, batch, opts, str(out), jump_to, report_dir=tmp_path / "r2")
+    run_ranks(
+        job.resume_and_read, load_world, root, n, epochs, batch, opts, str(out), jump_to, report_dir=tmp_path / "r2"
+    )
     return [json.loads((out / f"read-rank{r}.json").read_text()) for r in range(load_world)]
 
 

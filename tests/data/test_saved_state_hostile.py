@@ -15,6 +15,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers.budget import TorchWork, counted_calls, python_peak
+from helpers.datasets import Ids as _Ids
+from helpers.hostile_states import cyclic as _cyclic
+from helpers.hostile_states import deflated as _deflated
+from helpers.hostile_states import saved as _saved
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt.data import ElasticSampler, EpochPosition, TokenStream
@@ -23,11 +28,6 @@ from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.state.dataloader import ROW_HEADER, decode_dataloader_row
 from goodput_ckpt.state.per_rank import checked_rng
 from goodput_ckpt.state.rng import capture_rng, check_layout, restore_rng, rng_layout
-
-from helpers.budget import TorchWork, counted_calls, python_peak
-from helpers.hostile_states import cyclic as _cyclic, deflated as _deflated, saved as _saved
-
-from helpers.datasets import Ids as _Ids
 
 N, BATCH = 56, 4
 

@@ -141,7 +141,9 @@ def _check_rows(batches, expect) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("batch,block,ahead", [(4, None, 2), (3, 4, 2), (5, 2, 0), (1, 7, 2), (3, 4, None), (2, 4, 0), (3, 6, None)])
+@pytest.mark.parametrize(
+    "batch,block,ahead", [(4, None, 2), (3, 4, 2), (5, 2, 0), (1, 7, 2), (3, 4, None), (2, 4, 0), (3, 6, None)]
+)
 def test_batched_pass_reads_every_sequence_once_and_keeps_kept_batches(tmp_path, batch, block, ahead):
     """Every batch is kept (list) while the stream goes on reusing buffers: none may change.
     Blocks not a multiple of the batch and shard ends make batches that span blocks/shards."""
@@ -211,7 +213,9 @@ def test_batched_restarts_at_other_world_sizes_worker_counts_and_batch_sizes(tmp
     for ws, workers, batch, steps in ((2, 2, 3, 3), (3, 0, 2, 2), (1, 2, 5, 2), (2, 0, 4, 1000)):
         loaders = []
         for r in range(ws):
-            ds = TokenStream(str(tmp_path), names, seq_len=SEQ, batch_size=batch, block=4, read_ahead=3, num_replicas=ws, rank=r)
+            ds = TokenStream(
+                str(tmp_path), names, seq_len=SEQ, batch_size=batch, block=4, read_ahead=3, num_replicas=ws, rank=r
+            )
             if states is not None:
                 ds.elastic_resume(states)
             loaders.append(StatefulDataLoader(ds, batch_size=None, num_workers=workers))
@@ -305,13 +309,15 @@ def test_a_remote_stream_fetches_several_blocks_per_request(tmp_path, moto, monk
     monkeypatch.setattr(_s3_download.S3Source, "read_into", counted)
     for per_request, want in ((None, tokens._BLOCKS_PER_REQUEST), (2, 2), (1, 1)):
         reads.clear()
-        ds = TokenStream(moto.uri("tok"), names, seq_len=SEQ, block=2, blocks_per_request=per_request, storage_options=moto.options())
+        ds = TokenStream(
+            moto.uri("tok"), names, seq_len=SEQ, block=2, blocks_per_request=per_request, storage_options=moto.options()
+        )
         ids = [int(s[0]) for s in ds]
         assert ids == list(range(total)), "one rank reads its shards in order"
         blocks = [-(-n // 2) for n in LENGTHS]
-        assert sorted(reads) == sorted(
-            min(want, b - g) for b in blocks for g in range(0, b, want)
-        ), f"blocks_per_request={per_request}: one GET per {want} blocks of a shard"
+        assert sorted(reads) == sorted(min(want, b - g) for b in blocks for g in range(0, b, want)), (
+            f"blocks_per_request={per_request}: one GET per {want} blocks of a shard"
+        )
 
 
 def test_blocks_per_request_is_checked(tmp_path):

@@ -18,8 +18,24 @@ pytestmark = [pytest.mark.slow]
 
 def test_tiny_run_kills_resumes_and_reports_both_writers(tmp_path, capsys):
     out = tmp_path / "loop.json"
-    argv = ["--steps", "6", "--every", "2", "--kill-at", "5", "--width", "32", "--layers", "2", "--repeats", "1",
-            "--dir", str(tmp_path), "--json", str(out)]
+    argv = [
+        "--steps",
+        "6",
+        "--every",
+        "2",
+        "--kill-at",
+        "5",
+        "--width",
+        "32",
+        "--layers",
+        "2",
+        "--repeats",
+        "1",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     assert bench_loop.main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop.json"]
     report = json.loads(out.read_text())

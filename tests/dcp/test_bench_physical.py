@@ -23,7 +23,19 @@ pytestmark = [pytest.mark.slow]
 def test_tiny_run_reports_ratios_and_phases(tmp_path, capsys):
     before = (os.pwritev, local_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files)
     out = tmp_path / "physical.json"
-    argv = ["--size", "4MiB", "--repeats", "1", "--threads", "1", "--phases", "--dir", str(tmp_path), "--json", str(out)]
+    argv = [
+        "--size",
+        "4MiB",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--phases",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     assert bench_physical.main(argv) == 0
     assert (os.pwritev, local_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["physical.json"]

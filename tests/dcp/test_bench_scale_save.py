@@ -19,7 +19,9 @@ def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-nocache,torch", "--repeats", "1", "--no-memory"]
     assert bench_scale_save.main([*argv, "--json", str(out)]) == 0
     rows = {r["method"]: r["saves"] for r in json.loads(out.read_text())["rows"]}
-    ours, nocache, torch_ = (({int(k): v["bytes"] for k, v in rows[m].items()}) for m in ("ours", "ours-nocache", "torch"))
+    ours, nocache, torch_ = (
+        ({int(k): v["bytes"] for k, v in rows[m].items()}) for m in ("ours", "ours-nocache", "torch")
+    )
     assert ours[1]["plans gathered"] > 100 * ours[2]["plans gathered"]  # digests, not plans
     assert ours[1]["plans scattered"] > 100 * ours[2]["plans scattered"]  # empty plans
     assert nocache[2]["plans gathered"] == nocache[1]["plans gathered"]

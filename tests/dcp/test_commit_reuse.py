@@ -21,7 +21,12 @@ from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
 def _state(seed: int, note: str = "x") -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(12, 6, generator=g), "b": torch.randn(7, generator=g), "n": torch.tensor(seed), "note": note}
+    return {
+        "w": torch.randn(12, 6, generator=g),
+        "b": torch.randn(7, generator=g),
+        "n": torch.tensor(seed),
+        "note": note,
+    }
 
 
 def _load(path: Path, like: dict) -> dict:

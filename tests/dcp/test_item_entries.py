@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.dcp_saves import fsdp, save, split
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
 
 from goodput_ckpt.dcp.commit_build import build_manifest, forget_layouts
@@ -18,7 +19,6 @@ from goodput_ckpt.dcp.item_entries import _Rows
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.grid import GridChunks
 from goodput_ckpt.format.manifest import ChunkEntry, parse_manifest
-from helpers.dcp_saves import fsdp, save, split
 
 
 def build(md, results, version=2):
@@ -39,7 +39,10 @@ def check(world, tensors, objects=None, plain=()):
                 continue
             got = sorted(e.chunks, key=lambda c: c.offsets)
             want = sorted(
-                (ChunkEntry(o, s, f"rank{where[key, o][0]}.bin", where[key, o][1], where[key, o][2]) for o, s, _ in tensors[key][1]),
+                (
+                    ChunkEntry(o, s, f"rank{where[key, o][0]}.bin", where[key, o][1], where[key, o][2])
+                    for o, s, _ in tensors[key][1]
+                ),
                 key=lambda c: c.offsets,
             )
             assert [c for c in got if c.length] == [c for c in want if c.length], key
@@ -56,7 +59,11 @@ def test_fsdp_uneven_last_shards_are_grids():
 
 def test_fsdp_x_tp_two_dimensional_grid():
     dp, tp = 3, 4
-    boxes = [((o0, o1), (n0, n1), i * tp + j) for i, (o0, n0) in enumerate(split(9, dp)) for j, (o1, n1) in enumerate(split(10, tp))]
+    boxes = [
+        ((o0, o1), (n0, n1), i * tp + j)
+        for i, (o0, n0) in enumerate(split(9, dp))
+        for j, (o1, n1) in enumerate(split(10, tp))
+    ]
     items = check(dp * tp, {"w": ((9, 10), boxes), "b": ((12,), fsdp((12,), 12))})
     assert isinstance(items["w"].chunks, GridChunks) and items["w"].chunks.block == (3, 3)
 

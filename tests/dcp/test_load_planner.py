@@ -32,10 +32,17 @@ from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
 
 def _key(item) -> tuple:
     return (
-        item.type, item.dest_index.fqn, tuple(item.dest_index.offset), item.dest_index.index,
-        tuple(item.dest_offsets), item.storage_index.fqn, tuple(item.storage_index.offset),
-        item.storage_index.index, tuple(item.storage_offsets), tuple(item.lengths),
-    )  # fmt: skip
+        item.type,
+        item.dest_index.fqn,
+        tuple(item.dest_index.offset),
+        item.dest_index.index,
+        tuple(item.dest_offsets),
+        item.storage_index.fqn,
+        tuple(item.storage_index.offset),
+        item.storage_index.index,
+        tuple(item.storage_offsets),
+        tuple(item.lengths),
+    )
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, ...]) -> GridChunks:
@@ -58,7 +65,9 @@ def _random_boxes(rng: random.Random, shape: tuple[int, ...], n: int) -> list[Ch
 )
 def test_grid_reads_equal_torchs(shape, block) -> None:
     grid = _grid(shape, block)
-    md = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape), chunks=_GridChunkList(grid))
+    md = TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape), chunks=_GridChunkList(grid)
+    )
     rng = random.Random(hash((shape, block)) & 0xFFFF)
     for trial in range(40):
         local = _random_boxes(rng, shape, 1 + trial % 3)
@@ -69,8 +78,12 @@ def test_grid_reads_equal_torchs(shape, block) -> None:
 
 def test_explicit_chunks_go_through_torchs_sweep() -> None:
     grid = _grid((37, 5), (10, 5))
-    listed = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size((37, 5)), chunks=list(_GridChunkList(grid)))
-    gridded = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size((37, 5)), chunks=_GridChunkList(grid))
+    listed = TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size((37, 5)), chunks=list(_GridChunkList(grid))
+    )
+    gridded = TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size((37, 5)), chunks=_GridChunkList(grid)
+    )
     local = _random_boxes(random.Random(3), (37, 5), 4)
     assert grid_of(listed.chunks) is None and grid_of(gridded.chunks) is grid
     want = sorted(_key(i) for i in create_read_items_for_chunk_list("w", listed, local) if math.prod(i.lengths))
@@ -154,5 +167,7 @@ def test_planner_refuses_missing_keys_and_shape_changes(tmp_path: Path) -> None:
     dest["l0.w"] = torch.zeros(2, 2)
     _fails_with("l0.w: saved float32 (", dest, path)  # the cause in one line (tests/dcp/test_state_fit.py)
     dest = {"l1.w": torch.zeros_like(reference()["l1.w"])}
-    dcp.load(dest, storage_reader=CheckpointReader(path), planner=GridLoadPlanner(allow_partial_load=True), no_dist=True)
+    dcp.load(
+        dest, storage_reader=CheckpointReader(path), planner=GridLoadPlanner(allow_partial_load=True), no_dist=True
+    )
     assert torch.equal(dest["l1.w"], reference()["l1.w"])

@@ -191,7 +191,9 @@ def assert_same(actual: Any, expected: Any, path: str = "") -> None:
         assert torch.equal(actual, expected), f"{where}: values differ\n{actual}\n!=\n{expected}"
     elif isinstance(expected, dict):
         assert isinstance(actual, dict), f"{where}: expected a dict, got {type(actual).__name__}"
-        assert sorted(map(str, actual)) == sorted(map(str, expected)), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        assert sorted(map(str, actual)) == sorted(map(str, expected)), (
+            f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        )
         for k in expected:
             assert_same(actual[k], expected[k], f"{path}.{k}" if path else str(k))
     elif isinstance(expected, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict)) for v in expected):
@@ -434,7 +436,10 @@ class SaveRun:
     def require(self, *names: str) -> None:
         missing = [n for n in names if not (self.root / f"done-{n}").exists()]
         if missing:
-            pytest.fail(f"save scenario(s) {', '.join(missing)} did not complete:\n{self.error or '(no error reported)'}", pytrace=False)
+            pytest.fail(
+                f"save scenario(s) {', '.join(missing)} did not complete:\n{self.error or '(no error reported)'}",
+                pytrace=False,
+            )
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,9 @@ def _save_worker(rank: int, world: int, root: str) -> None:
             counts: dict[str, int] = {}
             planner = _Counting(counts, plan_cache=cache)
             path = Path(root) / f"{name}-{save}"
-            md = dcp.save(_sharded(mesh, full_state(tensors, save)), storage_writer=CheckpointWriter(path), planner=planner)
+            md = dcp.save(
+                _sharded(mesh, full_state(tensors, save)), storage_writer=CheckpointWriter(path), planner=planner
+            )
             counts["metadata"] = len(pickle.dumps(md))  # rank 0: what the result broadcast pickled
             if rank:
                 assert md.state_dict_metadata == {} and md.planner_data is None, "a rank got the whole Metadata"
@@ -165,12 +167,23 @@ def _exchange(caches: list[SavePlanCache], states: list[dict], token: str):
         p.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=rank == 0)
     sent = [p.create_local_plan() for p in planners]
     scatter, _ = planners[0].create_global_plan(sent)
-    final = [p.finish_plan(dataclasses.replace(s, storage_data=(token, r))) for r, (p, s) in enumerate(zip(planners, scatter))]
+    final = [
+        p.finish_plan(dataclasses.replace(s, storage_data=(token, r)))
+        for r, (p, s) in enumerate(zip(planners, scatter))
+    ]
     return sent, final
 
 
 def _rank_states(world: int, extra: int = 0) -> list[dict]:
-    return [{"w": torch.arange(8.0) + r, "step": torch.tensor(3.0), "lr": 0.1, **{f"x{i}": torch.ones(2) for i in range(extra)}} for r in range(world)]
+    return [
+        {
+            "w": torch.arange(8.0) + r,
+            "step": torch.tensor(3.0),
+            "lr": 0.1,
+            **{f"x{i}": torch.ones(2) for i in range(extra)},
+        }
+        for r in range(world)
+    ]
 
 
 def test_later_exchanges_send_digests_and_give_the_same_final_plans_with_new_storage_data() -> None:

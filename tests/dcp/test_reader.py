@@ -44,7 +44,9 @@ def runs(tmp_path, monkeypatch):
 def _load(loc, verify: bool = True, thread_count: int | None = None, **sources) -> dict[str, torch.Tensor]:
     """A load through a reader given ``ReadSources(**sources)``."""
     dest = zeros_like(_state())
-    reader = CheckpointReader(loc, volume=True, verify=verify, thread_count=thread_count, sources=ReadSources(**sources))
+    reader = CheckpointReader(
+        loc, volume=True, verify=verify, thread_count=thread_count, sources=ReadSources(**sources)
+    )
     dcp.load(dest, storage_reader=reader)
     return dest
 
@@ -114,7 +116,9 @@ def test_checked_files_are_read_without_hashing_and_the_others_still_are(runs, v
         (loc / name).write_bytes(bytes(data))
     dest = zeros_like(_state())
     with pytest.raises(CheckpointException) as info:
-        dcp.load(dest, storage_reader=CheckpointReader(loc, volume=volume, sources=ReadSources(checked_files={checked})))
+        dcp.load(
+            dest, storage_reader=CheckpointReader(loc, volume=volume, sources=ReadSources(checked_files={checked}))
+        )
     err = find_checkpoint_error(info.value)
     assert isinstance(err, CorruptCheckpointError) and other in str(err) and checked not in str(err), err
     # Restore the other file: now only the checked file is damaged, and the load does not notice.

@@ -16,9 +16,19 @@ from goodput_ckpt import CheckpointError, CheckpointExistsError, CheckpointReade
 from goodput_ckpt.format import MANIFEST_NAME
 
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-] + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)]  # fmt: skip
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+] + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)]
 
 
 def _random(shape, dtype, gen):
@@ -58,8 +68,12 @@ def test_all_dtypes_nested_and_objects(ckpt_dir):
     dest = zeros_like(sd)
     # The destination holds none of the plain values, so only a reader that loads objects passes.
     assert (dest["step"], dest["name"], dest["cfg"]["lr"], dest["cfg"]["betas"], dest["cfg"]["nested"]["flag"]) == (
-        0, "", 0.0, [], False,
-    )  # fmt: skip
+        0,
+        "",
+        0.0,
+        [],
+        False,
+    )
     got = _save_load(sd, ckpt_dir, dest)
     assert got is dest
     assert_tree_equal(got, sd)
@@ -232,4 +246,7 @@ def test_manifest_sharing_default_depends_on_request_cost(tmp_path):
     assert CheckpointReader(tmp_path, share_manifest=True)._shares_manifest() is True
     s3 = CheckpointReader("s3://bucket/run/step_1", endpoint_url="http://127.0.0.1:9")
     assert s3._shares_manifest() is True
-    assert CheckpointReader("s3://bucket/x", share_manifest=False, endpoint_url="http://127.0.0.1:9")._shares_manifest() is False
+    assert (
+        CheckpointReader("s3://bucket/x", share_manifest=False, endpoint_url="http://127.0.0.1:9")._shares_manifest()
+        is False
+    )

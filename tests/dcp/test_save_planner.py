@@ -103,7 +103,12 @@ def test_the_writer_refuses_torchs_plan_caching(tmp_path) -> None:
     state = {"w": torch.arange(8.0)}
     dcp.save(state, storage_writer=CheckpointWriter(tmp_path / "ok"), no_dist=True)
     with pytest.raises(CheckpointException) as info:  # dcp.save wraps each rank's error
-        dcp.save(state, storage_writer=CheckpointWriter(tmp_path / "cached"), planner=DefaultSavePlanner(enable_plan_caching=True), no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=CheckpointWriter(tmp_path / "cached"),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+            no_dist=True,
+        )
     (failure,) = info.value.failures.values()
     err = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback) in torch 2.13
     assert isinstance(err, CheckpointError) and "enable_plan_caching" in str(err)
@@ -120,10 +125,14 @@ def test_empty_shards_are_dropped_before_dedup_and_empty_tensors_kept() -> None:
 
     def shard(fqn, offset, rows, total):
         chunk = ChunkStorageMetadata(offsets=torch.Size((offset, 0)), sizes=torch.Size((rows, 4)))
-        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size((total, 4)))
+        data = TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size((total, 4))
+        )
         return WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)
 
-    plans = [SavePlan([shard("a", min(r, 3), 1 if r < 3 else 0, 3), shard("z", 0, 0, 0)], planner_data={}) for r in range(5)]
+    plans = [
+        SavePlan([shard("a", min(r, 3), 1 if r < 3 else 0, 3), shard("z", 0, 0, 0)], planner_data={}) for r in range(5)
+    ]
     out = drop_empty_shards(plans)
     assert [[it.index.fqn for it in p.items] for p in out] == [["a", "z"]] * 3 + [["z"]] * 2
     planner = ReplicaGroupingSavePlanner()

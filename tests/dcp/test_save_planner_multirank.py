@@ -95,7 +95,11 @@ def _save_worker(rank: int, world: int, root: str) -> None:
     own = {k: tuple(v.to_local().shape) for k, v in local.items() if k != "step"}
     report = {"empty_in_final_plan": _empty_shards(planner.final), "local_shapes": own}
     if rank == 0:
-        chunks = {k: [tuple(c.sizes) for c in m.chunks] for k, m in planner.metadata.state_dict_metadata.items() if k != "step"}
+        chunks = {
+            k: [tuple(c.sizes) for c in m.chunks]
+            for k, m in planner.metadata.state_dict_metadata.items()
+            if k != "step"
+        }
         report["metadata_chunks"] = chunks
     (Path(root) / f"save-{rank}.json").write_text(json.dumps(report))
     _load_and_check(mesh, Path(root), grid=False)

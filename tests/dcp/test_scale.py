@@ -74,7 +74,9 @@ def _save_with_rank_keys(rank: int, world: int, path: str, report: str) -> None:
 def test_per_rank_keys_leave_the_ranks_in_one_group(tmp_path: Path) -> None:
     world = 4
     report = tmp_path / "groups.json"
-    run_ranks(_save_with_rank_keys, world, str(tmp_path / "ckpt"), str(report), timeout=600, report_dir=tmp_path / "report")
+    run_ranks(
+        _save_with_rank_keys, world, str(tmp_path / "ckpt"), str(report), timeout=600, report_dir=tmp_path / "report"
+    )
     # one group of every rank's shards, then each rank's own items (rank 0: also the replicated ones)
     assert json.loads(report.read_text()) == [world] + [1] * world
     m = parse_manifest((tmp_path / "ckpt" / MANIFEST_NAME).read_bytes())

@@ -9,8 +9,8 @@ path switched off."""
 from __future__ import annotations
 
 import numpy as np
-
 import pytest
+from helpers.dcp_saves import fsdp, save, split
 from helpers.seeds import for_each_seed
 
 from goodput_ckpt.dcp import item_entries
@@ -19,7 +19,6 @@ from goodput_ckpt.dcp.item_entries import _chunks, _Rows, _spec
 from goodput_ckpt.engine import group_grids
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.grid import GridChunks
-from helpers.dcp_saves import fsdp, save, split
 
 
 def layout(rng: np.random.Generator, world: int) -> dict:
@@ -210,7 +209,9 @@ def test_one_group_per_rank_takes_the_per_tensor_path(monkeypatch):
     assert compare(md, results) == (world, 5 + world)
     same_record(md, results, monkeypatch)
     # 40 ranks: 40 parts, few enough for the batched path, which then decides as the oracle
-    md, results, _ = save(40, {"w": ((80, 2), fsdp((80, 2), 40))} | {f"u{r}": ((2,), [((0,), (2,), r)]) for r in range(40)})
+    md, results, _ = save(
+        40, {"w": ((80, 2), fsdp((80, 2), 40))} | {f"u{r}": ((2,), [((0,), (2,), r)]) for r in range(40)}
+    )
     assert compare(md, results) == (41, 41)
     same_record(md, results, monkeypatch)
 

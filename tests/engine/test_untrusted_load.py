@@ -14,8 +14,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter, CorruptCheckpointError
-from goodput_ckpt.errors import find_checkpoint_error
 from goodput_ckpt.engine.untrusted_load import MAX_INFLATION, check_inflation, weights_only_refusal
+from goodput_ckpt.errors import find_checkpoint_error
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools._formats.dcp_fs import DcpSource
 from goodput_ckpt.tools.ops.convert import convert_checkpoint
@@ -104,9 +104,14 @@ def test_refusal_names_the_global_and_has_no_escape_codes(tmp_path):
     text = weights_only_refusal(info.value)
     assert "posix.system" in text and "\x1b" not in text
     # torch's other wording, with its bold/reset codes.
-    msg = ("Weights only load failed. This file can still be loaded, \033[1mdo those steps only if you trust the source\033[0m. "
-           "\n\t(1) Re-running ... " + "x" * 400 + "\n\tWeightsUnpickler error: Unsupported global: GLOBAL mymod.Thing was not an "
-           "allowed global by default.")  # fmt: skip
+    msg = (
+        "Weights only load failed. This file can still be loaded, \033[1mdo those steps only if you trust the source\033[0m. "
+        "\n\t(1) Re-running ... "
+        + "x"
+        * 400
+        + "\n\tWeightsUnpickler error: Unsupported global: GLOBAL mymod.Thing was not an "
+        "allowed global by default."
+    )
     text = weights_only_refusal(RuntimeError(msg))
     assert "mymod.Thing" in text and "\x1b" not in text
     # Through the converter: the message a user sees names the global.

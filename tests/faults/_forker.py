@@ -31,8 +31,15 @@ from pathlib import Path
 __all__ = ["Child", "Forker"]
 
 #: Modules every child needs, imported once by the zygote before it forks.
-_PRELOAD = ("torch", "torch.distributed.checkpoint", "boto3", "goodput_ckpt", "goodput_ckpt.manager.checkpoint_manager",
-            "goodput_ckpt.tools.ops.ls", "goodput_ckpt.tools.ops.verify")  # fmt: skip
+_PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "boto3",
+    "goodput_ckpt",
+    "goodput_ckpt.manager.checkpoint_manager",
+    "goodput_ckpt.tools.ops.ls",
+    "goodput_ckpt.tools.ops.verify",
+)
 
 
 class Child:
@@ -83,8 +90,11 @@ class Forker:
         self._err = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=full_env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=full_env,
+        )
         self._children: list[Child] = []
         ready = self._answer(120.0)
         if ready.get("ready") is not True:

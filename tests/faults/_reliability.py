@@ -61,11 +61,17 @@ def record(
         return
     line = json.dumps(
         {
-            "scenario": scenario, "backend": backend, "trials": trials, "faults_injected": faults_injected,
-            "detected_or_recovered": detected_or_recovered, "data_lost": data_lost, "details": details,
+            "scenario": scenario,
+            "backend": backend,
+            "trials": trials,
+            "faults_injected": faults_injected,
+            "detected_or_recovered": detected_or_recovered,
+            "data_lost": data_lost,
+            "details": details,
         },
-        sort_keys=False, default=str,
-    )  # fmt: skip
+        sort_keys=False,
+        default=str,
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, (line + "\n").encode())

@@ -33,8 +33,16 @@ def writer_state(seed: int, mib: int) -> dict[str, Any]:
 
 
 def save_when_told(
-    location: str, options: dict[str, Any], *, seed: int, mib: int, chunk_size: int, ready: str, go: str,
-    out: str, skew: float,
+    location: str,
+    options: dict[str, Any],
+    *,
+    seed: int,
+    mib: int,
+    chunk_size: int,
+    ready: str,
+    go: str,
+    out: str,
+    skew: float,
 ) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -60,7 +68,9 @@ def save_when_told(
         result["ok"] = True
     except CheckpointException as e:
         err = find_checkpoint_error(e)
-        result.update(ok=False, type=type(err).__name__ if err else "CheckpointException", message=str(err or e)[-1500:])
+        result.update(
+            ok=False, type=type(err).__name__ if err else "CheckpointException", message=str(err or e)[-1500:]
+        )
     result["seconds"] = time.monotonic() - t0
     with open(out, "w") as f:
         json.dump(result, f)

@@ -315,7 +315,12 @@ def run(
     model = TrialModel(kib, frozen=bool(incremental))
     # No timeline file: it is not under test, and on a volume each append costs a second.
     mgr = CheckpointManager(
-        root, keep_last=keep_last, async_save=True, chunk_size=chunk_size, timeline=False, incremental=incremental,
+        root,
+        keep_last=keep_last,
+        async_save=True,
+        chunk_size=chunk_size,
+        timeline=False,
+        incremental=incremental,
         **options,
     )
     events("restore.begin", None)

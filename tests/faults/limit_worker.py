@@ -51,7 +51,9 @@ def run(location: str, root: str, out: str, *, limit: int, small_kib: int, big_k
     # 2. The training loop: step 3's model is over the limit.
     calls: list[tuple[int, dict[str, Any] | None]] = []
     small, big = TrialModel(small_kib), TrialModel(big_kib)
-    mgr = CheckpointManager(root, keep_last=5, on_error=lambda step, err: calls.append((step, _describe(err))), timeline=False)
+    mgr = CheckpointManager(
+        root, keep_last=5, on_error=lambda step, err: calls.append((step, _describe(err))), timeline=False
+    )
     trained = []
     for step in range(1, 6):
         model = big if step == 3 else small
@@ -69,8 +71,11 @@ def run(location: str, root: str, out: str, *, limit: int, small_kib: int, big_k
     except Exception as e:  # noqa: BLE001
         result["second_wait"] = _describe(e)
     result.update(
-        trained=trained, on_error=calls, last_error=_describe(mgr.last_error), steps=mgr.steps(),
-    )  # fmt: skip
+        trained=trained,
+        on_error=calls,
+        last_error=_describe(mgr.last_error),
+        steps=mgr.steps(),
+    )
     mgr.close()
     with open(out, "w") as f:
         json.dump(result, f)

@@ -65,8 +65,17 @@ def start_writers(forker, where: Where, loc: str, tmp: Path, tag: str, skews: di
     started = []
     for seed, skew in skews.items():
         ready, out = tmp / f"{tag}-{seed}.ready", tmp / f"{tag}-{seed}.json"
-        kwargs = dict(location=loc, options=where.options, seed=seed, mib=where.mib, chunk_size=where.chunk_size,
-                      ready=str(ready), go=str(go), out=str(out), skew=skew)  # fmt: skip
+        kwargs = dict(
+            location=loc,
+            options=where.options,
+            seed=seed,
+            mib=where.mib,
+            chunk_size=where.chunk_size,
+            ready=str(ready),
+            go=str(go),
+            out=str(out),
+            skew=skew,
+        )
         started.append((forker.run("concurrent_worker:save_when_told", kwargs, tmp / f"{tag}-{seed}.log"), ready, out))
     children = [c for c, _, _ in started]
 
@@ -114,17 +123,30 @@ def test_two_writers_one_location(where, forker, tmp_path):
         else:
             # Where the loser was stopped: before writing (a committed checkpoint was there), or
             # at its own commit (the other committed while both were writing).
-            outcomes["refused at its commit" if "while this save ran" in lost[0]["message"] else "refused before writing"] += 1
+            outcomes[
+                "refused at its commit" if "while this save ran" in lost[0]["message"] else "refused before writing"
+            ] += 1
         report = verify_checkpoint(loc, **where.options)
         if not report.ok:
-            failures.append(f"trial {trial}: the committed checkpoint does not verify: {[p.message for p in report.problems]}")
+            failures.append(
+                f"trial {trial}: the committed checkpoint does not verify: {[p.message for p in report.problems]}"
+            )
             continue
         got = _load(loc, where)
         if got["writer"] != won[0] or not _holds(got, won[0], where.mib):
-            failures.append(f"trial {trial}: writer {won[0]} committed, the location holds writer {got['writer']}'s "
-                            f"step value (all values theirs: {_holds(got, got['writer'], where.mib)})")  # fmt: skip
-    record("two writers, one location", where.backend, trials=trials, faults_injected=trials,
-           detected_or_recovered=trials - len(failures), data_lost=len(failures), outcomes=dict(outcomes))  # fmt: skip
+            failures.append(
+                f"trial {trial}: writer {won[0]} committed, the location holds writer {got['writer']}'s "
+                f"step value (all values theirs: {_holds(got, got['writer'], where.mib)})"
+            )
+    record(
+        "two writers, one location",
+        where.backend,
+        trials=trials,
+        faults_injected=trials,
+        detected_or_recovered=trials - len(failures),
+        data_lost=len(failures),
+        outcomes=dict(outcomes),
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -220,7 +242,14 @@ def test_reader_racing_a_writer(where, forker, tmp_path):
         looks.update(seen)
     # Trials: the races; faults injected: the looks at the location while (or just after) it was
     # written; detected or recovered: the looks that saw a consistent state.
-    record("reader racing a writer (looks)", where.backend, trials=trials, faults_injected=sum(looks.values()),
-           detected_or_recovered=sum(looks.values()) - len(failures), data_lost=len(failures), looks=dict(looks))  # fmt: skip
+    record(
+        "reader racing a writer (looks)",
+        where.backend,
+        trials=trials,
+        faults_injected=sum(looks.values()),
+        detected_or_recovered=sum(looks.values()) - len(failures),
+        data_lost=len(failures),
+        looks=dict(looks),
+    )
     assert not failures, "\n".join(failures)
     assert looks["incomplete"] + looks["nothing"] > 0, f"the reader never saw the save in progress: {looks}"

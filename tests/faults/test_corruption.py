@@ -17,9 +17,9 @@ import sys
 import textwrap
 
 import pytest
-from helpers.samples import item_range as sample_item_range
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.samples import item_range as sample_item_range
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -344,7 +344,7 @@ def _garbled(raw: bytes) -> dict[str, bytes]:
         "truncated half": raw[: len(raw) // 2],
         "truncated minus 1": raw[:-1],
         "random bytes": bytes(rng.randrange(256) for _ in range(600)),
-        "random printable": "".join(rng.choice("{}[]\":,0123456789abc ") for _ in range(600)).encode(),
+        "random printable": "".join(rng.choice('{}[]":,0123456789abc ') for _ in range(600)).encode(),
         "nul bytes": bytes(len(raw)),
         "bom": b"\xef\xbb\xbf" + raw,
         "json null": b"null",

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from _reliability import fault_trials, record
 from helpers.samples import sample_state, save
 from helpers.trees import assert_tree_equal, zeros_like
-from _reliability import fault_trials, record
 from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointError, CheckpointReader
@@ -64,7 +64,9 @@ def _sample(path: Path, seed: int) -> Sample:
 def samples(tmp_path_factory):
     base = tmp_path_factory.mktemp("campaign")
     a, b = _sample(base / "a", 0), _sample(base / "b", 1)
-    assert len(a.files) == 4 and [n for n in a.files if n != MANIFEST_NAME] != [n for n in b.files if n != MANIFEST_NAME]
+    assert len(a.files) == 4 and [n for n in a.files if n != MANIFEST_NAME] != [
+        n for n in b.files if n != MANIFEST_NAME
+    ]
     return a, b
 
 
@@ -167,7 +169,11 @@ def check_load(d: Path, damage: Damage, names: set[str], a: Sample) -> tuple[str
         err = find_checkpoint_error(e)
         # A failure in read_metadata reaches us as torch's AssertionError text only (torch 2.13).
         text = str(err) if err is not None else str(e)
-        ranges = [err.byte_range] if err is not None and err.byte_range else [(int(x), int(y)) for x, y in _RANGE.findall(text)]
+        ranges = (
+            [err.byte_range]
+            if err is not None and err.byte_range
+            else [(int(x), int(y)) for x, y in _RANGE.findall(text)]
+        )
     except CheckpointError as e:
         text, ranges = str(e), [e.byte_range] if e.byte_range else []
     else:
@@ -177,7 +183,9 @@ def check_load(d: Path, damage: Damage, names: set[str], a: Sample) -> tuple[str
             return "dcp.load returned wrong values without an error", True
         return "dcp.load succeeded", False
     if damage.status == "incomplete":
-        return (None if "no manifest" in text or "never committed" in text else f"not reported incomplete: {text[-300:]}"), False
+        return (
+            None if "no manifest" in text or "never committed" in text else f"not reported incomplete: {text[-300:]}"
+        ), False
     if not any(n in text for n in names):
         return f"the error does not name {sorted(names)}: {text[-400:]}", False
     if damage.lo is not None and damage.load_range and not _overlaps(ranges, damage.lo, damage.hi):
@@ -249,7 +257,9 @@ def test_corruption_at_rest_is_always_detected_and_named(samples, tmp_path):
     for mine, theirs in zip(_data(a), _data(b)):
         assert a.files[mine] == b.files[theirs]
         os.rename(d / mine, d / theirs)
-    c.trial("manifest of another checkpoint", d, Damage("foreign manifest, files renamed", MANIFEST_NAME), set(_data(b)))
+    c.trial(
+        "manifest of another checkpoint", d, Damage("foreign manifest, files renamed", MANIFEST_NAME), set(_data(b))
+    )
     # A data file of the other checkpoint under this one's name.
     for mine, theirs in zip(_data(a), _data(b)):
         d = c.copy()
@@ -258,9 +268,14 @@ def test_corruption_at_rest_is_always_detected_and_named(samples, tmp_path):
 
     for category, t in c.tally.items():
         record(
-            f"corruption at rest: {category}", "local", trials=t["trials"], faults_injected=t["trials"],
-            detected_or_recovered=t["detected"], data_lost=t["lost"],
-            detected_by_verify=t["verify"], detected_by_load=t["load"],
-        )  # fmt: skip
+            f"corruption at rest: {category}",
+            "local",
+            trials=t["trials"],
+            faults_injected=t["trials"],
+            detected_or_recovered=t["detected"],
+            data_lost=t["lost"],
+            detected_by_verify=t["verify"],
+            detected_by_load=t["load"],
+        )
     assert not c.misses, f"{len(c.misses)} misses:\n" + "\n".join(c.misses[:20])
     assert sum(t["trials"] for t in c.tally.values()) >= 100

@@ -62,14 +62,24 @@ PHASE_EVENTS = {
 }
 #: The phase a random kill landed in, from the last event before it.
 _EVENT_PHASE = {
-    "restore.begin": "restore", "restore.delete": "restore", "restore.done": "staging",
-    "save.begin": "staging", "stage.copy": "staging", "save.returned": "data writes",
-    "write.begin": "data writes", "write.chunk": "data writes", "write.closing": "data writes",
-    "write.close": "data writes", "commit.begin": "manifest commit", "commit.record": "manifest commit",
+    "restore.begin": "restore",
+    "restore.delete": "restore",
+    "restore.done": "staging",
+    "save.begin": "staging",
+    "stage.copy": "staging",
+    "save.returned": "data writes",
+    "write.begin": "data writes",
+    "write.chunk": "data writes",
+    "write.closing": "data writes",
+    "write.close": "data writes",
+    "commit.begin": "manifest commit",
+    "commit.record": "manifest commit",
     "commit.done": "manifest commit",
-    "cleanup.delete": "manifest commit", "retention.begin": "retention", "retention.delete": "retention",
+    "cleanup.delete": "manifest commit",
+    "retention.begin": "retention",
+    "retention.delete": "retention",
     "write.end": "staging",  # the save thread is done; the caller stages the next step
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -127,11 +137,19 @@ class Trials:
         self.complete: set[int] = set()  # complete after the previous trial
 
     def launch(self, tag: str, crash: dict | None):
-        kwargs = dict(options=self.b.options, kib=self.b.kib, saves=SAVES, keep_last=KEEP_LAST,
-                      chunk_size=self.b.chunk_size, crash=crash, incremental=self.incremental)  # fmt: skip
+        kwargs = dict(
+            options=self.b.options,
+            kib=self.b.kib,
+            saves=SAVES,
+            keep_last=KEEP_LAST,
+            chunk_size=self.b.chunk_size,
+            crash=crash,
+            incremental=self.incremental,
+        )
         markers = self.logs / f"{tag}.events"
-        child = self.forker.run("crash_worker:run", {"root": self.b.root, "markers": str(markers), **kwargs},
-                                self.logs / f"{tag}.log")  # fmt: skip
+        child = self.forker.run(
+            "crash_worker:run", {"root": self.b.root, "markers": str(markers), **kwargs}, self.logs / f"{tag}.log"
+        )
         return child, markers
 
     def check(self, events: list[Event]) -> tuple[list[str], list[int]]:
@@ -212,8 +230,10 @@ class Trials:
             for obj in listing.get("Contents", ()):
                 name = obj["Key"].rsplit("/", 1)[1]
                 if name.endswith(".bin") and closed.get((s, name)) != obj["Size"]:
-                    bad.append(f"step {s}: object {name} ({obj['Size']} bytes) exists but the writer closed "
-                               f"it with {closed.get((s, name))} bytes")  # fmt: skip
+                    bad.append(
+                        f"step {s}: object {name} ({obj['Size']} bytes) exists but the writer closed "
+                        f"it with {closed.get((s, name))} bytes"
+                    )
         return bad
 
 
@@ -315,10 +335,15 @@ def _sigkill_trials(backend, forker, tmp_path, trials: int, *, incremental: bool
             recovered += 1
     record(
         "SIGKILL at random instants (manager: stage, write, commit, retention)"
-        + (", incremental saves" if incremental else ""), backend.name,
-        trials=trials, faults_injected=injected, detected_or_recovered=recovered, data_lost=lost,
-        phases=dict(hit), left_incomplete=left_incomplete,
-    )  # fmt: skip
+        + (", incremental saves" if incremental else ""),
+        backend.name,
+        trials=trials,
+        faults_injected=injected,
+        detected_or_recovered=recovered,
+        data_lost=lost,
+        phases=dict(hit),
+        left_incomplete=left_incomplete,
+    )
     assert not failures, "\n".join(failures)
     assert all(hit[p] for p in PHASE_EVENTS) or trials < 8, f"a phase was never hit: {dict(hit)}"
     assert injected >= trials * 0.8, f"only {injected} of {trials} kills landed during the run"

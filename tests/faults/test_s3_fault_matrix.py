@@ -90,8 +90,14 @@ def test_truncated_upload_body_is_sent_again(seaweed, tproxy_seaweed, op):
     save(state, _via(seaweed, tproxy_seaweed), "cut", **{**BUDGET, "read_timeout": 10.0, "retry_time_limit": 30.0})
     assert rule.fired == 1
     assert_tree_equal(load(state, seaweed, "cut"), state)
-    record(f"S3: request body truncated once ({op})", "s3 (seaweedfs)", trials=1, faults_injected=1,
-           detected_or_recovered=1, data_lost=0)  # fmt: skip
+    record(
+        f"S3: request body truncated once ({op})",
+        "s3 (seaweedfs)",
+        trials=1,
+        faults_injected=1,
+        detected_or_recovered=1,
+        data_lost=0,
+    )
 
 
 @pytest.mark.parametrize("op", ["PutObject", "UploadPart"])
@@ -147,8 +153,15 @@ def test_persistent_fault_fails_cleanly_within_the_budget(case, seaweed, tproxy_
         assert_tree_equal(load(SMALL, via, prefix), SMALL)  # nothing was damaged by the failed reads
     else:
         assert_nothing_committed(seaweed, prefix, data_written=part == MANIFEST_NAME)
-    record(f"S3 persistent fault: {case}", "s3 (seaweedfs)", trials=1, faults_injected=len(faulted),
-           detected_or_recovered=1, data_lost=0, attempts_on_one_object=per_key)  # fmt: skip
+    record(
+        f"S3 persistent fault: {case}",
+        "s3 (seaweedfs)",
+        trials=1,
+        faults_injected=len(faulted),
+        detected_or_recovered=1,
+        data_lost=0,
+        attempts_on_one_object=per_key,
+    )
 
 
 # -- random faults by probability ------------------------------------------------------------------------
@@ -195,8 +208,15 @@ def test_random_faults_at_a_high_rate(seaweed, tproxy_seaweed):
         tproxy_seaweed.clear()
         assert_tree_equal(load(state, seaweed, prefix), state)
         committed += 1
-    record("S3 random faults by probability (8 kinds, ~22% of requests)", "s3 (seaweedfs)", trials=trials,
-           faults_injected=injected, detected_or_recovered=trials - len(problems), data_lost=len(problems),
-           committed=committed, failed_cleanly=failed)  # fmt: skip
+    record(
+        "S3 random faults by probability (8 kinds, ~22% of requests)",
+        "s3 (seaweedfs)",
+        trials=trials,
+        faults_injected=injected,
+        detected_or_recovered=trials - len(problems),
+        data_lost=len(problems),
+        committed=committed,
+        failed_cleanly=failed,
+    )
     assert not problems, problems
     assert injected > trials, "the faults never fired"

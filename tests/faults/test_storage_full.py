@@ -23,7 +23,13 @@ from crash_worker import TrialModel
 from helpers.trees import assert_tree_equal, make_state, zeros_like
 from torch.distributed.checkpoint.api import CheckpointException
 
-from goodput_ckpt import CheckpointError, CheckpointManager, CheckpointReader, CheckpointWriter, IncompleteCheckpointError
+from goodput_ckpt import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointReader,
+    CheckpointWriter,
+    IncompleteCheckpointError,
+)
 from goodput_ckpt.errors import find_checkpoint_error
 from goodput_ckpt.format.manifest import MANIFEST_NAME
 from goodput_ckpt.tools import list_checkpoints, verify_checkpoint
@@ -38,7 +44,9 @@ def tmpfs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     path = tmp_path / "tmpfs"
     path.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
@@ -121,8 +129,14 @@ def test_disk_full_fails_cleanly_and_keeps_earlier_checkpoints(tmpfs):
     for name in ("c", "d"):
         dcp.save(state(1, 9), storage_writer=CheckpointWriter(str(tmpfs / name)))
         assert verify_checkpoint(str(tmpfs / name)).ok
-    record("disk full (tmpfs): data write, manifest commit", "local", trials=cases, faults_injected=cases,
-           detected_or_recovered=cases, data_lost=0)  # fmt: skip
+    record(
+        "disk full (tmpfs): data write, manifest commit",
+        "local",
+        trials=cases,
+        faults_injected=cases,
+        detected_or_recovered=cases,
+        data_lost=0,
+    )
 
 
 def test_disk_full_under_the_manager_keeps_training_going(tmpfs):
@@ -169,8 +183,14 @@ def test_disk_full_under_the_manager_keeps_training_going(tmpfs):
         assert mgr.restore(2, model=restored) == 2 and restored.holds(2)
     finally:
         mgr.close()
-    record("disk full (tmpfs): CheckpointManager async saves", "local", trials=2, faults_injected=2,
-           detected_or_recovered=2, data_lost=0)  # fmt: skip
+    record(
+        "disk full (tmpfs): CheckpointManager async saves",
+        "local",
+        trials=2,
+        faults_injected=2,
+        detected_or_recovered=2,
+        data_lost=0,
+    )
 
 
 def test_file_size_limit(forker, tmp_path):
@@ -178,10 +198,16 @@ def test_file_size_limit(forker, tmp_path):
     limit = 2 * MiB
     child = forker.run(
         "limit_worker:run",
-        {"location": str(tmp_path / "direct"), "root": str(tmp_path / "run"), "out": str(out), "limit": limit,
-         "small_kib": 512, "big_kib": 4096},
+        {
+            "location": str(tmp_path / "direct"),
+            "root": str(tmp_path / "run"),
+            "out": str(out),
+            "limit": limit,
+            "small_kib": 512,
+            "big_kib": 4096,
+        },
         tmp_path / "worker.log",
-    )  # fmt: skip
+    )
     assert child.wait(300) == 0, child.log_tail()
     r = json.loads(out.read_text())
     direct = r["direct"]
@@ -192,7 +218,9 @@ def test_file_size_limit(forker, tmp_path):
     assert r["trained"] == [1, 2, 3, 4, 5]
     assert [s for s, _ in r["on_error"]] == [3], r["on_error"]
     for e in (r["on_error"][0][1], r["last_error"], r["wait"]):
-        assert e["type"] == "CheckpointError" and "file-size limit" in e["message"] and "step_00000003" in e["message"], e
+        assert (
+            e["type"] == "CheckpointError" and "file-size limit" in e["message"] and "step_00000003" in e["message"]
+        ), e
     assert r["second_wait"] is None
     assert r["steps"] == [1, 2, 4, 5]
     assert_not_committed(tmp_path / "run" / "step_00000003")
@@ -204,8 +232,14 @@ def test_file_size_limit(forker, tmp_path):
             assert mgr.restore(s, model=model) == s and model.holds(s)
     finally:
         mgr.close()
-    record("file-size limit (RLIMIT_FSIZE): dcp.save and CheckpointManager", "local", trials=2,
-           faults_injected=2, detected_or_recovered=2, data_lost=0)  # fmt: skip
+    record(
+        "file-size limit (RLIMIT_FSIZE): dcp.save and CheckpointManager",
+        "local",
+        trials=2,
+        faults_injected=2,
+        detected_or_recovered=2,
+        data_lost=0,
+    )
 
 
 def _fill_after_step_2(tmpfs, **opts) -> tuple[CheckpointManager, list[int]]:
@@ -246,7 +280,11 @@ def test_free_space_on_full_deletes_the_oldest_step_and_retries_once(tmpfs, capl
         mgr, _ = _fill_after_step_2(tmpfs, free_space_on_full=True)
         mgr.close()  # nothing failed
     assert mgr.last_error is None
-    freed = [r.getMessage() for r in caplog.records if r.name.startswith("goodput_ckpt") and "free_space_on_full" in r.getMessage()]
+    freed = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("goodput_ckpt") and "free_space_on_full" in r.getMessage()
+    ]
     assert freed and all("is full; deleted step(s)" in m and "trying once more" in m for m in freed), freed
     with CheckpointManager(tmpfs / "run", timeline=False) as again:
         assert again.steps()[-1] == 6

@@ -38,7 +38,9 @@ def test_a_torn_commit_record_on_a_volume_is_incomplete_to_the_manager(tmp_path)
     # The reader and the tools already call it incomplete ...
     assert verify_checkpoint(str(step2), volume=True).status == "incomplete"
     assert [(c.step, c.status) for c in list_checkpoints(str(root), volume=True).checkpoints] == [
-        (1, "complete"), (2, "incomplete")]  # fmt: skip
+        (1, "complete"),
+        (2, "incomplete"),
+    ]
     # ... the manager must agree, and resume from step 1.
     mgr = CheckpointManager(root, volume=True, timeline=False)
     try:

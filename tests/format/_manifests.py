@@ -22,14 +22,19 @@ def staircase_manifest(n: int) -> bytes:
     chunks, offset = [], 0
     for offsets, sizes in staircase(n):
         length = sizes[0] * sizes[1]
-        chunks.append({"offsets": list(offsets), "sizes": list(sizes), "file": "f.bin", "offset": offset, "length": length})
+        chunks.append(
+            {"offsets": list(offsets), "sizes": list(sizes), "file": "f.bin", "offset": offset, "length": length}
+        )
         offset += (length + 63) // 64 * 64
     doc = {
-        "format": "goodput-ckpt", "version": 1, "world_size": 1, "byte_order": "little",
+        "format": "goodput-ckpt",
+        "version": 1,
+        "world_size": 1,
+        "byte_order": "little",
         "hash": {"algorithm": "blake3", "chunk_size": 1 << 30},
         "files": {"f.bin": {"size": offset, "chunks": ["0" * 64]}},
         "items": {"w": {"kind": "tensor", "dtype": "uint8", "shape": [n, n], "chunks": chunks}},
-    }  # fmt: skip
+    }
     return seal_manifest(json.dumps(doc, separators=(",", ":")).encode())
 
 
@@ -40,10 +45,20 @@ def many_cells_manifest(files: int = 1024, runs: int = 4096) -> bytes:
     that expands the grid into records pays seconds and hundreds of MB for it."""
     names = [f"data_{i:05d}.bin" for i in range(files)]
     doc = {
-        "format": "goodput-ckpt", "version": 2, "world_size": files, "byte_order": "little",
+        "format": "goodput-ckpt",
+        "version": 2,
+        "world_size": files,
+        "byte_order": "little",
         "hash": {"algorithm": "blake3", "chunk_size": 1 << 30},
         "files": {n: {"size": 64 * runs, "chunks": ["0" * 64]} for n in names},
-        "items": {"w": {"kind": "tensor", "dtype": "uint8", "shape": [files * runs], "requires_grad": False,
-                        "grid": {"block": [1], "runs": [[files, 0, 1, 64 * k] for k in range(runs)]}}},
-    }  # fmt: skip
+        "items": {
+            "w": {
+                "kind": "tensor",
+                "dtype": "uint8",
+                "shape": [files * runs],
+                "requires_grad": False,
+                "grid": {"block": [1], "runs": [[files, 0, 1, 64 * k] for k in range(runs)]},
+            }
+        },
+    }
     return seal_manifest(json.dumps(doc, separators=(",", ":")).encode())

@@ -26,6 +26,7 @@ from goodput_ckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, Obj
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.storage.base import StoreTraits
 
+
 class _Store:
     uri = "somewhere/ckpt"
     traits = StoreTraits(kind="local", random_writes=True)
@@ -69,10 +70,15 @@ def _checkpoint(tmp_path, data: bytes = bytes(range(256)) * 40) -> tuple[str, Ma
     (loc / "f.bin").write_bytes(data)
     digests = tuple(blake3.blake3(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK))
     m = Manifest(
-        version=1, library_version="t", torch_version="t", created_at="t", world_size=1, chunk_size=CHUNK,
+        version=1,
+        library_version="t",
+        torch_version="t",
+        created_at="t",
+        world_size=1,
+        chunk_size=CHUNK,
         files={"f.bin": FileEntry("f.bin", len(data), digests)},
         items={"obj": ObjectEntry("obj", "torch.save", "f.bin", 0, len(data))},
-    )  # fmt: skip
+    )
     (loc / MANIFEST_NAME).write_bytes(m.to_json())
     return str(loc), m
 
@@ -146,7 +152,9 @@ def test_key_index_finds_every_overlapping_key():
 
 def test_bad_chunks_across_buffers_of_any_size():
     data = bytearray(bytes(range(256)) * 40)  # 10240 bytes: chunks of 4096, 4096, 2048
-    entry = FileEntry("f", len(data), tuple(blake3.blake3(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)))
+    entry = FileEntry(
+        "f", len(data), tuple(blake3.blake3(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK))
+    )
     view = memoryview(data)
     pieces = [view[a:b] for a, b in ((0, 100), (100, 5000), (5000, 5000), (5000, len(data)))]
     assert bad_chunks(entry, CHUNK, 0, pieces) == []

@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from goodput_ckpt import CheckpointWriter
-from goodput_ckpt.errors import CorruptCheckpointError
 from goodput_ckpt.dcp import commit_build
+from goodput_ckpt.errors import CorruptCheckpointError
 from goodput_ckpt.format import parse as parse_module
 from goodput_ckpt.format import schema
 from goodput_ckpt.format.dcp_metadata import to_dcp_metadata
@@ -69,6 +69,7 @@ def test_threads_overlapping_pauses_restore_it_once_the_last_ends():
             second_in.set()
             first_out.wait(10)
             seen.append(gc.isenabled())  # the first thread's pause ended, this one holds
+
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for t in threads:
         t.start()
@@ -97,7 +98,9 @@ def test_the_record_paths_run_paused(tmp_path, monkeypatch):
     monkeypatch.setattr(schema, "seal_manifest", lambda *a, **k: (during.append(gc.isenabled()), seal(*a, **k))[1])
     assert manifest.to_json() == data and gc.isenabled()
     items_from_ranks = commit_build.items_from_ranks
-    monkeypatch.setattr(commit_build, "items_from_ranks", lambda *a, **k: (during.append(gc.isenabled()), items_from_ranks(*a, **k))[1])
+    monkeypatch.setattr(
+        commit_build, "items_from_ranks", lambda *a, **k: (during.append(gc.isenabled()), items_from_ranks(*a, **k))[1]
+    )
     commit_build.forget_layouts()  # so that the save builds its entries afresh
     dcp.save({"w": torch.arange(6.0)}, storage_writer=CheckpointWriter(tmp_path / "again"), no_dist=True)
     assert during == [False] * 5 and gc.isenabled()  # parse, serialize; the save's build, serialize, self-check
@@ -126,11 +129,19 @@ def _share(rank: int, world: int, out: str) -> None:
             out = fn(*args, **kwargs)
             during.append((name, gc.isenabled()))  # after: the pause is taken inside
             return out
+
         return call
 
     dumps, loads = manifest_share.pickle.dumps, manifest_share.pickle.loads
-    manifest_share.pickle = type("P", (), {"dumps": staticmethod(watched("dumps", dumps)), "loads": staticmethod(watched("loads", loads)),
-                                           "HIGHEST_PROTOCOL": 5})
+    manifest_share.pickle = type(
+        "P",
+        (),
+        {
+            "dumps": staticmethod(watched("dumps", dumps)),
+            "loads": staticmethod(watched("loads", loads)),
+            "HIGHEST_PROTOCOL": 5,
+        },
+    )
     dist.broadcast_object_list = spy
     got = manifest_share.load_shared(lambda: {"records": list(range(1000))})
     Path(out, f"rank{rank}.json").write_text(json.dumps([during, gc.isenabled(), got["records"][-1]]))

@@ -89,7 +89,16 @@ def test_entries_pickle_as_their_constructor_arguments():
 
     names = tuple(f"rank{i}.bin" for i in range(50))
     # 2 to 4 cells each: one run, or one of all but the last cell and a run of one
-    grids = [GridChunks((5 * (2 + i % 3), 4), (5, 4), 4, ((1 + i % 3, i, 1, 64), (1, 0, 1, 0)) if i % 2 else ((2 + i % 3, i, 1, 0),), names) for i in range(40)]
+    grids = [
+        GridChunks(
+            (5 * (2 + i % 3), 4),
+            (5, 4),
+            4,
+            ((1 + i % 3, i, 1, 64), (1, 0, 1, 0)) if i % 2 else ((2 + i % 3, i, 1, 0),),
+            names,
+        )
+        for i in range(40)
+    ]
     chunk = ChunkEntry((0,), (3,), "rank0.bin", 0, 12)
     entries = [TensorEntry(f"t{i}", "float32", g.shape, g, bool(i % 2)) for i, g in enumerate(grids)]
     entries += [TensorEntry("c", "int64", (3,), (chunk,)), chunk, ObjectEntry("o", "torch.save", "rank1.bin", 0, 5)]
@@ -97,6 +106,11 @@ def test_entries_pickle_as_their_constructor_arguments():
     back = pickle.loads(pickle.dumps(entries))
     assert back == entries and [type(e) for e in back] == [type(e) for e in entries]
     for e, b in zip(entries[:40], back[:40]):
-        assert (b.chunks.counts, b.chunks._starts, len(b.chunks), list(b.chunks)) == (e.chunks.counts, e.chunks._starts, len(e.chunks), list(e.chunks))
+        assert (b.chunks.counts, b.chunks._starts, len(b.chunks), list(b.chunks)) == (
+            e.chunks.counts,
+            e.chunks._starts,
+            len(e.chunks),
+            list(e.chunks),
+        )
     assert back[0].kind == "tensor" and back[-2].kind == "object"
     assert len(pickle.dumps(entries[:40])) < len(pickle.dumps(entries[:1])) + 40 * 200  # the names once

@@ -19,7 +19,9 @@ from goodput_ckpt.format.grid_detect import grid_from_rows
 Chunk = tuple[tuple[int, ...], tuple[int, ...], str, int, int]
 
 
-def oracle(shape: tuple[int, ...], esize: int, chunks: Sequence[Chunk], file_index: dict[str, int], names: Sequence[str]) -> GridChunks | None:
+def oracle(
+    shape: tuple[int, ...], esize: int, chunks: Sequence[Chunk], file_index: dict[str, int], names: Sequence[str]
+) -> GridChunks | None:
     """The per-chunk detector as it was in goodput_ckpt/format/grid.py (grid_from_chunks)."""
     if not shape or 0 in shape:
         return None
@@ -47,7 +49,12 @@ def oracle(shape: tuple[int, ...], esize: int, chunks: Sequence[Chunk], file_ind
         if runs:
             r = runs[-1]
             step = f - r[1] if r[0] == 1 else r[2]
-            if offset == r[3] and step > 0 and f == r[1] + step * r[0] and _uniform(shape, block, counts, cell - r[0], r[0] + 1):
+            if (
+                offset == r[3]
+                and step > 0
+                and f == r[1] + step * r[0]
+                and _uniform(shape, block, counts, cell - r[0], r[0] + 1)
+            ):
                 r[0] += 1
                 r[2] = step
                 continue
@@ -59,14 +66,15 @@ def detect(shape: tuple[int, ...], esize: int, chunks: Sequence[Chunk], names: S
     index = {n: i for i, n in enumerate(names)}
     d = len(shape)
     return grid_from_rows(
-        shape, esize,
+        shape,
+        esize,
         np.array([index[c[2]] for c in chunks], dtype=np.int64).reshape(-1),
         np.array([c[3] for c in chunks], dtype=np.int64).reshape(-1),
         np.array([c[4] for c in chunks], dtype=np.int64).reshape(-1),
         np.array([c[0] for c in chunks], dtype=np.int64).reshape(-1, d),
         np.array([c[1] for c in chunks], dtype=np.int64).reshape(-1, d),
         names,
-    )  # fmt: skip
+    )
 
 
 def same(shape: tuple[int, ...], esize: int, chunks: Sequence[Chunk], names: Sequence[str]) -> GridChunks | None:
@@ -164,10 +172,12 @@ def test_random_layouts_match_the_oracle():
             rng.shuffle(files)
         step = rng.choice((1, 2, 3))
         chunks = grid_chunks(
-            shape, parts, esize,
+            shape,
+            parts,
+            esize,
             lambda k: NAMES[files[(k * step) % len(NAMES)]],
             lambda k, s: (64 * rng.randrange(3)) if mode == 2 else 64 * (math.prod(s) != max(1, 1)),
-        )  # fmt: skip
+        )
         if mode == 3 and chunks:
             i = rng.randrange(len(chunks))
             o, s, f, off, n = chunks[i]

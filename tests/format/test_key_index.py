@@ -17,7 +17,11 @@ def _oracle(manifest, file: str, lo: int, hi: int) -> list[str]:
     """The keys overlapping ``[lo, hi)`` of ``file``, every chunk and cell expanded."""
     found = []
     for key, e in manifest.items.items():
-        pieces = [(e.file, e.offset, e.length)] if isinstance(e, ObjectEntry) else [(c.file, c.offset, c.length) for c in e.chunks]
+        pieces = (
+            [(e.file, e.offset, e.length)]
+            if isinstance(e, ObjectEntry)
+            else [(c.file, c.offset, c.length) for c in e.chunks]
+        )
         for f, off, length in pieces:
             if f == file and off < hi and lo < off + max(length, 1):
                 found.append((off, key))
@@ -60,23 +64,42 @@ def _random_manifest(rng: random.Random) -> bytes:
                 ends[first + step * j] = offset + length
             runs.append([n, first, step, offset])
             k += n
-        items[f"t{t}"] = {"kind": "tensor", "dtype": "float32", "shape": shape, "requires_grad": False,
-                          "grid": {"block": block, "runs": runs}}  # fmt: skip
+        items[f"t{t}"] = {
+            "kind": "tensor",
+            "dtype": "float32",
+            "shape": shape,
+            "requires_grad": False,
+            "grid": {"block": block, "runs": runs},
+        }
     for key, length in (("explicit", 12), ("obj", 100)):
         f = rng.randrange(len(files))
         offset = -(-ends[f] // 64) * 64
         ends[f] = offset + length
         if key == "obj":
-            items[key] = {"kind": "object", "encoding": "torch.save", "file": files[f], "offset": offset, "length": length}
+            items[key] = {
+                "kind": "object",
+                "encoding": "torch.save",
+                "file": files[f],
+                "offset": offset,
+                "length": length,
+            }
         else:
-            items[key] = {"kind": "tensor", "dtype": "float32", "shape": [3], "requires_grad": False,
-                          "chunks": [{"offsets": [0], "sizes": [3], "file": files[f], "offset": offset, "length": 12}]}  # fmt: skip
+            items[key] = {
+                "kind": "tensor",
+                "dtype": "float32",
+                "shape": [3],
+                "requires_grad": False,
+                "chunks": [{"offsets": [0], "sizes": [3], "file": files[f], "offset": offset, "length": 12}],
+            }
     doc = {
-        "format": "goodput-ckpt", "version": 2, "world_size": len(files), "byte_order": "little",
+        "format": "goodput-ckpt",
+        "version": 2,
+        "world_size": len(files),
+        "byte_order": "little",
         "hash": {"algorithm": "blake3", "chunk_size": 1 << 30},
         "files": {n: {"size": max(e, 1), "chunks": ["0" * 64]} for n, e in zip(files, ends)},
         "items": items,
-    }  # fmt: skip
+    }
     return seal_manifest(json.dumps(doc).encode())
 
 

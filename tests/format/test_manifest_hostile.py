@@ -114,8 +114,15 @@ def test_sharded_tensor_tiling_is_accepted(tmp_path, boxes):
     chunks, offset = [], 0
     for offsets, sizes in boxes:
         length = sizes[0] * sizes[1] * 4
-        chunks.append({"offsets": offsets, "sizes": sizes, "file": "rank00000-00.0123456789ab.bin",
-                       "offset": offset, "length": length})  # fmt: skip
+        chunks.append(
+            {
+                "offsets": offsets,
+                "sizes": sizes,
+                "file": "rank00000-00.0123456789ab.bin",
+                "offset": offset,
+                "length": length,
+            }
+        )
         offset += length
     doc["items"]["w"]["chunks"] = chunks
     raw = seal_manifest(json.dumps(doc).encode())
@@ -167,7 +174,9 @@ def test_dotdot_path_never_reads_outside(tmp_path):
     atime = os.stat(secret).st_atime_ns
     fragment = "unsafe file name '../secret.bin'"
     _raises_clean(lambda: CheckpointReader(loc).read_metadata(), CorruptCheckpointError, fragment)
-    _raises_clean(lambda: parse_manifest(seal_manifest(json.dumps(doc).encode())), CorruptCheckpointError, "'../secret.bin'")
+    _raises_clean(
+        lambda: parse_manifest(seal_manifest(json.dumps(doc).encode())), CorruptCheckpointError, "'../secret.bin'"
+    )
     assert os.stat(secret).st_atime_ns == atime
 
 

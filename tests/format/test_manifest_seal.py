@@ -51,8 +51,10 @@ def test_missing_or_moved_digest_is_refused(saved):
 
 def test_resealed_hostile_edit_still_validated():
     """The digest is integrity, not authenticity: a resealed manifest is still fully validated."""
-    raw = seal_manifest(b'{"format":"goodput-ckpt","version":1,"hash":{"algorithm":"blake3","chunk_size":4096},'
-                        b'"files":{"../x":{"size":0,"chunks":[]}},"items":{},"world_size":1}')  # fmt: skip
+    raw = seal_manifest(
+        b'{"format":"goodput-ckpt","version":1,"hash":{"algorithm":"blake3","chunk_size":4096},'
+        b'"files":{"../x":{"size":0,"chunks":[]}},"items":{},"world_size":1}'
+    )
     with pytest.raises(CorruptCheckpointError, match="unsafe file name"):
         parse_manifest(raw)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
-from goodput_ckpt.format.manifest import parse_manifest
-
 from _manifests import staircase_manifest
+
+from goodput_ckpt.format.manifest import parse_manifest
 
 #: docs/format.md: "parsing needs at most about 8x the manifest's size".
 PEAK_FACTOR = 8

@@ -145,7 +145,9 @@ def _accepts(edit) -> bool:
 
 def test_limits_table_is_what_the_validator_enforces():
     assert "2^24" in _limit_row("world size")
-    assert _accepts(lambda d: d.update(world_size=1 << 24)) and not _accepts(lambda d: d.update(world_size=(1 << 24) + 1))
+    assert _accepts(lambda d: d.update(world_size=1 << 24)) and not _accepts(
+        lambda d: d.update(world_size=(1 << 24) + 1)
+    )
     assert not _accepts(lambda d: d.update(world_size=0))
 
     assert "64" in _limit_row("dimensions per tensor")

@@ -9,12 +9,11 @@ import math
 import random
 
 import pytest
+from _manifests import staircase, staircase_manifest
 
 from goodput_ckpt.errors import CorruptCheckpointError
 from goodput_ckpt.format.manifest import parse_manifest, seal_manifest
 from goodput_ckpt.format.tiling import MAX_PAIR_CHECKS, TilingBudget, TilingError, check_tiling
-
-from _manifests import staircase, staircase_manifest
 
 
 def test_staircase_of_4000_columns_parses_in_n_log_n_steps():

@@ -36,7 +36,10 @@ def fsdp(shape: tuple[int, ...], world: int) -> list[Box]:
 
 
 def save(
-    world: int, tensors: dict[str, tuple[tuple[int, ...], list[Box]]], objects: dict[str, list[int]] | None = None, plain=()
+    world: int,
+    tensors: dict[str, tuple[tuple[int, ...], list[Box]]],
+    objects: dict[str, list[int]] | None = None,
+    plain=(),
 ):
     """Metadata and results as DCP hands them to finish, each rank's items laid out in one file
     (its own items first, as the writer does: objects and the tensors named in ``plain``, which

@@ -148,4 +148,6 @@ def run_ranks(
         elif p.exitcode != 0:
             problems.append(f"--- rank {r} exited with code {p.exitcode} (no traceback; see captured output)")
     if problems:
-        raise AssertionError(f"{fn.__name__} failed on {len(problems)} of {world_size} rank(s):\n" + "\n".join(problems))
+        raise AssertionError(
+            f"{fn.__name__} failed on {len(problems)} of {world_size} rank(s):\n" + "\n".join(problems)
+        )

@@ -33,7 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "FaultProxy", "MotoServer", "SeaweedServer", "free_port", "proxy_counts", "s3_env"]
+__all__ = [
+    "ACCESS_KEY",
+    "SECRET_KEY",
+    "FaultProxy",
+    "MotoServer",
+    "SeaweedServer",
+    "free_port",
+    "proxy_counts",
+    "s3_env",
+]
 
 ACCESS_KEY = "GOODPUTTESTKEYID7Q3Z"
 SECRET_KEY = "goodput-test-secret-Xk29vLq8"
@@ -76,9 +85,13 @@ def wait_ready(url: str, timeout: float = 60.0) -> None:
     from botocore.config import Config
 
     client = boto3.client(
-        "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY, config=Config(retries={"total_max_attempts": 1}, connect_timeout=1, read_timeout=5),
-    )  # fmt: skip
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        config=Config(retries={"total_max_attempts": 1}, connect_timeout=1, read_timeout=5),
+    )
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -120,13 +133,24 @@ class SeaweedServer:
         data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(data_dir / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
         args = [
-            weed, "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-            f"-s3.port={ports[0]}", f"-master.port={ports[1]}", f"-volume.port={ports[2]}",
+            weed,
+            "server",
+            f"-dir={data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-s3",
+            f"-s3.port={ports[0]}",
+            f"-master.port={ports[1]}",
+            f"-volume.port={ports[2]}",
             # Each bucket is a collection with volumes of its own: room for many buckets.
-            f"-filer.port={ports[3]}", "-volume.max=200",
+            f"-filer.port={ports[3]}",
+            "-volume.max=200",
             # Side servers on fixed default ports would collide with another weed: off.
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", *extra_args,
-        ]  # fmt: skip
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            *extra_args,
+        ]
         # weed reads AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from its environment and then
         # requires (and checks the signatures of) those credentials: give it the test's dummies.
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -276,7 +300,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return conn
 
     def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("expect", "connection", "proxy-connection")}
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() not in ("expect", "connection", "proxy-connection")
+        }
         for attempt in range(2):
             conn = self._upstream()
             try:
@@ -328,9 +354,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # What AWS answers to a bad signature: it echoes the access key id and the string it
             # signed. A client must never copy either into its messages.
             self._error(
-                403, "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided.",
+                403,
+                "SignatureDoesNotMatch",
+                "The request signature we calculated does not match the signature you provided.",
                 f"<AWSAccessKeyId>{ACCESS_KEY}</AWSAccessKeyId><StringToSign>AWS4-HMAC-SHA256 {ACCESS_KEY}</StringToSign>",
-            )  # fmt: skip
+            )
         elif action == "corrupt":  # one bit of the request body flipped on the way
             damaged = bytearray(body)
             if damaged:

@@ -64,7 +64,13 @@ PHASES = ("dcp.save", "dcp.load", "manager.save", "manager.restore")
 
 
 def count_rank_requests(
-    rank: int, world_size: int, endpoint: str, root: str, shapes: list[tuple[str, tuple[int, ...]]], layers: int, out: str
+    rank: int,
+    world_size: int,
+    endpoint: str,
+    root: str,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    layers: int,
+    out: str,
 ) -> None:
     """One rank of a save and restore against ``root`` (``s3://bucket/prefix``), counting requests.
 
@@ -99,7 +105,9 @@ def count_rank_requests(
 
     def state(fill: bool) -> dict[str, Any]:
         return {
-            name: distribute_tensor(full(i, shape) if fill else torch.zeros(shape), mesh, [Shard(0)], src_data_rank=None)
+            name: distribute_tensor(
+                full(i, shape) if fill else torch.zeros(shape), mesh, [Shard(0)], src_data_rank=None
+            )
             for i, (name, shape) in enumerate(shapes)
         }
 

@@ -42,10 +42,15 @@ class S3Target:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.url, region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-                          response_checksum_validation="when_required"),
-        )  # fmt: skip
+            "s3",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            config=Config(
+                s3={"addressing_style": "path"},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
 
     def keys(self, prefix: str = "") -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)

@@ -4,7 +4,6 @@ exact comparison. One implementation for every test folder."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from typing import Any
 
 import torch

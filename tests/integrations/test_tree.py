@@ -35,15 +35,23 @@ def _same(a, b) -> bool:
 
 
 TREE = {
-    "state_dict": OrderedDict([("layer.weight", torch.randn(3, 4)), ("layer.bias", torch.zeros(3, dtype=torch.bfloat16))]),
-    "optimizer_states": [{"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.ones(2)}},
-                          "param_groups": [{"betas": (0.9, 0.999), "lr": 0.1, "foreach": None, "params": [0]}]}],
+    "state_dict": OrderedDict(
+        [("layer.weight", torch.randn(3, 4)), ("layer.bias", torch.zeros(3, dtype=torch.bfloat16))]
+    ),
+    "optimizer_states": [
+        {
+            "state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.ones(2)}},
+            "param_groups": [{"betas": (0.9, 0.999), "lr": 0.1, "foreach": None, "params": [0]}],
+        }
+    ],
     "numbers": [1, -0.0, math.inf, -math.inf, math.nan, 2**70, True, "text", ""],
     "odd keys": {1: "int", (1, 2): "tuple", None: "none", "T": {"d": "looks like a tag"}},
-    "a/b": torch.ones(1), "a": {"b": torch.zeros(1)}, "a%2Fb": torch.full((1,), 2.0),  # paths that print alike
+    "a/b": torch.ones(1),
+    "a": {"b": torch.zeros(1)},
+    "a%2Fb": torch.full((1,), 2.0),  # paths that print alike
     "size": torch.Size([2, 3]),
     "empty": {"list": [], "tuple": (), "dict": {}},
-}  # fmt: skip
+}
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -77,9 +85,19 @@ def test_cycle_is_a_typed_error():
 
 @pytest.mark.parametrize(
     "skeleton",
-    [[1, 2], {"d": 1}, {"x": 1}, {"d": {}, "l": []}, {"T": "missing"}, {"m": [[1]]}, {"m": [[{"l": []}, 1]]},
-     {"f": "1e400"}, {"T": 5}, "deep"],
-)  # fmt: skip
+    [
+        [1, 2],
+        {"d": 1},
+        {"x": 1},
+        {"d": {}, "l": []},
+        {"T": "missing"},
+        {"m": [[1]]},
+        {"m": [[{"l": []}, 1]]},
+        {"f": "1e400"},
+        {"T": 5},
+        "deep",
+    ],
+)
 def test_hostile_skeletons_are_corrupt(skeleton):
     if skeleton == "deep":
         skeleton = 1
@@ -119,9 +137,11 @@ def test_core_and_integrations_package_import_no_trainer_library():
     import subprocess
     import sys
 
-    code = "import sys, goodput_ckpt, goodput_ckpt.integrations, goodput_ckpt.integrations._tree, " \
-           "goodput_ckpt.integrations._locations, goodput_ckpt.integrations._processes; " \
-           "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules))"  # fmt: skip
+    code = (
+        "import sys, goodput_ckpt, goodput_ckpt.integrations, goodput_ckpt.integrations._tree, "
+        "goodput_ckpt.integrations._locations, goodput_ckpt.integrations._processes; "
+        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

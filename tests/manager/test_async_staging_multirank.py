@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from helpers.dist import run_ranks  # noqa: E402
 from helpers.manager_hooks import hold_saves, save_jobs_of, staging_of  # noqa: E402
+from torch import nn
 
 from goodput_ckpt import CheckpointError, CheckpointManager  # noqa: E402
 

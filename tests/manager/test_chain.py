@@ -22,26 +22,40 @@ from goodput_ckpt.storage import open_store
 
 def _target(model: nn.Module, config: ManagerConfig, timeline: TimelineSink) -> RestoreTarget:
     return RestoreTarget(
-        models=normalize(model, None), dataloader=None, stateful={}, topology=Topology(0, 1), config=config,
-        group=Group(None), timeline=timeline,
-    )  # fmt: skip
+        models=normalize(model, None),
+        dataloader=None,
+        stateful={},
+        topology=Topology(0, 1),
+        config=config,
+        group=Group(None),
+        timeline=timeline,
+    )
 
 
 def _chain(tmp_path, **options):
     config = ManagerConfig(**options)
     root = str(tmp_path / "root")
     return config, open_chain(
-        config, root=open_store(root, {}), root_uri=root, storage_options={}, group=Group(None), topology=Topology(0, 1),
-        local_world_size=None, timeline=TimelineSink(None), on_failure=lambda step, err: None,
+        config,
+        root=open_store(root, {}),
+        root_uri=root,
+        storage_options={},
+        group=Group(None),
+        topology=Topology(0, 1),
+        local_world_size=None,
+        timeline=TimelineSink(None),
+        on_failure=lambda step, err: None,
         job=JobState(new_job_id(), recorded=False),
-    )  # fmt: skip
+    )
 
 
 def test_one_tier_is_the_persistent_chain_and_restores_through_one_target(tmp_path):
     config, chain = _chain(tmp_path)
     assert isinstance(chain, PersistentChain) and chain.names == ("persistent",)
     assert chain.save_target(5) == (str(tmp_path / "root" / "step_00000005"), {})
-    assert chain.step_tiers() == {} and chain.restore(None, _target(nn.Linear(2, 2), config, TimelineSink(None))) is None
+    assert (
+        chain.step_tiers() == {} and chain.restore(None, _target(nn.Linear(2, 2), config, TimelineSink(None))) is None
+    )
     torch.manual_seed(0)
     saved = nn.Linear(2, 2)
     with CheckpointManager(tmp_path / "root", async_save=False) as mgr:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
+import duplicate_job
 import pytest
 import torch
 from helpers.dist import run_ranks
 
-import duplicate_job
 from goodput_ckpt import CheckpointExistsError, CheckpointManager
 
 

@@ -32,10 +32,18 @@ def _worker(rank: int, world: int, base: str, in_memory: bool = False) -> None:
     if in_memory:  # of b, only chunks 0 and 2 (what a rank reads of it)
         moves[1] = Move(0, 1, manifest.files[b], frozenset({0, 2}))
     failed = run_moves(
-        moves, rank=rank, store=open_store(str(Path(base, f"rank{rank}"))), chunk_size=manifest.chunk_size,
-        pg=dist.group.WORLD, sender_uri="the copy of rank {rank}", keys=KeyIndex(manifest), into=into,
-    )  # fmt: skip
-    Path(base, f"failed{rank}.json").write_text(json.dumps({k: [str(v), list(v.byte_range)] for k, v in failed.items()}))
+        moves,
+        rank=rank,
+        store=open_store(str(Path(base, f"rank{rank}"))),
+        chunk_size=manifest.chunk_size,
+        pg=dist.group.WORLD,
+        sender_uri="the copy of rank {rank}",
+        keys=KeyIndex(manifest),
+        into=into,
+    )
+    Path(base, f"failed{rank}.json").write_text(
+        json.dumps({k: [str(v), list(v.byte_range)] for k, v in failed.items()})
+    )
     if into is not None:  # what a load would read: through each file's source, in ranged reads
         from goodput_ckpt.errors import IncompleteCheckpointError
 

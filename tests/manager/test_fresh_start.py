@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from goodput_ckpt import CheckpointManager

@@ -77,7 +77,10 @@ def test_a_damaged_kept_step_protects_every_older_step(tmp_path):
 
 def test_a_killed_lora_job_restores_bit_exactly_and_wrote_only_the_adapters(tmp_path):
     root = str(tmp_path / "root")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(JOB)), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(JOB)), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run([sys.executable, JOB, root, "6"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr[-3000:]
     saves = _saves(root)

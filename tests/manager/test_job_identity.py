@@ -8,7 +8,6 @@ gloo ranks on 2 simulated nodes, SIGKILLed every 2 saves over 6 restarts.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
@@ -18,10 +17,9 @@ from pathlib import Path
 import pytest
 import tiers_job
 from helpers.dist import run_ranks
-from helpers.tiers import job_dir
 
 from goodput_ckpt import CheckpointManager
-from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
+from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.format.commit_record import read_commit_record
 from goodput_ckpt.manager.job import JOB_FILE, JobRecord, job_of
 from goodput_ckpt.manager.step_layout import step_dir_name
@@ -126,9 +124,15 @@ def test_every_record_names_its_job_and_save_number(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content", [b"not json", b'{"format": "something else"}', b'{"format": "goodput-ckpt job", "version": 9}',
-                b'{"format": "goodput-ckpt job", "version": 1, "id": "../../x"}', b"x" * 5000],
-)  # fmt: skip
+    "content",
+    [
+        b"not json",
+        b'{"format": "something else"}',
+        b'{"format": "goodput-ckpt job", "version": 9}',
+        b'{"format": "goodput-ckpt job", "version": 1, "id": "../../x"}',
+        b"x" * 5000,
+    ],
+)
 def test_a_job_file_that_is_not_ours_is_refused(tmp_path, content):
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / JOB_FILE).write_bytes(content)
@@ -204,7 +208,17 @@ def test_sigkill_every_two_saves_loses_at_most_persist_every_minus_one(tmp_path)
     for run in range(RUNS):
         port = str(free_port())
         commands = [
-            [sys.executable, script, str(r), str(WORLD), port, str(persist), str(local / "node{node}"), "64", json.dumps(opts)]
+            [
+                sys.executable,
+                script,
+                str(r),
+                str(WORLD),
+                port,
+                str(persist),
+                str(local / "node{node}"),
+                "64",
+                json.dumps(opts),
+            ]
             for r in range(WORLD)
         ]
         job = JobLaunch(commands, str(tmp_path / "logs"), f"run{run}", env=env)
@@ -220,10 +234,19 @@ def test_sigkill_every_two_saves_loses_at_most_persist_every_minus_one(tmp_path)
     newest = _newest_committed(local)
     assert newest >= 2 * RUNS - 1
     shutil.rmtree(local)  # every node lost
-    run_ranks(tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), {"persist_every": 3, "replicas": 1},
-              str(tmp_path), report_dir=tmp_path / "report")  # fmt: skip
+    run_ranks(
+        tiers_job.restore_step,
+        WORLD,
+        str(persist),
+        str(local / "node{node}"),
+        {"persist_every": 3, "replicas": 1},
+        str(tmp_path),
+        report_dir=tmp_path / "report",
+    )
     results = [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
     step = results[0]["step"]
     assert step is not None and all(r["step"] == step and r["error"] is None for r in results)
-    assert newest - step <= 2, f"restored step {step}, newest committed {newest}: more than persist_every - 1 saves lost"
+    assert newest - step <= 2, (
+        f"restored step {step}, newest committed {newest}: more than persist_every - 1 saves lost"
+    )
     assert all(r["digest"] == tiers_job.reference_digest(step + 1) for r in results)

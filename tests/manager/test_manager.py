@@ -14,10 +14,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch import nn
 from helpers.logs import logged_warnings
 from helpers.manager_hooks import save_jobs_of, staging_of
 from helpers.wait import wait_until
+from torch import nn
 
 from goodput_ckpt import (
     CheckpointError,
@@ -293,9 +293,12 @@ def _loader(num_workers: int, batch_size: int = 4):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     return StatefulDataLoader(
-        _Samples(), batch_size=batch_size, shuffle=True, num_workers=num_workers,
+        _Samples(),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
         generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    )
 
 
 def test_dataloader_position_and_worker_count_check(tmp_path):

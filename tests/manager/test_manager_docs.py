@@ -10,7 +10,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_manager_example_runs_and_resumes(tmp_path):
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "CheckpointManager(" in b]
+    blocks = [
+        b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "CheckpointManager(" in b
+    ]
     assert blocks, "README lost its CheckpointManager example"
     code = compile(blocks[0].replace('"/tmp/run"', repr(str(tmp_path / "run"))), str(README), "exec")
     first: dict = {}

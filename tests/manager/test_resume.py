@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import train_job  # noqa: E402
 from helpers.logs import logged_warnings  # noqa: E402
 from helpers.trees import assert_tree_equal  # noqa: E402
@@ -31,8 +30,8 @@ from goodput_ckpt import CheckpointManager  # noqa: E402
 from goodput_ckpt.errors import TopologyChangeError  # noqa: E402
 from goodput_ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
 from goodput_ckpt.manager.step_layout import list_step_dirs  # noqa: E402
-from goodput_ckpt.storage import open_store  # noqa: E402
 from goodput_ckpt.manager.timeline import TIMELINE_NAME, read_timeline  # noqa: E402
+from goodput_ckpt.storage import open_store  # noqa: E402
 
 # The scenario runs 6-8 two-rank job launches: 40-60 s on an idle 2-core machine.
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -51,7 +50,10 @@ def Job(out: Path, logs: Path, root: Path | None, tag: str, elastic: bool = Fals
 
 def _complete_and_incomplete(root: Path) -> tuple[list[int], list[int]]:
     steps = list_step_dirs(open_store(str(root)))
-    return ([s for s, f in steps.items() if MANIFEST_NAME in f], [s for s, f in steps.items() if MANIFEST_NAME not in f])
+    return (
+        [s for s, f in steps.items() if MANIFEST_NAME in f],
+        [s for s, f in steps.items() if MANIFEST_NAME not in f],
+    )
 
 
 @pytest.fixture(scope="module", params=["shuffle", "elastic"])
@@ -107,7 +109,9 @@ def resumed_job(request, tmp_path_factory):
                     complete, _ = _complete_and_incomplete(root)
                     hit = step not in complete  # killed before its commit: during the background save
                     mid_save_hits += hit
-                    kills.append(f"{restored} -> killed after {line!r} ({'mid-save' if hit else 'save had already committed'})")
+                    kills.append(
+                        f"{restored} -> killed after {line!r} ({'mid-save' if hit else 'save had already committed'})"
+                    )
                     if not hit and mid_save_hits == 0 and launch < 8:
                         plan.append("save")  # the kill came too late to catch the write: try again
             except BaseException:
@@ -127,7 +131,14 @@ def resumed_job(request, tmp_path_factory):
         kills.append(f"{first} -> ran to the end")
     except AssertionError as e:
         raise AssertionError(f"{e}\nlaunches so far: {kills} {ctx}") from None
-    return {"ref": base / "ref", "managed": base / "managed", "root": root, "kills": kills, "ctx": ctx, "elastic": elastic}
+    return {
+        "ref": base / "ref",
+        "managed": base / "managed",
+        "root": root,
+        "kills": kills,
+        "ctx": ctx,
+        "elastic": elastic,
+    }
 
 
 @pytest.mark.timeout(900)
@@ -197,7 +208,9 @@ def test_restart_at_one_rank_from_two_rank_checkpoint(resumed_job):
     for part in ("model.", "optimizer.state.", "scheduler."):
         assert any(k.startswith(part) for k in got), part
         assert_tree_equal(
-            {k: v for k, v in got.items() if k.startswith(part)}, {k: v for k, v in want.items() if k.startswith(part)}, part
+            {k: v for k, v in got.items() if k.startswith(part)},
+            {k: v for k, v in want.items() if k.startswith(part)},
+            part,
         )
     assert torch.equal(torch.get_rng_state(), rng_before), "the RNG state was kept, as the policy says"
     assert loader.state_dict() == loader_before, "the dataloader state was kept, as the policy says"

@@ -20,6 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers.records import empty_record
+from helpers.s3_requests import RequestCounter, by_operation
+from helpers.wait import wait_until
 
 from goodput_ckpt import CheckpointManager
 from goodput_ckpt.format.manifest import MANIFEST_NAME
@@ -27,9 +30,6 @@ from goodput_ckpt.manager.retention import apply_retention, scan_steps
 from goodput_ckpt.manager.step_layout import step_dir_name
 from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools import verify_checkpoint
-from helpers.records import empty_record
-from helpers.s3_requests import RequestCounter, by_operation
-from helpers.wait import wait_until
 
 
 def _plant(target, step: int, files: int) -> None:
@@ -99,7 +99,9 @@ def test_a_retention_killed_midway_leaves_every_committed_step_readable(moto, pr
     proxy.stall_s = 600
     proxy.add("stall", op=held, times=1)
     log = open(tmp_path / "worker.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, moto.uri("root"), proxy.url], stdout=log, stderr=log, env=os.environ)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, moto.uri("root"), proxy.url], stdout=log, stderr=log, env=os.environ
+    )
     try:
         wait_until(lambda: proxy.log.faults or proc.poll() is not None, timeout=120, what="the held delete")
         assert proc.poll() is None, (tmp_path / "worker.log").read_text()

@@ -26,7 +26,9 @@ def _steps(moto, steps):
 
 
 def _warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "goodput_ckpt.retention" and r.levelno >= logging.WARNING]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "goodput_ckpt.retention" and r.levelno >= logging.WARNING
+    ]
 
 
 def test_unsafe_keys_are_skipped_with_one_warning_and_retention_goes_on(moto, caplog):
@@ -40,7 +42,9 @@ def test_unsafe_keys_are_skipped_with_one_warning_and_retention_goes_on(moto, ca
 
     caplog.set_level(logging.INFO, logger="goodput_ckpt.retention")
     apply_retention(root, committed=3, keep_last=1)
-    assert moto.keys() == sorted(PLANTED + ("x", "root/step_00000003/manifest.json", "root/step_00000003/rank00000-00.0123456789ab.bin"))
+    assert moto.keys() == sorted(
+        PLANTED + ("x", "root/step_00000003/manifest.json", "root/step_00000003/rank00000-00.0123456789ab.bin")
+    )
     (warning,) = _warnings(caplog)  # one warning, naming the keys; none saying "will retry"
     assert "3 object(s)" in warning and "'step_00000001/../../x'" in warning and "retry" not in warning
 

@@ -16,7 +16,9 @@ def test_names_round_trip_and_sort_by_step():
     assert sorted(names) == names
 
 
-@pytest.mark.parametrize("name", ["step_1", "step_0000001", "step_00000001x", "step_-0000001", "Step_00000001", "step_000000001", "x"])
+@pytest.mark.parametrize(
+    "name", ["step_1", "step_0000001", "step_00000001x", "step_-0000001", "Step_00000001", "step_000000001", "x"]
+)
 def test_non_canonical_names_are_not_steps(name):
     assert parse_step_dir(name) is None
 

@@ -15,8 +15,16 @@ DIGEST = "0" * 64
 
 def _record(bases: list[int]) -> bytes:
     files = {f"f{b}.bin": FileEntry(f"f{b}.bin", 1, (DIGEST,), step_dir_name(b)) for b in bases}
-    return Manifest(version=3 if bases else 2, library_version="", torch_version="", created_at="", world_size=1,
-                    chunk_size=1 << 23, files=files, items={}).to_json()  # fmt: skip
+    return Manifest(
+        version=3 if bases else 2,
+        library_version="",
+        torch_version="",
+        created_at="",
+        world_size=1,
+        chunk_size=1 << 23,
+        files=files,
+        items={},
+    ).to_json()
 
 
 def _plant(root, step: int, bases: list[int]) -> None:

@@ -36,9 +36,15 @@ OPTS = dict(replicas=1, persist_every=3, keep_last=3)
 def saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("tiers")
     run_ranks(
-        tiers_job.save_steps, WORLD, str(base / "persist"), str(base / "local" / "node{node}"), STEPS, OPTS, str(base),
+        tiers_job.save_steps,
+        WORLD,
+        str(base / "persist"),
+        str(base / "local" / "node{node}"),
+        STEPS,
+        OPTS,
+        str(base),
         report_dir=base / "report",
-    )  # fmt: skip
+    )
     return base
 
 
@@ -50,9 +56,16 @@ def _scenario(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 def _restore(tmp_path: Path, persist: Path, local: Path, fault: tuple[int, str] | None = None) -> list[dict]:
     run_ranks(
-        tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path), 64, fault,
+        tiers_job.restore_step,
+        WORLD,
+        str(persist),
+        str(local / "node{node}"),
+        OPTS,
+        str(tmp_path),
+        64,
+        fault,
         report_dir=tmp_path / "report",
-    )  # fmt: skip
+    )
     return [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -78,7 +91,9 @@ def test_saves_land_on_each_tier(saved):
         steps = sorted(p.name for p in job_dir(saved / "local" / f"node{node}").glob("step_*"))
         assert steps == ["step_00000004", "step_00000005", "step_00000006"]
         # every rank's files are on both nodes: its own node's, and the previous node's replicas
-        names = {p.name.split(".")[0] for p in (job_dir(saved / "local" / f"node{node}") / "step_00000006").glob("*.bin")}
+        names = {
+            p.name.split(".")[0] for p in (job_dir(saved / "local" / f"node{node}") / "step_00000006").glob("*.bin")
+        }
         assert names == {f"rank{r:05d}-00" for r in range(WORLD)}
 
 
@@ -202,7 +217,9 @@ def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path)
         assert "persistent" in r["record"]["sources"]
     # node 0's ranks were told which local file was bad, where, and that the next tier was used
     warned = results[0]["warnings"]
-    assert any("node 0's copy of" in w and "is damaged" in w and "read from the persistent tier" in w for w in warned), warned
+    assert any(
+        "node 0's copy of" in w and "is damaged" in w and "read from the persistent tier" in w for w in warned
+    ), warned
     assert all(len(w) < 400 and "Restore an earlier" not in w for r in results for w in r["warnings"]), warned
     # the steps after it, which no tier could rebuild, are gone from the local tier
     assert not (job_dir(local / "node0") / "step_00000006").exists()
@@ -266,7 +283,9 @@ def test_damaged_replica_is_not_used(saved, tmp_path):
         assert "no checkpoint can be rebuilt from any tier" in r["error"]
         # rank 2 needs its own file, whose only copy (node 0's) is damaged: named, with its bytes
         assert "step 6: rank 2 could not get its files" in r["error"], r["error"]
-        assert "rank00002-00." in r["error"] and "checksum mismatch" in r["error"] and "bytes [0, " in r["error"], r["error"]
+        assert "rank00002-00." in r["error"] and "checksum mismatch" in r["error"] and "bytes [0, " in r["error"], r[
+            "error"
+        ]
 
 
 # -- without processes ---------------------------------------------------------------------------
@@ -323,9 +342,10 @@ def test_one_process_two_tiers(tmp_path):
     assert open_store(str(tmp_path / "root"), {}).list()  # the persistent tier exists
     fresh, fresh_opt = tiers_job.make(0)
     torch.nn.init.zeros_(fresh[0].weight)
-    with warnings.catch_warnings(record=True) as caught, CheckpointManager(
-        tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2
-    ) as mgr:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        CheckpointManager(tmp_path / "root", local_dir=str(tmp_path / "local"), persist_every=2) as mgr,
+    ):
         warnings.simplefilter("always")
         assert mgr.restore(model=fresh, optimizer=fresh_opt) == 3
         assert mgr.timeline[-1]["sources"] == {"local": 1}

@@ -101,9 +101,10 @@ def test_two_tier_restore_is_bit_exact(runs, tmp_path, failure, want):
     assert _restored(job) == want, job.log[:3]
     assert _prints(tmp_path / "out") == _prints(runs / "ref")
     restores = [
-        json.loads(line) for line in (persist / "goodput-timeline.jsonl").read_text().splitlines()
+        json.loads(line)
+        for line in (persist / "goodput-timeline.jsonl").read_text().splitlines()
         if '"restore"' in line
-    ]  # fmt: skip
+    ]
     sources = {r["rank"]: r["sources"] for r in restores if str(r["step"]) == want}
     assert set(sources) == set(range(WORLD))
     if failure == "nothing-lost":
@@ -141,7 +142,14 @@ def test_sigkill_during_two_tier_saves(runs, tmp_path):
     kills = []
     for launch in range(3):
         job = train_job.Job(
-            tmp_path / "out", logs, persist, f"launch{launch}", world=WORLD, steps=STEPS, save_every=1, options=_options(local)
+            tmp_path / "out",
+            logs,
+            persist,
+            f"launch{launch}",
+            world=WORLD,
+            steps=STEPS,
+            save_every=1,
+            options=_options(local),
         )
         deadline = time.monotonic() + JOB_TIMEOUT_S
         try:

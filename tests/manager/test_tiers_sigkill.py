@@ -34,7 +34,9 @@ PHASE_TIMEOUT_S = 240.0
 
 def _local_write(persist: Path, local: Path) -> bool:
     """A step directory on node 0 with data files but no commit record yet."""
-    return any(not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in (local / "node0").glob("job-*/step_*"))
+    return any(
+        not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in (local / "node0").glob("job-*/step_*")
+    )
 
 
 def _replication(persist: Path, local: Path) -> bool:
@@ -50,7 +52,11 @@ def _persist(persist: Path, local: Path) -> bool:
     return any(not (d / "manifest.json").exists() and any(d.glob("*.bin")) for d in persist.glob("step_*"))
 
 
-PHASES: dict[str, Callable[[Path, Path], bool]] = {"local-write": _local_write, "replication": _replication, "persist": _persist}
+PHASES: dict[str, Callable[[Path, Path], bool]] = {
+    "local-write": _local_write,
+    "replication": _replication,
+    "persist": _persist,
+}
 
 
 @pytest.mark.timeout(900)
@@ -60,7 +66,17 @@ def test_sigkill_in_phase(tmp_path, phase):
     port = str(free_port())
     script = str(Path(tiers_job.__file__))
     commands = [
-        [sys.executable, script, str(r), str(WORLD), port, str(persist), str(local / "node{node}"), str(WIDTH), json.dumps(OPTS)]
+        [
+            sys.executable,
+            script,
+            str(r),
+            str(WORLD),
+            port,
+            str(persist),
+            str(local / "node{node}"),
+            str(WIDTH),
+            json.dumps(OPTS),
+        ]
         for r in range(WORLD)
     ]
     repo = str(Path(__file__).resolve().parents[2])
@@ -76,13 +92,24 @@ def test_sigkill_in_phase(tmp_path, phase):
             assert line is not None, f"the job ended before its second save{job.why()}"
             saved += line.startswith("SAVED")
         wait_until(
-            lambda: seen(persist, local), max(0.0, deadline - time.monotonic()), interval=0.0005,
+            lambda: seen(persist, local),
+            max(0.0, deadline - time.monotonic()),
+            interval=0.0005,
             what=f"the {phase} phase in progress (within {PHASE_TIMEOUT_S:.0f} s of the start)",
-        )  # fmt: skip
+        )
     finally:
         job.kill()
 
-    run_ranks(tiers_job.restore_step, WORLD, str(persist), str(local / "node{node}"), OPTS, str(tmp_path), WIDTH, report_dir=tmp_path / "report")
+    run_ranks(
+        tiers_job.restore_step,
+        WORLD,
+        str(persist),
+        str(local / "node{node}"),
+        OPTS,
+        str(tmp_path),
+        WIDTH,
+        report_dir=tmp_path / "report",
+    )
     results = [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
     step = results[0]["step"]
     assert step is not None and all(r["step"] == step and r["error"] is None for r in results)
@@ -91,4 +118,3 @@ def test_sigkill_in_phase(tmp_path, phase):
     # what the kill left half-written is not taken for a checkpoint, and was cleaned up
     assert not _persist(persist, local)
     assert all((d / "manifest.json").exists() for d in persist.glob("step_*"))
-

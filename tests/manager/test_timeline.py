@@ -20,9 +20,23 @@ from goodput_ckpt.manager.timeline import (
 )
 
 SAVE_FIELDS = {
-    "event", "step", "rank", "world_size", "time", "async", "wait_s", "stage_s", "guard_s", "stall_s",
-    "write_s", "durable_s", "bytes", "gbps", "ok", "error",
-}  # fmt: skip
+    "event",
+    "step",
+    "rank",
+    "world_size",
+    "time",
+    "async",
+    "wait_s",
+    "stage_s",
+    "guard_s",
+    "stall_s",
+    "write_s",
+    "durable_s",
+    "bytes",
+    "gbps",
+    "ok",
+    "error",
+}
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -141,9 +155,16 @@ def test_a_save_record_through_its_phases():
     assert out["write_s"] is not None and out["write_s"] >= 0  # set at the end when never written
     restore = RestoreRecord(step=8, rank=0, world_size=1, time=3.0, seconds=0.5, bytes=10).to_json()
     assert restore == {
-        "event": "restore", "step": 8, "rank": 0, "world_size": 1, "time": 3.0, "seconds": 0.5, "bytes": 10,
-        "ok": True, "error": None,
-    }  # fmt: skip
+        "event": "restore",
+        "step": 8,
+        "rank": 0,
+        "world_size": 1,
+        "time": 3.0,
+        "seconds": 0.5,
+        "bytes": 10,
+        "ok": True,
+        "error": None,
+    }
 
 
 def test_read_timeline_skips_a_torn_last_line_but_not_a_bad_middle_one(tmp_path):
@@ -163,7 +184,10 @@ def test_summary_takes_the_slowest_rank_per_step():
     recs = [
         {"event": "save", "step": 1, "rank": r, "stall_s": s, "write_s": 1.0, "bytes": 10, "ok": True}
         for r, s in ((0, 0.1), (1, 0.3))
-    ] + [{"event": "restore", "step": 1, "rank": r, "time": 100.0, "seconds": t, "ok": True} for r, t in ((0, 2.0), (1, 3.0))]
+    ] + [
+        {"event": "restore", "step": 1, "rank": r, "time": 100.0, "seconds": t, "ok": True}
+        for r, t in ((0, 2.0), (1, 3.0))
+    ]
     summary = summarize_timeline(recs)
     assert summary["stall_s"]["max"] == 0.3 and summary["stall_s"]["count"] == 1
     assert summary["bytes_per_save"]["total"] == 20

@@ -66,8 +66,17 @@ def save_steps(rank: int, world: int, root: str, local: str, steps: int, opts: d
 
 
 #: The collectives the package and DCP call through ``torch.distributed`` (object and barrier).
-_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier",
-                "all_gather", "broadcast", "all_reduce", "all_to_all")  # fmt: skip
+_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+    "all_gather",
+    "broadcast",
+    "all_reduce",
+    "all_to_all",
+)
 
 
 @contextlib.contextmanager
@@ -115,9 +124,15 @@ FAULTS = {
 
 
 def restore_step(
-    rank: int, world: int, root: str, local: str, opts: dict[str, Any], out: str, width: int = 64,
+    rank: int,
+    world: int,
+    root: str,
+    local: str,
+    opts: dict[str, Any],
+    out: str,
+    width: int = 64,
     fault: tuple[int, str] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Restore the newest step a two-tier manager can rebuild; write it, its digest and the
     restore's timeline record. ``fault``: ``(rank, name)``, that rank raises one of
     :data:`FAULTS` (patched in its own process)."""
@@ -131,7 +146,10 @@ def restore_step(
     error = None
     logged = _LogKeeper()
     logging.getLogger("goodput_ckpt").addHandler(logged)
-    with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr,
+    ):
         warnings.simplefilter("always")
         try:
             with _counting_collectives() as collectives:
@@ -141,14 +159,23 @@ def restore_step(
         record = [r for r in mgr.timeline if r["event"] == "restore"]
     dist.barrier()
     Path(out, f"restored-rank{rank}.json").write_text(
-        json.dumps({
-            "step": step, "error": error, "digest": digest(model, opt), "record": record[-1] if record else None,
-            # the restore's reports: WARNING records of the goodput_ckpt loggers, and no UserWarning
-            "warnings": [m for m in logged.messages if "restore of step" in m or "local tier" in m],
-            "user_warnings": [str(w.message) for w in caught if "restore of step" in str(w.message) or "local tier" in str(w.message)],
-            "collectives": dict(collectives),
-            "torch_warnings": [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)],
-        })
+        json.dumps(
+            {
+                "step": step,
+                "error": error,
+                "digest": digest(model, opt),
+                "record": record[-1] if record else None,
+                # the restore's reports: WARNING records of the goodput_ckpt loggers, and no UserWarning
+                "warnings": [m for m in logged.messages if "restore of step" in m or "local tier" in m],
+                "user_warnings": [
+                    str(w.message)
+                    for w in caught
+                    if "restore of step" in str(w.message) or "local tier" in str(w.message)
+                ],
+                "collectives": dict(collectives),
+                "torch_warnings": [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)],
+            }
+        )
     )
 
 
@@ -176,7 +203,15 @@ def main(argv: list[str]) -> None:
     """One rank of a job that trains and saves every step until it is killed, printing
     ``SAVED step`` (flushed) after each save returns: ``tiers_job.py RANK WORLD PORT ROOT LOCAL
     WIDTH OPTIONS_JSON`` (the SIGKILL tests of test_tiers_sigkill.py)."""
-    rank, world, port, root, local, width, opts = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4], int(argv[5]), json.loads(argv[6])
+    rank, world, port, root, local, width, opts = (
+        int(argv[0]),
+        int(argv[1]),
+        argv[2],
+        argv[3],
+        argv[4],
+        int(argv[5]),
+        json.loads(argv[6]),
+    )
     resume = opts.pop("resume", False)  # restore first and go on from the restored step
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)

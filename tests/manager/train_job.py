@@ -17,26 +17,58 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
 from goodput_ckpt.tools.demos._demo_job import BATCH, Samples, make_model, make_optimizer, state_fingerprint
+from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
 
 __all__ = [
-    "BATCH", "WIDTH", "Job", "Samples", "command", "fingerprint_file", "make_model", "make_optimizer", "state_fingerprint",
-]  # fmt: skip
+    "BATCH",
+    "WIDTH",
+    "Job",
+    "Samples",
+    "command",
+    "fingerprint_file",
+    "make_model",
+    "make_optimizer",
+    "state_fingerprint",
+]
 
 WIDTH = 256  # ~1.2 MB of parameters, ~3.5 MB with AdamW state: saves take a few ms to tens of ms
 
 
 def command(
-    rank: int, world_size: int, port: int, out: Path, *, steps: int, save_every: int, root: Path | None,
-    elastic: bool = False, options: dict[str, Any] | None = None,
+    rank: int,
+    world_size: int,
+    port: int,
+    out: Path,
+    *,
+    steps: int,
+    save_every: int,
+    root: Path | None,
+    elastic: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> list[str]:
     """The command line of one rank (run it from the repository root, as pytest is). ``elastic``:
     the loaders use ``goodput_ckpt.data.ElasticSampler`` instead of ``shuffle=True``;
     ``options``: more ``CheckpointManager`` keyword arguments (JSON values)."""
-    cmd = [sys.executable, "-m", "goodput_ckpt.tools.demos._demo_job", "--rank", str(rank), "--world-size", str(world_size),
-           "--port", str(port), "--out", str(out), "--steps", str(steps), "--width", str(WIDTH),
-           "--save-every", str(save_every)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "goodput_ckpt.tools.demos._demo_job",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--port",
+        str(port),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--width",
+        str(WIDTH),
+        "--save-every",
+        str(save_every),
+    ]
     if root is not None:
         cmd += ["--root", str(root)]
     for key, value in (options or {}).items():
@@ -50,18 +82,32 @@ class Job(JobLaunch):
     reference run, without a manager."""
 
     def __init__(
-        self, out: Path, logs: Path, root: Path | None, tag: str, *, world: int, steps: int, save_every: int,
-        elastic: bool = False, options: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        out: Path,
+        logs: Path,
+        root: Path | None,
+        tag: str,
+        *,
+        world: int,
+        steps: int,
+        save_every: int,
+        elastic: bool = False,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         port = free_port()
         out.mkdir(parents=True, exist_ok=True)
         logs.mkdir(parents=True, exist_ok=True)
         commands = [
-            command(rank, world, port, out, steps=steps, save_every=save_every, root=root, elastic=elastic, options=options)
+            command(
+                rank, world, port, out, steps=steps, save_every=save_every, root=root, elastic=elastic, options=options
+            )
             for rank in range(world)
         ]
         # The ranks import goodput_ckpt from this checkout, not from wherever it is installed.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+        }
         super().__init__(commands, str(logs), tag, env=env)
         self.log: list[str] = []
 

@@ -17,8 +17,17 @@ from goodput_ckpt.state.rng import rng_layout, row_width
 
 
 def _manifest(metadata):
-    return Manifest(version=1, library_version="0", torch_version="0", created_at="", world_size=1,
-                    chunk_size=1 << 20, files={}, items={}, metadata=metadata)  # fmt: skip
+    return Manifest(
+        version=1,
+        library_version="0",
+        torch_version="0",
+        created_at="",
+        world_size=1,
+        chunk_size=1 << 20,
+        files={},
+        items={},
+        metadata=metadata,
+    )
 
 
 def test_save_state_sections_and_metadata():
@@ -35,9 +44,14 @@ def test_save_state_sections_and_metadata():
             pass
 
     state, meta = build_save_state(
-        7, models=normalize(model, opt), dataloader=Loader(), stateful={}, topology=Topology(1, 2),
-        save_rng=True, extra={"epoch": 1},
-    )  # fmt: skip
+        7,
+        models=normalize(model, opt),
+        dataloader=Loader(),
+        stateful={},
+        topology=Topology(1, 2),
+        save_rng=True,
+        extra={"epoch": 1},
+    )
     assert set(state) == {"model", "optimizer", "rng", "dataloader"}
     (row,) = state["rng"].values()
     assert isinstance(row, RankRow) and (row.rank, row.world_size) == (1, 2), "row 1 of one tensor for all ranks"

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.dist import run_ranks  # noqa: E402
+from helpers.logs import logged_warnings  # noqa: E402
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -20,12 +22,9 @@ from goodput_ckpt.engine.manifest_load import load_manifest
 from goodput_ckpt.errors import CorruptCheckpointError, TopologyChangeError
 from goodput_ckpt.format.schema import MAX_WORLD_SIZE
 from goodput_ckpt.state import META_KEY, Topology, normalize, plan_restore
-from goodput_ckpt.storage import open_store
 from goodput_ckpt.state.rng import derived_seed
+from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools.ops.reshard import reshard_checkpoint
-
-from helpers.dist import run_ranks  # noqa: E402
-from helpers.logs import logged_warnings  # noqa: E402
 
 N = 40
 
@@ -75,13 +74,19 @@ def test_the_old_rank_count_is_bounded_before_it_sizes_anything(tmp_path):
     meta = manifest.metadata[META_KEY]
     for ranks in (MAX_WORLD_SIZE + 1, 1 << 40, 0, True):
         bad = dataclasses.replace(
-            manifest, metadata={**manifest.metadata, META_KEY: {**meta, "dataloader": {**meta["dataloader"], "ranks": ranks}}}
+            manifest,
+            metadata={**manifest.metadata, META_KEY: {**meta, "dataloader": {**meta["dataloader"], "ranks": ranks}}},
         )
         with pytest.raises(CorruptCheckpointError, match="dataloader ranks"):
             plan_restore(
-                bad, where="x", models=normalize(model, None), dataloader=_loader(0, 4, 2, 0)[0], stateful={},
-                topology=Topology(rank=0, world_size=2), allow_topology_change=False,
-            )  # fmt: skip
+                bad,
+                where="x",
+                models=normalize(model, None),
+                dataloader=_loader(0, 4, 2, 0)[0],
+                stateful={},
+                topology=Topology(rank=0, world_size=2),
+                allow_topology_change=False,
+            )
 
 
 @pytest.mark.parametrize(("before", "after"), [((2, 4), (0, 3)), ((0, 4), (2, 5))])

@@ -28,10 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.dist import run_ranks
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
-
-from helpers.dist import run_ranks
 
 from goodput_ckpt import CheckpointManager, CheckpointReader
 from goodput_ckpt.data import ElasticSampler
@@ -206,7 +205,9 @@ def _restore_tiers(rank: int, ws: int, root: str, local: str, out: str) -> None:
     with CheckpointManager(root, async_save=False, local_dir=local, local_world_size=1) as mgr:
         assert mgr.restore(model=nn.Linear(3, 2), dataloader=loader) == 2
         (record,) = [r for r in mgr.timeline if r["event"] == "restore"]
-    Path(out, f"tier-rest{rank}.json").write_text(json.dumps({"loader_states": record["loader_states"], "rest": _ids(loader)}))
+    Path(out, f"tier-rest{rank}.json").write_text(
+        json.dumps({"loader_states": record["loader_states"], "rest": _ids(loader)})
+    )
 
 
 @pytest.mark.timeout(300)

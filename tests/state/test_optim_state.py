@@ -139,7 +139,10 @@ def _adamw_saved(model: nn.Module) -> dict:
     def entry(shape):
         return TensorEntry("k", "float32", tuple(shape), ())
 
-    return {n: {"step": entry(()), "exp_avg": entry(p.shape), "exp_avg_sq": entry(p.shape)} for n, p in model.named_parameters()}
+    return {
+        n: {"step": entry(()), "exp_avg": entry(p.shape), "exp_avg_sq": entry(p.shape)}
+        for n, p in model.named_parameters()
+    }
 
 
 def test_an_optimizer_with_state_is_left_to_torch():
@@ -177,7 +180,11 @@ def test_a_failed_restore_leaves_a_fresh_optimizer_fresh(tmp_path):
     from goodput_ckpt import CorruptCheckpointError
 
     _, _, fresh, fresh_opt = _saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    data = [f for f in (tmp_path / "step_00000003").rglob("*") if f.is_file() and f.name.startswith("rank") and f.suffix == ".bin"]
+    data = [
+        f
+        for f in (tmp_path / "step_00000003").rglob("*")
+        if f.is_file() and f.name.startswith("rank") and f.suffix == ".bin"
+    ]
     assert data, "a data file to damage"
     for f in data:
         raw = bytearray(f.read_bytes())

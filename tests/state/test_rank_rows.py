@@ -35,8 +35,8 @@ from goodput_ckpt.dcp.rank_rows import (
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.format.manifest import Manifest
 from goodput_ckpt.format.schema import TensorEntry
-from goodput_ckpt.state.dataloader import decode_dataloader_row, encode_dataloader_row
 from goodput_ckpt.state import META_KEY, Topology, apply_restore, normalize, plan_restore
+from goodput_ckpt.state.dataloader import decode_dataloader_row, encode_dataloader_row
 from goodput_ckpt.state.rng import (
     MAX_LAYOUT_SLOTS,
     capture_rng,
@@ -188,16 +188,40 @@ def test_ranks_that_disagree_on_the_row_shape_fail_the_save_by_name():
 
 def _v2_manifest(rows: TensorEntry | None, layout=None) -> Manifest:
     layout = [list(s) for s in rng_layout()] if layout is None else layout
-    meta = {"schema": 2, "step": 1, "world_size": 2, "sections": ["model", "rng"], "rng": {"base_seed": 0, "layout": layout},
-            "dataloader": None, "stateful": [], "tied": {}}  # fmt: skip
+    meta = {
+        "schema": 2,
+        "step": 1,
+        "world_size": 2,
+        "sections": ["model", "rng"],
+        "rng": {"base_seed": 0, "layout": layout},
+        "dataloader": None,
+        "stateful": [],
+        "tied": {},
+    }
     items = {"rng.rows": rows} if rows is not None else {}
-    return Manifest(version=1, library_version="0", torch_version="0", created_at="", world_size=2,
-                    chunk_size=1 << 20, files={}, items=items, metadata={META_KEY: meta})  # fmt: skip
+    return Manifest(
+        version=1,
+        library_version="0",
+        torch_version="0",
+        created_at="",
+        world_size=2,
+        chunk_size=1 << 20,
+        files={},
+        items=items,
+        metadata={META_KEY: meta},
+    )
 
 
 def _plan(manifest: Manifest):
-    return plan_restore(manifest, where="loc", models=normalize(nn.Linear(2, 2), None), dataloader=None, stateful={},
-                        topology=Topology(1, 2), allow_topology_change=False)  # fmt: skip
+    return plan_restore(
+        manifest,
+        where="loc",
+        models=normalize(nn.Linear(2, 2), None),
+        dataloader=None,
+        stateful={},
+        topology=Topology(1, 2),
+        allow_topology_change=False,
+    )
 
 
 def test_restore_checks_the_rows_entry_against_layout_and_world_size():
@@ -209,9 +233,12 @@ def test_restore_checks_the_rows_entry_against_layout_and_world_size():
     row.row.fill_(7)  # what DCP would read from a damaged (or forged, re-hashed) file
     with pytest.raises(CorruptCheckpointError, match=r"rng\.rows\[1\]: .*presence"):
         apply_restore(plan)
-    for bad in (None, TensorEntry(key="rng.rows", dtype="uint8", shape=(3, width), chunks=()),
-                TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width + 1), chunks=()),
-                TensorEntry(key="rng.rows", dtype="int64", shape=(2, width), chunks=())):  # fmt: skip
+    for bad in (
+        None,
+        TensorEntry(key="rng.rows", dtype="uint8", shape=(3, width), chunks=()),
+        TensorEntry(key="rng.rows", dtype="uint8", shape=(2, width + 1), chunks=()),
+        TensorEntry(key="rng.rows", dtype="int64", shape=(2, width), chunks=()),
+    ):
         with pytest.raises(CorruptCheckpointError, match="rng.rows"):
             _plan(_v2_manifest(bad))
     with pytest.raises(CorruptCheckpointError, match="layout"):
@@ -320,15 +347,23 @@ def test_restore_checks_the_dataloader_rows_entry():
     m = _v2_manifest(good)
     m.metadata[META_KEY]["dataloader"] = {"num_workers": 0, "batch_size": 1, "elastic": False}
     m.metadata[META_KEY]["sections"].append("dataloader")
-    for bad in (None, TensorEntry(key="dataloader.rows", dtype="uint8", shape=(3, 20), chunks=()),
-                TensorEntry(key="dataloader.rows", dtype="uint8", shape=(2,), chunks=()),
-                TensorEntry(key="dataloader.rows", dtype="float32", shape=(2, 20), chunks=())):  # fmt: skip
+    for bad in (
+        None,
+        TensorEntry(key="dataloader.rows", dtype="uint8", shape=(3, 20), chunks=()),
+        TensorEntry(key="dataloader.rows", dtype="uint8", shape=(2,), chunks=()),
+        TensorEntry(key="dataloader.rows", dtype="float32", shape=(2, 20), chunks=()),
+    ):
         items = {"rng.rows": good} | ({} if bad is None else {"dataloader.rows": bad})
         with pytest.raises(CorruptCheckpointError, match="dataloader.rows"):
             plan_restore(
-                dataclasses.replace(m, items=items), where="loc", models=normalize(nn.Linear(2, 2), None),
-                dataloader=_UnequalLoader(1), stateful={}, topology=Topology(1, 2), allow_topology_change=False,
-            )  # fmt: skip
+                dataclasses.replace(m, items=items),
+                where="loc",
+                models=normalize(nn.Linear(2, 2), None),
+                dataloader=_UnequalLoader(1),
+                stateful={},
+                topology=Topology(1, 2),
+                allow_topology_change=False,
+            )
 
 
 def test_a_bad_saved_generator_fails_before_anything_is_loaded():

@@ -20,6 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.datasets import Ids as _Ids
+from helpers.hostile_states import cyclic as _cyclic
+from helpers.hostile_states import deflated as _deflated
+from helpers.samples import item_range, rewrite_manifest
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -29,11 +33,6 @@ from goodput_ckpt.engine.untrusted_load import MAX_INFLATION
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
 from goodput_ckpt.state import META_KEY
 from goodput_ckpt.state.dataloader import ROW_HEADER
-
-from helpers.samples import item_range, rewrite_manifest
-from helpers.hostile_states import cyclic as _cyclic, deflated as _deflated
-
-from helpers.datasets import Ids as _Ids
 
 N, BATCH = 56, 4
 
@@ -111,8 +110,12 @@ CASES = [
     ("epoch_inf", _set("position.epoch", float("inf")), CorruptCheckpointError, "epoch"),
     ("start_past_epoch", _set("position.start", 10**9), CorruptCheckpointError, "start"),
     ("taken_a_million", _set("position.taken", list(range(1, 10**6))), CorruptCheckpointError, "taken"),
-    ("v1_done_stride0", _v1_done(torch.zeros(1, dtype=torch.uint8).expand(1 << 20)),  # 1 MiB from a byte
-     CorruptCheckpointError, "'done' bitmap"),
+    (
+        "v1_done_stride0",
+        _v1_done(torch.zeros(1, dtype=torch.uint8).expand(1 << 20)),  # 1 MiB from a byte
+        CorruptCheckpointError,
+        "'done' bitmap",
+    ),
     ("cycle", _set("/dataset_state", _cyclic()), CorruptCheckpointError, "contains itself"),
 ]
 
@@ -157,7 +160,13 @@ def _assert_refused_and_unchanged(mgr, error, match, batch):
     recorder = Recorder()
     random.seed(7)
     torch.manual_seed(8)
-    before = (copy.deepcopy(loader.state_dict()), sampler.epoch, sampler._pending, random.getstate(), torch.get_rng_state())
+    before = (
+        copy.deepcopy(loader.state_dict()),
+        sampler.epoch,
+        sampler._pending,
+        random.getstate(),
+        torch.get_rng_state(),
+    )
     with pytest.raises(error, match=match):
         mgr.restore(model=model, optimizer=opt, dataloader=loader, recorder=recorder)
     assert opt.param_groups[0]["lr"] == 0.5, "the optimizer's param groups were not loaded"
@@ -187,7 +196,9 @@ def test_a_hostile_loader_state_is_refused_before_anything_is_applied(tmp_path, 
 
 @pytest.mark.parametrize("path", ["same_topology", "elastic"])
 @pytest.mark.parametrize(("case", "mutate", "error", "match"), CASES[:1] + CASES[-1:], ids=[CASES[0][0], CASES[-1][0]])
-def test_a_hostile_loader_state_is_refused_on_two_tiers_before_anything_is_read(tmp_path, path, case, mutate, error, match):
+def test_a_hostile_loader_state_is_refused_on_two_tiers_before_anything_is_read(
+    tmp_path, path, case, mutate, error, match
+):
     """The two-tier restore (local copy, persistent root) loads in the same two parts."""
     state = _real_state()
     mutate(state)
@@ -300,4 +311,4 @@ def test_one_ranks_bad_row_fails_the_two_tier_restore_on_every_rank(tmp_path):
 
     run_ranks(
         _one_bad_row, 2, str(tmp_path / "run"), str(tmp_path / "local"), report_dir=tmp_path / "report", timeout=240
-    )  # fmt: skip
+    )

@@ -23,7 +23,13 @@ def test_capture_and_restore_every_generator():
     np.random.randn()  # and a cached NumPy gaussian
     state = capture_rng()
     assert all(isinstance(v, torch.Tensor) for v in state.values())
-    assert describe_rng(state) == {"base_seed": torch.initial_seed(), "python": True, "numpy": True, "torch": True, "cuda_devices": 0}
+    assert describe_rng(state) == {
+        "base_seed": torch.initial_seed(),
+        "python": True,
+        "numpy": True,
+        "torch": True,
+        "cuda_devices": 0,
+    }
     first = _draws()
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     assert restore_rng(state) == []

@@ -23,7 +23,7 @@ def store(request, tmp_path) -> Store:
     if kind == "local":
         s = open_store(tmp_path / "ckpt")
     elif kind.startswith("volume-"):
-        s = open_store(request.getfixturevalue(f"{kind[len('volume-'):]}_volume").fresh(), {"volume": True})
+        s = open_store(request.getfixturevalue(f"{kind[len('volume-') :]}_volume").fresh(), {"volume": True})
     elif kind == "s3":
         moto = request.getfixturevalue("moto")
         s = open_store(moto.uri("ckpt"), moto.options(stale_upload_age=None))

@@ -16,7 +16,9 @@ def test_parallel_writes_and_ranged_reads(tmp_path):
     store.prepare()
     sink = store.open_sink("data.bin")
     blocks = [bytes([i]) * 1000 for i in range(16)]
-    threads = [threading.Thread(target=sink.write_at, args=(i * 1000, [blocks[i][:300], blocks[i][300:]])) for i in range(16)]
+    threads = [
+        threading.Thread(target=sink.write_at, args=(i * 1000, [blocks[i][:300], blocks[i][300:]])) for i in range(16)
+    ]
     for t in reversed(threads):
         t.start()
     for t in threads:
@@ -102,7 +104,9 @@ def test_small_reads_refuse_huge_and_endless_files_before_reading_them(tmp_path)
     sparse = tmp_path / "loc" / "manifest.json"
     with open(sparse, "wb") as f:
         f.truncate(3 << 30)  # 3 GiB that occupy no disk: reading it whole would need 3 GiB of memory
-    with pytest.raises(FileTooLargeError, match=rf"manifest.json holds {3 << 30} bytes, over the {SMALL_FILE_LIMIT}-byte limit"):
+    with pytest.raises(
+        FileTooLargeError, match=rf"manifest.json holds {3 << 30} bytes, over the {SMALL_FILE_LIMIT}-byte limit"
+    ):
         store.read_small("manifest.json")
     with pytest.raises(CorruptCheckpointError, match="over the"):  # what a load reports
         load_manifest(store)

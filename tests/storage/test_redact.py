@@ -56,7 +56,11 @@ def test_fsspec_stores_keep_credentials_out_of_uri_repr_and_errors(uri):
         return
     _no_secret(store.uri, store)
     assert "://***@" in store.uri
-    for op in (store.list, lambda: store.read_small("manifest.json"), lambda: store.open_source("x").read_into(0, [bytearray(1)])):
+    for op in (
+        store.list,
+        lambda: store.read_small("manifest.json"),
+        lambda: store.open_source("x").read_into(0, [bytearray(1)]),
+    ):
         try:
             op()
         except CheckpointError as e:  # no server there, or a missing extra package

@@ -16,8 +16,8 @@ import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.s3 import ACCESS_KEY, SECRET_KEY
 from helpers.errors import checkpoint_error
+from helpers.s3 import ACCESS_KEY, SECRET_KEY
 from helpers.s3_roundtrip import CHUNK, MiB, load, s3_state, save
 from helpers.trees import assert_tree_equal, zeros_like
 
@@ -31,6 +31,7 @@ from goodput_ckpt import (
 )
 from goodput_ckpt.storage import S3Config, S3Store, is_supported_uri, open_store
 from goodput_ckpt.storage.s3 import parse_s3_uri
+
 
 # -- round trips ------------------------------------------------------------------------------
 def test_round_trip(s3):
@@ -75,7 +76,9 @@ def test_part_size_splits_chunks(moto, proxy):
     target = type(moto)("moto", proxy.url, moto.bucket)
     state = s3_state()
     save(state, target, "split", chunk_size=10 * MiB, part_size=5 * MiB)
-    size = next(o["Size"] for o in moto.client().list_objects_v2(Bucket=moto.bucket)["Contents"] if o["Key"].endswith(".bin"))
+    size = next(
+        o["Size"] for o in moto.client().list_objects_v2(Bucket=moto.bucket)["Contents"] if o["Key"].endswith(".bin")
+    )
     assert proxy.count("UploadPart") == -(-size // (5 * MiB)) == 4
     assert_tree_equal(load(state, target, "split"), state)
 
@@ -86,7 +89,9 @@ def test_async_save_and_pickling(moto):
     writer.store.client()  # a live client and its pool must not travel
     clone = pickle.loads(pickle.dumps(writer))
     assert clone.store._client is None
-    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype != torch.float8_e4m3fn}
+    expected = {
+        k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype != torch.float8_e4m3fn
+    }
     expected["step"] = state["step"]
     state = {k: state[k] for k in expected}
     fut = dcp.async_save(state, storage_writer=clone)
@@ -249,10 +254,16 @@ def test_config_is_checked():
     with pytest.raises(TypeError, match="unknown option.*endpoint"):
         open_store("s3://bkt/x", {"endpoint": "http://127.0.0.1:1"})
     for bad in (
-        {"max_concurrency": 0}, {"part_size": 4 * MiB}, {"addressing_style": "sideways"}, {"max_attempts": 0},
-        {"retry_time_limit": -1}, {"read_timeout": 0}, {"endpoint_url": "127.0.0.1:9000"},
-        {"stale_upload_age": -1}, {"stale_upload_age": True},
-    ):  # fmt: skip
+        {"max_concurrency": 0},
+        {"part_size": 4 * MiB},
+        {"addressing_style": "sideways"},
+        {"max_attempts": 0},
+        {"retry_time_limit": -1},
+        {"read_timeout": 0},
+        {"endpoint_url": "127.0.0.1:9000"},
+        {"stale_upload_age": -1},
+        {"stale_upload_age": True},
+    ):
         with pytest.raises(ValueError):
             S3Config(**bad)
     with pytest.raises(TypeError):
@@ -273,7 +284,12 @@ def test_config_is_checked():
 
 @pytest.mark.parametrize(
     "uri, bucket, prefix",
-    [("s3://bkt/a/b", "bkt", "a/b"), ("s3://bkt/a/b/", "bkt", "a/b"), ("s3://bkt", "bkt", ""), ("s3://bkt/", "bkt", "")],
+    [
+        ("s3://bkt/a/b", "bkt", "a/b"),
+        ("s3://bkt/a/b/", "bkt", "a/b"),
+        ("s3://bkt", "bkt", ""),
+        ("s3://bkt/", "bkt", ""),
+    ],
 )
 def test_uri_parsing(uri, bucket, prefix):
     assert parse_s3_uri(uri) == (bucket, prefix)
@@ -333,7 +349,10 @@ def test_credentials_never_leak(moto, proxy, seaweed_server, caplog):
     # A real signature check: SeaweedFS with the right key id and a wrong secret.
     wrong = boto3.session.Session(aws_access_key_id=ACCESS_KEY, aws_secret_access_key="not-" + SECRET_KEY)
     with pytest.raises(CheckpointError, match="SignatureDoesNotMatch|AccessDenied|InvalidAccessKeyId") as real:
-        open_store(f"s3://{moto.bucket}/creds", {"session": wrong, "endpoint_url": seaweed_server.url, "addressing_style": "path"}).list()
+        open_store(
+            f"s3://{moto.bucket}/creds",
+            {"session": wrong, "endpoint_url": seaweed_server.url, "addressing_style": "path"},
+        ).list()
     missing_bucket = type(moto)("moto", moto.url, "no-such-bucket-here")
     with pytest.raises(BaseException) as no_bucket:
         save(state, missing_bucket, "x")
@@ -355,12 +374,19 @@ def test_storage_options_mapping(moto):
     state = s3_state()
     dcp.save(state, storage_writer=CheckpointWriter(moto.uri("nested"), chunk_size=CHUNK, storage_options=nested))
     dest = zeros_like(state)
-    reader = CheckpointReader(moto.uri("nested"), thread_count=2, endpoint_url=moto.url,
-                              storage_options={"addressing_style": "path", "max_concurrency": 4})  # fmt: skip
+    reader = CheckpointReader(
+        moto.uri("nested"),
+        thread_count=2,
+        endpoint_url=moto.url,
+        storage_options={"addressing_style": "path", "max_concurrency": 4},
+    )
     dcp.load(dest, storage_reader=reader)
     assert_tree_equal(dest, state)
     assert reader.store.config.max_concurrency == 4 and reader.store.config.endpoint_url == moto.url
-    assert open_store(moto.uri("nested"), {"storage_options": nested}).config == open_store(moto.uri("nested"), nested).config
+    assert (
+        open_store(moto.uri("nested"), {"storage_options": nested}).config
+        == open_store(moto.uri("nested"), nested).config
+    )
     with pytest.raises(TypeError, match=r"unknown option\(s\) bogus for the S3 backend; known options: .*endpoint_url"):
         CheckpointWriter(moto.uri("x"), chunk_size=CHUNK, storage_options={**nested, "bogus": 1})
     with pytest.raises(TypeError, match=r"key, secret .*key -> aws_access_key_id; secret -> aws_secret_access_key"):
@@ -381,7 +407,11 @@ def test_explicit_credentials_are_used_and_never_leak(moto, seaweed, caplog):
     key in none at all, not even botocore's; the key id and token in none of ours), no message,
     no repr, no stored object."""
     caplog.set_level(logging.DEBUG)
-    creds = {"aws_access_key_id": EXPLICIT_KEY_ID, "aws_secret_access_key": EXPLICIT_SECRET, "aws_session_token": EXPLICIT_TOKEN}
+    creds = {
+        "aws_access_key_id": EXPLICIT_KEY_ID,
+        "aws_secret_access_key": EXPLICIT_SECRET,
+        "aws_session_token": EXPLICIT_TOKEN,
+    }
     opts = {"storage_options": {**moto.options(), **creds}}
     state = s3_state()
     writer = CheckpointWriter(moto.uri("explicit"), chunk_size=CHUNK, **opts)
@@ -407,8 +437,12 @@ def test_explicit_credentials_are_used_and_never_leak(moto, seaweed, caplog):
     assert open_store(seaweed.uri("x"), {"storage_options": right}).list() == []
     missing_bucket = type(moto)("moto", moto.url, "no-such-bucket-here")
     with pytest.raises(BaseException) as no_bucket:
-        dcp.save(state, storage_writer=CheckpointWriter(missing_bucket.uri("x"), chunk_size=CHUNK,
-                                                        storage_options={**missing_bucket.options(), **creds}))  # fmt: skip
+        dcp.save(
+            state,
+            storage_writer=CheckpointWriter(
+                missing_bucket.uri("x"), chunk_size=CHUNK, storage_options={**missing_bucket.options(), **creds}
+            ),
+        )
     errors.append(checkpoint_error(no_bucket))
     for bad in (
         {**creds, "bogus": EXPLICIT_SECRET},  # unknown key: named, its value not quoted
@@ -439,6 +473,7 @@ def test_explicit_credentials_are_used_and_never_leak(moto, seaweed, caplog):
 
 def test_client_settings():
     """No network: the client our store builds (retries are ours; no SHA-256 of bodies over TLS)."""
+
     def signing(url: str, **kw) -> bool | None:
         client = open_store("s3://bkt/x", {"endpoint_url": url, "region": "us-east-1", **kw}).client()
         return client.meta.config.s3.get("payload_signing_enabled")
@@ -447,11 +482,16 @@ def test_client_settings():
     assert signing("https://127.0.0.1:1") is False and signing("http://127.0.0.1:1") is False
     assert signing("https://127.0.0.1:1", checksums=False) is False
     assert signing("http://127.0.0.1:1", checksums=False) is None  # botocore's default: signed
-    plain = open_store("s3://bkt/x", {"endpoint_url": "http://127.0.0.1:1", "region": "us-east-1", "max_concurrency": 40})
+    plain = open_store(
+        "s3://bkt/x", {"endpoint_url": "http://127.0.0.1:1", "region": "us-east-1", "max_concurrency": 40}
+    )
     config = plain.client().meta.config
     assert config.retries["total_max_attempts"] == 1 and config.max_pool_connections >= 80
     assert config.request_checksum_calculation == "when_required"
-    assert plain.traits.min_part_size == 5 * MiB and open_store("s3://b/x", {"part_size": 16 * MiB}).traits.min_part_size == 16 * MiB
+    assert (
+        plain.traits.min_part_size == 5 * MiB
+        and open_store("s3://b/x", {"part_size": 16 * MiB}).traits.min_part_size == 16 * MiB
+    )
 
 
 def test_part_bodies_are_reused_across_saves(moto):

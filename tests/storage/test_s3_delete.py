@@ -11,12 +11,12 @@ of a batch, so the per-key answers are given by botocore's own ``Stubber`` on a 
 from __future__ import annotations
 
 import pytest
+from helpers.s3_requests import RequestCounter, by_operation
 
 from goodput_ckpt.errors import CheckpointError
 from goodput_ckpt.storage import LocalStore, S3Config, S3Store, open_store
 from goodput_ckpt.storage.base import BatchDelete, SizedListing
 from goodput_ckpt.storage.bulk import delete_files, file_sizes
-from helpers.s3_requests import RequestCounter, by_operation
 
 
 def _store(target, prefix: str, counter: RequestCounter | None = None, **extra) -> S3Store:
@@ -33,7 +33,11 @@ def _fill(target, prefix: str, n: int, stem: str = "d/f") -> list[str]:
     names = [f"{stem}{i:05d}.bin" for i in range(n)]
     with ThreadPoolExecutor(8) as pool:
         body = lambda name: b"x" * (len(name) % 7)  # noqa: E731
-        list(pool.map(lambda name: client.put_object(Bucket=target.bucket, Key=f"{prefix}/{name}", Body=body(name)), names))
+        list(
+            pool.map(
+                lambda name: client.put_object(Bucket=target.bucket, Key=f"{prefix}/{name}", Body=body(name)), names
+            )
+        )
     return names
 
 
@@ -109,8 +113,16 @@ def _stubbed(moto, answers: list[dict]) -> tuple[S3Store, object]:
 
 
 def test_keys_that_failed_transiently_are_sent_again(moto):
-    store, stub = _stubbed(moto, [[{"Key": "run/b", "Code": "InternalError", "Message": "try again"},
-                                   {"Key": "run/c", "Code": "NoSuchKey", "Message": "gone"}], []])  # fmt: skip
+    store, stub = _stubbed(
+        moto,
+        [
+            [
+                {"Key": "run/b", "Code": "InternalError", "Message": "try again"},
+                {"Key": "run/c", "Code": "NoSuchKey", "Message": "gone"},
+            ],
+            [],
+        ],
+    )
     store.delete_many(["a", "b", "c"])
     stub.assert_no_pending_responses()
 
@@ -142,8 +154,12 @@ def test_sizes_asked_one_by_one_go_in_parallel(moto, proxy):
     moto.url = proxy.url
     counter = RequestCounter()
     threads: set[int] = set()
-    counter.session().events.register("before-parameter-build.s3.HeadObject", lambda **_: threads.add(threading.get_ident()))
+    counter.session().events.register(
+        "before-parameter-build.s3.HeadObject", lambda **_: threads.add(threading.get_ident())
+    )
     assert file_sizes(_store(moto, "run", counter), [*names, "d/missing.bin"]) == {
-        **{n: len(n) % 7 for n in names}, "d/missing.bin": None}
+        **{n: len(n) % 7 for n in names},
+        "d/missing.bin": None,
+    }
     assert by_operation(counter.take()) == {"HeadObject": 41, "ListObjectsV2": 1}
     assert len(threads) > 1 and threading.get_ident() not in threads

@@ -13,9 +13,14 @@ pytestmark = pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_demo_on_s3_resumes_bit_exactly(moto, tmp_path):
     cfg = DemoConfig(
-        workdir=str(tmp_path / "demo"), uri=moto.uri("demo"), storage_options=moto.options(),
-        steps=16, save_every=4, width=64, kill_at=8,
-    )  # fmt: skip
+        workdir=str(tmp_path / "demo"),
+        uri=moto.uri("demo"),
+        storage_options=moto.options(),
+        steps=16,
+        save_every=4,
+        width=64,
+        kill_at=8,
+    )
     report = run_demo(cfg)
     assert report.ok and report.bit_exact, report.mismatches
     assert report.restored_step in (4, 8)
@@ -31,9 +36,16 @@ def test_tier_demo_on_s3_keeps_each_mode_under_its_own_prefix(moto, tmp_path):
     from goodput_ckpt.tools.demos.demo_tiers import run_tier_demo
 
     cfg = DemoConfig(
-        workdir=str(tmp_path / "demo"), uri=moto.uri("demo"), storage_options=moto.options(),
-        steps=16, save_every=4, width=64, kill_at=8, world_size=2, failure="job",
-    )  # fmt: skip
+        workdir=str(tmp_path / "demo"),
+        uri=moto.uri("demo"),
+        storage_options=moto.options(),
+        steps=16,
+        save_every=4,
+        width=64,
+        kill_at=8,
+        world_size=2,
+        failure="job",
+    )
     report = run_tier_demo(cfg)
     one, two = report.modes
     assert report.ok, (one.mismatches, two.mismatches)

@@ -20,7 +20,13 @@ from helpers.s3 import FaultProxy
 from helpers.s3_roundtrip import CHUNK, load, s3_state, save
 from helpers.trees import assert_tree_equal, zeros_like
 
-from goodput_ckpt import CheckpointError, CheckpointReader, CheckpointWriter, CorruptCheckpointError, IncompleteCheckpointError
+from goodput_ckpt import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 
 #: Quick failure detection for the tests: 1 s without a byte is a stall.
 FAST = {"read_timeout": 1.0, "connect_timeout": 1.0}
@@ -113,7 +119,9 @@ def test_persistent_read_faults_fail_cleanly(moto, proxy, via_proxy):
             load(state, via_proxy, "readfail", **SHORT)
         err = checkpoint_error(info)
         assert time.monotonic() - start < 20
-        assert isinstance(err, CheckpointError) and "/readfail/rank00000-00." in str(err) and "gave up after" in str(err)
+        assert (
+            isinstance(err, CheckpointError) and "/readfail/rank00000-00." in str(err) and "gave up after" in str(err)
+        )
     # Once the faults stop, the checkpoint reads fine: nothing was damaged.
     proxy.clear()
     assert_tree_equal(load(state, via_proxy, "readfail"), state)
@@ -124,7 +132,9 @@ def test_failure_on_one_file_stops_the_others(moto, proxy, via_proxy):
     proxy.add("503", op="UploadPart", key_contains="-01.")
     state = {f"t{i}": torch.full((CHUNK // 4 + 1000,), float(i)) for i in range(4)}
     with pytest.raises(BaseException) as info:
-        writer = CheckpointWriter(via_proxy.uri("multi"), chunk_size=CHUNK, files_per_rank=3, **via_proxy.options(**SHORT))
+        writer = CheckpointWriter(
+            via_proxy.uri("multi"), chunk_size=CHUNK, files_per_rank=3, **via_proxy.options(**SHORT)
+        )
         dcp.save(state, storage_writer=writer)
     assert "-01." in checkpoint_error(info).path
     assert moto.open_uploads() == [] and not any(k.endswith("manifest.json") for k in moto.keys("multi/"))

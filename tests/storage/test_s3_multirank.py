@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from helpers.dist import run_ranks
 from helpers.s3 import FaultProxy, proxy_counts
 
@@ -76,9 +75,16 @@ def _worker(rank: int, world_size: int, proxy_url: str, bucket: str) -> None:
         pair = pair_mesh.get_group()
 
         def fresh() -> dict:
-            return {"dt": {k: distribute_tensor(v, pair_mesh, [Shard(0)]) for k, v in full.items()}, "extra": {"step": 7}}
+            return {
+                "dt": {k: distribute_tensor(v, pair_mesh, [Shard(0)]) for k, v in full.items()},
+                "extra": {"step": 7},
+            }
 
-        dcp.save(fresh(), storage_writer=CheckpointWriter(f"s3://{bucket}/sync", chunk_size=CHUNK, **opts), process_group=pair)
+        dcp.save(
+            fresh(),
+            storage_writer=CheckpointWriter(f"s3://{bucket}/sync", chunk_size=CHUNK, **opts),
+            process_group=pair,
+        )
         for prefix, kind in (("async", AsyncCheckpointerType.THREAD), ("async_process", AsyncCheckpointerType.PROCESS)):
             sd = fresh()
             writer = CheckpointWriter(f"s3://{bucket}/{prefix}", chunk_size=CHUNK, **opts)
@@ -93,7 +99,10 @@ def _worker(rank: int, world_size: int, proxy_url: str, bucket: str) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     for prefix in ("sync", "async", "async_process"):
         target = {
-            "dt": {k: distribute_tensor(torch.zeros_like(v), mesh, [_placement(LOAD_PLACEMENTS[k])]) for k, v in full.items()},
+            "dt": {
+                k: distribute_tensor(torch.zeros_like(v), mesh, [_placement(LOAD_PLACEMENTS[k])])
+                for k, v in full.items()
+            },
             "extra": {"step": -1},
         }
         before = _manifest_reads(proxy_url, prefix) if rank == 0 else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers.dist import run_ranks
 from helpers.s3_requests import PHASES, count_rank_requests
 from helpers.store_fixtures import S3Target
@@ -42,9 +41,16 @@ def counts(moto_server, tmp_path_factory) -> dict[int, dict]:
     for world in (2, 4):
         out = tmp / f"w{world}.json"
         run_ranks(
-            count_rank_requests, world, target.url, target.uri(f"w{world}"), SHAPES, LAYERS, str(out),
-            report_dir=tmp / f"ranks{world}", timeout=300,
-        )  # fmt: skip
+            count_rank_requests,
+            world,
+            target.url,
+            target.uri(f"w{world}"),
+            SHAPES,
+            LAYERS,
+            str(out),
+            report_dir=tmp / f"ranks{world}",
+            timeout=300,
+        )
         runs[world] = json.loads(out.read_text())
     return runs
 
@@ -55,7 +61,11 @@ def test_only_the_coordinator_lists(counts):
             for rank, ops in enumerate(report[phase][1:], start=1):
                 listed = {op: n for op, n in ops.items() if op in LISTS}
                 assert not listed, f"W={w} {phase}: rank {rank} listed: {listed}"
-        roots = [n for op, where, n in report["keys"][0]["manager.restore"] if op == "ListObjectsV2" and where == f"w{w}/mgr/"]
+        roots = [
+            n
+            for op, where, n in report["keys"][0]["manager.restore"]
+            if op == "ListObjectsV2" and where == f"w{w}/mgr/"
+        ]
         assert sum(roots) <= 1, f"W={w}: the coordinator listed the manager root {sum(roots)} times in one restore"
     for phase in PHASES:
         lists = [{op: counts[w][phase][0].get(op, 0) for op in LISTS} for w in (2, 4)]
@@ -77,7 +87,9 @@ def test_no_size_check_storm(counts):
 @pytest.mark.parametrize("phase", [p for p in PHASES if p != "manager.restore"])
 def test_other_ranks_requests_do_not_grow_with_ranks(counts, phase):
     small, large = counts[2][phase], counts[4][phase]
-    assert small[1] == large[1] == large[3], f"{phase}: a non-coordinator rank's requests, W=2 {small[1]} vs W=4 {large[1:]}"
+    assert small[1] == large[1] == large[3], (
+        f"{phase}: a non-coordinator rank's requests, W=2 {small[1]} vs W=4 {large[1:]}"
+    )
 
 
 def test_other_ranks_restore_requests_do_not_grow_with_ranks(counts):

@@ -42,12 +42,21 @@ def start_upload(target, key: str, *, part: bool = True) -> str:
 
 
 def test_only_this_locations_idle_uploads_are_aborted(s3):
-    for key in ("run/step_1/rank00000-00.aaaaaaaaaaaa.bin", "run/step_1/nested/x.bin", "run/step_10/y.bin", "run/step_1x.bin"):
+    for key in (
+        "run/step_1/rank00000-00.aaaaaaaaaaaa.bin",
+        "run/step_1/nested/x.bin",
+        "run/step_10/y.bin",
+        "run/step_1x.bin",
+    ):
         start_upload(s3, key)
     # Just active (a part a moment ago): the default age keeps it, like a live writer's.
     save(s3_state(), s3, "run/step_1")
-    assert sorted(s3.open_uploads()) == ["run/step_1/nested/x.bin", "run/step_1/rank00000-00.aaaaaaaaaaaa.bin",
-                                         "run/step_10/y.bin", "run/step_1x.bin"]  # fmt: skip
+    assert sorted(s3.open_uploads()) == [
+        "run/step_1/nested/x.bin",
+        "run/step_1/rank00000-00.aaaaaaaaaaaa.bin",
+        "run/step_10/y.bin",
+        "run/step_1x.bin",
+    ]
     # Idle for 0 s is idle: aborted when a save starts, but only this location's own files.
     save(s3_state(1), s3, "run/step_1", overwrite=True, stale_upload_age=0)
     assert sorted(s3.open_uploads()) == ["run/step_1/nested/x.bin", "run/step_10/y.bin", "run/step_1x.bin"]

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import boto3
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _kill import kill_when
@@ -265,7 +265,9 @@ def test_staged_save_uploads_in_the_background(rclone_volume, tmp_path):
     assert MANIFEST_NAME in os.listdir(loc)
     # The markers are deleted after the commit. rclone's listing of an object deleted right
     # after it was created can lag (seen once in CI): allow it a bounded time to catch up.
-    wait_until(lambda: not [n for n in os.listdir(loc) if n.endswith(".uploaded")], 15, interval=0.5, what="markers gone")
+    wait_until(
+        lambda: not [n for n in os.listdir(loc) if n.endswith(".uploaded")], 15, interval=0.5, what="markers gone"
+    )
     assert list(stage.iterdir()) == [], "uploaded files leave the stage"
     assert_tree_equal(load(sd, loc), sd)
 
@@ -303,11 +305,15 @@ def test_upload_markers_are_never_empty_so_deleting_them_sticks(rclone_volume, s
         store.inner.delete("a.bin.uploaded")
     finally:
         mount.stop()
-    client = boto3.client("s3", endpoint_url=seaweed_server.url, region_name="us-east-1",
-                          aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)  # fmt: skip
+    client = boto3.client(
+        "s3",
+        endpoint_url=seaweed_server.url,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+    )
     listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
     assert sorted(o["Key"] for o in listed) == [f"{prefix}/a.bin"]
-
 
 
 def test_readme_volume_example_runs(rclone_volume, tmp_path):

@@ -58,7 +58,10 @@ def _worker(rank: int, world_size: int, direct: str, staged: str, stage_dir: str
     assert os.path.exists(os.path.join(staged, MANIFEST_NAME)), "every rank's durable future is done: committed"
 
     for loc in (direct, staged):
-        target = {"dt": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}, "extra": {"step": -1}}
+        target = {
+            "dt": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()},
+            "extra": {"step": -1},
+        }
         dcp.load(target, storage_reader=CheckpointReader(loc))
         assert target["extra"]["step"] == 5
         for k, v in target["dt"].items():

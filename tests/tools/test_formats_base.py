@@ -15,7 +15,15 @@ from goodput_ckpt.tools._formats.base import Box, LoadingCache, TensorMeta, flat
 def _boxes_of(full: torch.Tensor, rng: random.Random) -> list[Box]:
     """``full`` cut into shards along a random dimension (or a grid of two), as readers."""
     if full.dim() == 0:
-        return [Box((), (), lambda lo, hi, out, t=full: out.__setitem__(slice(None), t.reshape(-1)[lo:hi].view(torch.uint8).numpy().tobytes()))]
+        return [
+            Box(
+                (),
+                (),
+                lambda lo, hi, out, t=full: out.__setitem__(
+                    slice(None), t.reshape(-1)[lo:hi].view(torch.uint8).numpy().tobytes()
+                ),
+            )
+        ]
     cuts = []
     for d in range(full.dim()):
         n = full.shape[d]
@@ -71,7 +79,11 @@ def test_pieces_are_few_ordered_and_cover_the_range():
 def test_a_gap_in_the_shards_is_reported():
     full = torch.arange(12, dtype=torch.int32).reshape(4, 3)
     rows = full[:2].contiguous().reshape(-1)
-    box = Box((0, 0), (2, 3), lambda lo, hi, out: out.__setitem__(slice(None), rows[lo:hi].view(torch.uint8).numpy().tobytes()))
+    box = Box(
+        (0, 0),
+        (2, 3),
+        lambda lo, hi, out: out.__setitem__(slice(None), rows[lo:hi].view(torch.uint8).numpy().tobytes()),
+    )
     with pytest.raises(CorruptCheckpointError, match="not covered"):
         read_flat(TensorMeta("t", torch.int32, (4, 3)), [box], 0, 12, memoryview(bytearray(48)))
 

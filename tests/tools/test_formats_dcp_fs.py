@@ -21,7 +21,9 @@ from goodput_ckpt.tools._formats.dcp_fs import DcpSource
 @pytest.fixture
 def dcp_dir(tmp_path):
     d = tmp_path / "dcp"
-    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "step": 7, "blob": b"x" * 100}, storage_writer=FileSystemWriter(str(d)))
+    dcp.save(
+        {"w": torch.arange(12.0).reshape(3, 4), "step": 7, "blob": b"x" * 100}, storage_writer=FileSystemWriter(str(d))
+    )
     return d
 
 
@@ -46,7 +48,11 @@ def _chunk_outside(meta) -> None:
 
 def _bigger_than_stored(meta) -> None:
     # Shape and chunk agree, but the chunk's archive cannot hold 2^40 float32 elements.
-    _set_tensor(meta, size=torch.Size([1 << 40, 4]), chunks=[md.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1 << 40, 4]))])
+    _set_tensor(
+        meta,
+        size=torch.Size([1 << 40, 4]),
+        chunks=[md.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1 << 40, 4]))],
+    )
 
 
 def _negative_size(meta) -> None:

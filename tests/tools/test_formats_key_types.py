@@ -18,8 +18,8 @@ from helpers.trees import assert_tree_equal
 
 from goodput_ckpt.cli import EXIT_OK, main
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError
-from goodput_ckpt.tools.ops.convert import convert_checkpoint
 from goodput_ckpt.tools._formats.key_types import find_int_keys, nest
+from goodput_ckpt.tools.ops.convert import convert_checkpoint
 
 
 def _cli(*argv) -> str:
@@ -107,10 +107,14 @@ def test_the_manifest_records_which_keys_were_integers(tmp_path):
 def test_reshard_and_selection_keep_the_record(tmp_path):
     from goodput_ckpt.tools.ops.reshard import reshard_checkpoint
 
-    torch.save({"optim": {"state": {0: {"m": torch.arange(8.0)}}, "param_groups": [{"params": [0]}]}}, tmp_path / "a.pt")
+    torch.save(
+        {"optim": {"state": {0: {"m": torch.arange(8.0)}}, "param_groups": [{"params": [0]}]}}, tmp_path / "a.pt"
+    )
     convert_checkpoint(str(tmp_path / "a.pt"), str(tmp_path / "g"), to="goodput")
     reshard_checkpoint(str(tmp_path / "g"), str(tmp_path / "r"), world_size=2)
-    convert_checkpoint(str(tmp_path / "r"), str(tmp_path / "sel"), to="goodput", keys=["optim.*"], strip_prefix="optim.")
+    convert_checkpoint(
+        str(tmp_path / "r"), str(tmp_path / "sel"), to="goodput", keys=["optim.*"], strip_prefix="optim."
+    )
     convert_checkpoint(str(tmp_path / "sel"), str(tmp_path / "b.pt"), to="torch")
     back = torch.load(tmp_path / "b.pt", weights_only=True)
     assert list(back["state"]) == [0] and back["param_groups"] == [{"params": [0]}]

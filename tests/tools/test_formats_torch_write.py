@@ -35,7 +35,12 @@ def test_a_small_conversion_does_not_import_dynamo(tmp_path):
 
 
 def test_real_and_fake_placeholders_give_the_same_archive(tmp_path, monkeypatch):
-    sd = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int16), "c": {"d": torch.ones((), dtype=torch.bfloat16)}, "n": 3}
+    sd = {
+        "a": torch.randn(5, 3),
+        "b": torch.arange(7, dtype=torch.int16),
+        "c": {"d": torch.ones((), dtype=torch.bfloat16)},
+        "n": 3,
+    }
     torch.save(sd, tmp_path / "src.pt")
     convert_checkpoint(str(tmp_path / "src.pt"), str(tmp_path / "g"), to="goodput")
     convert_checkpoint(str(tmp_path / "g"), str(tmp_path / "real" / "x.pt"), to="torch")
@@ -51,7 +56,11 @@ def test_real_and_fake_placeholders_give_the_same_archive(tmp_path, monkeypatch)
     real, fake = (torch.load(tmp_path / w / "x.pt", weights_only=True) for w in ("real", "fake"))
     assert real.keys() == fake.keys() == sd.keys() and real["n"] == fake["n"] == 3
     for k in ("a", "b"):
-        assert real[k].dtype == fake[k].dtype == sd[k].dtype and torch.equal(real[k], sd[k]) and torch.equal(fake[k], sd[k])
+        assert (
+            real[k].dtype == fake[k].dtype == sd[k].dtype
+            and torch.equal(real[k], sd[k])
+            and torch.equal(fake[k], sd[k])
+        )
     assert torch.equal(real["c"]["d"], fake["c"]["d"])
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .deferred_copy import DeferredCopies
-from .step_guard import StepGuard, guarded_tensor_keys, tensor_key
 from .stager import ReusableStager
+from .step_guard import StepGuard, guarded_tensor_keys, tensor_key
 
 __all__ = ["AsyncStaging"]
 

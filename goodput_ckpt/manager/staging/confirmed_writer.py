@@ -22,9 +22,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from ...dcp.writer import CheckpointWriter
 from ...errors import CheckpointError
 from .deferred_copy import DeferredCopies
-from ...dcp.writer import CheckpointWriter
 
 __all__ = ["ConfirmedWriter"]
 

@@ -45,9 +45,7 @@ def guarded_tensor_keys(optimizers: Iterable[torch.optim.Optimizer]) -> set[tupl
         for group in opt.param_groups:
             keys.update(tensor_key(p) for p in group["params"] if p.device.type == "cpu")
         for state in opt.state.values():
-            keys.update(
-                tensor_key(v) for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-            )
+            keys.update(tensor_key(v) for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == "cpu")
     keys.discard((0, 0))  # empty tensors share no memory worth tracking
     return keys
 

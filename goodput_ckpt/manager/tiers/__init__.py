@@ -28,9 +28,9 @@ from ..save_job import SaveJob
 from ..step_layout import child_uri, step_dir_name
 from ..timeline import TimelineSink
 from .local_tier import LocalTier
+from .mend import LOCAL, PERSISTENT, REPLICA
 from .nodes import NodeLayout
 from .persist import Persister
-from .mend import LOCAL, PERSISTENT, REPLICA
 from .restore import restore_tiers
 
 __all__ = ["LOCAL", "PERSISTENT", "REPLICA", "Tiers"]
@@ -79,14 +79,28 @@ class Tiers:
         persist_pg = dist.new_group(backend="gloo") if pg is not None else None
         keep_local = config.local_keep_last if config.local_keep_last is not None else config.keep_last
         local = LocalTier(
-            template=config.local_dir, layout=layout, pg=pg, persister=None, persist_every=config.persist_every,
-            keep_last=keep_local, overwrite=config.overwrite, job=job,
-        )  # fmt: skip
+            template=config.local_dir,
+            layout=layout,
+            pg=pg,
+            persister=None,
+            persist_every=config.persist_every,
+            keep_last=keep_local,
+            overwrite=config.overwrite,
+            job=job,
+        )
         persister = Persister(
-            root_uri=root_uri, storage_options=storage_options, local=local.store, rank=topology.rank,
-            world_size=topology.world_size, pg=persist_pg, keep_last=config.keep_last, overwrite=config.overwrite,
-            timeline=timeline, on_failure=on_failure, job=job,
-        )  # fmt: skip
+            root_uri=root_uri,
+            storage_options=storage_options,
+            local=local.store,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            pg=persist_pg,
+            keep_last=config.keep_last,
+            overwrite=config.overwrite,
+            timeline=timeline,
+            on_failure=on_failure,
+            job=job,
+        )
         local.persister = persister
         return cls(local, persister, keep_local, config)
 
@@ -131,10 +145,13 @@ class Tiers:
         local = self.local
         persisting = local.persister.in_flight_step if local.persister is not None else None
         return make_room(
-            local.group, local.store, step=job.step, needed=job.record.bytes,
+            local.group,
+            local.store,
+            step=job.step,
+            needed=job.record.bytes,
             owner_of={r: local.layout.ranks_of(local.layout.node_of(r))[0] for r in range(local.layout.world_size)},
             protect={persisting} - {None},
-        )  # fmt: skip
+        )
 
     def wait(self, timeout_s: float | None) -> None:
         """Wait for the persist in flight."""
@@ -150,6 +167,11 @@ class Tiers:
         """:func:`.restore.restore_tiers` over these tiers, after the persist in flight."""
         self.wait(self.config.timeout_s)
         return restore_tiers(
-            self.local, self.persister.root, step=step, keep_last=self.keep_last, verify=self.config.verify,
-            target=target, persistent_options=self.persister.storage_options,
-        )  # fmt: skip
+            self.local,
+            self.persister.root,
+            step=step,
+            keep_last=self.keep_last,
+            verify=self.config.verify,
+            target=target,
+            persistent_options=self.persister.storage_options,
+        )

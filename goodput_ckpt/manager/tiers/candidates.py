@@ -52,7 +52,9 @@ def _inventory(local: Store) -> dict[int, dict[str, int]]:
     return out
 
 
-def list_candidates(tier: LocalTier, persistent: Store | None, step: int | None, keep_last: int | None) -> Inventory | None:
+def list_candidates(
+    tier: LocalTier, persistent: Store | None, step: int | None, keep_last: int | None
+) -> Inventory | None:
     """Every rank: the candidates (``step`` alone when given), with what each node holds; ``None``
     when ``step`` is ``None`` and no tier holds a step (logged: training starts from scratch).
     The coordinator cleans the persistent tier first (incomplete steps, ``keep_last``).
@@ -108,8 +110,10 @@ def list_candidates(tier: LocalTier, persistent: Store | None, step: int | None,
             held = fresh[0] if fresh else "no persistent tier"
             logger.warning(
                 "restore: %s, and no node's local directory (node 0's: %s) holds a committed step; "
-                "training starts from step 0", held, tier.uri,
-            )  # fmt: skip
+                "training starts from step 0",
+                held,
+                tier.uri,
+            )
         return None
     return Inventory(candidates, nodes, persisted)
 
@@ -128,8 +132,9 @@ def agreed_record(
     mine = None  # the digest of this node's valid record
     if on_record_nodes and layout.rank in layout.ranks_of(layout.node)[:1]:
         checked = or_error(
-            f"reading {tier.uri}/{name}/{MANIFEST_NAME}", lambda: read_commit_record(tier.store, name, count_files=False)
-        )  # fmt: skip
+            f"reading {tier.uri}/{name}/{MANIFEST_NAME}",
+            lambda: read_commit_record(tier.store, name, count_files=False),
+        )
         if not isinstance(checked, CheckpointError) and checked.status == COMMITTED:
             mine = checked.digest
     digests = tier.group.gather(mine)
@@ -143,7 +148,9 @@ def agreed_record(
         data = tier.group.broadcast(data, src)
         if isinstance(data, bytes):
             return data, valid
-        return Unrebuildable(s, f"its commit record on node {layout.node_of(src)} could not be read: {data or 'it vanished'}"), valid
+        return Unrebuildable(
+            s, f"its commit record on node {layout.node_of(src)} could not be read: {data or 'it vanished'}"
+        ), valid
     if not persisted or persistent is None:
         return Unrebuildable(s, "no node holds a valid commit record and it was never persisted"), valid
     if layout.rank == 0:
@@ -155,7 +162,9 @@ def agreed_record(
         data = or_error(f"reading {persistent.uri}/{name}/{MANIFEST_NAME}", persistent_record)
         data = str(data) if isinstance(data, CheckpointError) else data
     data = tier.group.broadcast(data)
-    return (data if isinstance(data, bytes) else Unrebuildable(s, f"its persistent commit record is unusable: {data}")), valid
+    return (
+        data if isinstance(data, bytes) else Unrebuildable(s, f"its persistent commit record is unusable: {data}")
+    ), valid
 
 
 def _warn_unusable_tier(node: int, err: CheckpointError) -> None:

@@ -288,8 +288,9 @@ def run_moves(
         if move.src == rank:
             _send(store, move, chunk_size, pg)
         elif move.dst == rank:
-            err = _receive(store if into is None else into, move, chunk_size, pg, sender_uri.format(rank=move.src), keys)
+            err = _receive(
+                store if into is None else into, move, chunk_size, pg, sender_uri.format(rank=move.src), keys
+            )
             if err is not None:
                 failed[move.name] = err
     return failed
-

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...engine.hashed_write import data_file_rank, remove_stale_files
 from ...dcp.collectives import Group
+from ...engine.hashed_write import data_file_rank, remove_stale_files
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -100,8 +100,11 @@ class LocalTier:
             shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
             logger.warning(
                 "node %d: %s holds checkpoints of other jobs (%s); job %s ignores them and never deletes them",
-                self.layout.node, self.node_dir, shown, self.job.id,
-            )  # fmt: skip
+                self.layout.node,
+                self.node_dir,
+                shown,
+                self.job.id,
+            )
 
     def _check_not_shared(self) -> None:
         """Refuse two nodes whose local directories are one directory (a ``local_dir`` without
@@ -111,7 +114,7 @@ class LocalTier:
             return
         seen = self.group.gather(
             (socket.gethostname(), os.path.realpath(self.store.traits.local_path or self.uri), self.layout.node)
-        )  # fmt: skip
+        )
         where: dict[tuple[str, str], int] = {}
         for host, path, node in seen:
             other = where.setdefault((host, path), node)
@@ -175,7 +178,9 @@ class LocalTier:
             return False
         return save is None or save - self.persister.persisted_save >= self.persist_every
 
-    def _agree(self, step: int, err: CheckpointError | None, *, decision: bool = False) -> tuple[CheckpointError | None, bool]:
+    def _agree(
+        self, step: int, err: CheckpointError | None, *, decision: bool = False
+    ) -> tuple[CheckpointError | None, bool]:
         """``err``, or the first other rank's failure: the same verdict on every rank; and the
         coordinator's ``decision``, on every rank."""
         outcomes = self.group.gather((None if err is None else str(err), decision))
@@ -213,9 +218,14 @@ class LocalTier:
         ]
         assert self.pg is not None  # replicas need another node, hence a group
         failed = run_moves(
-            moves, rank=self.layout.rank, store=self.step_store(step), chunk_size=manifest.chunk_size, pg=self.pg,
-            sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)", keys=KeyIndex(manifest),
-        )  # fmt: skip
+            moves,
+            rank=self.layout.rank,
+            store=self.step_store(step),
+            chunk_size=manifest.chunk_size,
+            pg=self.pg,
+            sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)",
+            keys=KeyIndex(manifest),
+        )
         if failed:
             name, first = next(iter(failed.items()))
             return CheckpointError(

@@ -24,7 +24,18 @@ from ..step_layout import child_uri, step_dir_name
 from .file_moves import Move, ReceivedFiles, check_file, copy_file, run_moves
 from .local_tier import LocalTier
 
-__all__ = ["LOCAL", "PERSISTENT", "REPLICA", "Arrivals", "Candidate", "Unrebuildable", "check_local", "mend", "or_error", "store_of"]
+__all__ = [
+    "LOCAL",
+    "PERSISTENT",
+    "REPLICA",
+    "Arrivals",
+    "Candidate",
+    "Unrebuildable",
+    "check_local",
+    "mend",
+    "or_error",
+    "store_of",
+]
 
 logger = logging.getLogger("goodput_ckpt.tiers")
 
@@ -71,6 +82,7 @@ class Candidate:
 
     def unrebuildable(self, reason: str) -> Unrebuildable:
         return Unrebuildable(self.step, reason)
+
 
 @dataclass
 class Arrivals:
@@ -120,9 +132,15 @@ def mend(
         made = or_error(f"making {here_store.uri}", here_store.prepare)
     if plan_moves:  # (moves need another node, hence a group)
         failed = run_moves(
-            plan_moves, rank=layout.rank, store=here_store, chunk_size=manifest.chunk_size, pg=tier.pg,
-            sender_uri=sender_uri, keys=keys, into=received,
-        )  # fmt: skip
+            plan_moves,
+            rank=layout.rank,
+            store=here_store,
+            chunk_size=manifest.chunk_size,
+            pg=tier.pg,
+            sender_uri=sender_uri,
+            keys=keys,
+            into=received,
+        )
     arrived = {m.name: REPLICA for m in plan_moves if m.dst == layout.rank and m.name not in failed}
     for name, err in failed.items():
         logger.warning("restore of step %d: the replica of %s %s; using the next tier", s, name, damage(err))
@@ -142,10 +160,14 @@ def mend(
         assert persistent is not None
         src = or_error(f"opening {persistent.uri}", lambda: store_of(persistent, s, c.persistent_options))
         for name in want:
-            got = src if isinstance(src, CheckpointError) else or_error(
-                f"copying {name} of step {s} from {persistent.uri}",
-                lambda n=name: copy_file(src, here_store, manifest.files[n], manifest.chunk_size, keys=keys),
-            )  # fmt: skip
+            got = (
+                src
+                if isinstance(src, CheckpointError)
+                else or_error(
+                    f"copying {name} of step {s} from {persistent.uri}",
+                    lambda n=name: copy_file(src, here_store, manifest.files[n], manifest.chunk_size, keys=keys),
+                )
+            )
             if isinstance(got, CheckpointError):
                 errors.append(f"{name} from the persistent tier: {got}")
             else:
@@ -265,12 +287,20 @@ def _report_arrivals(c: Candidate, why: list[dict[str, str]], node_arrivals: dic
         used = " and ".join(_FROM[t] for t in sorted(set(node_arrivals.values())))
         logger.warning(
             "restore of step %d: node %d holds no copy of it (%s); its ranks read %d file(s) from %s",
-            s, layout.node, tier.uri, len(node_arrivals), used,
-        )  # fmt: skip
+            s,
+            layout.node,
+            tier.uri,
+            len(node_arrivals),
+            used,
+        )
         return
     reasons = {n: r for rank, w in enumerate(why) if layout.node_of(rank) == layout.node for n, r in w.items()}
     for name in sorted(node_arrivals):
         logger.warning(
             "restore of step %d: node %d's copy of %s %s; read from %s",
-            s, layout.node, name, reasons.get(name, "is missing"), _FROM[node_arrivals[name]],
-        )  # fmt: skip
+            s,
+            layout.node,
+            name,
+            reasons.get(name, "is missing"),
+            _FROM[node_arrivals[name]],
+        )

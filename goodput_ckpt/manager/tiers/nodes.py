@@ -117,9 +117,13 @@ def node_dirs(template: str) -> dict[int, str]:
     if "{" + NODE_FIELD + "}" not in template:
         return {0: template} if os.path.isdir(template) else {}
     head, _, tail = template.partition("{" + NODE_FIELD + "}")
-    pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail).replace(re.escape("{" + NODE_FIELD + "}"), r"\1") + r"\Z")
+    pattern = re.compile(
+        re.escape(head) + r"(\d+)" + re.escape(tail).replace(re.escape("{" + NODE_FIELD + "}"), r"\1") + r"\Z"
+    )
     found: dict[int, str] = {}
-    for path in glob.iglob(glob.escape(head) + "*" + glob.escape(tail).replace(glob.escape("{" + NODE_FIELD + "}"), "*")):
+    for path in glob.iglob(
+        glob.escape(head) + "*" + glob.escape(tail).replace(glob.escape("{" + NODE_FIELD + "}"), "*")
+    ):
         m = pattern.match(path)
         if m is not None and os.path.isdir(path) and local_root(template, int(m.group(1))) == path:
             found[int(m.group(1))] = path

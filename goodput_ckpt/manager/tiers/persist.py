@@ -24,8 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...engine.hashed_write import clear_or_refuse_existing, data_file_rank, durable_future
 from ...dcp.collectives import Group
+from ...engine.hashed_write import clear_or_refuse_existing, data_file_rank, durable_future
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest
@@ -155,9 +155,14 @@ class Persister:
             apply_retention(self.root, committed=job.step, keep_last=self.keep_last)
         self._timeline.emit(
             PersistRecord(
-                step=job.step, rank=self.rank, world_size=self.world_size, time=started,
-                seconds=time.perf_counter() - t0, bytes=nbytes, error=None if err is None else str(err),
-            )  # fmt: skip
+                step=job.step,
+                rank=self.rank,
+                world_size=self.world_size,
+                time=started,
+                seconds=time.perf_counter() - t0,
+                bytes=nbytes,
+                error=None if err is None else str(err),
+            )
         )
         if err is not None:
             with self._lock:
@@ -188,4 +193,3 @@ class Persister:
         except CheckpointError as e:
             return e
         return None
-

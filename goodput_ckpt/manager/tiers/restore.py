@@ -72,7 +72,6 @@ from .candidates import agreed_record, list_candidates
 from .local_tier import LocalTier
 from .mend import LOCAL, PERSISTENT, Candidate, Unrebuildable, check_local, mend, or_error, store_of
 
-
 __all__ = ["restore_tiers"]
 
 logger = logging.getLogger("goodput_ckpt.tiers")
@@ -112,7 +111,7 @@ def restore_tiers(
     for s in found.candidates:
         outcome = _attempt(
             tier, persistent, persistent_options, s, found.nodes, s in found.persisted, verify=verify, target=target
-        )  # fmt: skip
+        )
         if isinstance(outcome, Unrebuildable):
             failures.append(outcome)
             if layout.rank == 0:
@@ -279,8 +278,11 @@ def _commit_node_copy(tier: LocalTier, s: int, data: bytes) -> None:
     if e is not None:
         logger.warning(
             "restore of step %d: node %d's local copy could not be committed (%s); it will not count as a local "
-            "checkpoint", s, layout.node, e,
-        )  # fmt: skip
+            "checkpoint",
+            s,
+            layout.node,
+            e,
+        )
 
 
 def _drop_after(tier: LocalTier, s: int, keep_last: int | None) -> None:

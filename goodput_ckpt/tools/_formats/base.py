@@ -158,7 +158,7 @@ class Source(ABC):
     def objects(self) -> list[ObjectMeta]:
         return [m for m in self.items.values() if isinstance(m, ObjectMeta)]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: sources holding no files need not close
         """Release files and caches. Idempotent."""
 
     def __enter__(self) -> Source:

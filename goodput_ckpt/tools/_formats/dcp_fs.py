@@ -31,14 +31,21 @@ from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 
 from ...engine.untrusted_load import check_inflation
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, OVERWRITE_HINT
+from ...errors import (
+    OVERWRITE_HINT,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from ...storage import FileSource, Store
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, OpenFiles, Source, TensorMeta, ordered_map
 from .dcp_metadata import check_claims, load_metadata, storage_info
+from .goodput import decode_torch_save, encode_torch_save
 from .input_checks import read_small_capped
 from .sequential_sink import SequentialSink
-from .goodput import decode_torch_save, encode_torch_save
 
 __all__ = ["DcpSource", "METADATA_NAME", "write_dcp"]
 
@@ -95,7 +102,10 @@ class DcpSource(Source):
         data = read_small_capped(store, METADATA_NAME, MAX_METADATA_BYTES, "DCP metadata")
         if data is None:
             if any(_DATA_FILE.match(n) for n in store.list()):
-                raise IncompleteCheckpointError(f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri)
+                raise IncompleteCheckpointError(
+                    f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished",
+                    path=store.uri,
+                )
             raise CheckpointNotFoundError(f"no DCP checkpoint at {store.uri}", path=store.uri)
         self.md = load_metadata(data, f"{store.uri}/{METADATA_NAME}", trust_pickle)
         self._files = OpenFiles(store)
@@ -105,13 +115,17 @@ class DcpSource(Source):
         ranks = set()
         for key, smd in self.md.state_dict_metadata.items():
             if isinstance(smd, _md.TensorStorageMetadata):
-                self.items[key] = TensorMeta(key, smd.properties.dtype, tuple(smd.size), bool(smd.properties.requires_grad))
+                self.items[key] = TensorMeta(
+                    key, smd.properties.dtype, tuple(smd.size), bool(smd.properties.requires_grad)
+                )
                 idx = [_md.MetadataIndex(key, c.offsets) for c in smd.chunks]
             elif isinstance(smd, _md.BytesStorageMetadata):
                 self.items[key] = ObjectMeta(key)
                 idx = [_md.MetadataIndex(key)]
             else:
-                raise CheckpointError(f"{key!r} has DCP metadata of type {type(smd).__name__}, which convert does not read", key=key)
+                raise CheckpointError(
+                    f"{key!r} has DCP metadata of type {type(smd).__name__}, which convert does not read", key=key
+                )
             for i in idx:
                 info = self._info(i)
                 m = _DATA_FILE.match(info.relative_path)
@@ -165,7 +179,10 @@ class DcpSource(Source):
         if places is None:  # two threads may both locate a key: same answer, no harm
             places = self._places[key] = [self._locate((key, i)) for i in range(len(smd.chunks))]
         es = self.items[key].itemsize
-        return [Box(tuple(c.offsets), tuple(c.sizes), partial(self._read, key, i, es, places[i])) for i, c in enumerate(smd.chunks)]
+        return [
+            Box(tuple(c.offsets), tuple(c.sizes), partial(self._read, key, i, es, places[i]))
+            for i, c in enumerate(smd.chunks)
+        ]
 
     def _archive(self, key: str, i: int) -> tuple[Any, io.BufferedReader]:
         chunk = self.md.state_dict_metadata[key].chunks[i]
@@ -189,7 +206,9 @@ class DcpSource(Source):
             ) from None
         chunk = self.md.state_dict_metadata[key].chunks[i]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes) or t.dtype != self.items[key].dtype:
-            raise CorruptCheckpointError(f"the stored shard of {key!r} at {list(chunk.offsets)} does not match its metadata", key=key)
+            raise CorruptCheckpointError(
+                f"the stored shard of {key!r} at {list(chunk.offsets)} does not match its metadata", key=key
+            )
         return info, t
 
     def _locate(self, ref: tuple[str, int]) -> tuple[str, int] | None:
@@ -213,7 +232,9 @@ class DcpSource(Source):
         t = t.contiguous()
         return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
-    def _read(self, key: str, i: int, es: int, where: tuple[str, int] | None, lo: int, hi: int, out: memoryview) -> None:
+    def _read(
+        self, key: str, i: int, es: int, where: tuple[str, int] | None, lo: int, hi: int, out: memoryview
+    ) -> None:
         if where is not None:
             name, base = where
             self._files.get(name).read_into(base + lo * es, [out])
@@ -297,7 +318,9 @@ def write_dcp(
             t = torch.empty((hi - lo, *meta.shape[1:]), dtype=meta.dtype)
         if t.numel():
             row = t.numel() // max(hi - lo, 1) if meta.shape else 1
-            source.read_flat(meta.key, lo * row, lo * row + t.numel(), memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            source.read_flat(
+                meta.key, lo * row, lo * row + t.numel(), memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            )
         return t
 
     sink = SequentialSink(store, DATA_NAME)
@@ -339,4 +362,3 @@ def write_dcp(
     md.storage_meta = _md.StorageMeta(checkpoint_id=None, save_id="goodput-ckpt-convert")
     store.put_commit_record(METADATA_NAME, pickle.dumps(md), replace=False)
     return [DATA_NAME, METADATA_NAME]
-

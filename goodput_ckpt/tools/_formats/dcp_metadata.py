@@ -24,16 +24,27 @@ __all__ = ["check_claims", "load_metadata", "storage_info"]
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"),
     ("collections", "OrderedDict"),
-}  # fmt: skip
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -42,7 +53,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
@@ -58,7 +71,9 @@ def load_metadata(data: bytes, where: str, trust_pickle: bool) -> _md.Metadata:
             path=where,
         ) from None
     except Exception as e:  # noqa: BLE001 - a damaged pickle raises many types
-        raise CorruptCheckpointError(f"{where} is not a valid DCP metadata file ({type(e).__name__}: {e})", path=where) from None
+        raise CorruptCheckpointError(
+            f"{where} is not a valid DCP metadata file ({type(e).__name__}: {e})", path=where
+        ) from None
     if not isinstance(md, _md.Metadata) or not isinstance(md.storage_data, dict):
         raise CorruptCheckpointError(f"{where} does not hold DCP Metadata with storage data", path=where)
     return md
@@ -72,7 +87,9 @@ def storage_info(md: _md.Metadata, index: _md.MetadataIndex) -> Any:
     """The storage entry of ``index``, refusing a missing one and DCP storage extensions."""
     info = md.storage_data.get(index)
     if info is None or not isinstance(getattr(info, "relative_path", None), str):
-        raise CorruptCheckpointError(f"DCP metadata has no storage entry for {index.fqn!r} at {index.offset}", key=index.fqn)
+        raise CorruptCheckpointError(
+            f"DCP metadata has no storage entry for {index.fqn!r} at {index.offset}", key=index.fqn
+        )
     if getattr(info, "transform_descriptors", None):
         raise CheckpointError(
             f"{index.fqn!r} was written with DCP storage extensions {list(info.transform_descriptors)}, "
@@ -110,7 +127,9 @@ def check_claims(md: _md.Metadata, store: Store, name: str) -> None:
         if file not in sizes:
             size = store.size(file)
             if size is None:
-                raise IncompleteCheckpointError(f"{store.uri}/{file}, which holds {key!r}, is missing", path=file, key=key)
+                raise IncompleteCheckpointError(
+                    f"{store.uri}/{file}, which holds {key!r}, is missing", path=file, key=key
+                )
             sizes[file] = size
         if off + length > sizes[file]:
             raise bad(key, f"claims bytes [{off}, {off + length}) of {file}, which has {sizes[file]} bytes")
@@ -126,7 +145,9 @@ def check_claims(md: _md.Metadata, store: Store, name: str) -> None:
         size, chunks = getattr(smd, "size", None), getattr(smd, "chunks", None)
         shape = tuple(size) if isinstance(size, (tuple, list)) else None
         if not isinstance(dtype, torch.dtype) or shape is None or not all(_is_count(x) for x in shape):
-            raise bad(key, f"has dtype {dtype!r} and shape {size!r}; expected a torch dtype and non-negative integer sizes")
+            raise bad(
+                key, f"has dtype {dtype!r} and shape {size!r}; expected a torch dtype and non-negative integer sizes"
+            )
         if not isinstance(chunks, list) or not all(isinstance(c, _md.ChunkStorageMetadata) for c in chunks):
             raise bad(key, "has a chunk list that is not a list of DCP chunks")
         es = dtype.itemsize
@@ -135,7 +156,9 @@ def check_claims(md: _md.Metadata, store: Store, name: str) -> None:
             offs = tuple(c.offsets) if isinstance(getattr(c, "offsets", None), (tuple, list)) else (None,)
             lens = tuple(c.sizes) if isinstance(getattr(c, "sizes", None), (tuple, list)) else (None,)
             if len(offs) != len(shape) or len(lens) != len(shape) or not all(map(_is_count, offs + lens)):
-                raise bad(key, f"has a chunk at {list(offs)} of sizes {list(lens)} that does not fit its shape {list(shape)}")
+                raise bad(
+                    key, f"has a chunk at {list(offs)} of sizes {list(lens)} that does not fit its shape {list(shape)}"
+                )
             if any(o + n > d for o, n, d in zip(offs, lens, shape)):
                 raise bad(key, f"has a chunk at {list(offs)} of sizes {list(lens)} outside its shape {list(shape)}")
             n = math.prod(lens)
@@ -144,4 +167,6 @@ def check_claims(md: _md.Metadata, store: Store, name: str) -> None:
                 raise bad(key, f"has a chunk at {list(offs)} of {n * es} bytes stored in only {length} bytes")
             total += n
         if total != math.prod(shape):
-            raise bad(key, f"has shape {list(shape)} ({math.prod(shape)} elements) but its chunks hold {total} elements")
+            raise bad(
+                key, f"has shape {list(shape)} ({math.prod(shape)} elements) but its chunks hold {total} elements"
+            )

@@ -141,7 +141,9 @@ class GoodputSource(Source):
         ik = self.manifest.dcp.get("int_keys")  # checked by the manifest parser
         self.int_keys = ik if isinstance(ik, dict) and self.planner_data is not None else {}
         self.metadata = dict(self.manifest.metadata)
-        self.dcp_version = self.manifest.dcp.get("version") if isinstance(self.manifest.dcp.get("version"), str) else None
+        self.dcp_version = (
+            self.manifest.dcp.get("version") if isinstance(self.manifest.dcp.get("version"), str) else None
+        )
 
     def boxes(self, key: str) -> list[Box]:
         e = self.manifest.items[key]
@@ -243,7 +245,9 @@ class _RegionBytes:
     def view(self, start: int, end: int) -> memoryview:
         es = self._meta.itemsize
         if start % es or end % es:
-            raise CheckpointError(f"internal error: byte range [{start}, {end}) splits an element of {self._meta.key!r}")
+            raise CheckpointError(
+                f"internal error: byte range [{start}, {end}) splits an element of {self._meta.key!r}"
+            )
         buf = self._pool.take(end - start)
         self._source.read_flat(self._meta.key, self._first + start // es, self._first + end // es, buf)
         return buf
@@ -307,7 +311,9 @@ def write_goodput(
     for key, rank in assign.items():
         meta = source.items[key]
         if isinstance(meta, TensorMeta):
-            regions = dim0_regions(meta, world_size) if rank is None else [(rank, 0, meta.shape[0] if meta.shape else 1)]
+            regions = (
+                dim0_regions(meta, world_size) if rank is None else [(rank, 0, meta.shape[0] if meta.shape else 1)]
+            )
             row = meta.numel // meta.shape[0] if meta.shape and meta.shape[0] else 1
             for r, lo, hi in regions:
                 nbytes = (hi - lo) * row * meta.itemsize if meta.numel else 0
@@ -353,7 +359,9 @@ def write_goodput(
     return WriteSummary(names, sum(file_sizes), tensors, len(assign) - tensors, manifest)
 
 
-def _manifest(source, written, placements, names, ranks, entries: list[FileEntry], world_size, chunk_size, metadata) -> Manifest:
+def _manifest(
+    source, written, placements, names, ranks, entries: list[FileEntry], world_size, chunk_size, metadata
+) -> Manifest:
     file_of_rank = {r: names[f] for f, r in enumerate(ranks)}
     items: dict[str, TensorEntry | ObjectEntry] = {}
     chunks: dict[str, list[ChunkEntry]] = {}
@@ -373,11 +381,17 @@ def _manifest(source, written, placements, names, ranks, entries: list[FileEntry
     for key in items:
         if items[key] is None:
             meta = source.items[key]
-            items[key] = TensorEntry(key, dtype_name(meta.dtype, key), tuple(meta.shape), tuple(chunks[key]), meta.requires_grad)
+            items[key] = TensorEntry(
+                key, dtype_name(meta.dtype, key), tuple(meta.shape), tuple(chunks[key]), meta.requires_grad
+            )
     planner_data = None
     if source.planner_data is not None:
         planner_data = {k: list(v) for k, v in source.planner_data.items() if k in items}
-    dcp: dict[str, Any] = {"version": getattr(source, "dcp_version", None) or _DCP_VERSION, "planner_data": planner_data, "storage_meta": None}
+    dcp: dict[str, Any] = {
+        "version": getattr(source, "dcp_version", None) or _DCP_VERSION,
+        "planner_data": planner_data,
+        "storage_meta": None,
+    }
     int_keys = {k: list(v) for k, v in source.int_keys.items() if planner_data is not None and k in planner_data}
     if int_keys:  # only then: other manifests stay as they were
         dcp["int_keys"] = int_keys

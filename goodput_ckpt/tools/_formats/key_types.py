@@ -55,7 +55,9 @@ def find_int_keys(nested: Mapping[Any, Any], planner_data: Mapping[str, Sequence
     return out
 
 
-def nest(flat: Mapping[str, Any], planner_data: Mapping[str, Sequence[Any]], int_keys: Mapping[str, Sequence[int]]) -> dict[Any, Any]:
+def nest(
+    flat: Mapping[str, Any], planner_data: Mapping[str, Sequence[Any]], int_keys: Mapping[str, Sequence[int]]
+) -> dict[Any, Any]:
     """DCP's ``unflatten_state_dict`` with the integer mapping keys given back.
 
     The containers follow DCP's rule: an integer path element is a list index (the list grows
@@ -80,7 +82,9 @@ def nest(flat: Mapping[str, Any], planner_data: Mapping[str, Sequence[Any]], int
             fresh: Any = None if last else ({} if type(path[i + 1]) is str else [])
             if type(path[i]) is int:  # a list index (DCP's rule)
                 if not isinstance(container, list):
-                    raise CheckpointError(f"planner_data of {flat_key!r} uses a list index where a mapping is", key=flat_key)
+                    raise CheckpointError(
+                        f"planner_data of {flat_key!r} uses a list index where a mapping is", key=flat_key
+                    )
                 container.extend([None] * (parts[i] + 1 - len(container)))
                 if last:
                     container[parts[i]] = value
@@ -98,7 +102,9 @@ def nest(flat: Mapping[str, Any], planner_data: Mapping[str, Sequence[Any]], int
     return root
 
 
-def renamed_int_keys(int_keys: Mapping[str, Sequence[int]], names: Mapping[str, str], dropped_parts: Mapping[str, int]) -> dict[str, list[int]]:
+def renamed_int_keys(
+    int_keys: Mapping[str, Sequence[int]], names: Mapping[str, str], dropped_parts: Mapping[str, int]
+) -> dict[str, list[int]]:
     """``int_keys`` of a selection: ``names`` maps new keys to source keys, ``dropped_parts`` the
     number of leading path elements removed from each new key's path (a stripped prefix)."""
     out: dict[str, list[int]] = {}

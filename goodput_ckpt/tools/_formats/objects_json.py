@@ -83,7 +83,13 @@ def encode_value(value: Any, key: str) -> Any:
                 key=key,
             )
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"$tensor": {"dtype": dtype_name(t.dtype, key), "shape": list(t.shape), "data": base64.b64encode(raw).decode("ascii")}}
+        return {
+            "$tensor": {
+                "dtype": dtype_name(t.dtype, key),
+                "shape": list(t.shape),
+                "data": base64.b64encode(raw).decode("ascii"),
+            }
+        }
     raise CheckpointError(
         f"value {key!r} of type {type(value).__module__}.{type(value).__qualname__} cannot be "
         "written to the safetensors JSON sidecar (it holds JSON types, tuples, bytes, dtypes and "
@@ -148,7 +154,10 @@ def _hashable(v: Any) -> Any:
 
 
 def dump_sidecar(
-    objects: dict[str, Any], planner_data: dict[str, list[Any]] | None, metadata: dict[str, Any], int_keys: dict[str, list[int]] | None = None
+    objects: dict[str, Any],
+    planner_data: dict[str, list[Any]] | None,
+    metadata: dict[str, Any],
+    int_keys: dict[str, list[int]] | None = None,
 ) -> bytes:
     doc: dict[str, Any] = {
         "format": SIDECAR_FORMAT,
@@ -162,7 +171,9 @@ def dump_sidecar(
     return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
 
 
-def load_sidecar(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, list[Any]] | None, dict[str, Any], dict[str, list[int]]]:
+def load_sidecar(
+    data: bytes, where: str
+) -> tuple[dict[str, Any], dict[str, list[Any]] | None, dict[str, Any], dict[str, list[int]]]:
     """``(objects, planner_data, metadata, int_keys)`` from a sidecar document.
 
     Raises:
@@ -173,7 +184,9 @@ def load_sidecar(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, lis
     objects, pd, md = doc.get("objects", {}), doc.get("planner_data"), doc.get("metadata", {})
     if not isinstance(objects, dict) or not isinstance(md, dict) or not (pd is None or isinstance(pd, dict)):
         raise CorruptCheckpointError(f"{where}: 'objects', 'planner_data' or 'metadata' has the wrong type", path=where)
-    if pd is not None and not all(isinstance(v, list) and all(isinstance(p, (str, int)) for p in v) for v in pd.values()):
+    if pd is not None and not all(
+        isinstance(v, list) and all(isinstance(p, (str, int)) for p in v) for v in pd.values()
+    ):
         raise CorruptCheckpointError(f"{where}: 'planner_data' must map keys to lists of path parts", path=where)
     int_keys = doc.get("int_keys")
     why = int_keys_problem(int_keys, pd)

@@ -36,12 +36,26 @@ __all__ = ["SafetensorsSource", "open_safetensors", "split_file_uri"]
 
 #: safetensors dtype names, by the goodput format's (torch's) name.
 ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
-}  # fmt: skip
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+    "complex64": "C64",
+}
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 #: The safetensors spec's limit on the header.
 MAX_HEADER = 100_000_000
@@ -125,7 +139,9 @@ class SafetensorsSource(Source):
             if key in self.items and (part_of is None or key not in self._partial):
                 raise CorruptCheckpointError(f"{where}: key {key!r} appears in more than one file", path=where, key=key)
             if part_of is not None and len(part_of) != len(meta.shape):
-                raise CorruptCheckpointError(f"{where}: saved_offsets of {key!r} do not match its shape", path=where, key=key)
+                raise CorruptCheckpointError(
+                    f"{where}: saved_offsets of {key!r} do not match its shape", path=where, key=key
+                )
             entries.append((begin, key, meta, part_of))
         if base + pos != size:
             raise CorruptCheckpointError(
@@ -141,7 +157,9 @@ class SafetensorsSource(Source):
             self._partial.add(key)
             old = self.items.get(key)
             if old is not None and old.dtype != meta.dtype:
-                raise CorruptCheckpointError(f"{where}: the parts of {key!r} disagree on its dtype", path=where, key=key)
+                raise CorruptCheckpointError(
+                    f"{where}: the parts of {key!r} disagree on its dtype", path=where, key=key
+                )
             shape = tuple(o + s for o, s in zip(offsets, meta.shape))
             if old is not None:
                 shape = tuple(max(a, b) for a, b in zip(old.shape, shape))
@@ -164,7 +182,10 @@ class SafetensorsSource(Source):
 
     def boxes(self, key: str) -> list[Box]:
         es = self.items[key].itemsize
-        return [Box(offsets, sizes, partial(self._read, name, offset, es)) for name, offset, offsets, sizes in self._where[key]]
+        return [
+            Box(offsets, sizes, partial(self._read, name, offset, es))
+            for name, offset, offsets, sizes in self._where[key]
+        ]
 
     def _read(self, name: str, offset: int, es: int, lo: int, hi: int, out: memoryview) -> None:
         self._sources[name].read_into(offset + lo * es, [out])
@@ -284,7 +305,9 @@ def open_safetensors(store: Store, single: str | None) -> SafetensorsSource:
             weight_map = json.loads(data.decode("utf-8"))["weight_map"]
             files = list(dict.fromkeys(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{store.uri}/{index[0]} is not a valid index ({e!r})", path=index[0]) from None
+            raise CorruptCheckpointError(
+                f"{store.uri}/{index[0]} is not a valid index ({e!r})", path=index[0]
+            ) from None
         stem = index[0][: -len(INDEX_SUFFIX)]
     else:
         files = sorted(n for n in names if n.endswith(".safetensors"))

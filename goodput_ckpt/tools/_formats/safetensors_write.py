@@ -27,7 +27,11 @@ def _header(tensors: list[TensorMeta]) -> bytes:
     doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for t in tensors:
-        doc[t.key] = {"dtype": ST_DTYPES[dtype_name(t.dtype, t.key)], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        doc[t.key] = {
+            "dtype": ST_DTYPES[dtype_name(t.dtype, t.key)],
+            "shape": list(t.shape),
+            "data_offsets": [pos, pos + t.nbytes],
+        }
         pos += t.nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -70,7 +74,9 @@ def write_safetensors(
     tensors = source.tensors()
     bad = [f"{t.key} ({t.dtype})" for t in tensors if dtype_name(t.dtype, t.key) not in ST_DTYPES]
     if bad:
-        raise CheckpointError(f"safetensors cannot hold these tensors' dtypes: {', '.join(bad[:8])}; convert to goodput, dcp or torch instead")
+        raise CheckpointError(
+            f"safetensors cannot hold these tensors' dtypes: {', '.join(bad[:8])}; convert to goodput, dcp or torch instead"
+        )
     # Decode the objects first: an unencodable one fails before anything is written.
     objects = {m.key: source.object_value(m.key) for m in source.objects()}
     sidecar = dump_sidecar(objects, source.planner_data, source.metadata, source.int_keys)
@@ -114,7 +120,11 @@ def write_safetensors(
 
 def _clear(store: Store, single: str | None, names: list[str], overwrite: bool) -> None:
     if single is None:
-        existing = [n for n in store.list() if "/" not in n and (n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n.endswith(SIDECAR_SUFFIX))]
+        existing = [
+            n
+            for n in store.list()
+            if "/" not in n and (n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n.endswith(SIDECAR_SUFFIX))
+        ]
     else:
         existing = [n for n in names if store.size(n) is not None]
     if existing and not overwrite:
@@ -127,7 +137,9 @@ def _clear(store: Store, single: str | None, names: list[str], overwrite: bool) 
         store.delete(n)
 
 
-def _write_file(source: Source, store: Store, name: str, tensors: list[TensorMeta], thread_count: int, progress: Progress) -> None:
+def _write_file(
+    source: Source, store: Store, name: str, tensors: list[TensorMeta], thread_count: int, progress: Progress
+) -> None:
     header = _header(tensors)
     pieces = []  # (tensor, first element, last element, file offset)
     pos = len(header)

@@ -29,7 +29,9 @@ class SelectedSource(Source):
         CheckpointError: nothing matches, or two keys get the same name after stripping.
     """
 
-    def __init__(self, source: Source, patterns: Sequence[str], strip_prefix: str | None, drop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, source: Source, patterns: Sequence[str], strip_prefix: str | None, drop: Sequence[str] = ()
+    ) -> None:
         super().__init__()
         self.format = source.format
         self.uri = source.uri
@@ -42,14 +44,20 @@ class SelectedSource(Source):
                 continue
             new = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
             if not new or new in self._names:
-                raise CheckpointError(f"{source.uri}: stripping {strip_prefix!r} from {key!r} gives a key that is empty or already taken")
+                raise CheckpointError(
+                    f"{source.uri}: stripping {strip_prefix!r} from {key!r} gives a key that is empty or already taken"
+                )
             self._names[new] = key
             self.items[new] = replace(meta, key=new)
         if not self._names:
-            raise CheckpointError(f"{source.uri}: no key matches {', '.join(patterns)}; see `goodput-ckpt inspect` for its keys")
+            raise CheckpointError(
+                f"{source.uri}: no key matches {', '.join(patterns)}; see `goodput-ckpt inspect` for its keys"
+            )
         self.planner_data = _renamed_paths(source.planner_data, self._names, strip_prefix)
         if self.planner_data is not None and source.planner_data is not None:
-            dropped_parts = {new: len(source.planner_data[old]) - len(self.planner_data[new]) for new, old in self._names.items()}
+            dropped_parts = {
+                new: len(source.planner_data[old]) - len(self.planner_data[new]) for new, old in self._names.items()
+            }
             self.int_keys = renamed_int_keys(source.int_keys, self._names, dropped_parts)
         self.metadata = {k: v for k, v in source.metadata.items() if k != "training_state"}
 
@@ -66,7 +74,9 @@ class SelectedSource(Source):
         self._source.close()
 
 
-def _renamed_paths(planner_data: dict[str, list[Any]] | None, names: dict[str, str], strip: str | None) -> dict[str, list[Any]] | None:
+def _renamed_paths(
+    planner_data: dict[str, list[Any]] | None, names: dict[str, str], strip: str | None
+) -> dict[str, list[Any]] | None:
     """The nested-state-dict paths of the selected keys, with the stripped components removed.
 
     ``None`` (a flat output) when a stripped prefix does not end at a path component.

@@ -36,7 +36,13 @@ from typing import Any
 import torch
 
 from ...engine.untrusted_load import check_inflation, weights_only_refusal
-from ...errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, OVERWRITE_HINT
+from ...errors import (
+    OVERWRITE_HINT,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from .._common import NO_PROGRESS, Progress
 from .base import Box, LoadingCache, ObjectMeta, Source, TensorMeta, alloc, ordered_map
 from .goodput import encode_torch_save
@@ -95,7 +101,9 @@ class TorchSource(Source):
                     "If you trust this file, pass --trust-pickle (trust_pickle=True).",
                     path=path,
                 ) from None
-            raise CorruptCheckpointError(f"{path} is not a loadable torch.save file ({type(e).__name__}: {e})", path=path) from None
+            raise CorruptCheckpointError(
+                f"{path} is not a loadable torch.save file ({type(e).__name__}: {e})", path=path
+            ) from None
         if not isinstance(obj, Mapping):
             raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict (a mapping)", path=path)
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -103,12 +111,16 @@ class TorchSource(Source):
         try:
             flat, mapping = flatten_state_dict(dict(obj))
         except ValueError as e:  # two keys with one spelling, such as 0 and "0"
-            raise CheckpointError(f"{path}: {e}; convert needs distinct names for the keys of a mapping", path=path) from None
+            raise CheckpointError(
+                f"{path}: {e}; convert needs distinct names for the keys of a mapping", path=path
+            ) from None
         self._flat: dict[str, Any] = {}
         for key, v in flat.items():
             if isinstance(v, torch.Tensor):
                 if type(v) is not torch.Tensor or v.layout != torch.strided or v.is_quantized:
-                    raise CheckpointError(f"{key!r} is a {type(v).__name__} ({v.layout}); convert reads plain dense tensors", key=key)
+                    raise CheckpointError(
+                        f"{key!r} is a {type(v).__name__} ({v.layout}); convert reads plain dense tensors", key=key
+                    )
                 self.items[key] = TensorMeta(key, v.dtype, tuple(v.shape), bool(v.requires_grad))
                 self._flat[key] = v.detach()
             else:
@@ -263,13 +275,17 @@ def _storage_offsets(path: str, metas: list[TensorMeta]) -> list[int]:
             if len(parts) == 3 and parts[1] == "data" and parts[2].isdigit():
                 records[int(parts[2])] = info
         if sorted(records) != list(range(len(metas))):
-            raise CheckpointError(f"torch {torch.__version__} laid out {len(records)} storages for {len(metas)} tensors; cannot fill them")
+            raise CheckpointError(
+                f"torch {torch.__version__} laid out {len(records)} storages for {len(metas)} tensors; cannot fill them"
+            )
         out = []
         with open(path, "rb") as f:
             for i, meta in enumerate(metas):
                 info = records[i]
                 if info.file_size != meta.nbytes or info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(f"storage data/{i} of {path} does not match tensor {meta.key!r}; cannot fill it")
+                    raise CheckpointError(
+                        f"storage data/{i} of {path} does not match tensor {meta.key!r}; cannot fill it"
+                    )
                 f.seek(info.header_offset + 26)
                 name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
                 out.append(info.header_offset + 30 + name_len + extra_len)

@@ -116,9 +116,12 @@ def build(rank: int, world_size: int, width: int, device: torch.device, *, elast
 
         order = {"sampler": ElasticSampler(Samples(rank, width), seed=4000, num_replicas=world_size, rank=rank)}
     loader = StatefulDataLoader(
-        Samples(rank, width), batch_size=BATCH, num_workers=2,
-        generator=torch.Generator().manual_seed(4000 + rank), **order,
-    )  # fmt: skip
+        Samples(rank, width),
+        batch_size=BATCH,
+        num_workers=2,
+        generator=torch.Generator().manual_seed(4000 + rank),
+        **order,
+    )
     return model, opt, sched, loader
 
 
@@ -235,7 +238,9 @@ def main(argv: list[str]) -> int:
         torch.cuda.set_device(device)
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    dist.init_process_group(backend, rank=args.rank, world_size=args.world_size, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        backend, rank=args.rank, world_size=args.world_size, timeout=datetime.timedelta(seconds=300)
+    )
     model, opt, sched, loader = build(args.rank, args.world_size, args.width, device, elastic=args.elastic)
     _emit("READY", time.time())
     step, mgr = 0, None
@@ -256,7 +261,9 @@ def main(argv: list[str]) -> int:
             seconds = time.perf_counter() - t0
             if mgr is not None and (step % args.save_every == 0 or step == args.steps - 1):
                 t1 = time.perf_counter()
-                mgr.save(step, model=model, optimizer=opt, dataloader=loader, scheduler=sched, extra={"demo_step": step})
+                mgr.save(
+                    step, model=model, optimizer=opt, dataloader=loader, scheduler=sched, extra={"demo_step": step}
+                )
                 _emit("SAVED", step, time.time(), time.perf_counter() - t1)
             _emit("STEP", step, time.time(), seconds)
             step += 1

@@ -115,11 +115,15 @@ class DemoConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.steps < 2 * self.save_every + 2:
-            raise ValueError(f"steps ({self.steps}) must be at least 2 × save_every + 2 so a checkpoint exists before the kill")
+            raise ValueError(
+                f"steps ({self.steps}) must be at least 2 × save_every + 2 so a checkpoint exists before the kill"
+            )
         if self.width % 2:
             raise ValueError(f"width must be even, got {self.width}")
         if self.kill_at is not None and not self.save_every <= self.kill_at < self.steps - 1:
-            raise ValueError(f"kill_at must be in [save_every, steps - 1) = [{self.save_every}, {self.steps - 1}), got {self.kill_at}")
+            raise ValueError(
+                f"kill_at must be in [save_every, steps - 1) = [{self.save_every}, {self.steps - 1}), got {self.kill_at}"
+            )
         if self.failure not in FAILURES:
             raise ValueError(f"failure must be one of {', '.join(FAILURES)}, got {self.failure!r}")
         for name in ("node_mtbf", "job_mtbf"):
@@ -132,8 +136,17 @@ class DemoConfig:
         return self.uri if self.uri is not None else os.path.join(self.workdir, "checkpoints")
 
 
-def _launch(cfg: DemoConfig, tag: str, out: str, logs: str, *, root: str | None, timeline: str = "",
-            options: dict[str, Any] | None = None, sync_probe: bool = True) -> JobLaunch:
+def _launch(
+    cfg: DemoConfig,
+    tag: str,
+    out: str,
+    logs: str,
+    *,
+    root: str | None,
+    timeline: str = "",
+    options: dict[str, Any] | None = None,
+    sync_probe: bool = True,
+) -> JobLaunch:
     """Start the demo job once, every rank on a fresh port. ``root=None``: the reference run (no
     manager); else a managed run whose ``CheckpointManager`` gets ``cfg.storage_options`` and
     ``options`` as keyword arguments."""
@@ -141,9 +154,23 @@ def _launch(cfg: DemoConfig, tag: str, out: str, logs: str, *, root: str | None,
     port = free_port()
     commands = []
     for rank in range(cfg.world_size):
-        cmd = [sys.executable, "-m", "goodput_ckpt.tools.demos._demo_job", "--rank", str(rank),
-               "--world-size", str(cfg.world_size), "--port", str(port), "--out", out,
-               "--steps", str(cfg.steps), "--width", str(cfg.width)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "goodput_ckpt.tools.demos._demo_job",
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(cfg.world_size),
+            "--port",
+            str(port),
+            "--out",
+            out,
+            "--steps",
+            str(cfg.steps),
+            "--width",
+            str(cfg.width),
+        ]
         if root is not None:
             cmd += ["--root", root, "--save-every", str(cfg.save_every), "--timeline", timeline]
             cmd += ["--sync-probe"] if sync_probe else []
@@ -183,7 +210,9 @@ def _parse(trace: _Trace, line: str) -> None:
         trace.done = float(rest[0])
 
 
-def _run_launch(launch: JobLaunch, cfg: DemoConfig, emit: EventCallback, *, kill_after: int | None = None) -> tuple[_Trace, float | None]:
+def _run_launch(
+    launch: JobLaunch, cfg: DemoConfig, emit: EventCallback, *, kill_after: int | None = None
+) -> tuple[_Trace, float | None]:
     """Follow a launch to its end, or SIGKILL it once ``kill_after`` was printed."""
     trace, deadline, shown = _Trace(), time.monotonic() + cfg.timeout_s, -1
     try:
@@ -270,25 +299,41 @@ def _reference(cfg: DemoConfig, logs: str, device: str, emit: EventCallback) -> 
 
 
 def _kill_and_restart(
-    cfg: DemoConfig, tag: str, run_dir: str, logs: str, emit: EventCallback, *, root: str, timeline: str,
-    options: dict[str, Any] | None = None, sync_probe: bool = True, after_kill: Callable[[], None] | None = None,
+    cfg: DemoConfig,
+    tag: str,
+    run_dir: str,
+    logs: str,
+    emit: EventCallback,
+    *,
+    root: str,
+    timeline: str,
+    options: dict[str, Any] | None = None,
+    sync_probe: bool = True,
+    after_kill: Callable[[], None] | None = None,
 ) -> tuple[_Trace, _Trace, float]:
     """The checkpointed run SIGKILLed after the kill point, ``after_kill()`` (what else the failure
     took), and its restart: both launches' traces and the time of the kill."""
     kill_after = _kill_point(cfg)
     first, killed_at = _run_launch(
-        _launch(cfg, f"{tag}launch1", run_dir, logs, root=root, timeline=timeline, options=options, sync_probe=sync_probe),
-        cfg, emit, kill_after=kill_after,
-    )  # fmt: skip
+        _launch(
+            cfg, f"{tag}launch1", run_dir, logs, root=root, timeline=timeline, options=options, sync_probe=sync_probe
+        ),
+        cfg,
+        emit,
+        kill_after=kill_after,
+    )
     assert killed_at is not None
     emit("note", f"  SIGKILL of every process of the job after step {kill_after}")
     if after_kill is not None:
         after_kill()
     emit("phase", "restart: the same command again")
     second, _ = _run_launch(
-        _launch(cfg, f"{tag}launch2", run_dir, logs, root=root, timeline=timeline, options=options, sync_probe=sync_probe),
-        cfg, emit,
-    )  # fmt: skip
+        _launch(
+            cfg, f"{tag}launch2", run_dir, logs, root=root, timeline=timeline, options=options, sync_probe=sync_probe
+        ),
+        cfg,
+        emit,
+    )
     return first, second, killed_at
 
 
@@ -330,7 +375,10 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
 
     run_dir = os.path.join(cfg.workdir, "resumed")
     kill_after = _kill_point(cfg)
-    emit("phase", f"checkpointed run: async save every {cfg.save_every} steps to {cfg.root}; SIGKILL after step {kill_after}")
+    emit(
+        "phase",
+        f"checkpointed run: async save every {cfg.save_every} steps to {cfg.root}; SIGKILL after step {kill_after}",
+    )
     first, second, killed_at = _kill_and_restart(cfg, "", run_dir, logs, emit, root=cfg.root, timeline=timeline)
 
     emit("phase", "checking the resumed run against the reference, and verifying every checkpoint")
@@ -338,11 +386,22 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
     checkpoints = _verify_steps(cfg.root, cfg.storage_options)
     acc = _account(ref, first, second, killed_at)
     return DemoReport(
-        root=cfg.root, device=device, steps=cfg.steps, save_every=cfg.save_every, world_size=cfg.world_size,
-        killed_after_step=kill_after, save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at),
-        restored_step=second.restored, bit_exact=not mismatches and compared > 0, values_compared=compared,
-        mismatches=mismatches, checkpoints=checkpoints, reference_s=_span(ref), logs=logs, **acc,
-    )  # fmt: skip
+        root=cfg.root,
+        device=device,
+        steps=cfg.steps,
+        save_every=cfg.save_every,
+        world_size=cfg.world_size,
+        killed_after_step=kill_after,
+        save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at),
+        restored_step=second.restored,
+        bit_exact=not mismatches and compared > 0,
+        values_compared=compared,
+        mismatches=mismatches,
+        checkpoints=checkpoints,
+        reference_s=_span(ref),
+        logs=logs,
+        **acc,
+    )
 
 
 def _first_step_start(trace: _Trace) -> float:

@@ -56,7 +56,9 @@ TIER_ORDER = ("local", "replica", "persistent")
 
 def _check_layout(cfg: DemoConfig) -> None:
     if cfg.world_size % NODES:
-        raise ValueError(f"the two-tier demo lays the ranks out as {NODES} nodes: the world size must be even, got {cfg.world_size}")
+        raise ValueError(
+            f"the two-tier demo lays the ranks out as {NODES} nodes: the world size must be even, got {cfg.world_size}"
+        )
 
 
 def _child(cfg: DemoConfig, name: str) -> str:
@@ -109,8 +111,12 @@ def _run_mode(
     if two_tiers:
         local_dir = os.path.join(base, "local", "node{node}")
         lost_dir = None if lost is None else local_dir.format(node=lost)
-        options = {"local_dir": local_dir, "local_world_size": cfg.world_size // NODES, "replicas": 1,
-                   "persist_every": cfg.persist_every}  # fmt: skip
+        options = {
+            "local_dir": local_dir,
+            "local_world_size": cfg.world_size // NODES,
+            "replicas": 1,
+            "persist_every": cfg.persist_every,
+        }
         how = f"every save to node-local disk with a replica on the other node, 1 save in {cfg.persist_every} also to {root}"
     else:
         how = f"every save to {root}"
@@ -125,28 +131,49 @@ def _run_mode(
             emit("note", f"  node {lost} lost: it held nothing the restart needs (every save is persistent)")
 
     first, second, killed_at = _kill_and_restart(
-        cfg, f"{slug}-", run_dir, logs, emit, root=root, timeline=timeline, options=options, sync_probe=False,
+        cfg,
+        f"{slug}-",
+        run_dir,
+        logs,
+        emit,
+        root=root,
+        timeline=timeline,
+        options=options,
+        sync_probe=False,
         after_kill=lose_node,
-    )  # fmt: skip
+    )
     emit("phase", f"{name}: checking the resumed run against the reference, and verifying every checkpoint")
     compared, mismatches = _compare(ref_dir, run_dir, cfg.world_size)
     checkpoints = _verify_steps(root, cfg.storage_options, tier="persistent")
     if local_dir is not None:
         job_id = read_job_file(open_store(root, cfg.storage_options))  # each job's local steps lie in its own directory
         for node in range(NODES):
-            checkpoints += _verify_steps(local_job_dir(local_dir.format(node=node), job_id), {}, tier=f"local node {node}")
+            checkpoints += _verify_steps(
+                local_job_dir(local_dir.format(node=node), job_id), {}, tier=f"local node {node}"
+            )
     acc = _account(ref, first, second, killed_at)
     records = read_timeline(timeline)
     files = _sources(_restart_records(timeline, killed_at)) if two_tiers else {}
     return DemoMode(
-        name=name, root=root, local_dir=local_dir, persist_every=cfg.persist_every if two_tiers else None,
-        save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at), restored_step=second.restored,
-        restored_from=list(files) if two_tiers else ["persistent"], restore_files=files,
-        bit_exact=not mismatches and compared > 0, values_compared=compared, mismatches=mismatches,
-        checkpoints=checkpoints, seconds=acc["seconds"], goodput=acc["goodput"], saves_kept=acc["saves_kept"],
-        stall_per_save_s=acc["stall_per_save_s"], background_per_save_s=_median_per_step(records, "save", "durable_s"),
+        name=name,
+        root=root,
+        local_dir=local_dir,
+        persist_every=cfg.persist_every if two_tiers else None,
+        save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at),
+        restored_step=second.restored,
+        restored_from=list(files) if two_tiers else ["persistent"],
+        restore_files=files,
+        bit_exact=not mismatches and compared > 0,
+        values_compared=compared,
+        mismatches=mismatches,
+        checkpoints=checkpoints,
+        seconds=acc["seconds"],
+        goodput=acc["goodput"],
+        saves_kept=acc["saves_kept"],
+        stall_per_save_s=acc["stall_per_save_s"],
+        background_per_save_s=_median_per_step(records, "save", "durable_s"),
         persist_per_save_s=_median_per_step(records, "persist", "seconds") if two_tiers else None,
-    )  # fmt: skip
+    )
 
 
 def _model(cfg: DemoConfig, one: DemoMode, two: DemoMode) -> TwoLevelPlan | None:
@@ -156,10 +183,16 @@ def _model(cfg: DemoConfig, one: DemoMode, two: DemoMode) -> TwoLevelPlan | None
     if persist is None or two.background_per_save_s is None:
         return None
     inputs = TwoLevelInputs(
-        local_stall=two.stall_per_save_s, replicate=two.background_per_save_s,
-        local_restore=two.seconds["restore"], persist_stall=0.0, persist=persist, restore=one.seconds["restore"],
-        restart=(one.seconds["restart"] + two.seconds["restart"]) / 2, node_mtbf=cfg.node_mtbf, job_mtbf=cfg.job_mtbf,
-    )  # fmt: skip
+        local_stall=two.stall_per_save_s,
+        replicate=two.background_per_save_s,
+        local_restore=two.seconds["restore"],
+        persist_stall=0.0,
+        persist=persist,
+        restore=one.seconds["restore"],
+        restart=(one.seconds["restart"] + two.seconds["restart"]) / 2,
+        node_mtbf=cfg.node_mtbf,
+        job_mtbf=cfg.job_mtbf,
+    )
     return plan_two_level(inputs)
 
 
@@ -177,9 +210,19 @@ def run_tier_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> Tie
     one = _run_mode(cfg, "one tier", logs, ref, ref_dir, emit, two_tiers=False)
     two = _run_mode(cfg, "two tiers", logs, ref, ref_dir, emit, two_tiers=True)
     return TierDemoReport(
-        device=device, steps=cfg.steps, save_every=cfg.save_every, world_size=cfg.world_size, nodes=NODES,
-        local_world_size=cfg.world_size // NODES, killed_after_step=_kill_point(cfg),
+        device=device,
+        steps=cfg.steps,
+        save_every=cfg.save_every,
+        world_size=cfg.world_size,
+        nodes=NODES,
+        local_world_size=cfg.world_size // NODES,
+        killed_after_step=_kill_point(cfg),
         lost_node=NODES - 1 if cfg.failure == "node" else None,
-        reference_s=_span(ref), modes=[one, two], gain=100 * (two.goodput - one.goodput),
-        node_mtbf=cfg.node_mtbf, job_mtbf=cfg.job_mtbf, model=_model(cfg, one, two), logs=logs,
-    )  # fmt: skip
+        reference_s=_span(ref),
+        modes=[one, two],
+        gain=100 * (two.goodput - one.goodput),
+        node_mtbf=cfg.node_mtbf,
+        job_mtbf=cfg.job_mtbf,
+        model=_model(cfg, one, two),
+        logs=logs,
+    )

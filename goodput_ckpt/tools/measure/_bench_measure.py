@@ -41,8 +41,20 @@ from typing import Any
 
 from ._bench_save import timed_save
 
-__all__ = ["DEFAULT_QUIET", "Load", "RatioSpread", "Sample", "SaveLoad", "measure", "ratio_spread", "rotated",
-           "run_rotation", "save_and_load", "spread_of", "wait_quiet"]  # fmt: skip
+__all__ = [
+    "DEFAULT_QUIET",
+    "Load",
+    "RatioSpread",
+    "Sample",
+    "SaveLoad",
+    "measure",
+    "ratio_spread",
+    "rotated",
+    "run_rotation",
+    "save_and_load",
+    "spread_of",
+    "wait_quiet",
+]
 
 #: Seconds each step waits at most for a quiet machine; the same default in both tools.
 DEFAULT_QUIET = 10.0
@@ -104,8 +116,14 @@ def measure(fn: Callable[[], Any]) -> tuple[Sample, Any]:
     return Sample(wall, cpu, other), out
 
 
-def wait_quiet(max_wait: float, dev: int | None = None, *, cpu_threshold: float = 0.25, disk_threshold: float = 0.10,
-               window: float = 0.5) -> float:  # fmt: skip
+def wait_quiet(
+    max_wait: float,
+    dev: int | None = None,
+    *,
+    cpu_threshold: float = 0.25,
+    disk_threshold: float = 0.10,
+    window: float = 0.5,
+) -> float:
     """Wait until other processes use under ``cpu_threshold`` CPUs and keep the disk ``dev``
     busy under ``disk_threshold`` of the time, over ``window`` seconds, or ``max_wait`` passed.
 
@@ -172,10 +190,19 @@ class SaveLoad:
     cold: list[bool | None] = field(default_factory=list)  # ``evict``'s answer before each load
 
 
-def save_and_load(save: Callable[[str], Any], loads: Sequence[Load], *, target: str, warm: str,
-                  remove: Callable[[str], None], evict: Callable[[str], bool | None], quiet: float = DEFAULT_QUIET,
-                  dev: int | None = None, keep: bool = False,
-                  between: Callable[[str], None] | None = None) -> SaveLoad:  # fmt: skip
+def save_and_load(
+    save: Callable[[str], Any],
+    loads: Sequence[Load],
+    *,
+    target: str,
+    warm: str,
+    remove: Callable[[str], None],
+    evict: Callable[[str], bool | None],
+    quiet: float = DEFAULT_QUIET,
+    dev: int | None = None,
+    keep: bool = False,
+    between: Callable[[str], None] | None = None,
+) -> SaveLoad:
     """One method, one repeat: steps 2-5 of the module docstring.
 
     Args:
@@ -265,5 +292,6 @@ def ratio_spread(other_s: Sequence[float], base_s: Sequence[float]) -> RatioSpre
     if not other_s or min(other_s) <= 0 or min(base_s) <= 0:
         return None
     per = tuple(b / o for o, b in zip(other_s, base_s))
-    return RatioSpread(per, min(per), statistics.median(per), max(per),
-                       statistics.median(base_s) / statistics.median(other_s))  # fmt: skip
+    return RatioSpread(
+        per, min(per), statistics.median(per), max(per), statistics.median(base_s) / statistics.median(other_s)
+    )

@@ -56,14 +56,22 @@ def goodput_method(thread_count: int | None, options: Mapping[str, Any]) -> Benc
     )
 
 
-def torch_method(remote_root: str | None, options: Mapping[str, Any], thread_count: int | None) -> BenchMethod | Unavailable:
+def torch_method(
+    remote_root: str | None, options: Mapping[str, Any], thread_count: int | None
+) -> BenchMethod | Unavailable:
     """torch's writer and reader: for paths (``remote_root=None``), or for the URL ``remote_root``."""
     import torch.distributed.checkpoint as dcp
 
     tc = thread_count or 1  # torch's default
     if remote_root is None:
-        return BenchMethod("torch", lambda u: dcp.FileSystemWriter(u, thread_count=tc), dcp.FileSystemReader,
-                           f"FileSystemWriter (thread_count={tc})", "FileSystemReader", None)  # fmt: skip
+        return BenchMethod(
+            "torch",
+            lambda u: dcp.FileSystemWriter(u, thread_count=tc),
+            dcp.FileSystemReader,
+            f"FileSystemWriter (thread_count={tc})",
+            "FileSystemReader",
+            None,
+        )
     names = (f"FsspecWriter (thread_count={tc})", "FsspecReader")
     protocol = remote_root.split("://", 1)[0]
     try:

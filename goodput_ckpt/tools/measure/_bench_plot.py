@@ -66,8 +66,10 @@ def plot_report(report: BenchReport, path: str | os.PathLike) -> None:
     time_ax.set_xticks(range(len(times)), [t for t, _ in times])
     time_ax.set_ylabel("seconds per save (lower is better)")
     cache = {True: "cold cache", False: "warm cache", None: "remote"}[report.cold_cache]
-    fig.suptitle(f"goodput-ckpt bench: {report.size_bytes / 2**20:.0f} MiB state on {report.backend} storage "
-                 f"({cache}), median of {report.repeats}")  # fmt: skip
+    fig.suptitle(
+        f"goodput-ckpt bench: {report.size_bytes / 2**20:.0f} MiB state on {report.backend} storage "
+        f"({cache}), median of {report.repeats}"
+    )
     fig.savefig(os.fspath(path), dpi=120)
 
 

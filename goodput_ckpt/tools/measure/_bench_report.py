@@ -167,9 +167,10 @@ class BenchReport:
                 doc[f.name] = getattr(self, f.name)
         doc["methods"] = [_method_json(m) for m in self.methods]
         doc["ratios"] = self.ratios
-        doc["ratio_spread"] = {k: None if r is None else {"min": r.min, "median": r.median, "max": r.max,
-                                                          "per_repeat": list(r.per_repeat)}
-                               for k, r in self.ratio_spreads.items()}  # fmt: skip
+        doc["ratio_spread"] = {
+            k: None if r is None else {"min": r.min, "median": r.median, "max": r.max, "per_repeat": list(r.per_repeat)}
+            for k, r in self.ratio_spreads.items()
+        }
         return doc
 
     @classmethod
@@ -184,13 +185,24 @@ class BenchReport:
             raise ValueError(f"not a goodput-ckpt bench report (schema {BENCH_SCHEMA!r} expected, got {got!r})")
         try:
             methods = [
-                MethodResult(**{f.name: m[f.name] for f in fields(MethodResult) if f.name not in SAMPLES and
-                                (f.name in m or f.name not in _ADDED)},
-                             **{s: list(m["samples"][s]) for s in SAMPLES})
+                MethodResult(
+                    **{
+                        f.name: m[f.name]
+                        for f in fields(MethodResult)
+                        if f.name not in SAMPLES and (f.name in m or f.name not in _ADDED)
+                    },
+                    **{s: list(m["samples"][s]) for s in SAMPLES},
+                )
                 for m in doc["methods"]
-            ]  # fmt: skip
-            return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name != "methods" and
-                          (f.name in doc or f.name not in _ADDED)}, methods=methods)  # fmt: skip
+            ]
+            return cls(
+                **{
+                    f.name: doc[f.name]
+                    for f in fields(cls)
+                    if f.name != "methods" and (f.name in doc or f.name not in _ADDED)
+                },
+                methods=methods,
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed bench report: {type(e).__name__}: {e}") from None
 
@@ -204,5 +216,7 @@ def _method_json(m: MethodResult) -> dict[str, Any]:
     doc["available"] = m.available
     doc["samples"] = {s: getattr(m, s) for s in SAMPLES}
     doc["median"] = {s: m.median(s) for s in SAMPLES}
-    doc.update(save_gbps=m.save_gbps, load_gbps=m.load_gbps, verify_gbps=m.verify_gbps, stall_s_median=m.median("stall_s"))
+    doc.update(
+        save_gbps=m.save_gbps, load_gbps=m.load_gbps, verify_gbps=m.verify_gbps, stall_s_median=m.median("stall_s")
+    )
     return doc

@@ -40,8 +40,14 @@ def wall_seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def timed_save(save: Callable[[str], Any], target: str, *, warm: str, remove: Callable[[str], None],
-               clock: Callable[[Callable[[], Any]], T] = wall_seconds) -> T:  # fmt: skip
+def timed_save(
+    save: Callable[[str], Any],
+    target: str,
+    *,
+    warm: str,
+    remove: Callable[[str], None],
+    clock: Callable[[Callable[[], Any]], T] = wall_seconds,
+) -> T:
     """Save into ``warm`` (untimed), remove it, then time a save into ``target``.
 
     Args:

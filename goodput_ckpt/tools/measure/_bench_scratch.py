@@ -95,9 +95,11 @@ class Scratch:
         free = shutil.disk_usage(self.path).free
         need = int(size * 1.05 + (64 << 20)) * checkpoints
         if free < need:
-            raise ValueError(f"only {free / 1e9:.2f} GB free under {self.path}: {checkpoints} checkpoint(s) of a "
-                             f"{size / 1e9:.2f} GB state need about {need / 1e9:.2f} GB; choose a smaller size or "
-                             "another location")  # fmt: skip
+            raise ValueError(
+                f"only {free / 1e9:.2f} GB free under {self.path}: {checkpoints} checkpoint(s) of a "
+                f"{size / 1e9:.2f} GB state need about {need / 1e9:.2f} GB; choose a smaller size or "
+                "another location"
+            )
 
     def stored(self, name: str) -> tuple[int, int]:
         """(files, bytes) the checkpoint ``name`` occupies."""

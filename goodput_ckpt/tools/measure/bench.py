@@ -50,12 +50,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import CheckpointError, CorruptCheckpointError
-from .._common import NO_PROGRESS, Progress
+from .._common import NO_PROGRESS, Progress, require_positive
+from ._bench_measure import DEFAULT_QUIET, Load, run_rotation, save_and_load, wait_quiet
 from ._bench_methods import BenchMethod, goodput_method, is_save_or_load_failure, torch_method, wait_durable
 from ._bench_report import BENCH_SCHEMA, GB, SAMPLES, BenchReport, MethodResult
-from ._bench_measure import DEFAULT_QUIET, Load, run_rotation, save_and_load, wait_quiet
 from ._bench_scratch import Scratch
-from .._common import require_positive
 
 __all__ = ["BENCH_SCHEMA", "DEFAULT_REPEATS", "DEFAULT_SIZE", "MIN_SIZE", "BenchReport", "MethodResult", "bench"]
 
@@ -111,8 +110,12 @@ def bench(
         ValueError, TypeError: bad arguments or options, or not enough disk or memory for ``size``.
         CheckpointError: goodput's save, load or verify failed, or loaded different values.
     """
-    for name, value in (("size", size), ("repeats", repeats), ("thread_count", thread_count),
-                        ("torch_thread_count", torch_thread_count)):  # fmt: skip
+    for name, value in (
+        ("size", size),
+        ("repeats", repeats),
+        ("thread_count", thread_count),
+        ("torch_thread_count", torch_thread_count),
+    ):
         require_positive(name, value)
     if not quiet >= 0:
         raise ValueError(f"quiet must be 0 or more seconds, got {quiet}")
@@ -129,15 +132,25 @@ def bench(
         t0 = time.perf_counter()
         state = make_state(size, seed)
         dest = empty_like_nested(state.nested)
-        say(f"state: {state.nbytes / 2**20:.1f} MiB in {len(state.flat)} tensors, built in "
-            f"{time.perf_counter() - t0:.1f} s; writing under {scratch.root} ({scratch.backend})")  # fmt: skip
-        methods = [goodput_method(thread_count, options),
-                   torch_method(None if scratch.path else scratch.root, options, torch_thread_count)]  # fmt: skip
+        say(
+            f"state: {state.nbytes / 2**20:.1f} MiB in {len(state.flat)} tensors, built in "
+            f"{time.perf_counter() - t0:.1f} s; writing under {scratch.root} ({scratch.backend})"
+        )
+        methods = [
+            goodput_method(thread_count, options),
+            torch_method(None if scratch.path else scratch.root, options, torch_thread_count),
+        ]
         results = [
-            MethodResult(m.name, m.describe_writer, m.describe_reader, state.nbytes, reason=m.reason,
-                         verify_reason=None if m.verify else "n/a: no checksums")
+            MethodResult(
+                m.name,
+                m.describe_writer,
+                m.describe_reader,
+                state.nbytes,
+                reason=m.reason,
+                verify_reason=None if m.verify else "n/a: no checksums",
+            )
             for m in methods
-        ]  # fmt: skip
+        ]
         by_name = {m.name: (m, r) for m, r in zip(methods, results)}
         last = repeats - 1
         colds: list[bool | None] = []
@@ -146,8 +159,19 @@ def bench(
         def save_load(name: str, rep: int) -> None:
             m, res = by_name[name]
             if res.available:
-                _save_load_or_give_up(m, res, state, dest, scratch, rep, repeats, keep=keep and rep == last,
-                                      quiet=quiet, colds=colds, say=say)  # fmt: skip
+                _save_load_or_give_up(
+                    m,
+                    res,
+                    state,
+                    dest,
+                    scratch,
+                    rep,
+                    repeats,
+                    keep=keep and rep == last,
+                    quiet=quiet,
+                    colds=colds,
+                    say=say,
+                )
             bar.advance(_SAVE_LOAD_PASSES[m.verify is not None] * state.nbytes)
 
         def stall(name: str, rep: int) -> None:
@@ -161,13 +185,24 @@ def bench(
         order = run_rotation(names, repeats, save_load)  # the procedure bench_local.py runs too
         run_rotation(names, repeats, stall)  # after every timed save, so that no staging copy precedes one
         report = BenchReport(
-            uri=os.getcwd() if uri is None else os.fspath(uri), root=scratch.root, backend=scratch.backend,
-            size_bytes=state.nbytes, requested_bytes=size, tensors=len(state.flat), repeats=repeats, seed=seed,
-            thread_count=thread_count, torch_thread_count=torch_thread_count,
-            cold_cache=None if not colds or None in colds else all(colds), host=_host(), methods=results,
+            uri=os.getcwd() if uri is None else os.fspath(uri),
+            root=scratch.root,
+            backend=scratch.backend,
+            size_bytes=state.nbytes,
+            requested_bytes=size,
+            tensors=len(state.flat),
+            repeats=repeats,
+            seed=seed,
+            thread_count=thread_count,
+            torch_thread_count=torch_thread_count,
+            cold_cache=None if not colds or None in colds else all(colds),
+            host=_host(),
+            methods=results,
             kept=[scratch.uri(f"{r.name}-{repeats - 1}") for r in results if keep and r.available],
-            quiet=quiet, order=order, loadavg=[list(load0), list(os.getloadavg())],
-        )  # fmt: skip
+            quiet=quiet,
+            order=order,
+            loadavg=[list(load0), list(os.getloadavg())],
+        )
     finally:
         bar.close()
         if not keep:
@@ -182,19 +217,47 @@ def bench(
 _SAVE_LOAD_PASSES = {False: 3, True: 4}
 
 
-def _save_load_or_give_up(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, repeats: int, *,
-                          keep: bool, quiet: float, colds: list, say: Callable[[str], None]) -> None:  # fmt: skip
+def _save_load_or_give_up(
+    m: BenchMethod,
+    res: MethodResult,
+    state,
+    dest,
+    scratch: Scratch,
+    rep: int,
+    repeats: int,
+    *,
+    keep: bool,
+    quiet: float,
+    colds: list,
+    say: Callable[[str], None],
+) -> None:
     """:func:`_save_load`; a failure of torch's method makes it ``n/a`` (goodput's is raised)."""
     where = f"[{rep + 1}/{repeats}] {m.name}"
     say(f"{where}: save, load" + (", verify" if m.verify else ""))
-    if _give_up_on_failure(m, res, scratch, rep, where, say, lambda: _save_load(
-            m, res, state, dest, scratch, rep, check=rep == 0, keep=keep, quiet=quiet, colds=colds)):  # fmt: skip
+    if _give_up_on_failure(
+        m,
+        res,
+        scratch,
+        rep,
+        where,
+        say,
+        lambda: _save_load(m, res, state, dest, scratch, rep, check=rep == 0, keep=keep, quiet=quiet, colds=colds),
+    ):
         return
     say(f"{where}: {_summary_line(res)}")
 
 
-def _stall_or_give_up(m: BenchMethod, res: MethodResult, state, scratch: Scratch, rep: int, repeats: int, *,
-                      quiet: float, say: Callable[[str], None]) -> None:  # fmt: skip
+def _stall_or_give_up(
+    m: BenchMethod,
+    res: MethodResult,
+    state,
+    scratch: Scratch,
+    rep: int,
+    repeats: int,
+    *,
+    quiet: float,
+    say: Callable[[str], None],
+) -> None:
     """:func:`_stall`; a failure of torch's method makes it ``n/a`` (goodput's is raised)."""
     where = f"[{rep + 1}/{repeats}] {m.name}"
     say(f"{where}: stall")
@@ -203,8 +266,15 @@ def _stall_or_give_up(m: BenchMethod, res: MethodResult, state, scratch: Scratch
     say(f"{where}: stall {res.stall_s[-1]:.3f} s (async save done after {res.async_total_s[-1]:.3f} s)")
 
 
-def _give_up_on_failure(m: BenchMethod, res: MethodResult, scratch: Scratch, rep: int, where: str,
-                        say: Callable[[str], None], step: Callable[[], None]) -> bool:  # fmt: skip
+def _give_up_on_failure(
+    m: BenchMethod,
+    res: MethodResult,
+    scratch: Scratch,
+    rep: int,
+    where: str,
+    say: Callable[[str], None],
+    step: Callable[[], None],
+) -> bool:
     """Run ``step``; True when torch's method failed and is now ``n/a`` (goodput's failure is raised)."""
     try:
         step()
@@ -221,8 +291,19 @@ def _give_up_on_failure(m: BenchMethod, res: MethodResult, scratch: Scratch, rep
     return False
 
 
-def _save_load(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch, rep: int, *, check: bool, keep: bool,
-               quiet: float, colds: list) -> None:  # fmt: skip
+def _save_load(
+    m: BenchMethod,
+    res: MethodResult,
+    state,
+    dest,
+    scratch: Scratch,
+    rep: int,
+    *,
+    check: bool,
+    keep: bool,
+    quiet: float,
+    colds: list,
+) -> None:
     """One repeat of one method: save, load, verify, by the shared procedure; appends the samples."""
     import torch.distributed.checkpoint as dcp
 
@@ -260,9 +341,18 @@ def _save_load(m: BenchMethod, res: MethodResult, state, dest, scratch: Scratch,
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", category=FutureWarning)
-        got = save_and_load(save, loads, target=location, warm=scratch.uri(name + "-warm"),
-                            remove=lambda u: scratch.remove(names[u]), evict=lambda u: scratch.evict(names[u]),
-                            quiet=quiet, dev=_device(scratch), keep=keep, between=stored)  # fmt: skip
+        got = save_and_load(
+            save,
+            loads,
+            target=location,
+            warm=scratch.uri(name + "-warm"),
+            remove=lambda u: scratch.remove(names[u]),
+            evict=lambda u: scratch.evict(names[u]),
+            quiet=quiet,
+            dev=_device(scratch),
+            keep=keep,
+            between=stored,
+        )
     res.save_s.append(got.save.wall)
     res.save_cpu_s.append(got.save.cpu)
     res.save_other_cpus.append(got.save.other)
@@ -310,8 +400,10 @@ def _check_memory(size: int) -> None:
     """Refuse a size whose state, load destination and staging copy exceed the available memory."""
     available = _meminfo("MemAvailable")
     if available is not None and 3 * size > available:
-        raise ValueError(f"a {size / GB:.2f} GB bench needs about {3 * size / GB:.2f} GB of memory (state, load "
-                         f"destination, async staging copy); {available / GB:.2f} GB is available: choose a smaller size")  # fmt: skip
+        raise ValueError(
+            f"a {size / GB:.2f} GB bench needs about {3 * size / GB:.2f} GB of memory (state, load "
+            f"destination, async staging copy); {available / GB:.2f} GB is available: choose a smaller size"
+        )
 
 
 def _meminfo(key: str) -> int | None:

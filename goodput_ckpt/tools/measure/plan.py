@@ -152,9 +152,14 @@ def inputs_from_bench(report: Mapping[str, Any] | str | os.PathLike, *, method: 
         raise ValueError(f"the bench report has no figures for {method!r}: {m.reason or 'no samples'}")
     persist = statistics.median(max(0.0, t - s) for t, s in zip(m.async_total_s, m.stall_s))
     return BenchMeasurement(
-        stall=m.median("stall_s"), persist=persist, restore=m.median("load_s"), method=method,
-        size_bytes=bench.size_bytes, backend=bench.backend, uri=bench.uri,
-    )  # fmt: skip
+        stall=m.median("stall_s"),
+        persist=persist,
+        restore=m.median("load_s"),
+        method=method,
+        size_bytes=bench.size_bytes,
+        backend=bench.backend,
+        uri=bench.uri,
+    )
 
 
 def inputs_from_timeline(path: str | os.PathLike) -> BenchMeasurement:
@@ -179,9 +184,14 @@ def inputs_from_timeline(path: str | os.PathLike) -> BenchMeasurement:
     persist = summary["durable_s"]["median"] if summary["async_saves"] else 0.0
     restore = summary["restore_s"]["median"] if summary["restore_s"] else 0.0
     return BenchMeasurement(
-        stall=summary["stall_s"]["median"], persist=persist, restore=restore, method=f"median of {summary['saves']} saves",
-        size_bytes=int(summary["bytes_per_save"]["median"]), backend="the run's storage", uri=os.fspath(path),
-    )  # fmt: skip
+        stall=summary["stall_s"]["median"],
+        persist=persist,
+        restore=restore,
+        method=f"median of {summary['saves']} saves",
+        size_bytes=int(summary["bytes_per_save"]["median"]),
+        backend="the run's storage",
+        uri=os.fspath(path),
+    )
 
 
 def mtbf_from_fleet(gpus: int, failures_per_gpu_hour: float) -> float:

@@ -68,7 +68,15 @@ from dataclasses import asdict, dataclass, field
 
 from .plan import MIN_INTERVAL, GoodputPlan, PlanInputs, plan
 
-__all__ = ["TwoLevelInputs", "TwoLevelOption", "TwoLevelPlan", "one_level_inputs", "plan_two_level", "two_level_goodput"]
+__all__ = [
+    "TwoLevelInputs",
+    "TwoLevelOption",
+    "TwoLevelPlan",
+    "one_level_inputs",
+    "plan_two_level",
+    "two_level_goodput",
+]
+
 
 @dataclass(frozen=True, kw_only=True)
 class TwoLevelInputs:
@@ -184,8 +192,13 @@ def _best_for(k: int, p: TwoLevelInputs) -> TwoLevelOption:
 def one_level_inputs(p: TwoLevelInputs) -> PlanInputs:
     """The same job on the persistent tier alone: every save persisted, every failure restored
     from it (see the module docstring)."""
-    return PlanInputs(stall=p.local_stall + p.persist_stall, persist=p.persist, restore=p.restore,
-                      restart=p.restart, mtbf=1.0 / p.failure_rate)  # fmt: skip
+    return PlanInputs(
+        stall=p.local_stall + p.persist_stall,
+        persist=p.persist,
+        restore=p.restore,
+        restart=p.restart,
+        mtbf=1.0 / p.failure_rate,
+    )
 
 
 def plan_two_level(p: TwoLevelInputs) -> TwoLevelPlan:

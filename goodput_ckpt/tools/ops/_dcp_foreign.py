@@ -95,7 +95,9 @@ def read_dcp(store: Store) -> DcpView:
         info = storage_info(md, index)
         off, length = getattr(info, "offset", None), getattr(info, "length", None)
         if type(off) is not int or type(length) is not int or off < 0 or length < 0:
-            raise CheckpointError(f"{where}: {key!r} has a storage entry with offset {off!r} and length {length!r}", key=key)
+            raise CheckpointError(
+                f"{where}: {key!r} has a storage entry with offset {off!r} and length {length!r}", key=key
+            )
         files[info.relative_path] = max(files.get(info.relative_path, 0), off + length)
         bucket = keys_in.setdefault(info.relative_path, [])
         if not bucket or bucket[-1] != key:
@@ -109,11 +111,22 @@ def read_dcp(store: Store) -> DcpView:
                 shape = [int(s) for s in smd.size]
                 for c in smd.chunks:
                     place(key, _md.MetadataIndex(key, c.offsets))
-                items.append(DcpItem(key, "tensor", str(dtype).removeprefix("torch."), shape, len(smd.chunks), math.prod(shape) * dtype.itemsize))
+                items.append(
+                    DcpItem(
+                        key,
+                        "tensor",
+                        str(dtype).removeprefix("torch."),
+                        shape,
+                        len(smd.chunks),
+                        math.prod(shape) * dtype.itemsize,
+                    )
+                )
             elif isinstance(smd, _md.BytesStorageMetadata):
                 items.append(DcpItem(key, "object", None, None, 1, place(key, _md.MetadataIndex(key))))
             else:
-                problems.append(("metadata", METADATA_NAME, f"{key!r} has DCP metadata of type {type(smd).__name__}", [key]))
+                problems.append(
+                    ("metadata", METADATA_NAME, f"{key!r} has DCP metadata of type {type(smd).__name__}", [key])
+                )
     except CheckpointError as e:
         problems.append(("metadata", METADATA_NAME, str(e), [e.key] if e.key else []))
     sizes: dict[str, int | None] = {}
@@ -127,9 +140,23 @@ def read_dcp(store: Store) -> DcpView:
             continue
         shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
         if size is None:
-            problems.append(("missing", name, f"data file {store.uri.rstrip('/')}/{name} named in .metadata is missing; keys stored in it: {shown}", keys))
+            problems.append(
+                (
+                    "missing",
+                    name,
+                    f"data file {store.uri.rstrip('/')}/{name} named in .metadata is missing; keys stored in it: {shown}",
+                    keys,
+                )
+            )
         elif size < need:
-            problems.append(("size", name, f"data file {store.uri.rstrip('/')}/{name} is {size} bytes but .metadata places bytes up to {need} in it; keys stored in it: {shown}", keys))
+            problems.append(
+                (
+                    "size",
+                    name,
+                    f"data file {store.uri.rstrip('/')}/{name} is {size} bytes but .metadata places bytes up to {need} in it; keys stored in it: {shown}",
+                    keys,
+                )
+            )
     if not problems:
         try:
             check_claims(md, store, METADATA_NAME)  # chunk geometry; the files are known to be there
@@ -137,4 +164,6 @@ def read_dcp(store: Store) -> DcpView:
             problems.append(("metadata", METADATA_NAME, str(e), [e.key] if e.key else []))
     ranks = {int(m.group(1)) for m in map(_DATA_FILE.match, files) if m}
     version = getattr(md, "version", None)
-    return DcpView(store.uri, version if isinstance(version, str) else None, items, files, sizes, len(ranks) or None, problems)
+    return DcpView(
+        store.uri, version if isinstance(version, str) else None, items, files, sizes, len(ranks) or None, problems
+    )

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import os
 import time
-from fnmatch import fnmatchcase
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from ...dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
@@ -37,12 +37,12 @@ from ...format.manifest import MANIFEST_NAME
 from ...storage import Store
 from .._common import NO_PROGRESS, Progress, open_location, require_positive, same_location, sniff_file
 from .._formats.base import Source, TensorMeta
-from .._formats.select import SelectedSource
-from .._formats.input_checks import check_planner_data
 from .._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
 from .._formats.goodput import GoodputSource, write_goodput
+from .._formats.input_checks import check_planner_data
 from .._formats.safetensors_file import open_safetensors, split_file_uri
 from .._formats.safetensors_write import write_safetensors
+from .._formats.select import SelectedSource
 from .._formats.torch_file import TorchSource, write_torch
 
 __all__ = ["FORMATS", "ConvertReport", "convert_checkpoint", "detect_format", "open_source"]
@@ -97,7 +97,9 @@ def detect_format(uri: str, **options: Any) -> str:
     if local is not None and os.path.isfile(local):
         fmt = sniff_file(local)
         if fmt is None:
-            raise CheckpointError(f"{uri} is neither a safetensors nor a torch.save file; pass the input format explicitly", path=str(uri))
+            raise CheckpointError(
+                f"{uri} is neither a safetensors nor a torch.save file; pass the input format explicitly", path=str(uri)
+            )
         return fmt
     if str(uri).endswith(".safetensors") and (local is None):
         return "safetensors"
@@ -115,7 +117,9 @@ def detect_format(uri: str, **options: Any) -> str:
     if any(n.endswith(".bin") and n.startswith("rank") for n in top):
         raise IncompleteCheckpointError(no_record_message(store.uri, len(names)), path=store.uri)
     if any(n.endswith(".distcp") for n in top):
-        raise IncompleteCheckpointError(f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri)
+        raise IncompleteCheckpointError(
+            f"{store.uri} holds .distcp files but no {METADATA_NAME}: the DCP save never finished", path=store.uri
+        )
     raise CheckpointError(f"cannot tell the format of {store.uri}; pass the input format explicitly", path=store.uri)
 
 
@@ -200,7 +204,9 @@ def convert_checkpoint(
     if select not in SELECTIONS:
         raise ValueError(f"unknown select {select!r}; known: {', '.join(SELECTIONS)}")
     if (keys or strip_prefix) and select != "auto":
-        raise ValueError(f"keys/strip_prefix choose the keys themselves; they cannot be combined with select={select!r}")
+        raise ValueError(
+            f"keys/strip_prefix choose the keys themselves; they cannot be combined with select={select!r}"
+        )
     if strip_prefix and not keys:
         keys = [strip_prefix + "*"]
     if same_location(str(src), str(dst)):
@@ -225,9 +231,16 @@ def convert_checkpoint(
             metadata["goodput_convert"] = {"from_format": fmt, "from_world_size": source.world_size}
             assign = {k: (None if isinstance(m, TensorMeta) else 0) for k, m in source.items.items()}
             summary = write_goodput(
-                source, store, assign, world_size=1, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
-                thread_count=threads, overwrite=overwrite, metadata=metadata, progress=progress,
-            )  # fmt: skip
+                source,
+                store,
+                assign,
+                world_size=1,
+                chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+                thread_count=threads,
+                overwrite=overwrite,
+                metadata=metadata,
+                progress=progress,
+            )
             report.dst, report.files = store.uri, summary.files + [MANIFEST_NAME]
         elif to == "dcp":
             store = open_location(dst, dst_options)
@@ -248,13 +261,21 @@ def convert_checkpoint(
                 store, single = open_location(dst, dst_options), None
             report.dst = str(dst) if single else store.uri
             report.files = write_safetensors(
-                source, store, single, shard_bytes=shard_size, overwrite=overwrite, thread_count=threads, progress=progress
+                source,
+                store,
+                single,
+                shard_bytes=shard_size,
+                overwrite=overwrite,
+                thread_count=threads,
+                progress=progress,
             )
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _select(source: Source, to: str, select: str, keys: list[str] | None, strip: str | None) -> tuple[Source, str, list[str]]:
+def _select(
+    source: Source, to: str, select: str, keys: list[str] | None, strip: str | None
+) -> tuple[Source, str, list[str]]:
     """The part of ``source`` to export, its description, and the tied aliases left out.
 
     Why the default differs by output: safetensors is what Hugging Face loads, and
@@ -264,7 +285,9 @@ def _select(source: Source, to: str, select: str, keys: list[str] | None, strip:
     """
     training = source.metadata.get("training_state")
     tied = training.get("tied") if isinstance(training, dict) else None
-    tied = {k: v for k, v in tied.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(tied, dict) else {}
+    tied = (
+        {k: v for k, v in tied.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(tied, dict) else {}
+    )
     if keys:
         patterns, prefix, selection = list(keys), strip, "keys"
     elif select == "model" or (select == "auto" and to == "safetensors" and isinstance(training, dict)):
@@ -285,4 +308,3 @@ def _refuse_same(source: Source, store: Store) -> None:
             f"the destination {store.uri} must differ from the source {source.uri}: it is the source, "
             "an alias of it, inside it or around it; convert into a separate location"
         )
-

@@ -38,8 +38,14 @@ __all__ = ["InspectReport", "ItemRow", "SECTIONS", "SectionRow", "inspect_checkp
 #: imported from there because this module stays free of torch).
 TRAINING_STATE_KEY = "training_state"
 SECTIONS = ("model", "optimizer", "rng", "dataloader", "extra")
-_PREFIXES = (("model", "model"), ("optim", "optimizer"), ("rng", "rng"), ("random", "rng"),
-             ("dataloader", "dataloader"), ("data_loader", "dataloader"))  # fmt: skip
+_PREFIXES = (
+    ("model", "model"),
+    ("optim", "optimizer"),
+    ("rng", "rng"),
+    ("random", "rng"),
+    ("dataloader", "dataloader"),
+    ("data_loader", "dataloader"),
+)
 
 
 def section_of(key: str) -> str:
@@ -173,13 +179,26 @@ def _describe_dcp(store: Any, patterns: list[str] | None, check_files: bool) -> 
             rows.append(row)
     tensors = [i for i in view.items if i.kind == "tensor"]
     return InspectReport(
-        uri=view.uri, format=DCP_FORMAT, version=view.version, library_version="", torch_version="", created_at="",
-        step=parse_step_dir(posixpath.basename(view.uri.rstrip("/"))), world_size=view.world_size or 0, chunk_size=0,
-        files=len(view.files), file_bytes=view.file_bytes, tensor_bytes=sum(i.bytes for i in tensors),
-        object_bytes=sum(i.bytes for i in view.items if i.kind == "object"), tensors=len(tensors),
-        objects=len(view.items) - len(tensors), sections=[s for s in sections.values() if s.tensors or s.objects],
-        items=rows, pattern=patterns, problems=[p[2] for p in view.problems] if check_files else [],
-    )  # fmt: skip
+        uri=view.uri,
+        format=DCP_FORMAT,
+        version=view.version,
+        library_version="",
+        torch_version="",
+        created_at="",
+        step=parse_step_dir(posixpath.basename(view.uri.rstrip("/"))),
+        world_size=view.world_size or 0,
+        chunk_size=0,
+        files=len(view.files),
+        file_bytes=view.file_bytes,
+        tensor_bytes=sum(i.bytes for i in tensors),
+        object_bytes=sum(i.bytes for i in view.items if i.kind == "object"),
+        tensors=len(tensors),
+        objects=len(view.items) - len(tensors),
+        sections=[s for s in sections.values() if s.tensors or s.objects],
+        items=rows,
+        pattern=patterns,
+        problems=[p[2] for p in view.problems] if check_files else [],
+    )
 
 
 def _describe(uri: str, m: Manifest, patterns: list[str] | None) -> InspectReport:

@@ -95,7 +95,9 @@ def list_checkpoints(
     if not names and local:
         names = []
     elif not names:
-        raise CheckpointNotFoundError(f"no checkpoints under {store.uri}: it is empty or does not exist", path=store.uri)
+        raise CheckpointNotFoundError(
+            f"no checkpoints under {store.uri}: it is empty or does not exist", path=store.uri
+        )
     report = ListReport(root=store.uri, verified=verify)
     steps = _step_dirs(store, names)
     if not steps and local:
@@ -112,7 +114,11 @@ def list_checkpoints(
         raise CheckpointNotFoundError(
             what
             or f"no checkpoints under {store.uri}: it holds {len(names)} file(s) but no step_N directories"
-            + (f" (checkpoints in other directories: {', '.join(others[:3])}; verify or inspect them one by one)" if others else ""),
+            + (
+                f" (checkpoints in other directories: {', '.join(others[:3])}; verify or inspect them one by one)"
+                if others
+                else ""
+            ),
             path=store.uri,
         )
     for (step, name), files in steps.items():
@@ -187,9 +193,14 @@ def _add_local(report: ListReport, local: dict[int, list[tuple[int, str, Any]]])
         if row is None:
             _, uri, manifest = copies[0]
             row = CheckpointRow(
-                step=step, name=uri.rsplit("/", 1)[-1], uri=uri, status="local", created_at=manifest.created_at,
-                bytes=manifest.total_bytes(), files=len(manifest.files),
-            )  # fmt: skip
+                step=step,
+                name=uri.rsplit("/", 1)[-1],
+                uri=uri,
+                status="local",
+                created_at=manifest.created_at,
+                bytes=manifest.total_bytes(),
+                files=len(manifest.files),
+            )
             report.checkpoints.append(row)
         row.tiers.extend(f"node {node}" for node, _, _ in copies)
     report.checkpoints.sort(key=lambda c: c.step)

@@ -291,7 +291,11 @@ def _check_hashes(
             mismatched = bad_chunks(entry, cs, lo, pieces())
         except CheckpointError as e:  # shrank while we read, or an I/O error
             with lock:
-                unreadable.append(Problem("unreadable", str(e), file=task.file, byte_range=(lo, hi), keys=keys.keys(task.file, lo, hi)))
+                unreadable.append(
+                    Problem(
+                        "unreadable", str(e), file=task.file, byte_range=(lo, hi), keys=keys.keys(task.file, lo, hi)
+                    )
+                )
             return
         with lock:
             report.chunks_checked += task.count

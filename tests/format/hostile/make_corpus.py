@@ -52,15 +52,25 @@ def base() -> dict:
         "hash": {"algorithm": "blake3", "chunk_size": CHUNK},
         "files": {name: {"size": size, "chunks": zero_hashes(size)} for name, size in DATA_FILES.items()},
         "items": {
-            "w": {"kind": "tensor", "dtype": "float32", "shape": [16, 128], "requires_grad": False,
-                  "chunks": [{"offsets": [0, 0], "sizes": [16, 128], "file": F0, "offset": 0, "length": 8192}]},
+            "w": {
+                "kind": "tensor",
+                "dtype": "float32",
+                "shape": [16, 128],
+                "requires_grad": False,
+                "chunks": [{"offsets": [0, 0], "sizes": [16, 128], "file": F0, "offset": 0, "length": 8192}],
+            },
             "step": {"kind": "object", "encoding": "torch.save", "file": F0, "offset": 8192, "length": 64},
-            "b": {"kind": "tensor", "dtype": "int64", "shape": [4], "requires_grad": False,
-                  "chunks": [{"offsets": [0], "sizes": [4], "file": F1, "offset": 0, "length": 32}]},
+            "b": {
+                "kind": "tensor",
+                "dtype": "int64",
+                "shape": [4],
+                "requires_grad": False,
+                "chunks": [{"offsets": [0], "sizes": [4], "file": F1, "offset": 0, "length": 32}],
+            },
         },
         "dcp": {"version": "1.0.0", "planner_data": {"w": ["w"], "step": ["step"], "b": ["b"]}, "storage_meta": None},
         "metadata": {},
-    }  # fmt: skip
+    }
 
 
 def rename_file(doc: dict, old: str, new: str) -> dict:
@@ -135,9 +145,15 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("path_not_string", set_(["items", "w", "chunks", 0, "file"], 7), msg="wrong type")
     # -- references (version 3): a base is one plain path component, never a way out -------------
     for name, bad in {
-        "base_dotdot": "..", "base_dot": ".", "base_slash": "step_1/../..", "base_absolute": "/etc",
-        "base_backslash": "..\\x", "base_empty": "", "base_not_string": 7, "base_long": "s" * 256,
-    }.items():  # fmt: skip
+        "base_dotdot": "..",
+        "base_dot": ".",
+        "base_slash": "step_1/../..",
+        "base_absolute": "/etc",
+        "base_backslash": "..\\x",
+        "base_empty": "",
+        "base_not_string": 7,
+        "base_long": "s" * 256,
+    }.items():
         add(name, lambda d, bad=bad: (d.update(version=3), d["files"][F1].update(base=bad), d)[2], msg="'base'")
     add("base_in_v1", lambda d: (d["files"][F1].update(base="step_00000001"), d)[1], msg="needs version 3")
     # -- version and format --------------------------------------------------------------------
@@ -182,15 +198,24 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
         return d
 
     add("size_terabytes", terabytes, parse=None, read=CORRUPT, msg="but the manifest records 1099511627840")
-    add("file_size_mismatch", lambda d: (d["files"][F1].update(size=64), d)[1], parse=None, read=CORRUPT,
-        msg="is 32 bytes but the manifest records 64")  # fmt: skip
+    add(
+        "file_size_mismatch",
+        lambda d: (d["files"][F1].update(size=64), d)[1],
+        parse=None,
+        read=CORRUPT,
+        msg="is 32 bytes but the manifest records 64",
+    )
     add("chunk_size_tiny", set_(["hash", "chunk_size"], 16), msg="outside")
     add("chunk_size_huge", set_(["hash", "chunk_size"], 1 << 40), msg="outside")
     add("chunk_size_zero", set_(["hash", "chunk_size"], 0), msg="outside")
     add("offset_negative", set_(["items", "step", "offset"], -64), msg="outside")
     add("length_negative", set_(["items", "step", "length"], -1), msg="outside")
     add("range_past_end", set_(["items", "step", "offset"], 8256), msg="beyond the end")
-    add("range_absurd", lambda d: (d["items"]["step"].update(offset=1 << 49, length=1 << 49), d)[1], msg="beyond the end")
+    add(
+        "range_absurd",
+        lambda d: (d["items"]["step"].update(offset=1 << 49, length=1 << 49), d)[1],
+        msg="beyond the end",
+    )
     add("range_past_end_tensor", lambda d: (w_chunk(d).update(offset=128), d)[1], msg="beyond the end")
     # -- shapes and lengths --------------------------------------------------------------------
     add("shape_length_mismatch", lambda d: (w_chunk(d).update(length=4096), d)[1], msg="length 4096 != 8192")
@@ -200,11 +225,15 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("shape_float_dim", set_(["items", "w", "shape"], [16.0, 128]), msg="invalid dimension")
     add("shape_not_list", set_(["items", "w", "shape"], 2048), msg="must be a list")
     add("shape_too_many_dims", set_(["items", "w", "shape"], [1] * 65), msg="at most 64")
-    add("shape_absurd", lambda d: (d["items"]["w"].update(shape=[1 << 50, 1 << 50]),
-                                   w_chunk(d).update(sizes=[1 << 50, 1 << 50]), d)[2], msg="length 8192 !=")  # fmt: skip
+    add(
+        "shape_absurd",
+        lambda d: (d["items"]["w"].update(shape=[1 << 50, 1 << 50]), w_chunk(d).update(sizes=[1 << 50, 1 << 50]), d)[2],
+        msg="length 8192 !=",
+    )
     add("sizes_not_list", lambda d: (w_chunk(d).update(sizes=None), d)[1], msg="must be a list")
     add("chunks_not_list", set_(["items", "w", "chunks"], {"0": {}}), msg="wrong type")
     add("chunk_not_object", set_(["items", "w", "chunks"], ["rank00000-00"]), msg="is not an object")
+
     # -- chunks must tile the tensor; items must not share bytes -------------------------------
     def two_chunks(d, second_offsets, second_offset=4096):
         half = {"offsets": [0, 0], "sizes": [8, 128], "file": F0, "offset": 0, "length": 4096}
@@ -212,20 +241,30 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
         return d
 
     add("chunks_empty", set_(["items", "w", "chunks"], []), msg="hold 0 of its 2048 elements")
-    add("chunks_gap", lambda d: (d["items"]["w"]["chunks"][0].update(sizes=[8, 128], length=4096), d)[1],
-        msg="hold 1024 of its 2048 elements")  # fmt: skip
+    add(
+        "chunks_gap",
+        lambda d: (d["items"]["w"]["chunks"][0].update(sizes=[8, 128], length=4096), d)[1],
+        msg="hold 1024 of its 2048 elements",
+    )
     add("chunks_overlap", lambda d: two_chunks(d, [4, 0]), msg="chunks at offsets [0, 0] and [4, 0] overlap")
     add("chunks_duplicate", lambda d: two_chunks(d, [0, 0]), msg="chunks at offsets [0, 0] and [0, 0] overlap")
     add("items_share_bytes", set_(["items", "step", "offset"], 8128), msg="items 'w' and 'step' overlap")
     add("chunks_share_bytes", lambda d: two_chunks(d, [8, 0], second_offset=0), msg="items 'w' and 'w' overlap")
+
     def overlap_past_empty(d):
         # An empty item between two that overlap must not hide the overlap.
-        d["items"]["e"] = {"kind": "tensor", "dtype": "float32", "shape": [0], "requires_grad": False,
-                           "chunks": [{"offsets": [0], "sizes": [0], "file": F0, "offset": 4096, "length": 0}]}
+        d["items"]["e"] = {
+            "kind": "tensor",
+            "dtype": "float32",
+            "shape": [0],
+            "requires_grad": False,
+            "chunks": [{"offsets": [0], "sizes": [0], "file": F0, "offset": 4096, "length": 0}],
+        }
         d["items"]["step"]["offset"] = 8128
         return d
 
     add("items_share_bytes_past_empty", overlap_past_empty, msg="items 'w' and 'step' overlap")
+
     # -- format v2 grids: checked on the compact form -------------------------------------------
     def grid(block, runs, version=2, keep_chunks=False):
         def mutate(d):
@@ -256,20 +295,34 @@ def cases() -> dict[str, tuple[object, str | None, str, str]]:
     add("grid_not_object", grid(None, [1, 2]), msg="must be an object")
     add("grid_and_chunks", grid([8, 128], halves, keep_chunks=True), msg="holds both 'grid' and 'chunks'")
     add("grid_in_v1", grid([8, 128], halves, version=1), msg="field 'chunks' is missing")
-    add("offset_unaligned", lambda d: (d["items"]["step"].update(offset=8193, length=63), d)[1],
-        msg="byte offset 8193 is not a multiple of 64")  # fmt: skip
+    add(
+        "offset_unaligned",
+        lambda d: (d["items"]["step"].update(offset=8193, length=63), d)[1],
+        msg="byte offset 8193 is not a multiple of 64",
+    )
     # -- hashes --------------------------------------------------------------------------------
     add("hash_count_short", lambda d: (d["files"][F0]["chunks"].pop(), d)[1], msg="2 chunk hashes for 8256 bytes")
-    add("hash_count_long", lambda d: (d["files"][F0]["chunks"].append("0" * 64), d)[1], msg="4 chunk hashes for 8256 bytes")
+    add(
+        "hash_count_long",
+        lambda d: (d["files"][F0]["chunks"].append("0" * 64), d)[1],
+        msg="4 chunk hashes for 8256 bytes",
+    )
     add("hash_count_empty", set_(["files", F1, "chunks"], []), msg="0 chunk hashes for 32 bytes")
     add("hash_not_hex", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "z" * 64), d)[1], msg="64 lowercase hex")
     add("hash_uppercase", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "A" * 64), d)[1], msg="64 lowercase hex")
     add("hash_short", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "ab"), d)[1], msg="64 lowercase hex")
     add("hash_not_string", lambda d: (d["files"][F1]["chunks"].__setitem__(0, 0), d)[1], msg="64 lowercase hex")
     # (the digests are checked as one joined string: lengths that add up must still be refused one by one)
-    add("hash_long_and_short", lambda d: (d["files"][F0]["chunks"].__setitem__(slice(0, 2), ["a" * 63, "a" * 65]), d)[1],
-        msg="64 lowercase hex")  # fmt: skip
-    add("hash_non_ascii", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "\u00e9" * 64), d)[1], msg="64 lowercase hex")
+    add(
+        "hash_long_and_short",
+        lambda d: (d["files"][F0]["chunks"].__setitem__(slice(0, 2), ["a" * 63, "a" * 65]), d)[1],
+        msg="64 lowercase hex",
+    )
+    add(
+        "hash_non_ascii",
+        lambda d: (d["files"][F1]["chunks"].__setitem__(0, "\u00e9" * 64), d)[1],
+        msg="64 lowercase hex",
+    )
     add("hash_nul", lambda d: (d["files"][F1]["chunks"].__setitem__(0, "\u0000" * 64), d)[1], msg="64 lowercase hex")
     add("hash_list", lambda d: (d["files"][F1]["chunks"].__setitem__(0, ["0" * 64]), d)[1], msg="64 lowercase hex")
     # -- structure -----------------------------------------------------------------------------

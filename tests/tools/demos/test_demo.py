@@ -31,8 +31,10 @@ def demo_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("demo") / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "goodput_ckpt.cli", "demo", "--dir", str(work), *SMALL, "--kill-at", "12", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return work, proc
 
 
@@ -64,10 +66,20 @@ def test_demo_resumes_bit_exactly_and_reports_goodput(demo_run):
 def test_demo_text_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "goodput_ckpt.cli", "demo", "--dir", str(tmp_path / "d"), *SMALL, "--no-progress"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for text in ("RESUME OK", "KILLED", "RESTARTED", "all verified", "GOODPUT", "With synchronous checkpoints", "lost work"):
+    for text in (
+        "RESUME OK",
+        "KILLED",
+        "RESTARTED",
+        "all verified",
+        "GOODPUT",
+        "With synchronous checkpoints",
+        "lost work",
+    ):
         assert text in proc.stdout
     assert "==>" not in proc.stderr
 
@@ -78,8 +90,10 @@ def test_a_rerun_clears_its_own_directory_but_refuses_others(tmp_path):
     (other / "precious.txt").write_text("x")
     proc = subprocess.run(
         [sys.executable, "-m", "goodput_ckpt.cli", "demo", "--dir", str(other), *SMALL],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "was not made by goodput-ckpt demo" in proc.stderr
     assert (other / "precious.txt").exists() and "Traceback" not in proc.stderr
     # A directory the demo made (its marker) is cleared for the rerun.
@@ -189,8 +203,20 @@ def test_tier_demo_runs_both_modes_bit_exactly(tier_report, monkeypatch):
 def test_tier_demo_text_report(tier_report, monkeypatch):
     rc, out, _ = _cli(["--tiers", "--no-progress"], monkeypatch, tier_report)
     assert rc == 0
-    for text in ("ONE TIER", "TWO TIERS", "resumed bit for bit", "from persistent", "local",
-                 "stall per save", "lost work", "GOODPUT", "Measured for this failure", "checkpoint cost", "Two-level model", "persist_every"):  # fmt: skip
+    for text in (
+        "ONE TIER",
+        "TWO TIERS",
+        "resumed bit for bit",
+        "from persistent",
+        "local",
+        "stall per save",
+        "lost work",
+        "GOODPUT",
+        "Measured for this failure",
+        "checkpoint cost",
+        "Two-level model",
+        "persist_every",
+    ):
         assert text in out, text
 
 

@@ -77,14 +77,46 @@ def test_json_round_trip_and_stable_keys(local_run):
     assert BenchReport.from_json(doc) == r
     assert doc["schema"] == BENCH_SCHEMA and doc["gb"] == 1e9
     assert set(doc) == {
-        "schema", "gb", "uri", "root", "backend", "size_bytes", "requested_bytes", "tensors", "repeats", "seed",
-        "thread_count", "torch_thread_count", "cold_cache", "host", "methods", "kept", "seconds", "ratios",
-        "quiet", "order", "loadavg", "ratio_spread",
-    }  # fmt: skip
+        "schema",
+        "gb",
+        "uri",
+        "root",
+        "backend",
+        "size_bytes",
+        "requested_bytes",
+        "tensors",
+        "repeats",
+        "seed",
+        "thread_count",
+        "torch_thread_count",
+        "cold_cache",
+        "host",
+        "methods",
+        "kept",
+        "seconds",
+        "ratios",
+        "quiet",
+        "order",
+        "loadavg",
+        "ratio_spread",
+    }
     m = doc["methods"][0]
     assert set(m["samples"]) == set(m["median"]) == set(SAMPLES)
-    assert {"name", "writer", "reader", "available", "reason", "save_gbps", "load_gbps", "verify_gbps",
-            "stall_s_median", "files", "stored_bytes", "verify_bytes", "payload_bytes"} <= set(m)  # fmt: skip
+    assert {
+        "name",
+        "writer",
+        "reader",
+        "available",
+        "reason",
+        "save_gbps",
+        "load_gbps",
+        "verify_gbps",
+        "stall_s_median",
+        "files",
+        "stored_bytes",
+        "verify_bytes",
+        "payload_bytes",
+    } <= set(m)
     assert m["median"]["stall_s"] == m["stall_s_median"] == m["samples"]["stall_s"][0]
     for added in ("quiet", "order", "loadavg"):  # an older report, without the keys added since, still reads
         del doc[added]
@@ -104,11 +136,19 @@ def test_two_repeats_rotate_and_ratios_are_per_repeat(tmp_path):
     lines: list[str] = []
     r = bench(tmp_path, size=SIZE, repeats=2, quiet=0, progress=lines.append)
     assert r.order == [["goodput", "torch"], ["torch", "goodput"]] and r.quiet == 0 and len(r.loadavg) == 2
-    steps = [line.split(": ", 1) for line in lines if line.startswith("[") and line.endswith(("verify", "load", "stall"))]
-    assert steps == [["[1/2] goodput", "save, load, verify"], ["[1/2] torch", "save, load"],
-                     ["[2/2] torch", "save, load"], ["[2/2] goodput", "save, load, verify"],
-                     ["[1/2] goodput", "stall"], ["[1/2] torch", "stall"],
-                     ["[2/2] torch", "stall"], ["[2/2] goodput", "stall"]]  # fmt: skip
+    steps = [
+        line.split(": ", 1) for line in lines if line.startswith("[") and line.endswith(("verify", "load", "stall"))
+    ]
+    assert steps == [
+        ["[1/2] goodput", "save, load, verify"],
+        ["[1/2] torch", "save, load"],
+        ["[2/2] torch", "save, load"],
+        ["[2/2] goodput", "save, load, verify"],
+        ["[1/2] goodput", "stall"],
+        ["[1/2] torch", "stall"],
+        ["[2/2] torch", "stall"],
+        ["[2/2] goodput", "stall"],
+    ]
     ours, theirs = r.methods
     assert len(ours.save_cpu_s) == len(theirs.save_other_cpus) == 2 and min(ours.save_cpu_s) > 0
     sp = r.ratio_spreads
@@ -156,8 +196,20 @@ def test_cli_table_json_and_plot(tmp_path):
     assert "[1/1] goodput: save" in err and not (tmp_path / "t").exists()
 
     png = tmp_path / "out.png"
-    code, out, err = run("bench", tmp_path / "j", "--size", "8MiB", "--repeats", "1", "--json", "--no-progress", "--quiet", "0",
-                         "--plot", png)  # fmt: skip
+    code, out, err = run(
+        "bench",
+        tmp_path / "j",
+        "--size",
+        "8MiB",
+        "--repeats",
+        "1",
+        "--json",
+        "--no-progress",
+        "--quiet",
+        "0",
+        "--plot",
+        png,
+    )
     assert code == 0 and err == ""
     doc = json.loads(out)
     assert doc["schema"] == BENCH_SCHEMA and doc["requested_bytes"] == SIZE and len(doc["methods"]) == 2
@@ -223,8 +275,15 @@ S3_OPTIONS = ("-o", "addressing_style=path", "-o", "region=us-east-1")
 
 def test_s3_bench_against_moto(moto_url, bucket):
     client, name = bucket
-    r = bench(f"s3://{name}/scratch", size=SIZE, repeats=1, endpoint_url=moto_url, addressing_style="path",
-              region="us-east-1", quiet=0)  # fmt: skip
+    r = bench(
+        f"s3://{name}/scratch",
+        size=SIZE,
+        repeats=1,
+        endpoint_url=moto_url,
+        addressing_style="path",
+        region="us-east-1",
+        quiet=0,
+    )
     assert r.backend == "s3" and r.cold_cache is None and r.root.startswith(f"s3://{name}/scratch/goodput-bench-")
     ours, theirs = r.methods
     assert ours.available and ours.save_gbps > 0 and ours.load_gbps > 0 and ours.verify_gbps > 0
@@ -246,8 +305,19 @@ def test_s3_without_s3fs_reports_torch_as_na(moto_url, bucket, monkeypatch):
 
     monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
     client, name = bucket
-    code, out, err = run("bench", f"s3://{name}", "--size", "8MiB", "--repeats", "1", "--quiet", "0", "-o", f"endpoint_url={moto_url}",
-                         *S3_OPTIONS)  # fmt: skip
+    code, out, err = run(
+        "bench",
+        f"s3://{name}",
+        "--size",
+        "8MiB",
+        "--repeats",
+        "1",
+        "--quiet",
+        "0",
+        "-o",
+        f"endpoint_url={moto_url}",
+        *S3_OPTIONS,
+    )
     assert code == 0, err
     rows = out.splitlines()
     assert rows[1].startswith("goodput ") and "n/a" not in rows[1]

@@ -10,13 +10,23 @@ import shutil
 
 import pytest
 
-from goodput_ckpt.tools.measure._bench_measure import Load, ratio_spread, rotated, run_rotation, save_and_load, wait_quiet
+from goodput_ckpt.tools.measure._bench_measure import (
+    Load,
+    ratio_spread,
+    rotated,
+    run_rotation,
+    save_and_load,
+    wait_quiet,
+)
 
 
 def test_order_rotates_by_one_per_repeat():
     assert [rotated("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
-    assert [rotated(["goodput", "torch"], r) for r in range(3)] == [["goodput", "torch"], ["torch", "goodput"],
-                                                                    ["goodput", "torch"]]  # fmt: skip
+    assert [rotated(["goodput", "torch"], r) for r in range(3)] == [
+        ["goodput", "torch"],
+        ["torch", "goodput"],
+        ["goodput", "torch"],
+    ]
     calls: list[tuple[str, int]] = []
     order = run_rotation(["a", "b", "c"], 2, lambda n, r: calls.append((n, r)))
     assert order == [["a", "b", "c"], ["b", "c", "a"]]
@@ -49,15 +59,28 @@ def test_save_and_load_runs_the_steps_in_order(tmp_path):
         return run
 
     loads = [Load("a", load("a"), lambda got: events.append(f"after {got}")), Load("b", load("b"))]
-    got = save_and_load(save, loads, target=target, warm=warm, remove=remove, evict=evict, quiet=0,
-                        between=lambda w: events.append(f"between {os.path.basename(w)}"))  # fmt: skip
+    got = save_and_load(
+        save,
+        loads,
+        target=target,
+        warm=warm,
+        remove=remove,
+        evict=evict,
+        quiet=0,
+        between=lambda w: events.append(f"between {os.path.basename(w)}"),
+    )
     assert events == [
-        "save t-warm warm_exists=False", "remove t-warm",  # the warm-up, deleted before the clock
-        "save t warm_exists=False", "between t",
-        "evict t", "load a", "after xa",  # each load: evicted first, checked after (untimed)
-        "evict t", "load b",
+        "save t-warm warm_exists=False",
+        "remove t-warm",  # the warm-up, deleted before the clock
+        "save t warm_exists=False",
+        "between t",
+        "evict t",
+        "load a",
+        "after xa",  # each load: evicted first, checked after (untimed)
+        "evict t",
+        "load b",
         "remove t",
-    ]  # fmt: skip
+    ]
     assert list(got.loads) == ["a", "b"] and got.cold == [True, True]
     assert got.save.wall > 0 and got.save.cpu >= 0 and got.save.other >= 0
     assert not os.path.exists(target) and not os.path.exists(warm)

@@ -10,7 +10,14 @@ import sys
 import pytest
 
 from goodput_ckpt.tools.measure._bench_report import BenchReport, MethodResult
-from goodput_ckpt.tools.measure.plan import PlanInputs, goodput, inputs_from_bench, mtbf_from_fleet, optimal_interval, plan
+from goodput_ckpt.tools.measure.plan import (
+    PlanInputs,
+    goodput,
+    inputs_from_bench,
+    mtbf_from_fleet,
+    optimal_interval,
+    plan,
+)
 
 
 def test_young_daly_closed_forms():
@@ -53,7 +60,13 @@ def test_goodput_formula_and_bounds():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(stall=-1, mtbf=10), dict(stall=1, mtbf=0), dict(stall=1, mtbf=float("inf")), dict(stall=1, mtbf=10, current_interval=0)]
+    "kwargs",
+    [
+        dict(stall=-1, mtbf=10),
+        dict(stall=1, mtbf=0),
+        dict(stall=1, mtbf=float("inf")),
+        dict(stall=1, mtbf=10, current_interval=0),
+    ],
 )
 def test_bad_inputs(kwargs):
     with pytest.raises(ValueError):
@@ -62,12 +75,32 @@ def test_bad_inputs(kwargs):
 
 def _bench_doc(torch_reason: str | None = None) -> dict:
     """A bench report with known samples (three repeats) for the goodput method."""
-    ours = MethodResult("goodput", "CheckpointWriter", "CheckpointReader", 1 << 30, stall_s=[0.1, 0.3, 0.2],
-                        async_total_s=[1.0, 1.5, 1.1], load_s=[2.0, 4.0, 3.0], save_s=[1.0, 1.0, 1.0])  # fmt: skip
+    ours = MethodResult(
+        "goodput",
+        "CheckpointWriter",
+        "CheckpointReader",
+        1 << 30,
+        stall_s=[0.1, 0.3, 0.2],
+        async_total_s=[1.0, 1.5, 1.1],
+        load_s=[2.0, 4.0, 3.0],
+        save_s=[1.0, 1.0, 1.0],
+    )
     theirs = MethodResult("torch", "FileSystemWriter", "FileSystemReader", 1 << 30, reason=torch_reason)
-    return BenchReport(uri="/data", root="/data/goodput-bench-x", backend="local", size_bytes=1 << 30,
-                       requested_bytes=1 << 30, tensors=600, repeats=3, seed=0, thread_count=None,
-                       torch_thread_count=None, cold_cache=True, host={}, methods=[ours, theirs]).to_json()  # fmt: skip
+    return BenchReport(
+        uri="/data",
+        root="/data/goodput-bench-x",
+        backend="local",
+        size_bytes=1 << 30,
+        requested_bytes=1 << 30,
+        tensors=600,
+        repeats=3,
+        seed=0,
+        thread_count=None,
+        torch_thread_count=None,
+        cold_cache=True,
+        host={},
+        methods=[ours, theirs],
+    ).to_json()
 
 
 def test_inputs_from_bench_takes_medians(tmp_path):
@@ -114,8 +147,18 @@ def _timeline(path, records):
 
 
 def _save(step, rank, stall, durable, *, ok=True, asynchronous=True):
-    return {"event": "save", "step": step, "rank": rank, "time": 1000.0 + step, "async": asynchronous, "stall_s": stall,
-            "write_s": durable, "durable_s": durable, "bytes": 100, "ok": ok}  # fmt: skip
+    return {
+        "event": "save",
+        "step": step,
+        "rank": rank,
+        "time": 1000.0 + step,
+        "async": asynchronous,
+        "stall_s": stall,
+        "write_s": durable,
+        "durable_s": durable,
+        "bytes": 100,
+        "ok": ok,
+    }
 
 
 def test_inputs_from_timeline_take_medians_of_the_slowest_rank(tmp_path):
@@ -123,7 +166,9 @@ def test_inputs_from_timeline_take_medians_of_the_slowest_rank(tmp_path):
 
     records = [_save(s, r, 0.01 * (s + 1) * (r + 1), 0.5 + s + r) for s in range(3) for r in range(2)]
     records.append(_save(9, 0, 99.0, 99.0, ok=False))  # a failed save counts for nothing
-    records += [{"event": "restore", "step": 2, "rank": r, "time": 2000.0 + r, "seconds": 3.0 + r, "ok": True} for r in range(2)]
+    records += [
+        {"event": "restore", "step": 2, "rank": r, "time": 2000.0 + r, "seconds": 3.0 + r, "ok": True} for r in range(2)
+    ]
     records += [{"event": "restore", "step": 2, "rank": 0, "time": 9000.0, "seconds": 5.0, "ok": True}]  # a later job
     m = inputs_from_timeline(_timeline(tmp_path / "t.jsonl", records))
     assert m.stall == pytest.approx(0.04)  # per step: 0.02, 0.04, 0.06

@@ -12,8 +12,17 @@ from goodput_ckpt.tools.measure.plan import MIN_INTERVAL, PlanInputs, goodput
 from goodput_ckpt.tools.measure.plan_two_level import TwoLevelInputs, plan_two_level, two_level_goodput
 
 #: A job of the issue's shape: cheap local saves, a persistent upload that is slow and slows training.
-TYPICAL = dict(local_stall=2.0, replicate=8.0, local_restore=30.0, persist_stall=20.0, persist=180.0,
-               restore=300.0, restart=240.0, node_mtbf=4 * 3600.0, job_mtbf=3 * 86400.0)  # fmt: skip
+TYPICAL = dict(
+    local_stall=2.0,
+    replicate=8.0,
+    local_restore=30.0,
+    persist_stall=20.0,
+    persist=180.0,
+    restore=300.0,
+    restart=240.0,
+    node_mtbf=4 * 3600.0,
+    job_mtbf=3 * 86400.0,
+)
 
 
 def _feasible(tau: float, k: int, p: TwoLevelInputs) -> bool:
@@ -94,7 +103,9 @@ def test_frequent_node_failures_shorten_the_local_interval():
 
 
 def test_persist_every_grows_with_the_persistent_cost_and_the_job_mtbf():
-    ks = [plan_two_level(TwoLevelInputs(**{**TYPICAL, "persist_stall": s})).persist_every for s in (0.0, 5, 20, 80, 320)]
+    ks = [
+        plan_two_level(TwoLevelInputs(**{**TYPICAL, "persist_stall": s})).persist_every for s in (0.0, 5, 20, 80, 320)
+    ]
     assert ks == sorted(ks) and ks[0] < ks[-1]
     ks = [plan_two_level(TwoLevelInputs(**{**TYPICAL, "job_mtbf": d * 86400.0})).persist_every for d in (0.5, 2, 8, 32)]
     assert ks == sorted(ks) and ks[0] < ks[-1]
@@ -109,7 +120,9 @@ def test_options_list_the_neighbours():
     assert k > 2
     assert [o.persist_every for o in result.options] == [1, k - 1, k + 1, 2 * k]
     assert all(o.goodput <= result.goodput for o in result.options)
-    assert result.to_dict()["one_level"]["inputs"]["mtbf"] == pytest.approx(1 / (1 / TYPICAL["node_mtbf"] + 1 / TYPICAL["job_mtbf"]))
+    assert result.to_dict()["one_level"]["inputs"]["mtbf"] == pytest.approx(
+        1 / (1 / TYPICAL["node_mtbf"] + 1 / TYPICAL["job_mtbf"])
+    )
 
 
 def _simulate(p: TwoLevelInputs, tau: float, k: int, horizon: float, seed: int) -> float:
@@ -153,8 +166,17 @@ def _simulate(p: TwoLevelInputs, tau: float, k: int, horizon: float, seed: int) 
 
 
 #: Failure costs large enough that leaving one out of the model moves it by a percentage point.
-SIMULATED = dict(local_stall=5.0, replicate=240.0, local_restore=300.0, persist_stall=30.0, persist=900.0,
-                 restore=900.0, restart=300.0, node_mtbf=4 * 3600.0, job_mtbf=86400.0)  # fmt: skip
+SIMULATED = dict(
+    local_stall=5.0,
+    replicate=240.0,
+    local_restore=300.0,
+    persist_stall=30.0,
+    persist=900.0,
+    restore=900.0,
+    restart=300.0,
+    node_mtbf=4 * 3600.0,
+    job_mtbf=86400.0,
+)
 
 
 @pytest.mark.parametrize("tau, k", [(300.0, 6), (600.0, 3), (900.0, 1)])
@@ -173,8 +195,14 @@ def test_the_recommended_schedule_wins_in_simulation():
     ours = _simulate(p, result.local_interval, result.persist_every, horizon=3e7, seed=1)
     one = result.one_level
     # One level: every save persisted, every failure restored from the persistent tier.
-    one_p = TwoLevelInputs(local_stall=one.inputs.stall, persist=one.inputs.persist, restore=one.inputs.restore,
-                           restart=one.inputs.restart, node_mtbf=math.inf, job_mtbf=one.inputs.mtbf)  # fmt: skip
+    one_p = TwoLevelInputs(
+        local_stall=one.inputs.stall,
+        persist=one.inputs.persist,
+        restore=one.inputs.restore,
+        restart=one.inputs.restart,
+        node_mtbf=math.inf,
+        job_mtbf=one.inputs.mtbf,
+    )
     theirs = _simulate(one_p, one.optimal_interval, 1, horizon=3e7, seed=1)
     assert result.gain > 5 and ours - theirs > 0.5 * result.gain / 100
 

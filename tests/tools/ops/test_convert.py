@@ -90,7 +90,9 @@ def test_hf_shards_with_index(sample_ckpt, tmp_path):
     assert len(shards) >= 3 and "model.safetensors.index.json" in r.files
     index = json.loads((out / "model.safetensors.index.json").read_text())
     want = flat_tensors(sd)
-    assert set(index["weight_map"]) == set(want) and index["metadata"]["total_size"] == sum(t.nbytes for t in want.values())
+    assert set(index["weight_map"]) == set(want) and index["metadata"]["total_size"] == sum(
+        t.nbytes for t in want.values()
+    )
     merged = {}
     for s in shards:
         merged.update(st.load_file(str(out / s)))
@@ -103,11 +105,19 @@ def test_hf_shards_with_index(sample_ckpt, tmp_path):
     plain.mkdir()
     st.save_file({"a": torch.arange(6.0).reshape(2, 3)}, str(plain / "model-00001-of-00002.safetensors"))
     st.save_file({"b": torch.ones(4, dtype=torch.int8)}, str(plain / "model-00002-of-00002.safetensors"))
-    (plain / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))  # fmt: skip
+    (plain / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+            }
+        )
+    )
     convert_checkpoint(str(plain), str(tmp_path / "plain-ours"), to="goodput")
     got = _load_ours(tmp_path / "plain-ours", {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.int8)})
-    assert torch.equal(got["a"], torch.arange(6.0).reshape(2, 3)) and torch.equal(got["b"], torch.ones(4, dtype=torch.int8))
+    assert torch.equal(got["a"], torch.arange(6.0).reshape(2, 3)) and torch.equal(
+        got["b"], torch.ones(4, dtype=torch.int8)
+    )
 
 
 def test_torch_save_both_ways(sample_ckpt, tmp_path):
@@ -155,9 +165,9 @@ def test_hostile_dcp_metadata_is_refused_not_run(tmp_path, sample_ckpt):
 
 
 def test_dcp_input_from_torch_writer_and_multi_chunk_tensors(sample_ckpt, tmp_path):
+    from goodput_ckpt.storage import open_store
     from goodput_ckpt.tools._formats.dcp_fs import DcpSource, write_dcp
     from goodput_ckpt.tools._formats.goodput import GoodputSource
-    from goodput_ckpt.storage import open_store
 
     src, sd = sample_ckpt
     fsw = tmp_path / "fsw"
@@ -211,7 +221,12 @@ def test_detection(sample_ckpt, tmp_path):
 def test_corrupt_input_writes_no_output(ckpt, tmp_path):
     f, off, _ = item_range(ckpt, "model.layer.weight")
     flip_byte(ckpt, f, off + 1)
-    for to, dst in (("dcp", tmp_path / "d"), ("safetensors", tmp_path / "s.safetensors"), ("torch", tmp_path / "t.pt"), ("goodput", tmp_path / "g")):
+    for to, dst in (
+        ("dcp", tmp_path / "d"),
+        ("safetensors", tmp_path / "s.safetensors"),
+        ("torch", tmp_path / "t.pt"),
+        ("goodput", tmp_path / "g"),
+    ):
         with pytest.raises(CorruptCheckpointError, match="model.layer.weight"):
             convert_checkpoint(str(ckpt), str(dst), to=to)
     assert not (tmp_path / "d" / ".metadata").exists() and not (tmp_path / "g" / MANIFEST_NAME).exists()
@@ -221,8 +236,13 @@ def test_corrupt_input_writes_no_output(ckpt, tmp_path):
 
 def test_existing_outputs_need_overwrite(sample_ckpt, tmp_path):
     src, sd = sample_ckpt
-    for to, dst in (("dcp", tmp_path / "d"), ("safetensors", tmp_path / "s.safetensors"), ("safetensors", tmp_path / "hf"),
-                    ("torch", tmp_path / "t.pt"), ("goodput", tmp_path / "g")):  # fmt: skip
+    for to, dst in (
+        ("dcp", tmp_path / "d"),
+        ("safetensors", tmp_path / "s.safetensors"),
+        ("safetensors", tmp_path / "hf"),
+        ("torch", tmp_path / "t.pt"),
+        ("goodput", tmp_path / "g"),
+    ):
         convert_checkpoint(str(src), str(dst), to=to)
         with pytest.raises(CheckpointExistsError):
             convert_checkpoint(str(src), str(dst), to=to)
@@ -253,11 +273,16 @@ def test_sidecar_encoding_round_trips():
     from goodput_ckpt.tools._formats.objects_json import decode_value, encode_value
 
     value = {
-        "t": (1, 2.5, "x", None, True), "nonstr": {1: "a", (2, 3): "b"}, "dollar": {"$x": 1},
-        "floats": [float("inf"), float("-inf")], "bytes": b"\x00\xff", "dtype": torch.bfloat16,
-        "size": torch.Size([2, 3]), "small": torch.arange(4, dtype=torch.int16).reshape(2, 2),
+        "t": (1, 2.5, "x", None, True),
+        "nonstr": {1: "a", (2, 3): "b"},
+        "dollar": {"$x": 1},
+        "floats": [float("inf"), float("-inf")],
+        "bytes": b"\x00\xff",
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "small": torch.arange(4, dtype=torch.int16).reshape(2, 2),
         "big": 2**70,
-    }  # fmt: skip
+    }
     doc = json.loads(json.dumps(encode_value(value, "k"), allow_nan=False))
     back = decode_value(doc, "k")
     small = back.pop("small")

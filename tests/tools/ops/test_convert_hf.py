@@ -107,5 +107,7 @@ def test_equal_but_untied_tensors_are_both_written(tmp_path):
 def test_shard_size_with_a_single_file_destination_is_refused(tmp_path):
     _trained_gpt2(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="single .safetensors file"):
-        convert_checkpoint(str(tmp_path / "ckpt" / "step_00000007"), str(tmp_path / "m.safetensors"), to="safetensors", shard_size=1000)
+        convert_checkpoint(
+            str(tmp_path / "ckpt" / "step_00000007"), str(tmp_path / "m.safetensors"), to="safetensors", shard_size=1000
+        )
     assert not os.path.exists(tmp_path / "m.safetensors")

@@ -31,7 +31,11 @@ def _save_two_ranks(rank: int, world: int, path: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    sd = {"model.w": distribute_tensor(W, mesh, [Shard(0)], src_data_rank=None), "model.b": torch.ones(3, dtype=torch.bfloat16), "step": 5}
+    sd = {
+        "model.w": distribute_tensor(W, mesh, [Shard(0)], src_data_rank=None),
+        "model.b": torch.ones(3, dtype=torch.bfloat16),
+        "step": 5,
+    }
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(path))
 
 
@@ -53,7 +57,12 @@ def test_inspect_lists_keys_shapes_dtypes_sizes_and_world_size(two_ranks):
     r = inspect_checkpoint(str(two_ranks))
     assert r.format == DCP_FORMAT and r.world_size == 2 and r.step == 5 and r.problems == []
     rows = {i.key: i for i in r.items}
-    assert (rows["model.w"].dtype, rows["model.w"].shape, rows["model.w"].shards, rows["model.w"].bytes) == ("float32", [6, 4], 2, 96)
+    assert (rows["model.w"].dtype, rows["model.w"].shape, rows["model.w"].shards, rows["model.w"].bytes) == (
+        "float32",
+        [6, 4],
+        2,
+        96,
+    )
     assert (rows["model.b"].dtype, rows["model.b"].shape, rows["model.b"].bytes) == ("bfloat16", [3], 6)
     assert rows["step"].kind == "object" and r.tensors == 2 and r.objects == 1 and r.tensor_bytes == 102
     assert r.files == 2 and r.file_bytes == sum(f.stat().st_size for f in two_ranks.glob("*.distcp"))
@@ -63,7 +72,9 @@ def test_inspect_on_the_command_line(two_ranks):
     out = io.StringIO()
     assert main(["inspect", str(two_ranks)], stdout=out, stderr=io.StringIO()) == 0
     text = out.getvalue()
-    assert "torch-dcp (torch DCP's FileSystemWriter layout" in text and "world size  2" in text and "(no hashes)" in text
+    assert (
+        "torch-dcp (torch DCP's FileSystemWriter layout" in text and "world size  2" in text and "(no hashes)" in text
+    )
     assert "model.w" in text and "6x4" in text
 
 

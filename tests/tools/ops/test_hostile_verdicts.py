@@ -23,7 +23,9 @@ from goodput_ckpt.format.manifest import MANIFEST_NAME
 from goodput_ckpt.tools.ops.inspect import inspect_checkpoint
 from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
-HOSTILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "format", "hostile")
+HOSTILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "format", "hostile"
+)
 with open(os.path.join(HOSTILE, "expected.json")) as _f:
     _EXPECTED = json.load(_f)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from helpers.samples import damaged_manifests, flat_tensors, item_range, save, truncate
 
@@ -25,7 +24,13 @@ def test_report_covers_the_whole_checkpoint(sample_ckpt):
     assert model.tensors == len(sd["model"]) and model.objects == 0
     rows = {i.key: i for i in r.items}
     emb = rows["model.embed.weight"]
-    assert (emb.kind, emb.dtype, emb.shape, emb.shards, emb.bytes) == ("tensor", "float32", [1001, 64], 1, 1001 * 64 * 4)
+    assert (emb.kind, emb.dtype, emb.shape, emb.shards, emb.bytes) == (
+        "tensor",
+        "float32",
+        [1001, 64],
+        1,
+        1001 * 64 * 4,
+    )
     assert rows["model.scale"].shape == [] and rows["model.f8"].dtype == "float8_e4m3fn"
     assert rows["extra.name"].kind == "object" and rows["extra.name"].dtype is None
     assert sum(s.bytes for s in r.sections) == r.tensor_bytes + r.object_bytes
@@ -62,9 +67,21 @@ def test_training_state_key_matches_the_manager():
 
 
 def test_sections_by_prefix():
-    assert [section_of(k) for k in ("model.w", "model_ema.w", "optim.state.x", "optimizer.param_groups",
-                                    "rng.rank0.cpu", "random.x", "dataloader.rank3", "data_loader.x", "scheduler.x", "step")] == [
-        "model", "model", "optimizer", "optimizer", "rng", "rng", "dataloader", "dataloader", "extra", "extra"]  # fmt: skip
+    assert [
+        section_of(k)
+        for k in (
+            "model.w",
+            "model_ema.w",
+            "optim.state.x",
+            "optimizer.param_groups",
+            "rng.rank0.cpu",
+            "random.x",
+            "dataloader.rank3",
+            "data_loader.x",
+            "scheduler.x",
+            "step",
+        )
+    ] == ["model", "model", "optimizer", "optimizer", "rng", "rng", "dataloader", "dataloader", "extra", "extra"]
 
 
 def test_damaged_and_missing(ckpt, tmp_path):

@@ -31,7 +31,12 @@ def root(sample_ckpt, tmp_path):
 def test_statuses_without_and_with_verify(root):
     r = list_checkpoints(str(root))
     assert [(c.step, c.status) for c in r.checkpoints] == [
-        (1, "complete"), (100, "complete"), (200, "incomplete"), (300, "complete"), (400, "corrupt")]  # fmt: skip
+        (1, "complete"),
+        (100, "complete"),
+        (200, "incomplete"),
+        (300, "complete"),
+        (400, "corrupt"),
+    ]
     assert r.checkpoints[0].name == "step_1"
     assert r.latest_complete == 300 and not r.verified
     r.checkpoints.pop(0)

@@ -91,4 +91,6 @@ def test_streaming_tools_stay_bounded_on_1gib(tmp_path):
         for done in ("w2", "g1", "g2", "g3"):
             shutil.rmtree(tmp_path / done, ignore_errors=True)
     over = {k: v >> 20 for k, v in peaks.items() if v > BOUND}
-    assert not over, f"peak memory above imports, MiB (bound {BOUND >> 20}): {over}; all: { {k: v >> 20 for k, v in peaks.items()} }"
+    assert not over, (
+        f"peak memory above imports, MiB (bound {BOUND >> 20}): {over}; all: { {k: v >> 20 for k, v in peaks.items()} }"
+    )

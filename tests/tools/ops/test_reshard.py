@@ -65,7 +65,12 @@ def test_reshard_to_three_ranks_lays_out_dim0_regions(sample_ckpt, tmp_path):
             assert c["offsets"][0] == rows[0].item() and c["sizes"][0] == len(rows), key
             assert c["offsets"][1:] == [0] * (t.dim() - 1) and c["sizes"][1:] == list(t.shape[1:])
     assert verify_checkpoint(str(dst)).ok
-    assert m["metadata"]["goodput_reshard"] == {"from_world_size": 1, "world_size": 3, "rank_state": "keep", "dropped": 0}
+    assert m["metadata"]["goodput_reshard"] == {
+        "from_world_size": 1,
+        "world_size": 3,
+        "rank_state": "keep",
+        "dropped": 0,
+    }
     assert m["metadata"]["step"] == 100
     assert_tree_equal(_load_plain(dst, sd), sd)
 
@@ -84,8 +89,9 @@ def test_world_size_one_consolidates(sample_ckpt, tmp_path):
 
 def test_per_rank_policy(sample_ckpt, tmp_path):
     src, sd = sample_ckpt
-    assert per_rank_keys(["rng.rank0.cpu", "dataloader.rank12", "dataloader.rank_3", "model.rank1.w", "rng.seed", "rng.rows"]) == {
-        "rng.rank0.cpu": 0, "dataloader.rank12": 12, "dataloader.rank_3": 3, "rng.rows": 0}  # fmt: skip
+    assert per_rank_keys(
+        ["rng.rank0.cpu", "dataloader.rank12", "dataloader.rank_3", "model.rank1.w", "rng.seed", "rng.rows"]
+    ) == {"rng.rank0.cpu": 0, "dataloader.rank12": 12, "dataloader.rank_3": 3, "rng.rows": 0}
     with pytest.raises(ValueError, match="rank-state"):
         reshard_checkpoint(str(src), str(tmp_path / "a"), world_size=2)
     assert not (tmp_path / "a" / MANIFEST_NAME).exists()
@@ -238,7 +244,9 @@ def _rank_checks(rank: int, world_size: int, paths: dict) -> None:
             else:
                 pieces = torch.chunk(t, world_size)
                 want = pieces[rank] if rank < len(pieces) else t[:0]
-            assert torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), (name, k, rank)
+            assert torch.equal(
+                got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+            ), (name, k, rank)
         if name == "w3":
             files = sorted(json.loads(Path(paths[name], MANIFEST_NAME).read_text())["files"])
             # Each rank reads its own file, plus rank 0's for 0-dim tensors and objects.

@@ -196,10 +196,15 @@ def _one_chunk_checkpoint(root: Path, data: bytes) -> str:
     root.mkdir()
     (root / "f.bin").write_bytes(data)
     m = Manifest(
-        version=1, library_version="t", torch_version="t", created_at="t", world_size=1, chunk_size=MAX_CHUNK_SIZE,
+        version=1,
+        library_version="t",
+        torch_version="t",
+        created_at="t",
+        world_size=1,
+        chunk_size=MAX_CHUNK_SIZE,
         files={"f.bin": FileEntry("f.bin", len(data), (blake3.blake3(data).hexdigest(),))},
         items={"obj": ObjectEntry("obj", "torch.save", "f.bin", 0, len(data))},
-    )  # fmt: skip
+    )
     (root / MANIFEST_NAME).write_bytes(m.to_json())
     return str(root)
 
