@@ -98,25 +98,39 @@ def _digest(identity: dict[str, Any], world_size: int, pos: GlobalPosition) -> s
 # -- the job-level record --------------------------------------------------------------------
 def split_job_state(loader_state: Any) -> tuple[Any, dict | None]:
     """``(row state, job-level record)`` of a live loader's state (module docstring); the state
-    itself and ``None`` when it holds no version-2 sampler state. The loader's own state is not
-    changed (the containers on the way to the sampler's state are copied)."""
-    found = find_state(loader_state)
-    if found is None or found[0].get(MARK) != VERSION:
+    itself and ``None`` when it holds no well-formed version-2 sampler state (none, or values a
+    restore would refuse: they stay in the row, whole, and are refused there). The loader's own
+    state is not changed (the containers on the way to the sampler's state are copied)."""
+    try:
+        found = find_marked(loader_state, MARK)
+    except CheckpointError:  # cyclic or too deep: the row keeps it whole, and a restore refuses it
+        return loader_state, None
+    if len(found) != 1 or found[0].get(MARK) != VERSION:
         return loader_state, None
     st = found[0]
-    pos = GlobalPosition.from_state(st["position"], st["n"])  # live values: a copy in plain types
-    job = {
-        MARK: ROW_VERSION,
-        **{k: st[k] for k in _IDENTITY},
-        "world_size": st["world_size"],
-        "position": pos.to_state(),
-    }
-    digest = _digest(job, st["world_size"], pos)
+    try:
+        identity = {k: st.get(k) for k in _IDENTITY}
+        for k in ("shuffle", "drop_last"):
+            if not isinstance(identity[k], bool):
+                raise ValueError(k)
+        saved_int(identity["seed"], -(1 << 63), (1 << 64) - 1, "seed")
+        n = saved_int(identity["n"], 0, MAX_STEPS, "n")
+        ws = saved_int(st.get("world_size"), 1, MAX_WORLD_SIZE, "world_size")
+        saved_int(st.get("rank"), 0, ws - 1, "rank")
+        saved_int(st.get("consumed"), 0, n, "consumed")
+        pos = GlobalPosition.from_state(st.get("position"), n)  # a copy in plain types
+    except ValueError:
+        return loader_state, None
+    job = {MARK: ROW_VERSION, **identity, "world_size": ws, "position": pos.to_state()}
+    digest = _digest(identity, ws, pos)
 
     def row(d: dict) -> dict:
         return {MARK: ROW_VERSION, "rank": d["rank"], "consumed": d["consumed"], "job": digest}
 
-    return replace_marked(loader_state, MARK, row), job
+    try:
+        return replace_marked(loader_state, MARK, row), job
+    except ValueError:  # nests too deeply: the row keeps it whole, and a restore refuses it
+        return loader_state, None
 
 
 def _checked_job(s: ElasticSampler, job: Any, what: str) -> tuple[dict, str]:

@@ -7,16 +7,23 @@ that package gave."""
 from __future__ import annotations
 
 import json
+import pickle
+import random
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from helpers.datasets import Ids
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from goodput_ckpt import CheckpointManager
-from goodput_ckpt.data import ElasticSampler
+from goodput_ckpt import CheckpointManager, CheckpointReader
+from goodput_ckpt.data import ElasticSampler, GlobalPosition
+from goodput_ckpt.data.sampler import MARK
+from goodput_ckpt.state import META_KEY, Topology, build_save_state, normalize
+from goodput_ckpt.state.dataloader import decode_dataloader_row
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v2_rows"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text()) if FIXTURE.exists() else {}
@@ -46,3 +53,107 @@ def test_a_checkpoint_with_the_record_in_every_row_restores_as_before(tmp_path, 
     shutil.copytree(FIXTURE / name, root)
     want = case["same"][0] if kind == "same" else case["elastic"]["1"][0]
     assert _restored(root, batch) == want
+
+
+# -- what a save stores -------------------------------------------------------------------------
+def _rows(step: Path) -> tuple[dict, list]:
+    """The committed training-state metadata and every rank's decoded loader row."""
+    reader = CheckpointReader(str(step))
+    entry = reader.manifest.items["dataloader.rows"]
+    dest = {"dataloader": {"rows": torch.empty(entry.shape, dtype=torch.uint8)}}
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    rows = [decode_dataloader_row(row, key=f"row {r}") for r, row in enumerate(dest["dataloader"]["rows"])]
+    return reader.manifest.metadata[META_KEY], rows
+
+
+def _save(root: Path, steps: int = 3, batch: int = 4) -> list[int]:
+    data, s = _loader(batch)
+    s.set_epoch(2)
+    it = iter(data)
+    for _ in range(steps):
+        next(it)
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(7, model=nn.Linear(2, 2), dataloader=data)
+    return _ids(it)
+
+
+def test_the_record_is_in_the_commit_record_once_and_the_row_keeps_its_count(tmp_path):
+    rest = _save(tmp_path)
+    meta, rows = _rows(tmp_path / "step_00000007")
+    job = meta["dataloader"]["job_position"]
+    assert job["position"] == {"epoch": 2, "start": 0, "taken": []} and job["world_size"] == 1
+    part, _ = ElasticSampler.find_state(rows[0])
+    assert set(part) == {MARK, "rank", "consumed", "job"} and part["consumed"] == 12
+    assert _restored(tmp_path, 4) == rest, "same topology: the row joined to the record"
+    assert _restored(tmp_path, 3) == rest, "elastic (another batch size): the same samples"
+
+
+def _saved_rows(n: int, world: int, position: dict) -> tuple[dict, list[torch.Tensor]]:
+    """What ``build_save_state`` (the save's own function) makes on each of ``world`` simulated
+    ranks whose sampler iterators stand at ``position``: the coordinator's metadata (the one
+    committed) and every rank's row. The iterator state of rank ``r`` is rank 0's with its own
+    rank and count (what ``_ElasticIterator.state_dict`` returns there), so that the 10 M-sample
+    permutation is drawn once, not once per simulated rank."""
+    base = {**iter(ElasticSampler(Ids(n), seed=1, num_replicas=world, rank=0)).state_dict(), "position": position}
+    rows, meta = [], None
+    for r in range(world):
+        loader = _StateLoader({"_sampler_iter_state": {**base, "rank": r, "consumed": 3}, "_num_yielded": 3})
+        loader.sampler = ElasticSampler(Ids(n), seed=1, num_replicas=world, rank=r)
+        state, m = build_save_state(
+            7,
+            models=normalize(nn.Linear(1, 1), None),
+            dataloader=loader,
+            stateful={},
+            topology=Topology(r, world),
+            save_rng=False,
+            extra=None,
+        )
+        rows.append(state["dataloader"]["rows"].row)
+        meta = meta or m[META_KEY]
+    return meta, rows
+
+
+class _StateLoader:
+    num_workers, batch_size = 0, 1
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_state_size_after_40_restarts_at_1024_simulated_ranks_is_at_most_4_kb_per_job():
+    """Acceptance (issue 34), on what the checkpoint stores: 40 restarts at world sizes up to
+    1,024 over 10 M samples, then a save by 1,024 simulated ranks. The data position is one
+    record in the commit record (JSON, at most 4 KB); each rank's row holds its count and the
+    record's digest, the same few bytes whatever the history."""
+    n, rng = 10_000_000, random.Random(34)
+    pos = GlobalPosition(0)
+    for k in range(40):
+        w = 1024 if k % 2 == 0 else rng.randint(1, 1024)
+        counts = [rng.randint(3, 5)] * w
+        if k % 5 == 4:  # now and then the ranks were not in step: a few exceptions
+            counts[rng.randrange(w)] += 2
+        pos = pos.advanced(w, counts, n)
+    assert pos.taken, "the history left exceptions in the record"
+    meta, rows = _saved_rows(n, 1024, pos.to_state())
+    job = json.dumps(meta["dataloader"]["job_position"]).encode()
+    assert len(job) <= 4096, f"the job-level record is {len(job)} bytes"
+    parts = [ElasticSampler.find_state(decode_dataloader_row(row, key="r"))[0] for row in rows]
+    assert all(set(p) == {MARK, "rank", "consumed", "job"} for p in parts), "no row holds the record"
+    assert len({p["job"] for p in parts}) == 1
+    per_rank = max(len(pickle.dumps(p, protocol=2)) for p in parts)
+    print(f"job-level record {len(job)} B, a row's sampler part {per_rank} B, row {rows[0].numel()} B")
+    assert per_rank <= 128, f"a row's sampler part is {per_rank} bytes"
+    # The same save at the start of the epoch: rows as wide, whatever the history.
+    _, fresh = _saved_rows(n, 2, GlobalPosition(0).to_state())
+    assert rows[0].numel() == fresh[0].numel(), "a row's size does not depend on the history"
+    # ... and it restores: a new rank of 1,000 joins a row to the record and resumes.
+    s = ElasticSampler(Ids(n), seed=1, num_replicas=1000, rank=999)
+    states = [s.join_job_state(decode_dataloader_row(row, key="r"), meta["dataloader"]["job_position"]) for row in rows]
+    s.elastic_resume(states, batch_size=1)
+    assert s._next_position() == pos.advanced(1024, [3] * 1024, n)
