@@ -16,12 +16,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers.datasets import Ids
+from helpers.dist import run_ranks
+from helpers.samples import rewrite_manifest
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt import CheckpointManager, CheckpointReader
 from goodput_ckpt.data import ElasticSampler, GlobalPosition
+from goodput_ckpt.data.position import epoch_order
 from goodput_ckpt.data.sampler import MARK
+from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
 from goodput_ckpt.state import META_KEY, Topology, build_save_state, normalize
 from goodput_ckpt.state.dataloader import decode_dataloader_row
 
@@ -157,3 +161,98 @@ def test_state_size_after_40_restarts_at_1024_simulated_ranks_is_at_most_4_kb_pe
     states = [s.join_job_state(decode_dataloader_row(row, key="r"), meta["dataloader"]["job_position"]) for row in rows]
     s.elastic_resume(states, batch_size=1)
     assert s._next_position() == pos.advanced(1024, [3] * 1024, n)
+
+
+# -- a hostile job-level record ------------------------------------------------------------------
+def _edit_job(step: Path, edit) -> None:
+    doc = json.loads((step / "manifest.json").read_text())
+    dl = doc["metadata"][META_KEY]["dataloader"]
+    edit(dl)
+    rewrite_manifest(step, doc)
+
+
+def _set_job(path: str, value):
+    def edit(dl: dict) -> None:
+        *parents, last = path.split(".")
+        d = dl
+        for p in parents:
+            d = d[p]
+        d[last] = value
+
+    return edit
+
+
+JOB_CASES = [
+    ("missing", lambda dl: dl.pop("job_position"), CorruptCheckpointError, "no job-level record"),
+    ("not_an_object", _set_job("job_position", "x"), CorruptCheckpointError, "must be an object"),
+    ("extra_key", _set_job("job_position.x", 1), CorruptCheckpointError, "must be an object"),
+    ("taken_10000", _set_job("job_position.position.taken", list(range(13, 10_013))), CorruptCheckpointError, "taken"),
+    ("start_float", _set_job("job_position.position.start", 1.5), CorruptCheckpointError, "start"),
+    ("epoch_2_70", _set_job("job_position.position.epoch", 2**70), CorruptCheckpointError, "epoch"),
+    ("world_size_2_40", _set_job("job_position.world_size", 2**40), CorruptCheckpointError, "world_size"),
+    ("another_sampler", _set_job("job_position.seed", 6), CheckpointError, "differs from the saved one"),
+    # Well-formed, but not the record the rows were split from: another save's, or another job's.
+    ("another_record", _set_job("job_position.position.start", 8), TopologyChangeError, "not the job's"),
+]
+
+
+@pytest.mark.parametrize("path", ["same_topology", "elastic"])
+@pytest.mark.parametrize(("case", "edit", "error", "match"), JOB_CASES, ids=[c[0] for c in JOB_CASES])
+def test_a_hostile_job_level_record_is_refused_naming_it(tmp_path, path, case, edit, error, match):
+    _save(tmp_path)
+    _edit_job(tmp_path / "step_00000007", edit)
+    data, s = _loader(4 if path == "same_topology" else 3)
+    model = nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with CheckpointManager(tmp_path, async_save=False) as mgr, pytest.raises(error, match=match):
+        mgr.restore(model=model, dataloader=data)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "nothing was loaded"
+    assert s.epoch == 0 and s._pending is None, "the sampler is unchanged"
+
+
+def test_a_row_without_its_record_is_refused_by_the_loader_itself(tmp_path):
+    """A row's part alone (a user loading a row into a loader by hand) names what is missing."""
+    _save(tmp_path)
+    _, rows = _rows(tmp_path / "step_00000007")
+    data, _ = _loader(4)
+    with pytest.raises(CheckpointError, match="without its job-level record"):
+        data.load_state_dict(rows[0])
+        next(iter(data))
+
+
+# -- real ranks ----------------------------------------------------------------------------------
+def _save_ranks(rank: int, ws: int, root: str) -> None:
+    data, s = _loader(3, ws, rank)
+    s.set_epoch(1)
+    it = iter(data)
+    for _ in range(2):
+        next(it)
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(7, model=nn.Linear(2, 2), dataloader=data)
+
+
+def _restore_ranks(rank: int, ws: int, root: str) -> None:
+    data, s = _loader(2, ws, rank)
+    with CheckpointManager(root, async_save=False) as mgr:
+        assert mgr.restore(model=nn.Linear(2, 2), dataloader=data) == 7
+        assert mgr.timeline[-1]["loader_states"] == (2 if rank == 0 else 0), "read once, on the coordinator"
+    Path(root, f"rest{rank}.json").write_text(json.dumps([s.epoch, _ids(data)]))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_two_ranks_save_one_record_and_three_ranks_resume_from_it(tmp_path):
+    """Through CheckpointManager on gloo ranks: 2 ranks save 12 of 40 samples of epoch 1; the
+    commit record holds the position once and the rows only counts; 3 ranks resume from it,
+    continuing the one permutation from 12 (rank r: perm[12 + r :: 3])."""
+    run_ranks(_save_ranks, 2, str(tmp_path), report_dir=tmp_path / "r1", timeout=180)
+    meta, rows = _rows(tmp_path / "step_00000007")
+    assert meta["dataloader"]["job_position"]["position"] == {"epoch": 1, "start": 0, "taken": []}
+    parts = [ElasticSampler.find_state(r)[0] for r in rows]
+    assert [(p["rank"], p["consumed"]) for p in parts] == [(0, 6), (1, 6)]
+    assert all("position" not in p for p in parts), "no row holds the record"
+    run_ranks(_restore_ranks, 3, str(tmp_path), report_dir=tmp_path / "r2", timeout=180)
+    perm = epoch_order(N, seed=5, epoch=1, shuffle=True).tolist()
+    for r in range(3):
+        epoch, got = json.loads((tmp_path / f"rest{r}.json").read_text())
+        assert epoch == 1 and got == perm[12 + r :: 3][: (N - 12) // 3], f"rank {r}"
