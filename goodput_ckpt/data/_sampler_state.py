@@ -172,7 +172,10 @@ def join_job_state(s: ElasticSampler, loader_state: Any, job: Any, *, where: str
             "record (training_state.dataloader.job_position) to join it to",
             key="dataloader",
         )
-    fields, digest = _checked_job(s, job, where)
+    hit = s._joined  # the rows of one restore share one record: checked once
+    if hit is None or hit[0] is not job:
+        hit = s._joined = (job, *_checked_job(s, job, where))  # holds ``job``: its id stays its own
+    _, fields, digest = hit
     for d in rows:
         if set(d) != _ROW_KEYS:
             raise CorruptCheckpointError(

@@ -88,6 +88,8 @@ class ElasticSampler(Sampler[int]):
         #: position the loader applies to the next iterator unless ``set_epoch`` chose another.
         self._saved_epoch: int | None = None
         self._order: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)  # (n, epoch) -> permutation
+        #: The last job-level record joined (``join_job_state``), checked: (record, fields, digest).
+        self._joined: tuple[Any, dict, str] | None = None
 
     # -- the DistributedSampler interface ---------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -12,6 +12,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,9 +23,10 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt import CheckpointManager, CheckpointReader
-from goodput_ckpt.data import ElasticSampler, GlobalPosition
+from goodput_ckpt.data import ElasticSampler, GlobalPosition, TokenStream
 from goodput_ckpt.data.position import epoch_order
 from goodput_ckpt.data.sampler import MARK
+from goodput_ckpt.data.tokens import MARK as TS_MARK
 from goodput_ckpt.errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
 from goodput_ckpt.state import META_KEY, Topology, build_save_state, normalize
 from goodput_ckpt.state.dataloader import decode_dataloader_row
@@ -256,3 +258,95 @@ def test_two_ranks_save_one_record_and_three_ranks_resume_from_it(tmp_path):
     for r in range(3):
         epoch, got = json.loads((tmp_path / f"rest{r}.json").read_text())
         assert epoch == 1 and got == perm[12 + r :: 3][: (N - 12) // 3], f"rank {r}"
+
+
+# -- TokenStream: the shared part once per job, each reader's own counts in its row ----------------
+def _shards(root: Path, sizes: list[int]) -> list[str]:
+    root.mkdir()
+    gid = 0
+    for k, n in enumerate(sizes):  # sequences of 4 uint32 tokens, the first its id
+        a = np.zeros((n, 4), dtype=np.uint32)
+        a[:, 0] = np.arange(gid, gid + n)
+        gid += n
+        (root / f"s{k}.bin").write_bytes(a.tobytes())
+    return [f"s{k}.bin" for k in range(len(sizes))]
+
+
+def _stream(root: Path, names: list[str], workers: int) -> StatefulDataLoader:
+    ts = TokenStream(str(root), names, seq_len=4, dtype="uint32", block=3)
+    return StatefulDataLoader(ts, batch_size=2, num_workers=workers)
+
+
+@pytest.mark.parametrize(("workers", "restore_workers"), [(2, 2), (2, 0)], ids=["same", "elastic"])
+def test_a_token_stream_stores_its_shared_counts_once_per_job(tmp_path, workers, restore_workers):
+    sizes = [7, 3, 12, 5, 9, 1, 6]
+    names = _shards(tmp_path / "shards", sizes)
+    data = _stream(tmp_path / "shards", names, workers)
+    it = iter(data)
+    seen = [int(x[0]) for _ in range(3) for x in next(it)]
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(7, model=nn.Linear(2, 2), dataloader=data)
+    del it
+    meta, rows = _rows(tmp_path / "run" / "step_00000007")
+    job = meta["dataloader"]["job_position"]
+    assert job["shards"] == names and job["base"] == [0] * 7 and job["sizes"] == [16 * n for n in sizes]
+    parts = TokenStream.find_states(rows[0])
+    assert len(parts) == workers and all(set(p) == {TS_MARK, "slot", "progress", "job"} for p in parts)
+    fresh = _stream(tmp_path / "shards", names, restore_workers)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        assert mgr.restore(model=nn.Linear(2, 2), dataloader=fresh) == 7
+    rest = [int(x[0]) for b in fresh for x in b]
+    assert sorted(seen + rest) == list(range(sum(sizes))), "no sequence twice, none skipped"
+
+
+def test_a_token_streams_record_must_be_the_one_its_readers_were_split_from(tmp_path):
+    names = _shards(tmp_path / "shards", [7, 3, 12])
+    data = _stream(tmp_path / "shards", names, 0)
+    it = iter(data)
+    next(it)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(7, model=nn.Linear(2, 2), dataloader=data)
+    step = tmp_path / "run" / "step_00000007"
+    for edit, error, match in (
+        (_set_job("job_position.base", [1, 0, 0]), TopologyChangeError, "not split from the job's record"),
+        (_set_job("job_position.base", [0, 0]), CorruptCheckpointError, "base must be 3 integers"),
+        (_set_job("job_position.shards", ["a", "b", "c"]), CheckpointError, "differs from the saved one"),
+        (lambda dl: dl.pop("job_position"), CorruptCheckpointError, "no job-level record"),
+    ):
+        good = (step / "manifest.json").read_bytes()
+        _edit_job(step, edit)
+        for workers in (0, 1):  # the same topology, and another worker count (elastic)
+            with CheckpointManager(tmp_path / "run", async_save=False) as mgr, pytest.raises(error, match=match):
+                mgr.restore(model=nn.Linear(2, 2), dataloader=_stream(tmp_path / "shards", names, workers))
+        (step / "manifest.json").write_bytes(good)
+
+
+def test_a_token_streams_saved_state_grows_with_shards_once_per_job_not_per_reader():
+    """1,024 simulated ranks of 4 readers over 4,096 shards, each reader part way through its
+    own shards: the commit record holds the names, base counts and sizes once; a row holds its
+    readers' own counts. Unsplit, every reader carried every shard's counts (ranks x workers x
+    shards: about 300 MB here)."""
+    ranks, workers, shards = 1024, 4, 4096
+    names = [f"shard-{k:05d}.bin" for k in range(shards)]
+    stream = TokenStream("/nonexistent", names, seq_len=4, dtype="uint32", num_replicas=ranks, rank=0)
+    base = {TS_MARK: 1, "shards": names, "seq_len": 4, "dtype": "uint32", "base": [0] * shards}
+    rows, job = [], None
+    for r in (0, 511, 1023):  # the split of three ranks' states, as a save makes it on each
+        readers = [
+            {**base, "slot": [r, w, ranks, workers], "progress": {str(r * workers + w): 5}, "sizes": [4096] * shards}
+            for w in range(workers)
+        ]
+        row_state, j = TokenStream.split_job_state({"_snapshot": {"_worker_snapshots": readers}})
+        job = job or j
+        rows.append(row_state)
+    record = len(json.dumps(job).encode())
+    per_row = max(len(pickle.dumps(r, protocol=2)) for r in rows)
+    print(f"token stream: job-level record {record} B ({record / shards:.1f} B a shard), a row's readers {per_row} B")
+    assert record <= shards * (len(names[0]) + 4 + 2 + 8) + 200, "once: the names, base and sizes"
+    assert per_row <= workers * 140, "a row holds its readers' own counts, no per-shard list"
+    whole = len(pickle.dumps(readers, protocol=2))
+    assert whole > 100 * per_row, "unsplit, a row carried every shard's counts"
+    joined = [stream.join_job_state(r, json.loads(json.dumps(job))) for r in rows]
+    assert all(
+        p["base"] == [0] * shards and p["sizes"] == [4096] * shards for r in joined for p in stream.find_states(r)
+    )
