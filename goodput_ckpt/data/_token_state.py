@@ -219,7 +219,8 @@ def _check_job(job: Any, mark: str, version: int, identity: dict[str, Any], wher
             f"{where}: the job-level TokenStream record must be an object of {sorted(_JOB_KEYS)}", key="dataloader"
         )
     check_token_identity({**job, mark: version}, mark, version, identity, where)
-    if not _plain_ints(job["base"]) or len(job["base"]) != len(identity["shards"]):
+    base = job["base"]
+    if not isinstance(base, list) or len(base) != len(identity["shards"]) or not _plain_ints(base):
         raise CorruptCheckpointError(
             f"{where}: the job-level TokenStream record's base must be {len(identity['shards'])} integers",
             key="dataloader",
