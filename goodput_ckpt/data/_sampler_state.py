@@ -60,6 +60,8 @@ MAX_STEPS = 1 << 62
 #: The keys of a row's part and of the job-level record: nothing else is accepted.
 _ROW_KEYS = frozenset({MARK, "rank", "consumed", "job"})
 _IDENTITY = ("seed", "n", "shuffle", "drop_last")
+#: The key under which ``StatefulDataLoader`` keeps its sampler iterator's state.
+_TOP = "_sampler_iter_state"
 _JOB_KEYS = frozenset({MARK, *_IDENTITY, "world_size", "position"})
 
 
@@ -163,7 +165,13 @@ def join_job_state(s: ElasticSampler, loader_state: Any, job: Any, *, where: str
         TopologyChangeError: the row was split from another record (its rank was not in step
             with the coordinator's, or the row is another save's).
     """
-    rows = [d for d in find_marked(loader_state, MARK, where) if d.get(MARK) == ROW_VERSION]
+    top = loader_state.get(_TOP) if isinstance(loader_state, dict) else None
+    if isinstance(top, dict) and top.get(MARK) is not None:
+        # Where StatefulDataLoader keeps it: no walk (a second sampler state elsewhere is
+        # refused by find_state, which every use of the joined state runs).
+        rows = [top] if top.get(MARK) == ROW_VERSION else []
+    else:
+        rows = [d for d in find_marked(loader_state, MARK, where) if d.get(MARK) == ROW_VERSION]
     if not rows:
         return loader_state
     if job is None:

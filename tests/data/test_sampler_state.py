@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.data.sampler import MARK
-from goodput_ckpt.errors import TopologyChangeError
+from goodput_ckpt.errors import CheckpointError, TopologyChangeError
 
 
 def _live_state(workers: int) -> tuple[dict, ElasticSampler]:
@@ -47,3 +47,11 @@ def test_a_state_a_restore_would_refuse_is_not_split():
     ElasticSampler.find_state(live)[0]["position"]["epoch"] = -1
     row, job = ElasticSampler.split_job_state(live)
     assert row is live and job is None, "kept whole in the row, where the restore refuses it by name"
+
+
+def test_a_second_sampler_part_in_a_row_is_refused_after_the_join():
+    live, s = _live_state(0)
+    row, job = ElasticSampler.split_job_state(live)
+    row["dataset_state"] = {"x": dict(ElasticSampler.find_state(row)[0])}  # a second part, nested
+    with pytest.raises(CheckpointError, match="2 ElasticSampler states"):
+        s.prepare_elastic_resume([s.join_job_state(row, job)], batch_size=2)
