@@ -36,6 +36,7 @@ class TokenPosition:
     _sizes: list[int] | None
 
     def lengths(self, store: Any = None) -> list[int]:
+        """Sequences per shard: :meth:`.tokens.TokenStream.lengths` (which overrides this)."""
         raise NotImplementedError
 
     def _identity(self) -> dict[str, Any]:
