@@ -6,6 +6,7 @@ that package gave."""
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import random
@@ -350,3 +351,19 @@ def test_a_token_streams_saved_state_grows_with_shards_once_per_job_not_per_read
     assert all(
         p["base"] == [0] * shards and p["sizes"] == [4096] * shards for r in joined for p in stream.find_states(r)
     )
+
+
+def test_a_token_stream_state_saved_whole_in_its_row_restores_as_before(tmp_path):
+    """Rows written before the split hold every reader's whole state: joined, they are unchanged,
+    and the elastic restore reads on from them."""
+    names = _shards(tmp_path / "shards", [7, 3, 12])
+    data = _stream(tmp_path / "shards", names, 2)
+    it = iter(data)
+    seen = [int(x[0]) for _ in range(3) for x in next(it)]
+    whole = copy.deepcopy(data.state_dict())
+    del it
+    fresh = TokenStream(str(tmp_path / "shards"), names, seq_len=4, dtype="uint32", block=3)
+    assert fresh.join_job_state(copy.deepcopy(whole), None) == whole
+    fresh.elastic_resume([whole])
+    rest = [int(x[0]) for x in fresh]
+    assert sorted(seen + rest) == list(range(22))
