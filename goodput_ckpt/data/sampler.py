@@ -18,8 +18,11 @@ Restores:
   exceptions) by their counts and leaves the pending samples to the next ``iter()``; the loader
   itself starts a fresh iterator.
 
-The saved state (version 2) is the record, the same on every rank, plus this rank's own count;
-version-1 states (a segment history) are still read, converted by :func:`.migrate.from_v1`.
+The iterator's saved state (version 2) is the record, the same on every rank, plus this rank's
+own count. A ``CheckpointManager`` save stores the record once per job, in its commit record, and
+each rank's row only its count (:mod:`._sampler_state`: :meth:`ElasticSampler.split_job_state`,
+:meth:`ElasticSampler.join_job_state`). Version-1 states (a segment history) are still read,
+converted by :func:`.migrate.from_v1`.
 """
 
 from __future__ import annotations
@@ -31,23 +34,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ..errors import CheckpointError, CorruptCheckpointError, TopologyChangeError
-from ..format.schema import MAX_WORLD_SIZE
-from ._marked import find_marked
-from ._saved import saved_int
+from ..errors import CheckpointError, TopologyChangeError
+from . import _sampler_state as saved
+from ._sampler_state import MARK, READS, VERSION, share_size
 from .global_position import GlobalPosition, OutOfStepError
-from .migrate import from_v1
-from .position import EpochPosition, epoch_order
+from .position import epoch_order
 
-__all__ = ["ElasticSampler"]
-
-#: Marks the iterator's state dict inside a loader's state, and names its version.
-MARK = "goodput_elastic_sampler"
-VERSION = 2
-#: Versions read: 1 (a segment history, converted on reading) and 2 (the global record).
-READS = (1, 2)
-#: Bound on a saved step count or batch size (they multiply: Python ints, so no overflow).
-_MAX_STEPS = 1 << 62
+__all__ = ["MARK", "READS", "VERSION", "ElasticSampler"]
 
 
 class ElasticSampler(Sampler[int]):
@@ -95,6 +88,8 @@ class ElasticSampler(Sampler[int]):
         #: position the loader applies to the next iterator unless ``set_epoch`` chose another.
         self._saved_epoch: int | None = None
         self._order: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)  # (n, epoch) -> permutation
+        #: The last job-level record joined (``join_job_state``), checked: (record, fields, digest).
+        self._joined: tuple[Any, dict, str] | None = None
 
     # -- the DistributedSampler interface ---------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -152,87 +147,26 @@ class ElasticSampler(Sampler[int]):
             CorruptCheckpointError: the state contains itself or nests too deeply, or its steps
                 since the snapshot are not a non-negative integer.
         """
-        found = find_marked(loader_state, MARK, what)
-        if not found:
-            return None
-        if len(found) > 1:
-            raise CheckpointError(f"{what} holds {len(found)} ElasticSampler states; expected one", key="dataloader")
-        since = loader_state.get("_steps_since_snapshot", 0) if isinstance(loader_state, dict) else 0
-        try:
-            return found[0], saved_int(since if since is not None else 0, 0, _MAX_STEPS, "_steps_since_snapshot")
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{what}: {e}", key="dataloader") from None
+        return saved.find_state(loader_state, what)
 
-    # -- reading a saved state: one validation for both restore paths ---------------------------
-    def _saved_position(self, st: dict, what: str, v1: list | None = None) -> tuple[GlobalPosition, int, int]:
-        """``(position, world_size, rank)`` of a saved iterator state, after its version and
-        identity, each checked (:meth:`.GlobalPosition.from_state`, world size and rank in range).
-        A version-1 position is checked and converted (:func:`.migrate.from_v1`, O(n)); ``v1``: a
-        one-entry cache ``[(saved, converted)]`` that the old ranks of one restore share: they
-        saved the same position (a segment history of up to 16 x W counts each), so one equal to
-        the one checked is not parsed again (equal values, so nothing unchecked is used).
-
-        Raises:
-            CheckpointError: an unknown version, or another sampler (seed, size, shuffle, drop_last).
-            TopologyChangeError: a version-1 position of ranks too far out of step for version 2.
-            CorruptCheckpointError: a malformed value, naming ``what`` and the field.
-        """
-        version = st.get(MARK)
-        if isinstance(version, bool) or version not in READS:
-            raise CheckpointError(
-                f"{what}: ElasticSampler state version {version!r:.40} is not supported (this "
-                f"goodput-ckpt reads {', '.join(map(str, READS))})",
-                version=version,
-            )
-        self._check_identity(st, what)
-        n = len(self.dataset)
-        try:
-            ws = saved_int(st.get("world_size"), 1, MAX_WORLD_SIZE, "world_size")
-            rank = saved_int(st.get("rank"), 0, ws - 1, "rank")
-            if version == VERSION:
-                return GlobalPosition.from_state(st.get("position"), n), ws, rank
-            raw = st.get("position")
-            if v1 and _same_v1(raw, v1[0][0]):
-                return v1[0][1], ws, rank
-            old = EpochPosition.from_state(raw, n)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
-        try:
-            pos = from_v1(old, n)
-        except OutOfStepError as e:
-            raise TopologyChangeError(f"{what}: a version-1 ElasticSampler position: {e}", key="dataloader") from None
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{what}: ElasticSampler position: {e}", key="dataloader") from None
-        if v1 is not None:
-            v1[:] = [(raw, pos)]
-        return pos, ws, rank
-
+    # -- the job-level record: what a save stores once per job (``_sampler_state``) -------------
     @staticmethod
-    def _saved_consumed(st: dict, since: int, batch_size: Any, share: int, what: str) -> int:
-        """The samples a saved rank consumed of its ``share``: ``consumed`` plus, when the loader
-        snapshots every few steps, the steps since its snapshot times the batch size (the last
-        batch of a share may be short, so that product may exceed the share by less than a
-        batch; never more). Without a recorded batch size (a loader with a ``batch_sampler``)
-        those steps are not counted, as before: the samples they read are read again.
+    def split_job_state(loader_state: Any) -> tuple[Any, dict | None]:
+        """``(what this rank's row keeps, the job-level record)`` of a live loader state: the
+        record (identity, world size, global position: a few hundred bytes at most) is the same
+        on every rank and is stored once per job; the row keeps this rank's rank and count.
+        ``CheckpointManager.save`` calls this (``state.dataloader.split_loader_state``)."""
+        return saved.split_job_state(loader_state)
+
+    def join_job_state(self, loader_state: Any, job: Any, *, where: str = "checkpoint") -> Any:
+        """A decoded row's state with its part joined to the job-level record ``job`` (read from
+        the commit record, checked here), in place; as it is when it holds no such part.
 
         Raises:
-            CorruptCheckpointError: a count that is not an integer in its range, or a batch size
-                that is not a positive integer.
+            CorruptCheckpointError, CheckpointError, TopologyChangeError: see
+                :func:`._sampler_state.join_job_state`.
         """
-        try:
-            if batch_size is not None:  # before anything multiplies by it
-                saved_int(batch_size, 1, _MAX_STEPS, "the metadata's batch_size")
-            consumed = saved_int(st.get("consumed"), 0, share, f"consumed (of a share of {share})")
-            saved_int(since, 0, share, f"_steps_since_snapshot (of a share of {share})")
-            total = consumed + since * (batch_size or 0)
-            if total > share + (batch_size or 1) - 1:
-                raise ValueError(
-                    f"consumed {consumed} + _steps_since_snapshot {since} x batch_size {batch_size} = "
-                    f"{total} samples, more than the share of {share} and a short last batch"
-                )
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{what}: ElasticSampler state: {e}", key="dataloader") from None
-        return min(total, share)
+        return saved.join_job_state(self, loader_state, job, where=where)
 
     def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
         """Before a same-topology restore applies ``loader_state`` (``CheckpointManager.restore``
@@ -249,15 +183,15 @@ class ElasticSampler(Sampler[int]):
         if got is None:
             return
         st, since = got
-        pos, ws, rank = self._saved_position(st, what)
+        pos, ws, rank = saved.saved_position(self, st, what)
         if (ws, rank) != (self.num_replicas, self.rank):
             raise TopologyChangeError(
                 f"{what}: an ElasticSampler state of rank {rank} of {ws} for rank {self.rank} of {self.num_replicas}",
                 path=where,
                 key="dataloader",
             )
-        share = _share(pos.pending_count(len(self.dataset)), ws, drop_last=self.drop_last)
-        self._saved_consumed(st, since, batch_size, share, what)
+        share = share_size(pos.pending_count(len(self.dataset)), ws, drop_last=self.drop_last)
+        saved.saved_consumed(st, since, batch_size, share, what)
 
     def adopt_saved_epoch(self, loader_state: Any) -> None:
         """After a same-topology restore: make ``epoch`` the saved one at once (the loader itself
@@ -265,10 +199,10 @@ class ElasticSampler(Sampler[int]):
         got = self.find_state(loader_state)
         if got is None:
             return
-        pos, _, _ = self._saved_position(got[0], "the dataloader state")
+        pos, _, _ = saved.saved_position(self, got[0], "the dataloader state")
         self._pending, self.epoch, self._saved_epoch = None, pos.epoch, pos.epoch
-        share = _share(pos.pending_count(len(self.dataset)), self.num_replicas, drop_last=self.drop_last)
-        consumed = self._saved_consumed(got[0], 0, None, share, "the dataloader state")
+        share = share_size(pos.pending_count(len(self.dataset)), self.num_replicas, drop_last=self.drop_last)
+        consumed = saved.saved_consumed(got[0], 0, None, share, "the dataloader state")
         if consumed >= share:
             # The save came after this rank's last sample of the epoch, and so after every
             # rank's (shares are equal and steps synchronous). The loader may start a fresh
@@ -305,20 +239,20 @@ class ElasticSampler(Sampler[int]):
         length = 0  # samples pending at ``base``
         by_rank: dict[int, int] = {}  # sampler rank -> samples consumed
         old_ws = None
-        v1: list = []  # a version-1 position, converted once
+        cache: dict = {}  # the position every old rank saved, parsed once
         for r, ls in enumerate(loader_states):
             what = f"{where}: the dataloader row of old rank {r}"
             got = self.find_state(ls, what)
             if got is None:
                 raise TopologyChangeError(f"{what} holds no ElasticSampler position", path=where, key="dataloader")
             st, since = got
-            pos, ws, rank = self._saved_position(st, what, v1)
+            pos, ws, rank = saved.saved_position(self, st, what, cache)
             if base is None:
                 base, length, old_ws = pos, pos.pending_count(len(self.dataset)), ws
             in_step = ws == old_ws and pos == base
             if in_step:  # counted against the share of its position: the one every rank saved
-                consumed = self._saved_consumed(
-                    st, since, batch_size, _share(length, ws, drop_last=self.drop_last), what
+                consumed = saved.saved_consumed(
+                    st, since, batch_size, share_size(length, ws, drop_last=self.drop_last), what
                 )
             if not in_step or by_rank.get(rank, consumed) != consumed:
                 raise TopologyChangeError(
@@ -357,27 +291,6 @@ class ElasticSampler(Sampler[int]):
             return note
 
         return apply
-
-
-def _share(length: int, world_size: int, *, drop_last: bool) -> int:
-    """How many of ``length`` pending samples each of ``world_size`` ranks reads (the size of
-    ``rank_share``, without building it)."""
-    return length // world_size if drop_last else -(-length // world_size)
-
-
-def _same_v1(raw: Any, checked: dict) -> bool:
-    """Whether a saved version-1 position equals one already checked (``checked``): its epoch and
-    segments, and its bitmap, a tensor equal to the checked one's (or both ``None``)."""
-    if not isinstance(raw, dict) or raw.get("epoch") != checked["epoch"] or raw.get("segments") != checked["segments"]:
-        return False
-    a, b = raw.get("done"), checked["done"]
-    return (a is None and b is None) or (
-        isinstance(a, torch.Tensor)
-        and b is not None
-        and a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a, b)
-    )
 
 
 class _ElasticIterator(Iterator[int]):
@@ -420,10 +333,10 @@ class _ElasticIterator(Iterator[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Same-topology restore through the loader (the elastic path goes through
         :meth:`ElasticSampler.elastic_resume` instead): checked as that path checks each old
-        rank's state (``ElasticSampler._saved_position``, ``_saved_consumed``)."""
+        rank's state (``_sampler_state.saved_position``, ``saved_consumed``)."""
         s = self.sampler
         what = "the dataloader state"
-        pos, ws, rank = s._saved_position(state, what)
+        pos, ws, rank = saved.saved_position(s, state, what)
         if (ws, rank) != (s.num_replicas, s.rank):
             raise TopologyChangeError(
                 f"ElasticSampler state of rank {rank} of {ws} loaded into "
@@ -434,6 +347,6 @@ class _ElasticIterator(Iterator[int]):
         if saved_epoch is not None and s.epoch != saved_epoch:
             return  # set_epoch chose another epoch since the restore: it starts from its beginning
         indices = s._positions(pos)
-        consumed = s._saved_consumed(state, 0, None, indices.numel(), what)
+        consumed = saved.saved_consumed(state, 0, None, indices.numel(), what)
         s.epoch = pos.epoch
         self._set(pos, consumed, indices)

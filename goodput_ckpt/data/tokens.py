@@ -18,17 +18,20 @@ is always a prefix.
 
 **State.** Each worker's ``state_dict()`` (taken by ``StatefulDataLoader`` with every yielded
 batch, so prefetched batches are not counted) holds the per-shard counts at the start of the
-stretch (``base``) and how far it got in its own shards (``progress``), and each shard's size,
-so that a shard replaced under its name is refused (:mod:`._token_state`). Same topology: the loader
+stretch (``base``), how far it got in its own shards (``progress``), and each shard's size, so
+that a shard replaced under its name is refused (:mod:`._token_state`). Same topology: the loader
 hands each worker its own state back. Another world size or worker count: the manager's restore
 hands every old rank's loader state to :meth:`TokenStream.elastic_resume`, which takes, per shard,
 the furthest count any old reader reached, as the new ``base``; the new (rank, worker) pairs then
 split the unfinished shards. No sequence is read twice, none is skipped.
 
-What the state costs (not fixed, unlike ``ElasticSampler``'s record): each reader's state holds
-the shard names, every shard's base count and size, and its own shards' counts, about 18 bytes
-per shard pickled; a job saves ``ranks x workers`` of them, and an elastic restore decodes them
-all on every rank (docs/manager.md, *Token streams*). It does not grow with restarts.
+What the state costs: a reader's ``state_dict()`` holds the shard names, every shard's base count
+and size (about 18 bytes per shard pickled, plus the names) and its own shards' counts. A
+``CheckpointManager`` save stores what every reader shares once per job, in the commit record
+(JSON: the names, plus about 17 bytes per shard), and each reader's row keeps only its own
+shards' counts (about 10 bytes per shard it reads) and a digest (:mod:`._token_state`): the
+job's loader state is O(shards + readers), not O(ranks x workers x shards), and does not grow
+with restarts. An elastic restore checks the shared part once, then each reader's own counts.
 
 Keep ``snapshot_every_n_steps`` at 1 (the default): with larger values the loader's worker
 snapshots lag, and an elastic restore would read a few sequences again.
@@ -36,7 +39,7 @@ snapshots lag, and an elastic restore would read a few sequences again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,16 +48,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import CheckpointError, TopologyChangeError
+from ..errors import CheckpointError
 from ..storage import open_store
 from ._blocks import BlockPool, Buffer, read_blocks
-from ._marked import find_marked
-from ._token_state import check_token_identity, checked_token_counts
+from ._token_position import MARK, VERSION, TokenPosition
 
-__all__ = ["TokenStream"]
+__all__ = ["MARK", "VERSION", "TokenStream"]
 
-MARK = "goodput_token_stream"
-VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: Default bytes per read block. On S3, 2 MiB requests reached half the throughput of one
 #: streaming read and 8 MiB about all of it.
@@ -86,7 +86,7 @@ _LOCAL_READ_AHEAD = 4
 _BLOCKS_PER_REQUEST = 2
 
 
-class TokenStream(IterableDataset):
+class TokenStream(TokenPosition, IterableDataset):
     """Sequences of ``seq_len`` tokens from ``shards`` (names under ``root``), as ``torch.uint16``
     or ``torch.uint32`` tensors: one ``(seq_len,)`` tensor per sequence, or with ``batch_size``
     one ``(batch_size, seq_len)`` tensor per batch (use it with ``DataLoader(batch_size=None)``:
@@ -316,109 +316,3 @@ class TokenStream(IterableDataset):
             rows = buf = None  # the pool may refill the block once the caller lets go too
         if parts:
             yield joined()
-
-    # -- state -------------------------------------------------------------------------------
-    def _identity(self) -> dict[str, Any]:
-        return {"shards": list(self.shards), "seq_len": self.seq_len, "dtype": self.dtype}
-
-    def state_dict(self) -> dict[str, Any]:
-        progress = dict(self._progress)
-        if self._live is not None:
-            i, start, step, n, it = self._live
-            progress[i] = start + (n - it.__length_hint__()) * step
-        return {
-            MARK: VERSION,
-            **self._identity(),
-            "slot": list(self._slot),
-            "base": list(self._base),
-            "progress": {str(i): c for i, c in progress.items()},
-            # What the counts were taken of: a shard replaced under its name is refused by it.
-            **({"sizes": list(self._sizes)} if self._sizes is not None else {}),
-        }
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (into loader workers) without the block being yielded from: its count is
-        folded in, its views are not sent."""
-        state = self.__dict__.copy()
-        if self._live is not None:
-            state["_progress"] = {int(k): v for k, v in self.state_dict()["progress"].items()}
-            state["_live"] = None
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Same-topology restore (through the loader, inside each worker)."""
-        self._base, self._progress = self._saved(state, "the dataloader state")
-        self._live = None
-
-    def _saved(self, state: Any, what: str) -> tuple[list[int], dict[int, int]]:
-        """A saved state's ``(base, progress)``, after its identity, and every count checked
-        against the shards as they are now (:mod:`._token_state`); one check for both restore
-        paths."""
-        check_token_identity(state, MARK, VERSION, self._identity(), what)
-        lengths = self.lengths()
-        assert self._sizes is not None
-        return checked_token_counts(state, self.shards, lengths, self._sizes, what)
-
-    @staticmethod
-    def find_states(loader_state: Any, what: str = "the dataloader state") -> list[dict]:
-        """Every TokenStream state inside a decoded loader state (one per worker), found by a bounded walk."""
-        return find_marked(loader_state, MARK, what)
-
-    def check_saved_state(self, loader_state: Any, *, batch_size: Any = None, where: str = "checkpoint") -> None:
-        """Before a same-topology restore applies ``loader_state`` (``CheckpointManager.restore``
-        calls this in the load's read phase, so a bad row fails every rank; ``where`` names the
-        location and the row): every TokenStream state in it checked as
-        :meth:`load_state_dict` will check it in the workers.
-
-        Raises:
-            CorruptCheckpointError, CheckpointError: see :mod:`._token_state`.
-        """
-        del batch_size  # counts are per sequence
-        what = where  # the manager names the location and the row
-        for st in self.find_states(loader_state, what):
-            self._saved(st, what)
-
-    def elastic_resume(
-        self, loader_states: list[Any], *, batch_size: int | None = None, where: str = "checkpoint"
-    ) -> str:
-        """Take up the per-shard counts of all old ranks' readers (module docstring; checked and
-        merged by :meth:`prepare_elastic_resume`); the next ``iter()`` deals the unfinished shards."""
-        return self.prepare_elastic_resume(loader_states, batch_size=batch_size, where=where)()
-
-    def prepare_elastic_resume(
-        self, loader_states: list[Any], *, batch_size: Any = None, where: str = "checkpoint"
-    ) -> Callable[[], str]:
-        """Check every old rank's states and merge their counts, changing nothing; returns the
-        function that applies them (and returns the note).
-
-        Raises:
-            TopologyChangeError: no old rank saved a TokenStream state.
-            CorruptCheckpointError, CheckpointError: see :mod:`._token_state`, naming the old
-                rank's row.
-        """
-        del batch_size  # counts are per sequence, exact whatever the batch size
-        consumed = [0] * len(self.shards)
-        found = 0
-        for r, ls in enumerate(loader_states):
-            what = f"{where}: the dataloader row of old rank {r}"
-            for st in self.find_states(ls, what):
-                base, progress = self._saved(st, what)
-                found += 1
-                for i, c in enumerate(base):
-                    consumed[i] = max(consumed[i], c)
-                for i, c in progress.items():
-                    consumed[i] = max(consumed[i], c)
-        if not found:
-            raise TopologyChangeError(f"{where}: the dataloader states hold no TokenStream state", path=where)
-        lengths = self.lengths()
-        note = (
-            f"token stream taken up elastically: {sum(consumed)} of {sum(lengths)} sequences read, "
-            f"{sum(c < n for c, n in zip(consumed, lengths))} unfinished shard(s) dealt over "
-            f"{self.num_replicas} rank(s)"
-        )
-
-        def apply() -> str:
-            self._base, self._progress, self._live = consumed, {}, None
-            return note
-
-        return apply

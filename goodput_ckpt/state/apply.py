@@ -30,7 +30,7 @@ import torch
 
 from .bundle import RestorePlan
 from .bundle.meta import MODEL, OPTIMIZER
-from .dataloader import AdoptsSavedEpoch, PreparesElasticResume, elastic_sampler_of
+from .dataloader import AdoptsSavedEpoch, PreparesElasticResume, SplitsJobState, elastic_sampler_of
 from .per_rank import DATALOADER, RNG, checked_rng, decode_own_loader_state, old_loader_states
 from .rng import derive_rng, restore_rng
 
@@ -65,10 +65,15 @@ def split_dest(plan: RestorePlan) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _decode_elastic_loader(plan: RestorePlan, out: DecodedState) -> None:
-    """Elastic: every old rank's state, checked into the position that applies them."""
+    """Elastic: every old rank's state, joined to the job-level record where it was split from
+    one, and checked into the position that applies them."""
     holder = elastic_sampler_of(plan.dataloader)
     assert holder is not None  # plan_restore planned an elastic loader only for a loader with one
-    out.old_loader_states = states = old_loader_states(plan.elastic_blobs)
+    states = old_loader_states(plan.elastic_blobs)
+    if isinstance(holder, SplitsJobState):
+        where = f"{plan.where}: the dataloader row of old rank "
+        states = [holder.join_job_state(st, plan.loader_job, where=f"{where}{r}") for r, st in enumerate(states)]
+    out.old_loader_states = states
     if isinstance(holder, PreparesElasticResume):
         out.resume = holder.prepare_elastic_resume(states, batch_size=plan.saved_batch_size, where=plan.where)
     else:  # a holder of another kind: it checks when it applies

@@ -19,8 +19,17 @@ sampler (:func:`elastic_sampler_of`); the coordinator reads them and shares thei
 other ranks (``state.loader_share``). The sampler is found by its methods, because
 ``data/`` sits beside ``state/`` and neither imports the other: :class:`ElasticPositionHolder`
 is the contract it meets (structural typing, a ``typing.Protocol``), and
-:class:`PreparesElasticResume`, :class:`ChecksSavedState` and :class:`AdoptsSavedEpoch` the
-optional parts a restore uses when the holder has them.
+:class:`PreparesElasticResume`, :class:`ChecksSavedState`, :class:`AdoptsSavedEpoch` and
+:class:`SplitsJobState` the optional parts a save and a restore use when the holder has them.
+
+**State stored once per job.** Part of a holder's state is the same on every rank (the
+``ElasticSampler``'s global record). A holder with :class:`SplitsJobState` splits it off at save
+time (:func:`split_loader_state`): each rank's row keeps the rest, and the shared part, JSON of a
+few hundred bytes at most, goes into the training-state metadata as
+``dataloader.job_position`` (:data:`JOB_POSITION`): every rank writes it, the coordinator's is
+the one committed, so the checkpoint holds it once, in the commit record of the very step whose
+rows it belongs to. A restore joins it back into each row it decodes before anything reads it
+(the holder checks that the row was split from that record).
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ from ..engine.untrusted_load import check_inflation, walk_state
 from ..errors import CheckpointError
 
 __all__ = [
+    "JOB_POSITION",
     "ROW_HEADER",
     "AdoptsSavedEpoch",
     "ChecksSavedState",
     "ElasticPositionHolder",
     "PreparesElasticResume",
+    "SplitsJobState",
     "check_dataloader",
     "decode_dataloader_row",
     "decode_dataloader_state",
@@ -47,10 +58,14 @@ __all__ = [
     "elastic_sampler_of",
     "encode_dataloader_row",
     "encode_dataloader_state",
+    "split_loader_state",
 ]
 
 #: Bytes before the blob in a row: its length, uint64 little-endian.
 ROW_HEADER = 8
+#: The key, in the training-state metadata's ``dataloader`` object, of the job-level part of the
+#: loader's state (:class:`SplitsJobState`).
+JOB_POSITION = "job_position"
 
 
 @runtime_checkable
@@ -91,6 +106,18 @@ class AdoptsSavedEpoch(Protocol):
     def adopt_saved_epoch(self, loader_state: Any) -> None: ...
 
 
+@runtime_checkable
+class SplitsJobState(Protocol):
+    """Optional: stores the part of its state that every rank shares once per job (module doc).
+    ``split_job_state`` returns ``(row state, JSON record or None)`` without changing the live
+    state; ``join_job_state`` joins a decoded row (the caller's to change) and the record read
+    back (unchecked: it checks it, and that the row was split from it)."""
+
+    def split_job_state(self, loader_state: Any) -> tuple[Any, Any]: ...
+
+    def join_job_state(self, loader_state: Any, job: Any, *, where: str = "checkpoint") -> Any: ...
+
+
 def elastic_sampler_of(loader: Any) -> ElasticPositionHolder | None:
     """The loader's elastic position holder, or ``None``: its sampler (``ElasticSampler``, as
     ``loader.sampler`` or ``loader.batch_sampler.sampler``) or its dataset (``TokenStream``), the
@@ -124,13 +151,26 @@ def describe_dataloader(loader: Any) -> dict[str, Any]:
     return out
 
 
-def encode_dataloader_state(loader: Any, *, key: str) -> torch.Tensor:
-    """Serialize ``loader.state_dict()`` into a ``uint8`` tensor that loads with weights_only.
+def split_loader_state(loader: Any) -> tuple[Any, Any]:
+    """``(what this rank's row stores, the job-level record or None)`` of ``loader.state_dict()``:
+    split by the loader's position holder when it can (:class:`SplitsJobState`), else the whole
+    state and ``None``."""
+    state = loader.state_dict()
+    holder = elastic_sampler_of(loader)
+    if isinstance(holder, SplitsJobState):
+        return holder.split_job_state(state)
+    return state, None
+
+
+def encode_dataloader_state(loader: Any, *, key: str, state: Any = None) -> torch.Tensor:
+    """Serialize ``state`` (default: ``loader.state_dict()``) into a ``uint8`` tensor that loads
+    with weights_only.
 
     Raises:
         CheckpointError: the state holds objects that ``torch.load(weights_only=True)`` refuses.
     """
-    state = loader.state_dict()
+    if state is None:
+        state = loader.state_dict()
     buf = io.BytesIO()
     torch.save(state, buf)
     raw = buf.getvalue()
@@ -172,10 +212,10 @@ def decode_dataloader_state(blob: torch.Tensor, *, key: str) -> Any:
     return state
 
 
-def encode_dataloader_row(loader: Any, *, key: str) -> torch.Tensor:
+def encode_dataloader_row(loader: Any, *, key: str, state: Any = None) -> torch.Tensor:
     """:func:`encode_dataloader_state` as a ``uint8[1, 8 + n]`` row: the blob's length, then the
     blob. The save may pad it with zeros to the widest rank's row (``dcp.rank_rows``)."""
-    blob = encode_dataloader_state(loader, key=key)
+    blob = encode_dataloader_state(loader, key=key, state=state)
     row = torch.empty((1, ROW_HEADER + blob.numel()), dtype=torch.uint8)
     row[0, :ROW_HEADER] = torch.frombuffer(bytearray(blob.numel().to_bytes(ROW_HEADER, "little")), dtype=torch.uint8)
     row[0, ROW_HEADER:] = blob

@@ -97,7 +97,7 @@ def rng_row(width: int, rank: int, world_size: int, layout: RngLayout, where: st
     return own_row(width, rank, world_size, decode=lambda row: checked_rng({ROWS: row}, layout, where))
 
 
-def loader_row(width: int, rank: int, world_size: int, check: Callable[[Any], None] | None = None) -> RankRow:
+def loader_row(width: int, rank: int, world_size: int, check: Callable[[Any], Any] | None = None) -> RankRow:
     """This rank's dataloader row, decoded and checked (:func:`decode_own_loader_state`) as soon
     as the load has filled it: a bad one fails the load on every rank."""
     return own_row(width, rank, world_size, decode=lambda row: decode_own_loader_state({ROWS: row}, check))
@@ -157,9 +157,10 @@ def checked_rng(filled: dict[str, Any], layout: RngLayout | None, where: str) ->
     return state
 
 
-def decode_own_loader_state(filled: dict[str, Any], check: Callable[[Any], None] | None = None) -> Any:
+def decode_own_loader_state(filled: dict[str, Any], check: Callable[[Any], Any] | None = None) -> Any:
     """This rank's dataloader state, from what DCP filled (its row, or schema 1's blob), passed
-    to ``check`` (the loader's position holder checks its saved position: ``plan_restore``)."""
+    through ``check`` (the loader's position holder joins it to the job-level record and checks
+    its saved position, returning the state to apply: ``plan_restore``)."""
     ((name, blob),) = filled.items()
     if isinstance(blob, RankRow) and blob.decoded is not None:
         return blob.decoded  # decoded and checked in the load's read phase
@@ -167,9 +168,7 @@ def decode_own_loader_state(filled: dict[str, Any], check: Callable[[Any], None]
         state = decode_dataloader_row(blob.row, key=f"{DATALOADER}.{ROWS}[{blob.rank}]")
     else:
         state = decode_dataloader_state(blob, key=f"{DATALOADER}.{name}")
-    if check is not None:
-        check(state)
-    return state
+    return state if check is None else check(state)
 
 
 def old_loader_states(blobs: dict[str, torch.Tensor]) -> list[Any]:

@@ -36,6 +36,7 @@ from goodput_ckpt import CheckpointManager, CheckpointReader
 from goodput_ckpt.data import ElasticSampler
 from goodput_ckpt.engine.manifest_load import load_manifest
 from goodput_ckpt.format.dcp_metadata import torch_dtype
+from goodput_ckpt.state import META_KEY
 from goodput_ckpt.state.dataloader import decode_dataloader_row
 from goodput_ckpt.storage import open_store
 
@@ -132,6 +133,8 @@ def _expected_positions(uri: str, url: str, ws: int) -> list[list[int]]:
     for rank in range(ws):
         states = [decode_dataloader_row(row, key=f"row {r}") for r, row in enumerate(dest["dataloader"]["rows"])]
         loader, s = _loader(ws, rank, batch=2)
+        job = manifest.metadata[META_KEY]["dataloader"]["job_position"]  # the record, once per job
+        states = [s.join_job_state(st, job) for st in states]
         s.elastic_resume(states, batch_size=2)
         loader.load_state_dict({})
         out.append(_ids(loader))

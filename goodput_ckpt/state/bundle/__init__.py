@@ -26,9 +26,11 @@ objects. ``extra`` is the user's JSON.
 Elastic loaders (``goodput_ckpt.data.ElasticSampler`` as sampler, ``TokenStream`` as dataset)
 are the exception: their per-rank blobs together hold a global data position, so a restore under
 another topology hands *every* old rank's blob to the loader's position holder, and re-derives
-the RNG (``state.rng``) instead of refusing. Only the coordinator (rank 0 of the checkpoint
-group) reads those blobs from storage; the others receive their bytes from it
-(:mod:`..loader_share`): W_old reads per restore instead of W_old x W_new.
+the RNG (``state.rng``) instead of refusing. What their states share on every rank is stored
+once per job, in the metadata (``dataloader.job_position``), not in every row; a restore joins
+each row it decodes to it (``state.dataloader``, *State stored once per job*). Only the
+coordinator (rank 0 of the checkpoint group) reads those blobs from storage; the others receive
+their bytes from it (:mod:`..loader_share`): W_old reads per restore instead of W_old x W_new.
 
 The package, one job per module: :mod:`.meta` (names, the schema, the metadata check),
 :mod:`.save` (the save's state dict), :mod:`.plan` (``RestorePlan`` and :func:`plan_restore`,

@@ -52,9 +52,13 @@ class RestorePlan:
     #: The batch size the saved loader recorded (metadata, unchecked: the position holder checks
     #: it before it multiplies anything by it).
     saved_batch_size: Any = None
-    #: Same topology: checks this rank's decoded loader state before anything is applied (its
-    #: position holder's ``check_saved_state``; schema 2 runs it in DCP's read phase already).
-    loader_check: Callable[[Any], None] | None = None
+    #: The job-level part of the loader states (``dataloader.job_position`` in the metadata,
+    #: unchecked: the position holder's ``join_job_state`` checks it), or ``None``.
+    loader_job: Any = None
+    #: Same topology: joins this rank's decoded loader state to ``loader_job`` and checks it
+    #: (its position holder's ``join_job_state`` and ``check_saved_state``) before anything is
+    #: applied, returning the state to apply; schema 2 runs it in DCP's read phase already.
+    loader_check: Callable[[Any], Any] | None = None
     where: str = ""
     #: Topology change: (base seed, step, new rank) this rank's generators are re-derived from.
     rederive_rng: tuple[int, int, int] | None = None

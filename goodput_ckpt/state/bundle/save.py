@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...dcp.rank_rows import RankRow
-from ..dataloader import check_dataloader, describe_dataloader, encode_dataloader_row
+from ..dataloader import JOB_POSITION, check_dataloader, describe_dataloader, encode_dataloader_row, split_loader_state
 from ..modules import ModelSet, tied_keys
 from ..per_rank import DATALOADER, RNG, ROWS
 from ..rng import capture_rng, describe_rng, pack_rng, rng_layout
@@ -63,9 +63,13 @@ def build_save_state(
         meta["rng"] = describe_rng(rng, layout)
     if dataloader is not None:
         check_dataloader(dataloader)
-        row = encode_dataloader_row(dataloader, key=f"{DATALOADER}.{ROWS}")
+        # The part every rank shares goes into the metadata, which the coordinator commits: once per job.
+        row_state, job = split_loader_state(dataloader)
+        row = encode_dataloader_row(dataloader, key=f"{DATALOADER}.{ROWS}", state=row_state)
         state[DATALOADER] = {ROWS: RankRow(row, topology.rank, topology.world_size, widen=True)}
         meta["dataloader"] = describe_dataloader(dataloader)
+        if job is not None:
+            meta["dataloader"][JOB_POSITION] = job
     for name, obj in stateful.items():
         state[name] = obj.state_dict()
     meta["sections"] = list(state)

@@ -16,7 +16,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...format.manifest import Manifest
-from ..dataloader import ChecksSavedState, check_dataloader, elastic_sampler_of
+from ..dataloader import JOB_POSITION, ChecksSavedState, SplitsJobState, check_dataloader, elastic_sampler_of
 from ..modules import ModelSet
 from ..optim_state import saved_states
 from ..per_rank import (
@@ -150,15 +150,26 @@ def loader_to_restore(plan: RestorePlan, meta: dict[str, Any], dataloader: Any) 
     return dataloader
 
 
-def _position_check(plan: RestorePlan, dataloader: Any, rank: int) -> Callable[[Any], None] | None:
-    """The check of ``rank``'s saved position by the loader's holder (``ElasticSampler``,
-    ``TokenStream``), or ``None``; reads ``plan.saved_batch_size`` when it runs."""
+def _position_check(plan: RestorePlan, dataloader: Any, rank: int) -> Callable[[Any], Any] | None:
+    """What makes ``rank``'s decoded loader state the one to apply: joined to the job-level
+    record (``plan.loader_job``) and checked by the loader's position holder (``ElasticSampler``,
+    ``TokenStream``), each when the holder can; ``None`` when it can neither. Reads
+    ``plan.loader_job`` and ``plan.saved_batch_size`` when it runs."""
     holder = elastic_sampler_of(dataloader)
-    if not isinstance(holder, ChecksSavedState):
+    join = holder.join_job_state if isinstance(holder, SplitsJobState) else None
+    check = holder.check_saved_state if isinstance(holder, ChecksSavedState) else None
+    if join is None and check is None:
         return None
-    check = holder.check_saved_state
     where = f"{plan.where}: the dataloader row of rank {rank}"
-    return lambda state: check(state, batch_size=plan.saved_batch_size, where=where)
+
+    def prepare(state: Any) -> Any:
+        if join is not None:
+            state = join(state, plan.loader_job, where=where)
+        if check is not None:
+            check(state, batch_size=plan.saved_batch_size, where=where)
+        return state
+
+    return prepare
 
 
 def plan_loader(
@@ -172,6 +183,7 @@ def plan_loader(
     """
     where = plan.where
     plan.saved_batch_size = meta["dataloader"].get("batch_size")
+    plan.loader_job = meta["dataloader"].get(JOB_POSITION)
     plan.loader_check = _position_check(plan, dataloader, topology.rank)
     if meta["schema"] == 1:
         rk = rank_key(topology.rank)
@@ -206,3 +218,4 @@ def plan_elastic_loader(
         plan.dest[DATALOADER] = plan.elastic_blobs
     plan.dataloader = dataloader
     plan.saved_batch_size = meta["dataloader"].get("batch_size")
+    plan.loader_job = meta["dataloader"].get(JOB_POSITION)
