@@ -27,7 +27,7 @@ from ..format.dcp_metadata import StoredRange, torch_dtype
 from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
 from .tensor_bytes import byte_view
 
-__all__ = ["ObjectJob", "TensorJob", "decode_object", "finish", "item_request"]
+__all__ = ["ObjectJob", "TensorJob", "decode_object", "finish", "item_request", "load_value"]
 
 
 @dataclass(eq=False)
@@ -131,22 +131,39 @@ def decode_object(key: str, raw: bytes, trust_pickle: bool) -> io.BytesIO:
         CheckpointError: the value inflates past the guard, or ``weights_only`` refuses it
             (naming why, and the ``trust_pickle=True`` opt-in).
     """
-    check_inflation(raw, f"value {key!r}", key=key)
     if trust_pickle:
+        check_inflation(raw, f"value {key!r}", key=key)
         return io.BytesIO(raw)
-    try:
-        obj = torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - the unpickler raises many types
-        raise CheckpointError(
-            f"value {key!r} cannot be loaded safely with weights_only=True "
-            f"({weights_only_refusal(e)}). If you trust this checkpoint, pass "
-            "CheckpointReader(..., trust_pickle=True).",
-            key=key,
-        ) from None
+    obj = load_value(raw, key, trust_pickle=False, opt_in="CheckpointReader(..., trust_pickle=True)")
     out = io.BytesIO()
     torch.save(obj, out)
     out.seek(0)
     return out
+
+
+def load_value(raw: bytes, key: str, *, trust_pickle: bool, opt_in: str, map_location: Any = None) -> Any:
+    """A stored ``torch.save`` value, decoded with ``torch.load(weights_only=True)`` unless the
+    caller trusts the checkpoint: the one rule for the reader and the converters' goodput source.
+
+    Args:
+        opt_in: how the caller's user trusts a checkpoint, named in the refusal (an argument, a
+            command-line flag).
+
+    Raises:
+        CheckpointError: the value inflates past the guard, ``weights_only`` refuses it (naming
+            why and ``opt_in``), or, trusted, it cannot be unpickled at all.
+    """
+    check_inflation(raw, f"value {key!r}", key=key)
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=not trust_pickle, map_location=map_location)
+    except Exception as e:  # noqa: BLE001 - the unpickler raises many types
+        if trust_pickle:
+            raise CheckpointError(f"value {key!r} cannot be decoded: {type(e).__name__}: {e}", key=key) from e
+        raise CheckpointError(
+            f"value {key!r} cannot be loaded safely with weights_only=True "
+            f"({weights_only_refusal(e)}). If you trust this checkpoint, pass {opt_in}.",
+            key=key,
+        ) from None
 
 
 def c_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from ...dcp.read_items import load_value
 from ...engine.manifest_load import load_manifest
-from ...engine.untrusted_load import check_inflation, weights_only_refusal
-from ...errors import CheckpointError, IncompleteCheckpointError
+from ...errors import IncompleteCheckpointError
 from ...format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
 from ...format.dcp_metadata import torch_dtype
 from ...format.manifest import Manifest, TensorEntry
@@ -148,19 +148,11 @@ class GoodputSource(Source):
 
 
 def decode_torch_save(raw: bytes, key: str, trust_pickle: bool) -> Any:
-    """Decode a ``torch.save`` value with ``weights_only=True`` unless ``trust_pickle``."""
-    check_inflation(raw, f"value {key!r}", key=key)
-    try:
-        return torch.load(io.BytesIO(raw), weights_only=not trust_pickle, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - the unpickler raises many types
-        if trust_pickle:
-            raise CheckpointError(f"value {key!r} cannot be decoded: {type(e).__name__}: {e}", key=key) from e
-        raise CheckpointError(
-            f"value {key!r} cannot be loaded safely with weights_only=True ({weights_only_refusal(e)}). "
-            "If you trust this checkpoint, pass --trust-pickle "
-            "(trust_pickle=True).",
-            key=key,
-        ) from None
+    """Decode a ``torch.save`` value with ``weights_only=True`` unless ``trust_pickle`` (the
+    reader's rule, :func:`goodput_ckpt.dcp.read_items.load_value`)."""
+    return load_value(
+        raw, key, trust_pickle=trust_pickle, opt_in="--trust-pickle (trust_pickle=True)", map_location="cpu"
+    )
 
 
 def encode_torch_save(value: Any) -> bytes:
