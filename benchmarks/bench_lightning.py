@@ -20,23 +20,24 @@ Methods:
 Rules: the first save of each run is a warm-up (the machine hands back memory that sat free, and
 the first touch of it is slow: docs/benchmarks.md, Noise) and is not counted; each repeat runs
 the methods in an order rotated by one, and deletes its files afterwards. Printed: min, median and
-max over the repeats of each run's median save time, and the load time likewise.
+max over the repeats of each run's median save time, and the load time likewise; and per repeat
+Lightning's stock plugin's time over ours (``torch`` for the blocking methods, ``torch-async`` for
+``goodput-async``; above 1: ours is faster), min / median / max. The rotation, summary and ratios
+are ``benchmarks/_plugin_bench.py``'s, shared with ``bench_hf.py``.
 
     python benchmarks/bench_lightning.py --repeats 3
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
+import _plugin_bench
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -135,48 +136,16 @@ def run_once(method: str, root: str, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    if args.repeats < 3 or args.epochs < 2:
-        ap.error("--repeats must be at least 3 and --epochs at least 2 (the first save is a warm-up)")
-    root = tempfile.mkdtemp(prefix="bench-lightning-", dir=args.dir)
-    names = list(METHODS)
-    results: dict[str, list[dict]] = {m: [] for m in names}
-    try:
-        for r in range(args.repeats):
-            for m in names[r % len(names) :] + names[: r % len(names)]:
-                results[m].append(run_once(m, root, args))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    params = args.layers * (args.width * args.width + args.width)
-    summary = {
-        "checkpoint_mib": round(params * 4 * 3 / 2**20, 1),  # weights + Adam's two moments, fp32
-        "repeats": args.repeats,
-        **{
-            m: {
-                k: [round(f(x[k] for x in rs), 3) for f in (min, statistics.median, max)]
-                for k in ("stall_s", "save_s", "load_s")
-            }
-            for m, rs in results.items()
-        },
-    }
-    if args.json:
-        print(json.dumps(summary))
-        return
-    print(
-        f"checkpoint about {summary['checkpoint_mib']} MiB of tensors, {args.repeats} repeats (min / median / max, s)"
+    _plugin_bench.main(
+        __doc__,
+        METHODS,
+        run_once,
+        keys=("stall_s", "save_s", "load_s"),
+        # each against Lightning's stock plugin of the same kind: blocking or async
+        baseline_of={"torch+fsync": "torch", "goodput": "torch", "goodput-async": "torch-async"},
+        steps_flag="--epochs",
+        prefix="bench-lightning-",
     )
-    for m in names:
-        row = "   ".join(
-            f"{k[:-2]} " + " / ".join(f"{v:.3f}" for v in summary[m][k]) for k in ("stall_s", "save_s", "load_s")
-        )
-        print(f"  {m:14s} {row}")
 
 
 if __name__ == "__main__":

@@ -12,37 +12,38 @@ DCP call order (all ranks)::
 Nothing here unpickles untrusted bytes: metadata comes from JSON, and non-tensor values are
 decoded with ``torch.load(weights_only=True)`` unless the caller opts in with
 ``trust_pickle=True``.
+
+This module owns the protocol, the manifest and the reads (which tasks, on which threads, each
+chunk verified); what a single ``ReadItem`` needs and how its bytes reach the planner lives in
+``dcp/read_items.py``.
 """
 
 from __future__ import annotations
 
-import io
-import math
 import os
 import threading
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..engine.manifest_load import load_manifest
 from ..engine.read_plan import Request, Task, plan_tasks, sequential_lanes
 from ..engine.read_runs import run_jobs
-from ..engine.untrusted_load import check_inflation, weights_only_refusal
 from ..errors import CheckpointError, IncompleteCheckpointError, remember_swallowed
 from ..format.commit_record import KeyIndex, bad_chunks, checksum_error, short_read_error
-from ..format.dcp_metadata import StoredRange, to_dcp_metadata, torch_dtype
+from ..format.dcp_metadata import StoredRange, to_dcp_metadata
 from ..format.grid import GridChunks
-from ..format.manifest import DTYPE_SIZES, Manifest, ObjectEntry, TensorEntry
+from ..format.manifest import Manifest, TensorEntry
 from ..format.references import with_references
 from ..storage import FileSource, Store, is_supported_uri, open_store
 from ..storage.base import FileOrigin, redact
 from .manifest_share import load_shared
+from .read_items import finish, item_request
 from .read_sources import ReadSources
 from .tensor_bytes import byte_view, check_byte_order
 
@@ -56,21 +57,6 @@ DEFAULT_READ_THREADS = 8
 #: a hash call, small enough to spread one large tensor over every thread; 8 to 64 MiB measured
 #: within noise (docs/benchmarks.md), and 16 MiB leaves about 8 tasks per thread per GiB for balance.
 TASK_BYTES = 16 << 20
-
-
-@dataclass(eq=False)
-class _TensorJob:
-    item: ReadItem
-    region: torch.Tensor
-    dtype: torch.dtype
-    numel: int  # elements in the covering range read from the file
-    strides: tuple[int, ...]
-    staging: torch.Tensor | None = None
-
-
-@dataclass(eq=False)
-class _ObjectJob:
-    item: ReadItem
 
 
 class CheckpointReader(StorageReader):
@@ -253,7 +239,7 @@ class CheckpointReader(StorageReader):
                 raise CheckpointError(
                     f"item {item.storage_index.fqn!r} is not in the checkpoint", key=item.storage_index.fqn
                 )
-            req = self._request(manifest, item, loc, planner)
+            req = item_request(manifest, item, loc, planner, self._chunk_index, lambda r: self._finish(r, planner))
             if req is not None:
                 requests.append(req)
         file_sizes = {f.path: f.size for f in manifest.files.values()}
@@ -312,43 +298,6 @@ class CheckpointReader(StorageReader):
             for src in sources.values():
                 src.close()
 
-    def _request(self, manifest: Manifest, item: ReadItem, loc: StoredRange, planner: LoadPlanner) -> Request | None:
-        key = item.storage_index.fqn
-        entry = manifest.items.get(key)
-        if isinstance(entry, ObjectEntry) or entry is None:
-            req = Request(loc.file, loc.offset, loc.offset + loc.length, _ObjectJob(item))
-            req.buffer = memoryview(bytearray(loc.length))
-            if loc.length == 0:
-                self._finish(req, planner)
-                return None
-            return req
-        dtype = torch_dtype(entry.dtype, key)
-        chunk = self._chunk_index(entry).get(tuple(item.storage_index.offset or ()))
-        if chunk is None:
-            raise CheckpointError(
-                f"tensor {key!r} has no saved chunk at offsets {tuple(item.storage_index.offset or ())}", key=key
-            )
-        strides = _c_strides(chunk.sizes)
-        lengths = tuple(item.lengths)
-        numel = math.prod(lengths)
-        region = planner.resolve_tensor(item).detach()
-        if tuple(region.shape) != lengths:
-            raise CheckpointError(
-                f"tensor {key!r}: the planner's destination has shape {tuple(region.shape)}, expected {lengths}",
-                key=key,
-            )
-        first = sum(o * s for o, s in zip(item.storage_offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, lengths, strides)) if numel else first - 1
-        es = DTYPE_SIZES[entry.dtype]
-        job = _TensorJob(item, region, dtype, last - first + 1, strides)
-        req = Request(loc.file, loc.offset + first * es, loc.offset + (last + 1) * es, job)
-        if numel == 0:
-            self._finish(req, planner)
-            return None
-        if region.device.type == "cpu" and region.is_contiguous() and region.dtype == dtype and job.numel == numel:
-            req.buffer = byte_view(region)  # zero copy: the file bytes land in the destination
-        return req
-
     def _chunk_index(self, entry: TensorEntry) -> Any:
         """A lookup from a chunk's offsets to the chunk: a grid finds it by arithmetic."""
         if isinstance(entry.chunks, GridChunks):
@@ -399,46 +348,4 @@ class CheckpointReader(StorageReader):
             raise checksum_error(store.uri, task.file, lo, hi, bad[0], self._keys(manifest).keys(task.file, lo, hi))
 
     def _finish(self, req: Request, planner: LoadPlanner) -> None:
-        job = req.item
-        if isinstance(job, _ObjectJob):
-            planner.load_bytes(job.item, self._decode_object(job.item.storage_index.fqn, bytes(req.buffer)))
-            req.buffer = None
-            return
-        if job.staging is not None:
-            src = torch.as_strided(job.staging, tuple(job.item.lengths), job.strides)
-            job.region.copy_(src)
-            job.staging = None
-        req.buffer = None
-        planner.commit_tensor(job.item, job.region)
-
-    def _decode_object(self, key: str, raw: bytes) -> io.BytesIO:
-        """Bytes for ``planner.load_bytes``, which unpickles without restriction.
-
-        The stored bytes are decoded with ``weights_only=True`` and re-serialized, so the
-        planner only ever unpickles bytes produced here from an allow-listed object.
-        """
-        check_inflation(raw, f"value {key!r}", key=key)
-        if self.trust_pickle:
-            return io.BytesIO(raw)
-        try:
-            obj = torch.load(io.BytesIO(raw), weights_only=True)
-        except Exception as e:  # noqa: BLE001 - the unpickler raises many types
-            raise CheckpointError(
-                f"value {key!r} cannot be loaded safely with weights_only=True "
-                f"({weights_only_refusal(e)}). If you trust this checkpoint, pass "
-                "CheckpointReader(..., trust_pickle=True).",
-                key=key,
-            ) from None
-        out = io.BytesIO()
-        torch.save(obj, out)
-        out.seek(0)
-        return out
-
-
-def _c_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
+        finish(req, planner, trust_pickle=self.trust_pickle)

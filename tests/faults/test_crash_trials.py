@@ -44,6 +44,7 @@ from typing import Any
 import pytest
 from _reliability import fault_trials, record
 from crash_worker import TrialModel
+from helpers.wait import wait_until
 
 from goodput_ckpt import CheckpointError, CheckpointManager, IncompleteCheckpointError
 from goodput_ckpt.manager.step_layout import child_uri, parse_step_dir, step_dir_name
@@ -256,14 +257,12 @@ def plans(rng: random.Random, trials: int, counts: Counter) -> list[tuple[str, d
 
 def wait_for(markers: Path, event: str, child, timeout: float = 120.0) -> None:
     """Poll the marker file until ``event`` appears (or the child has exited)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e.name == event for e in read_events(markers)):
-            return
-        if child.exited():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"no {event} after {timeout} s: {child.log_tail()}")
+    try:
+        wait_until(
+            lambda: child.exited() or any(e.name == event for e in read_events(markers)), timeout, interval=0.002
+        )
+    except TimeoutError:
+        raise AssertionError(f"no {event} after {timeout} s: {child.log_tail()}") from None
 
 
 def test_sigkill_at_random_instants(backend, forker, tmp_path):

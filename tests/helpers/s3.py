@@ -27,11 +27,12 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
+
+from helpers.wait import wait_until
 
 __all__ = [
     "ACCESS_KEY",
@@ -92,15 +93,20 @@ def wait_ready(url: str, timeout: float = 60.0) -> None:
         aws_secret_access_key=SECRET_KEY,
         config=Config(retries={"total_max_attempts": 1}, connect_timeout=1, read_timeout=5),
     )
-    deadline = time.monotonic() + timeout
-    while True:
+    failures: list[Exception] = []
+
+    def answers() -> bool:
         try:
             client.list_buckets()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+        except Exception as e:  # noqa: BLE001 - not up yet, whatever the client raises
+            failures[:] = [e]
+            return False
+        return True
+
+    try:
+        wait_until(answers, timeout, interval=0.2, what=f"the S3 server at {url}")
+    except TimeoutError as e:
+        raise e from (failures[0] if failures else None)
 
 
 class MotoServer:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from helpers.s3 import ACCESS_KEY, SECRET_KEY
+from helpers.wait import wait_until
 
 __all__ = ["RcloneMount", "WeedMount", "assert_strict", "fuse_unavailable"]
 
@@ -93,11 +94,12 @@ class _Mount:
             raise
 
     def _wait_mounted(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not os.path.ismount(self.path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.kind} did not mount {self.path}; its log:\n{self.log_tail()}")
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: os.path.ismount(self.path) or self.proc.poll() is not None, timeout, interval=0.05)
+        except TimeoutError:
+            pass
+        if not os.path.ismount(self.path):
+            raise RuntimeError(f"{self.kind} did not mount {self.path}; its log:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 4000) -> str:
         self._log.flush()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from helpers.wait import wait_until
 
 
 def kill_when(args: Sequence[str], log_path: Path, ready: Callable[[], bool], timeout: float = 120.0) -> None:
@@ -14,14 +15,13 @@ def kill_when(args: Sequence[str], log_path: Path, ready: Callable[[], bool], ti
 
     Raises:
         AssertionError: the worker failed to start, or finished before ``ready()`` held.
+        TimeoutError: ``ready()`` did not hold within ``timeout`` while the worker ran.
     """
     with open(log_path, "w") as log:
         proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, text=True)
         try:
             assert proc.stdout.readline().strip() == "READY", log_path.read_text()
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and proc.poll() is None and not ready():
-                time.sleep(0.01)
+            wait_until(lambda: proc.poll() is not None or ready(), timeout, interval=0.01, what="the moment to kill")
             assert proc.poll() is None, "the save finished before it could be killed"
             proc.kill()  # SIGKILL
             proc.wait(30)

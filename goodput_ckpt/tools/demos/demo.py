@@ -37,8 +37,9 @@ ours alone, the comparison followed the load (58.5 % against a synchronous 63.5 
 machine). Now the two differ by ``saves × (sync - stall)`` only, whatever the load; our
 background writes' share of ``other`` is charged to both, which flatters us by that much.
 
-The two-tier demo (:mod:`.demo_tiers`) runs the same steps (through :func:`_kill_and_restart`
-and :func:`_account`) once with one tier and once with two, for the same failure.
+Rank 0's event lines and the time split live in :mod:`._trace`. The two-tier demo
+(:mod:`.demo_tiers`) runs the same steps (through :func:`_kill_and_restart` and
+:func:`._trace.account`) once with one tier and once with two, for the same failure.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._job_launch import JobLaunch, free_port
+from ._trace import Trace, account, in_flight_at_kill, parse_line, span
 from .results import SYNC_BASIS, DemoReport
 
 __all__ = ["SYNC_BASIS", "DemoConfig", "DemoReport", "run_demo"]
@@ -180,48 +182,18 @@ def _launch(
     return JobLaunch(commands, logs, tag)
 
 
-@dataclass
-class _Trace:
-    """What rank 0 printed during one launch."""
-
-    ready: float | None = None
-    restored: int | None = None
-    restored_at: float | None = None
-    steps: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (end time, seconds)
-    saves: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (end time, stall)
-    sync_s: float | None = None
-    done: float | None = None
-
-
-def _parse(trace: _Trace, line: str) -> None:
-    word, *rest = line.split()
-    if word == "READY":
-        trace.ready = float(rest[0])
-    elif word == "RESTORED":
-        trace.restored = None if rest[0] == "none" else int(rest[0])
-        trace.restored_at = float(rest[1])
-    elif word == "STEP":
-        trace.steps[int(rest[0])] = (float(rest[1]), float(rest[2]))
-    elif word == "SAVED":
-        trace.saves[int(rest[0])] = (float(rest[1]), float(rest[2]))
-    elif word == "SYNC":
-        trace.sync_s = float(rest[0])
-    elif word == "DONE":
-        trace.done = float(rest[0])
-
-
 def _run_launch(
     launch: JobLaunch, cfg: DemoConfig, emit: EventCallback, *, kill_after: int | None = None
-) -> tuple[_Trace, float | None]:
+) -> tuple[Trace, float | None]:
     """Follow a launch to its end, or SIGKILL it once ``kill_after`` was printed."""
-    trace, deadline, shown = _Trace(), time.monotonic() + cfg.timeout_s, -1
+    trace, deadline, shown = Trace(), time.monotonic() + cfg.timeout_s, -1
     try:
         while True:
             line = launch.next_line(deadline)
             if line is None:
                 break
             try:
-                _parse(trace, line)
+                parse_line(trace, line)
             except (ValueError, IndexError):
                 continue  # not one of ours (a library printed something)
             if line.startswith("STEP"):
@@ -290,7 +262,7 @@ def _start(cfg: DemoConfig) -> tuple[DemoConfig, str, str]:
     return cfg, logs, str(device_for(0, cfg.world_size))
 
 
-def _reference(cfg: DemoConfig, logs: str, device: str, emit: EventCallback) -> tuple[_Trace, str]:
+def _reference(cfg: DemoConfig, logs: str, device: str, emit: EventCallback) -> tuple[Trace, str]:
     """The uninterrupted run without checkpoints: its trace and fingerprint directory."""
     emit("phase", f"reference run: {cfg.steps} steps, {cfg.world_size} ranks on {device}, no checkpoints")
     ref_dir = os.path.join(cfg.workdir, "reference")
@@ -310,7 +282,7 @@ def _kill_and_restart(
     options: dict[str, Any] | None = None,
     sync_probe: bool = True,
     after_kill: Callable[[], None] | None = None,
-) -> tuple[_Trace, _Trace, float]:
+) -> tuple[Trace, Trace, float]:
     """The checkpointed run SIGKILLed after the kill point, ``after_kill()`` (what else the failure
     took), and its restart: both launches' traces and the time of the kill."""
     kill_after = _kill_point(cfg)
@@ -351,16 +323,6 @@ def _verify_steps(root: str, storage_options: dict[str, Any], **labels: Any) -> 
     return rows
 
 
-def _in_flight_at_kill(first: _Trace, timeline: str, killed_at: float) -> int | None:
-    """The newest save the first launch handed off whose commit was not recorded before the kill
-    (the restart saves some of the same steps again)."""
-    from ...manager.timeline import read_timeline
-
-    records = read_timeline(timeline)
-    committed = {r["step"] for r in records if r["event"] == "save" and r["ok"] and r["time"] < killed_at}
-    return max((s for s in first.saves if s not in committed), default=None)
-
-
 def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoReport:
     """Run the demo (see the module docstring) and return its report.
 
@@ -384,7 +346,7 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
     emit("phase", "checking the resumed run against the reference, and verifying every checkpoint")
     compared, mismatches = _compare(ref_dir, run_dir, cfg.world_size)
     checkpoints = _verify_steps(cfg.root, cfg.storage_options)
-    acc = _account(ref, first, second, killed_at)
+    acc = account(ref, first, second, killed_at)
     return DemoReport(
         root=cfg.root,
         device=device,
@@ -392,51 +354,13 @@ def run_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> DemoRepo
         save_every=cfg.save_every,
         world_size=cfg.world_size,
         killed_after_step=kill_after,
-        save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at),
+        save_in_flight_at_kill=in_flight_at_kill(first, timeline, killed_at),
         restored_step=second.restored,
         bit_exact=not mismatches and compared > 0,
         values_compared=compared,
         mismatches=mismatches,
         checkpoints=checkpoints,
-        reference_s=_span(ref),
+        reference_s=span(ref),
         logs=logs,
         **acc,
     )
-
-
-def _first_step_start(trace: _Trace) -> float:
-    end, seconds = trace.steps[min(trace.steps)]
-    return end - seconds
-
-
-def _span(trace: _Trace) -> float:
-    """Wall time from the start of the first step to the end of the last one."""
-    return max(t for t, _ in trace.steps.values()) - _first_step_start(trace)
-
-
-def _account(ref: _Trace, first: _Trace, second: _Trace, killed_at: float) -> dict[str, Any]:
-    """Split the checkpointed run's wall time (see the module docstring)."""
-    restored = second.restored
-    if restored is None or restored not in first.steps:
-        raise RuntimeError(f"the restart restored {restored!r}, not a step the first launch completed")
-    stalls = {s: v[1] for s, v in first.saves.items() if s <= restored} | {s: v[1] for s, v in second.saves.items()}
-    seconds = {
-        "total": max(t for t, _ in second.steps.values()) - _first_step_start(first),
-        "training": _span(ref),
-        "stall": sum(stalls.values()),
-        "lost": killed_at - first.steps[restored][0],
-        "restart": (second.ready or killed_at) - killed_at,
-        "restore": (second.restored_at or 0.0) - (second.ready or killed_at),
-    }
-    seconds["other"] = seconds["total"] - sum(v for k, v in seconds.items() if k != "total")
-    sync_s = second.sync_s if second.sync_s is not None else float("nan")
-    # The same run, each kept save's stall replaced by a blocking save; all else charged to both.
-    total_sync = seconds["total"] - seconds["stall"] + len(stalls) * sync_s
-    return {
-        "seconds": seconds,
-        "goodput": seconds["training"] / seconds["total"],
-        "sync_save_s": sync_s,
-        "saves_kept": len(stalls),
-        "goodput_sync": seconds["training"] / total_sync,
-        "stall_per_save_s": seconds["stall"] / max(1, len(stalls)),
-    }

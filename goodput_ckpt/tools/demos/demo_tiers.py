@@ -14,7 +14,7 @@ restart (a lost node), then restarted and compared bit for bit with the referenc
 
 Both save every ``save_every`` steps, so they restore the same step unless the kill caught a save
 in flight differently; the difference in goodput is the stall, the background load and the
-restore. Each mode's wall time is split as in the one-tier demo (:func:`.demo._account`), and the
+restore. Each mode's wall time is split as in the one-tier demo (:func:`._trace.account`), and the
 restore's tiers come from the restart's timeline records (``sources``).
 
 The two-level model (:func:`goodput_ckpt.tools.measure.plan_two_level.plan_two_level`) then takes the
@@ -31,16 +31,14 @@ import statistics
 from typing import Any
 
 from ..measure.plan_two_level import TwoLevelInputs, TwoLevelPlan, plan_two_level
+from ._trace import account, in_flight_at_kill, span
 from .demo import (
     DemoConfig,
     EventCallback,
-    _account,
     _compare,
-    _in_flight_at_kill,
     _kill_and_restart,
     _kill_point,
     _reference,
-    _span,
     _start,
     _verify_steps,
 )
@@ -151,7 +149,7 @@ def _run_mode(
             checkpoints += _verify_steps(
                 local_job_dir(local_dir.format(node=node), job_id), {}, tier=f"local node {node}"
             )
-    acc = _account(ref, first, second, killed_at)
+    acc = account(ref, first, second, killed_at)
     records = read_timeline(timeline)
     files = _sources(_restart_records(timeline, killed_at)) if two_tiers else {}
     return DemoMode(
@@ -159,7 +157,7 @@ def _run_mode(
         root=root,
         local_dir=local_dir,
         persist_every=cfg.persist_every if two_tiers else None,
-        save_in_flight_at_kill=_in_flight_at_kill(first, timeline, killed_at),
+        save_in_flight_at_kill=in_flight_at_kill(first, timeline, killed_at),
         restored_step=second.restored,
         restored_from=list(files) if two_tiers else ["persistent"],
         restore_files=files,
@@ -218,7 +216,7 @@ def run_tier_demo(cfg: DemoConfig, on_event: EventCallback | None = None) -> Tie
         local_world_size=cfg.world_size // NODES,
         killed_after_step=_kill_point(cfg),
         lost_node=NODES - 1 if cfg.failure == "node" else None,
-        reference_s=_span(ref),
+        reference_s=span(ref),
         modes=[one, two],
         gain=100 * (two.goodput - one.goodput),
         node_mtbf=cfg.node_mtbf,

@@ -38,7 +38,8 @@ from ...storage import Store
 from .._common import NO_PROGRESS, Progress, open_location, require_positive, same_location, sniff_file
 from .._formats.base import Source, TensorMeta
 from .._formats.dcp_fs import METADATA_NAME, DcpSource, write_dcp
-from .._formats.goodput import GoodputSource, write_goodput
+from .._formats.goodput import GoodputSource
+from .._formats.goodput_write import write_goodput
 from .._formats.input_checks import check_planner_data
 from .._formats.safetensors_file import open_safetensors, split_file_uri
 from .._formats.safetensors_write import write_safetensors

@@ -54,7 +54,8 @@ from ...dcp.writer import DEFAULT_CHUNK_SIZE, DEFAULT_WRITE_THREADS
 from ...state.per_rank import DATALOADER, RNG, ROWS
 from .._common import NO_PROGRESS, Progress, open_location, refuse_plain_file, require_positive, same_location
 from .._formats.base import TensorMeta
-from .._formats.goodput import GoodputSource, write_goodput
+from .._formats.goodput import GoodputSource
+from .._formats.goodput_write import write_goodput
 from .inspect import TRAINING_STATE_KEY, section_of
 
 __all__ = ["RANK_STATE_POLICIES", "ReshardReport", "per_rank_keys", "reshard_checkpoint"]

@@ -24,8 +24,10 @@ from goodput_ckpt import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from goodput_ckpt.dcp.read_sources import ReadSources
 from goodput_ckpt.format import MANIFEST_NAME
 from goodput_ckpt.format.manifest import parse_manifest
+from goodput_ckpt.storage import open_store
 from goodput_ckpt.tools.ops.reshard import per_rank_keys, reshard_checkpoint
 from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
@@ -196,18 +198,16 @@ def _fsdp_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 11), torch.nn.ReLU(), torch.nn.Linear(11, 2))
 
 
-class _RecordingStore:
-    """Wraps a reader's store and records which data files it opens."""
+class _RecordingOrigin:
+    """A checkpoint's own store as a ``FileOrigin`` that records which data files are opened
+    (handed to the reader through its public ``ReadSources.read_from``)."""
 
-    def __init__(self, inner, opened):
-        self._inner, self._opened = inner, opened
+    def __init__(self, store, opened):
+        self.uri, self._store, self._opened = store.uri, store, opened
 
     def open_source(self, name):
         self._opened.add(name)
-        return self._inner.open_source(name)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+        return self._store.open_source(name)
 
 
 def _zero_shard(t: torch.Tensor, mesh, rank: int, world_size: int):
@@ -234,8 +234,9 @@ def _rank_checks(rank: int, world_size: int, paths: dict) -> None:
         for k, t in full.items():
             dest[k] = _zero_shard(t, mesh, rank, world_size) if t.dim() else torch.zeros_like(t)
         opened: set[str] = set()
-        reader = CheckpointReader(paths[name])
-        reader._store = _RecordingStore(reader._store, opened)  # test-only peek at the files read
+        files = sorted(json.loads(Path(paths[name], MANIFEST_NAME).read_text())["files"])
+        origin = _RecordingOrigin(open_store(paths[name]), opened)
+        reader = CheckpointReader(paths[name], sources=ReadSources(read_from=dict.fromkeys(files, origin)))
         dcp.load(dest, storage_reader=reader)
         for k, t in full.items():
             got = dest[k].to_local() if t.dim() else dest[k]
@@ -248,7 +249,6 @@ def _rank_checks(rank: int, world_size: int, paths: dict) -> None:
                 got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
             ), (name, k, rank)
         if name == "w3":
-            files = sorted(json.loads(Path(paths[name], MANIFEST_NAME).read_text())["files"])
             # Each rank reads its own file, plus rank 0's for 0-dim tensors and objects.
             assert opened <= {files[rank], files[0]}, (rank, opened)
             assert files[rank] in opened
