@@ -8,8 +8,8 @@ untimed warm-up save of the same method (``goodput_ckpt.tools.measure._bench_sav
   64 MiB), then the file and the directory fsynced: the disk's limit for these bytes;
 - ``ours``: ``dcp.save`` with ``CheckpointWriter`` at its defaults (it fsyncs its files, the
   manifest and the directory itself);
-- ``ours-buffered``: the same through the page cache (``direct_writes=False``, the default
-  before session 18), to show what writing around it buys;
+- ``ours-direct``: the same around the page cache (``direct_writes=True``; a synchronous save
+  writes through the page cache by default, an async one around it: ``LocalConfig``);
 - ``ours-tN``: the same with ``thread_count=N`` (``--threads``), to show what the writer threads buy.
 
 Printed per method: seconds and the ratio **raw seconds / method seconds within the same repeat**
@@ -17,7 +17,7 @@ Printed per method: seconds and the ratio **raw seconds / method seconds within 
 seconds and minor page faults of the process during each save; and the load average.
 
 ``--phases`` adds, per repeat, one more save of ``ours`` (not in the ratios) with timers around its
-parts: blake3 hashing, the direct writes' ``pwrite`` (the default, ``LocalConfig.direct_writes``), ``pwritev`` and ``sync_file_range`` (summed over the writer threads: a sum
+parts: blake3 hashing, ``pwritev``, direct writes' ``pwrite`` (none at the defaults) and ``sync_file_range`` (summed over the writer threads: a sum
 above the save's wall time means threads waited on each other), the file's ``fsync`` at close,
 ``write_hashed_files`` as a whole (wall), the commit record, and the rest of ``dcp.save`` (torch's
 planning, metadata, our manifest build), plus the count of full (generation 2) garbage collections
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, Callable[[str], None]] = {
         "raw": lambda w: raw_save(state, w),
         "ours": lambda w: ours_save(state, w),
-        "ours-buffered": lambda w: ours_save(state, w, direct_writes=False),
+        "ours-direct": lambda w: ours_save(state, w, direct_writes=True),
     }
     for n in [int(x) for x in a.threads.split(",") if x.strip()]:
         methods[f"ours-t{n}"] = lambda w, n=n: ours_save(state, w, thread_count=n)

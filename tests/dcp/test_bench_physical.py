@@ -40,7 +40,7 @@ def test_tiny_run_reports_ratios_and_phases(tmp_path, capsys):
     assert (os.pwritev, os.pwrite, sink_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["physical.json"]
     report = json.loads(out.read_text())
-    methods = ["raw", "ours", "ours-buffered", "ours-t1"]
+    methods = ["raw", "ours", "ours-direct", "ours-t1"]
     assert list(report["seconds"]) == methods and report["order"] == [methods]
     assert report["vs_raw"]["raw"]["median"] == 1.0
     assert all(v["median"] > 0 for v in report["vs_raw"].values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import subprocess
 
@@ -65,13 +67,59 @@ def test_direct_files_equal_buffered_files(tmp_path, chunk_size, sizes):
         assert os.path.getsize(tmp_path / "direct" / e.path) == e.size
 
 
-def test_sink_reports_whether_it_writes_direct(tmp_path):
-    sink = LocalStore(str(tmp_path), LocalConfig(direct_writes=True)).open_sink("a.bin")
-    assert sink.direct  # ext4/xfs/tmpfs take O_DIRECT; the next test covers one that does not
-    sink.close()
-    sink = LocalStore(str(tmp_path), LocalConfig(direct_writes=False)).open_sink("b.bin")
-    assert not sink.direct
-    sink.close()
+def _direct(store: LocalStore, name: str) -> bool:
+    sink = store.open_sink(name)
+    try:
+        return sink.direct
+    finally:
+        sink.close()
+
+
+def test_direct_writes_auto_means_saves_beside_training(tmp_path):
+    # ext4/xfs/tmpfs take O_DIRECT; test_filesystem_without_direct_io_writes_buffered covers one that does not
+    auto = LocalStore(str(tmp_path))
+    assert auto.config.direct_writes is None
+    assert not _direct(auto, "a.bin")  # a save the caller waits for: buffered
+    assert _direct(auto.for_background_save(), "b.bin")
+    assert auto.for_background_save().uri == auto.uri
+    off = LocalStore(str(tmp_path), LocalConfig(direct_writes=False))
+    assert not _direct(off.for_background_save(), "c.bin")
+    on = LocalStore(str(tmp_path), LocalConfig(direct_writes=True))
+    assert _direct(on, "d.bin") and _direct(on.for_background_save(), "e.bin")
+
+
+def _resident_pages(path) -> int:
+    """Pages of ``path`` in the page cache: ``mincore`` over a private mapping of the file."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        anchor = ctypes.c_char.from_buffer(m)
+        try:
+            assert libc.mincore(ctypes.addressof(anchor), size, vec) == 0, ctypes.get_errno()
+        finally:
+            del anchor
+    return sum(1 for b in vec.raw if b & 1)
+
+
+def _data_files(path) -> list:
+    return sorted(p for p in path.iterdir() if p.suffix == ".bin")
+
+
+def test_async_save_writes_around_the_page_cache_and_a_sync_save_does_not(tmp_path):
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
+    fut = dcp.async_save(state, storage_writer=CheckpointWriter(str(tmp_path / "async")), no_dist=True)
+    fut.result()
+    dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "sync")), no_dist=True)
+    (a,), (s,) = _data_files(tmp_path / "async"), _data_files(tmp_path / "sync")
+    # Direct writes leave at most the buffered tail of the file's last block in the cache.
+    assert _resident_pages(a) <= 1
+    assert _resident_pages(s) > 100  # 4 MiB just written through the page cache
+    assert a.read_bytes() == s.read_bytes()
+    for d in ("async", "sync"):
+        assert verify_checkpoint(str(tmp_path / d)).ok
 
 
 @pytest.fixture
@@ -126,3 +174,17 @@ def test_dcp_save_with_direct_writes_verifies_and_loads_bit_exact(tmp_path):
 def test_direct_writes_option_is_checked():
     with pytest.raises(TypeError, match="direct_writes must be a bool"):
         LocalConfig(direct_writes="yes")  # type: ignore[arg-type]
+
+
+def test_without_fsync_writes_stay_buffered(tmp_path):
+    # Scratch data and a volume save's local staging are read back at once: from the page cache.
+    sink = LocalStore(str(tmp_path), LocalConfig(fsync=False, direct_writes=True)).open_sink("a.bin")
+    assert not sink.direct
+    sink.close()
+
+
+def test_async_save_to_a_volume_path_is_unchanged(tmp_path):
+    # A volume store is a LocalStore with its own configuration and sink: no direct writes there.
+    state = {"w": torch.randn(1000)}
+    dcp.async_save(state, storage_writer=CheckpointWriter(str(tmp_path / "v"), volume=True), no_dist=True).result()
+    assert verify_checkpoint(str(tmp_path / "v")).ok
