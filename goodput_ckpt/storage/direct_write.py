@@ -2,12 +2,14 @@
 
 A buffered write copies every byte into the page cache, and the kernel first has to find a page
 for it: on the development machine (a VM whose free memory goes back to its host) that page
-allocation, not the copy, is most of a save's CPU, and it grows as checkpoints fill the cache.
-Measured there, beside a training loop, a buffered 48 MiB save took 80-120 CPU-ms in its
-``pwritev`` calls against 5 ms for the same bytes written directly (docs/benchmarks.md, "A whole
-training loop"). Direct writes move the bytes from a reused, page-aligned bounce buffer to the
-device, so a save's CPU is one ``memcpy`` into that buffer (GIL released) and the hash over it,
-and its wall time is the device's.
+allocation is most of a buffered save's CPU, and it grows as kept checkpoints fill the cache.
+Measured there beside a training loop (48 MiB saves, 12 interleaved rounds), the writer threads
+used 34-163 CPU-ms per save (median 88) buffered against 26-48 (median 30) direct, hashing
+included (docs/benchmarks.md, "A whole training loop"). Direct writes move the bytes from a
+reused, page-aligned bounce buffer to the device, so a save's CPU is one ``memmove`` into that
+buffer (GIL released) and the hash over it, and its wall time is the device's. A save on its own
+was faster buffered there (the page cache takes the bytes at memory speed), so the local store
+writes direct only for saves that run beside training (``LocalConfig.direct_writes``).
 
 How a chunk is written (:meth:`DirectWriter.write_hashed`): its buffers are copied into a bounce
 buffer from :class:`_BouncePool`, hashed there (while in the CPU cache), and written with
@@ -44,7 +46,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: copied, hashed and written in one piece. Larger chunks go through in pieces of this size.
 BOUNCE_BYTES = 8 << 20
 #: Idle bounce buffers kept for later chunks and later saves (one per writer thread is enough):
-#: a fresh buffer is page-faulted on first touch, which costs more than the copy.
+#: a fresh buffer is page-faulted on first touch, which costs more than the copy. At most
+#: 8 x 8 MiB stay allocated in the process between saves.
 _BOUNCE_KEEP = 8
 #: Buffers at least this large are copied with ``memmove`` through ctypes (GIL released); smaller
 #: ones (alignment padding, pickled values) by a slice assignment.
@@ -118,8 +121,8 @@ class DirectWriter:
             return False
         views = [memoryview(b).cast("B") for b in buffers]
         bounce = _POOL.take()
+        bview = memoryview(bounce)
         try:
-            bview = memoryview(bounce)
             base = _address(bview)
             pos = offset
             piece = 0  # bytes in the bounce buffer
@@ -153,7 +156,10 @@ class DirectWriter:
         done = 0
         try:
             while done < head:  # a short direct write stops at a block boundary: go on from it
-                done += os.pwrite(self._dfd, bview[done:head], pos + done)
+                written = os.pwrite(self._dfd, bview[done:head], pos + done)
+                if written <= 0:
+                    raise OSError(errno.EIO, f"a direct write at offset {pos + done} wrote nothing")
+                done += written
         except OSError as e:
             if e.errno != errno.EINVAL or done:
                 raise
