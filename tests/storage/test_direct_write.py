@@ -188,3 +188,20 @@ def test_async_save_to_a_volume_path_is_unchanged(tmp_path):
     state = {"w": torch.randn(1000)}
     dcp.async_save(state, storage_writer=CheckpointWriter(str(tmp_path / "v"), volume=True), no_dist=True).result()
     assert verify_checkpoint(str(tmp_path / "v")).ok
+
+
+def test_manager_async_saves_write_direct_and_sync_saves_buffered(tmp_path):
+    from goodput_ckpt import CheckpointManager
+
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
+    for async_save in (True, False):
+        root = tmp_path / str(async_save)
+        with CheckpointManager(root, async_save=async_save) as mgr:
+            mgr.save(1, model=model)
+            mgr.wait()
+        biggest = max(root.rglob("*.bin"), key=lambda p: p.stat().st_size)
+        assert biggest.stat().st_size > 4 << 20
+        if async_save:
+            assert _resident_pages(biggest) <= 1
+        else:
+            assert _resident_pages(biggest) > 100
