@@ -17,7 +17,7 @@ buffer from :class:`_BouncePool`, hashed there (while in the CPU cache), and wri
 and the buffer address aligned (:data:`~.direct_read.ALIGN`); the bounce buffer is aligned, chunk
 offsets are multiples of the chunk size, and the unaligned tail of a file's last chunk (less than
 one block) is written through the sink's buffered descriptor. A chunk at an unaligned offset, or
-any write after a refusal (``EINVAL``: a filesystem or device that takes no direct writes), is
+any write after a refusal (``EINVAL``, ``EOPNOTSUPP``: a filesystem or device that takes no direct writes), is
 written buffered: the result is the same file, only slower.
 
 The trade-off: a checkpoint written directly is not in the page cache, so a load right after it
@@ -52,6 +52,8 @@ _BOUNCE_KEEP = 8
 #: Buffers at least this large are copied with ``memmove`` through ctypes (GIL released); smaller
 #: ones (alignment padding, pickled values) by a slice assignment.
 _MEMMOVE_MIN = 64 << 10
+#: What a filesystem or device answers to a direct write it does not take (then: buffered).
+_REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 class _BouncePool:
@@ -161,7 +163,7 @@ class DirectWriter:
                     raise OSError(errno.EIO, f"a direct write at offset {pos + done} wrote nothing")
                 done += written
         except OSError as e:
-            if e.errno != errno.EINVAL or done:
+            if e.errno not in _REFUSALS or done:
                 raise
             self.refused = True
             return False
