@@ -8,6 +8,8 @@ untimed warm-up save of the same method (``goodput_ckpt.tools.measure._bench_sav
   64 MiB), then the file and the directory fsynced: the disk's limit for these bytes;
 - ``ours``: ``dcp.save`` with ``CheckpointWriter`` at its defaults (it fsyncs its files, the
   manifest and the directory itself);
+- ``ours-direct``: the same around the page cache (``direct_writes=True``; a synchronous save
+  writes through the page cache by default, an async one around it: ``LocalConfig``);
 - ``ours-tN``: the same with ``thread_count=N`` (``--threads``), to show what the writer threads buy.
 
 Printed per method: seconds and the ratio **raw seconds / method seconds within the same repeat**
@@ -15,7 +17,7 @@ Printed per method: seconds and the ratio **raw seconds / method seconds within 
 seconds and minor page faults of the process during each save; and the load average.
 
 ``--phases`` adds, per repeat, one more save of ``ours`` (not in the ratios) with timers around its
-parts: blake3 hashing, ``pwritev`` and ``sync_file_range`` (summed over the writer threads: a sum
+parts: blake3 hashing, ``pwritev``, direct writes' ``pwrite`` (none at the defaults) and ``sync_file_range`` (summed over the writer threads: a sum
 above the save's wall time means threads waited on each other), the file's ``fsync`` at close,
 ``write_hashed_files`` as a whole (wall), the commit record, and the rest of ``dcp.save`` (torch's
 planning, metadata, our manifest build), plus the count of full (generation 2) garbage collections
@@ -107,6 +109,7 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
     import goodput_ckpt.dcp.writer as wr
     import goodput_ckpt.engine.hashed_write as hw
     import goodput_ckpt.storage.local as local
+    import goodput_ckpt.storage.local_sink as sink
 
     acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     lock = threading.Lock()
@@ -150,16 +153,18 @@ def phase_timers() -> Iterator[dict[str, list[float]]]:
     saved = [
         (os, "pwritev", os.pwritev),
         (hw, "blake3", hw.blake3),
-        (local, "_SYNC_FILE_RANGE", local._SYNC_FILE_RANGE),
-        (local._LocalSink, "close", local._LocalSink.close),
+        (os, "pwrite", os.pwrite),
+        (sink, "_SYNC_FILE_RANGE", sink._SYNC_FILE_RANGE),
+        (sink.LocalSink, "close", sink.LocalSink.close),
         (local.LocalStore, "put_commit_record", local.LocalStore.put_commit_record),
         (wr, "write_hashed_files", wr.write_hashed_files),
     ]
     os.pwritev = timer("pwritev (thread-s)", os.pwritev)
     hw.blake3 = type("blake3", (), {"blake3": _Hasher})
-    if local._SYNC_FILE_RANGE is not None:
-        local._SYNC_FILE_RANGE = timer("sync_file_range (thread-s)", local._SYNC_FILE_RANGE)
-    local._LocalSink.close = timer("file fsync at close", local._LocalSink.close)
+    os.pwrite = timer("direct pwrite (thread-s)", os.pwrite)
+    if sink._SYNC_FILE_RANGE is not None:
+        sink._SYNC_FILE_RANGE = timer("sync_file_range (thread-s)", sink._SYNC_FILE_RANGE)
+    sink.LocalSink.close = timer("file fsync at close", sink.LocalSink.close)
     local.LocalStore.put_commit_record = timer("commit record (fsyncs)", local.LocalStore.put_commit_record)
     wr.write_hashed_files = timer("write_hashed_files (wall)", wr.write_hashed_files)
     gc.callbacks.append(on_gc)
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, Callable[[str], None]] = {
         "raw": lambda w: raw_save(state, w),
         "ours": lambda w: ours_save(state, w),
+        "ours-direct": lambda w: ours_save(state, w, direct_writes=True),
     }
     for n in [int(x) for x in a.threads.split(",") if x.strip()]:
         methods[f"ours-t{n}"] = lambda w, n=n: ours_save(state, w, thread_count=n)
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": {},
     }
     print(
-        f"\n{'method':<10}{'seconds (median)':>18}{'raw/method min':>16}{'median':>8}{'max':>7}"
+        f"\n{'method':<14}{'seconds (median)':>18}{'raw/method min':>16}{'median':>8}{'max':>7}"
         f"{'user s':>8}{'sys s':>7}{'minflt':>8}"
     )
     for n in names:
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = {k: statistics.median(s[k] for s in samples[n]) for k in ("user", "sys", "minflt")}
         report["cpu"][n] = cpu
         print(
-            f"{n:<10}{statistics.median(walls):>18.3f}{min(ratio):>16.2f}{statistics.median(ratio):>8.2f}"
+            f"{n:<14}{statistics.median(walls):>18.3f}{min(ratio):>16.2f}{statistics.median(ratio):>8.2f}"
             f"{max(ratio):>7.2f}{cpu['user']:>8.2f}{cpu['sys']:>7.2f}{cpu['minflt']:>8.0f}"
         )
     if phases:

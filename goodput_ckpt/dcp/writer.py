@@ -158,6 +158,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         check_chunk_size(self._store, self.chunk_size)  # S3: a chunk is a part, >= 5 MiB
         self._is_coordinator = False
         self._assignment: _RankAssignment | None = None
+        self._beside_training = False  # the next save runs beside training: mark_background_save
         self._init_runtime()
 
     @property
@@ -235,6 +236,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         except BaseException:
             self._release()
             raise
+        finally:
+            self._beside_training = False
         self._durable = durable_future(self._store)
         if not self._is_coordinator:
             self._release()  # the coordinator holds its claim until finish()
@@ -283,7 +286,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # this thread holds is stale: a save that failed outside this writer's methods (another
         # rank's error, a planner error) never reached a release.
         self._release()
+        self.mark_background_save()
         return stage_state_dict(state_dict)
+
+    def mark_background_save(self) -> None:
+        """The next save through this writer runs beside training (``dcp.async_save`` calls
+        :meth:`stage` first, which calls this; the manager calls it for its async saves): a local
+        store with ``direct_writes=None`` then writes its data files around the page cache, taking
+        less CPU from training (``LocalConfig``). Other stores ignore it."""
+        self._beside_training = True
 
     def synchronize_staging(self) -> None:
         """Staging is blocking: nothing to wait for."""
@@ -341,6 +352,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         sources = [self._resolve(items[i], planner) for i in to_write]
         sizes = [s.nbytes for s in sources]
         store = self._store
+        if self._beside_training and hasattr(store, "for_background_save"):
+            store = store.for_background_save()  # an optional ability (storage/local.py)
         file_count = self.files_per_rank or (1 if store.traits.random_writes else self.thread_count)
         placements, file_sizes = place_items(sizes, file_count)
         names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]

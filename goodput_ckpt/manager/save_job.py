@@ -233,6 +233,7 @@ class SaveJobs:
         job.record.staged(stage_s=handed_off - waited, stall_s=handed_off - blocked_from)
         assert isinstance(job.writer, ConfirmedWriter)
         job.writer.copies = later
+        job.writer.mark_background_save()  # it runs beside training: see LocalConfig.direct_writes
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="goodput-ckpt-save")
             ref = weakref.ref(self)  # the hook must not keep a dropped manager's buffers alive

@@ -39,14 +39,17 @@ def test_tiny_run_kills_resumes_and_reports_both_writers(tmp_path, capsys):
     assert bench_loop.main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop.json"]
     report = json.loads(out.read_text())
-    assert report["order"] == [["torch", "ours"]]
-    for method in ("torch", "ours"):
+    methods = ["torch", "ours", "ours-buffered"]
+    assert report["order"] == [methods]
+    for method in methods:
         fig = report["methods"][method]
-        assert 0 < fig["goodput"]["median"] < 1
+        # Above 0; not bounded by 1: the useful time is a median of noisy steps, and on a loaded
+        # machine a run's steps can all be faster than those it was measured from.
+        assert fig["goodput"]["median"] > 0
         # Saves at steps 2 and 4; the kill after step 5 leaves step 2 or 4 as the last complete one.
         assert fig["lost"]["median"] in (1, 3)
         assert fig["stall_median"]["median"] > 0 and fig["background_median"]["median"] > 0
-    assert report["ours_vs_torch"]["goodput"]["median"] > 0
+    assert all(report["ours_vs_torch"][m]["goodput"]["median"] > 0 for m in methods[1:])
     text = capsys.readouterr().out
     assert "load average" in text and "goodput" in text
 

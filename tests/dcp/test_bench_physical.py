@@ -15,13 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_physical  # noqa: E402
 
 import goodput_ckpt.dcp.writer as writer_mod  # noqa: E402
-import goodput_ckpt.storage.local as local_mod  # noqa: E402
+import goodput_ckpt.storage.local_sink as sink_mod  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
 
 def test_tiny_run_reports_ratios_and_phases(tmp_path, capsys):
-    before = (os.pwritev, local_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files)
+    before = (os.pwritev, os.pwrite, sink_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files)
     out = tmp_path / "physical.json"
     argv = [
         "--size",
@@ -37,10 +37,11 @@ def test_tiny_run_reports_ratios_and_phases(tmp_path, capsys):
         str(out),
     ]
     assert bench_physical.main(argv) == 0
-    assert (os.pwritev, local_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files) == before
+    assert (os.pwritev, os.pwrite, sink_mod._SYNC_FILE_RANGE, writer_mod.write_hashed_files) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["physical.json"]
     report = json.loads(out.read_text())
-    assert list(report["seconds"]) == ["raw", "ours", "ours-t1"] and report["order"] == [["raw", "ours", "ours-t1"]]
+    methods = ["raw", "ours", "ours-direct", "ours-t1"]
+    assert list(report["seconds"]) == methods and report["order"] == [methods]
     assert report["vs_raw"]["raw"]["median"] == 1.0
     assert all(v["median"] > 0 for v in report["vs_raw"].values())
     parts = report["phases"][0]["parts"]

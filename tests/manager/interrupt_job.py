@@ -29,24 +29,24 @@ import time
 import torch
 
 from goodput_ckpt import CheckpointManager
-from goodput_ckpt.storage import local
+from goodput_ckpt.storage import local_sink
 
 
 def interrupt_at_first_write(sig: bool = True, pause: float = 0.5) -> threading.Event:
     """SIGINT this process (``sig``) from inside the first data write, which then takes
     ``pause`` seconds more; the event is set once it started."""
     sent = threading.Event()
-    write_at = local._LocalSink.write_at
+    write_hashed = local_sink.LocalSink.write_hashed  # every chunk's write, direct or buffered
 
-    def interrupting(self, offset, buffers):
+    def interrupting(self, offset, buffers, hasher):
         if not sent.is_set():
             sent.set()
             if sig:
                 os.kill(os.getpid(), signal.SIGINT)
             time.sleep(pause)  # still writing when the main thread takes the interrupt
-        return write_at(self, offset, buffers)
+        return write_hashed(self, offset, buffers, hasher)
 
-    local._LocalSink.write_at = interrupting
+    local_sink.LocalSink.write_hashed = interrupting
     return sent
 
 
