@@ -132,7 +132,9 @@ def ramfs(tmp_path):
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        # Lazy: a file the test left open must not keep the mount (and pytest's cleanup of
+        # tmp_path) stuck for the rest of the machine's life.
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True, capture_output=True)
 
 
 def test_filesystem_without_direct_io_writes_buffered(ramfs, tmp_path):
