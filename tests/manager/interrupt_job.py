@@ -72,6 +72,10 @@ def write_after_exit_began(sig: bool) -> None:
 
 
 def main(root: str, mode: str) -> None:
+    # Python installs its KeyboardInterrupt handler only if SIGINT was not ignored at startup, and
+    # a test run started in the background by a non-interactive shell (`pytest ... &`) ignores
+    # SIGINT and passes that on: a job in a terminal has the handler, so this one does too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     timeout_s = 1.0 if mode == "async-abandon" else 600.0
