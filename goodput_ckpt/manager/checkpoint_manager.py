@@ -89,7 +89,8 @@ class CheckpointManager:
             process and reference the others in the earlier step that holds them
             (:mod:`goodput_ckpt.dcp.incremental`; retention keeps a step while a kept step
             references it). ``True``: every 10th save is full; an integer ``n``: every ``n``-th.
-            One tier only, and not with ``overwrite`` (both are refused).
+            With two tiers, replicas and persists send only what the receiver lacks
+            (``docs/manager.md``). Not with ``overwrite`` (refused).
         free_space_on_full: when a save fails because the local disk (the root, or with two
             tiers the node's local directory) is full, delete the failed save's files, other
             incomplete steps and the oldest complete step beyond the newest one, and try the save

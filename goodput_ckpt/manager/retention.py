@@ -132,14 +132,13 @@ def spare_referenced(root: Store, scan: StepScan, doomed: Collection[int], *, fr
 
 def apply_retention(root: Store, *, committed: int, keep_last: int | None, protect: Collection[int] = ()) -> None:
     """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
-    still being read: a persist in flight). Best effort: a failure is logged, and the next
-    commit retries."""
+    still being read: a persist in flight), and what those reference, as a kept step's bases
+    are. Best effort: a failure is logged, and the next commit retries."""
     try:
         scan = scan_steps(root)
-        victims = retention_victims(scan, committed=committed, keep_last=keep_last)
+        victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
         for s in spare_referenced(root, scan, victims, fresh=(committed,)):
-            if s not in protect:
-                delete_step(root, s, scan.files[s])
+            delete_step(root, s, scan.files[s])
     except CheckpointError as e:
         logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
 

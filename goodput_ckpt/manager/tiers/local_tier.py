@@ -34,6 +34,7 @@ from ...engine.hashed_write import data_file_rank, remove_stale_files
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ...format.references import with_references
 from ...storage import open_store
 from ...storage.base import Store
 from ..job import JobState, foreign_entries, job_of, local_job_dir
@@ -210,12 +211,22 @@ class LocalTier:
         return data, manifest
 
     def _replicate(self, step: int, manifest: Manifest) -> CheckpointError | None:
-        moves = [
-            Move(src, dst, entry)
-            for entry in manifest.files.values()
-            if (src := data_file_rank(entry.path)) is not None and src < self.layout.world_size
-            for dst in self.layout.replica_holders(src)
-        ]
+        """Send each rank's files of ``step`` to its replica holders. A file the step references
+        (``base``: an incremental save) is not sent: the holder received it with its base's
+        replica; each holder checks that it still has it, at its size (``lacking``), and a save
+        whose replica lacks one fails (the next save is then full: ``..incremental_saves``)."""
+        moves: list[Move] = []
+        lacking: list[str] = []
+        mine = with_references(self.step_store(step), manifest)
+        for entry in manifest.files.values():
+            src = data_file_rank(entry.path)
+            if src is None or src >= self.layout.world_size:
+                continue
+            for dst in self.layout.replica_holders(src):
+                if entry.base is None:
+                    moves.append(Move(src, dst, entry))
+                elif dst == self.layout.rank and mine.size(entry.path) != entry.size:
+                    lacking.append(f"{entry.base}/{entry.path}")
         assert self.pg is not None  # replicas need another node, hence a group
         failed = run_moves(
             moves,
@@ -226,6 +237,11 @@ class LocalTier:
             sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)",
             keys=KeyIndex(manifest),
         )
+        if lacking:
+            return CheckpointError(
+                f"replicating step {step}: node {self.layout.node} lacks {len(lacking)} file(s) of earlier steps "
+                f"that it references (the step stays on its own nodes); first: {lacking[0]}"
+            )
         if failed:
             name, first = next(iter(failed.items()))
             return CheckpointError(

@@ -62,6 +62,7 @@ from ...errors import (
     find_checkpoint_error,
 )
 from ...format.manifest import MANIFEST_NAME, parse_manifest
+from ...format.references import with_references
 from ...storage.base import FileOrigin, Store
 from ..agreement import raise_first_failure, raise_if_any_rank_failed
 from ..job import job_of
@@ -179,7 +180,8 @@ def _attempt(
         fetched = [name for name, tier_name in arrived.items() if tier_name == PERSISTENT]
         if fetched:
             assert persistent is not None
-            out.update(dict.fromkeys(fetched, store_of(persistent, s, c.persistent_options)))
+            at = with_references(store_of(persistent, s, c.persistent_options), manifest)  # bases persisted first
+            out.update(dict.fromkeys(fetched, at))
         return out
 
     def load(part: int, checked: set[str], elsewhere: dict[str, FileOrigin]) -> None:
