@@ -315,7 +315,8 @@ class CheckpointManager:
             self._saves.save_now(job, state, blocked_from=t0, started=t_waited)
             return
         try:  # the only part of an async save that blocks
-            staged, later = self._staging.stage(state, models)
+            skip = self._incremental.unstaged() if self._incremental is not None else ()
+            staged, later = self._staging.stage(state, models, skip)  # unchanged tensors: not copied
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
                 err = as_checkpoint_error(e, f"staging step {step}")

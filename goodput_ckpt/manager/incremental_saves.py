@@ -46,6 +46,16 @@ class IncrementalSaves:
         self._pending = (step, plan)
         return plan
 
+    def unstaged(self) -> frozenset[str]:
+        """The keys of the pending plan's unchanged tensors, which an async save need not stage
+        (the writer references them and never reads their bytes; it refuses to write one):
+        recorded on the plan, so that its writer knows."""
+        if self._pending is None:
+            return frozenset()
+        plan = self._pending[1]
+        plan.unstaged = frozenset(plan.reusable)
+        return plan.unstaged
+
     def committed(self, step: int) -> None:
         """After the save of ``step`` committed (every rank): it becomes the reference base."""
         pending, self._pending = self._pending, None
