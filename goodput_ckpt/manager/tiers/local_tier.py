@@ -9,7 +9,8 @@ thread, on every rank (:meth:`LocalTier.after_save`):
    the files of its own ranks (and the replicas it receives next);
 2. each rank sends its data files to the ranks that keep its replicas, the same local rank
    on each of the next ``replicas`` nodes (:class:`.nodes.NodeLayout`), over the manager's
-   group; the receiver checks every chunk against the manifest before writing it;
+   group; the receiver checks every chunk against the manifest before writing it (a file an
+   incremental step references is not sent: the holder got it with its base's replica);
 3. every ``persist_every``-th save is handed to the persist thread (:mod:`.persist`);
 4. retention on this node's local directory (its first rank applies it), which keeps the step
    a persist is still reading.

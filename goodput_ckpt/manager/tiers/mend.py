@@ -6,6 +6,10 @@ sent over the group, else the persistent tier (:func:`route` decides, the same o
 Everything that arrives is checked against the agreed commit record, and a step some rank
 cannot get a file of is passed, on every rank, with why (:class:`Unrebuildable`). The steps of
 the whole restore: :mod:`.restore`.
+
+A file an incremental step references (its ``base``) lies in its base's directory on every tier
+(:func:`holding_step`, :func:`node_copy`): each tier keeps the bases of the steps it holds
+(``.persist``, ``.local_tier``), so the same lookups find it, one directory over.
 """
 
 from __future__ import annotations
