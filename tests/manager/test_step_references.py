@@ -100,3 +100,20 @@ def test_sealed_records_are_read_for_their_bases_only(tmp_path):
     hostile = _reseal(_record([1]), lambda doc: doc["files"]["f1.bin"].update(base="../step_00000002"))
     (d / "manifest.json").write_bytes(hostile)
     assert protected_steps(store, scan_steps(store).files, [3], fresh=[3]) == {1, 2}
+
+
+def test_retention_deletes_a_referencing_step_before_its_base(tmp_path, caplog):
+    """Both beyond ``keep_last``, step 2 (which references 1) goes before step 1: a kill between
+    the two deletions leaves step 1 with nothing referencing it, never a complete step 2 whose
+    base is gone (issue 40, found by the SIGKILL trials with references)."""
+    import logging
+
+    from goodput_ckpt.manager.retention import apply_retention
+
+    for step, bases in {1: [], 2: [1], 3: [], 4: [3]}.items():
+        _plant(tmp_path, step, bases)
+    with caplog.at_level(logging.INFO, logger="goodput_ckpt.retention"):
+        apply_retention(open_store(str(tmp_path)), committed=4, keep_last=2)
+    deleted = [int(r.getMessage().split("step ")[1].split()[0]) for r in caplog.records if "deleted" in r.getMessage()]
+    assert deleted == [2, 1], deleted
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [step_dir_name(3), step_dir_name(4)]
