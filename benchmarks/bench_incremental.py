@@ -218,7 +218,11 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
         for m in ["full", "incremental"] if k % 2 == 0 else ["incremental", "full"]:
             rounds[m].append(restore(scenario, m, rep, model, args, target))
     for m, rs in rounds.items():
-        out[m]["restore"] = {"seconds": statistics.median(r["seconds"] for r in rs), "requests": rs[-1]["requests"]}
+        out[m]["restore"] = {
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "all_seconds": [r["seconds"] for r in rs],
+            "requests": rs[-1]["requests"],
+        }
     if args.stall:  # after the restores: it trains on
         out["stall"] = stall(scenario, model, methods, opt, rep, args, target)
     # The frozen bytes of the state dict (GPT-2 ties lm_head to wte: both keys are saved).
@@ -243,7 +247,8 @@ def stall(scenario, model, methods, opt, rep, args, target) -> dict[str, list[fl
         for m in res
     }
     for i in range(1, args.saves + 1):
-        for m, mgr in managers.items():
+        for m in list(managers) if i % 2 else list(managers)[::-1]:  # alternating order
+            mgr = managers[m]
             t0 = time.perf_counter()
             mgr.save(i, model=methods[m], optimizer=opt)
             blocked = time.perf_counter() - t0
@@ -314,10 +319,26 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         s["restore_vs_full"] = per_run(
             lambda r: r["incremental"]["restore"]["seconds"] / r["full"]["restore"]["seconds"]
         )
+        # Each restore round's pair (adjacent in time, order alternating): incremental / full.
+        s["restore_pairs_vs_full"] = spread(
+            [
+                i / f
+                for r in reps
+                for i, f in zip(r["incremental"]["restore"]["all_seconds"], r["full"]["restore"]["all_seconds"])
+            ]
+        )
         if "stall" in reps[0]:
             s["stall_ms"] = {
                 m: spread([1e3 * statistics.median(r["stall"][m][1:]) for r in reps]) for m in ("full", "incremental")
             }
+            # Every save after the first, all runs: the spread of single stalls, and each save's
+            # incremental stall over the full one of the same save index (taken back to back).
+            s["stall_each_ms"] = {
+                m: spread([1e3 * x for r in reps for x in r["stall"][m][1:]]) for m in ("full", "incremental")
+            }
+            s["stall_pairs_vs_full"] = spread(
+                [i / f for r in reps for i, f in zip(r["stall"]["incremental"][1:], r["stall"]["full"][1:])]
+            )
         report[scenario] = s
     return report
 
@@ -341,6 +362,8 @@ def print_report(report: dict[str, Any], where: str) -> None:
             "bytes_vs_full",
             "frozen_share_of_full",
             "restore_vs_full",
+            "restore_pairs_vs_full",
+            "stall_pairs_vs_full",
         ):
             if k in s:
                 v = s[k]
@@ -349,6 +372,12 @@ def print_report(report: dict[str, Any], where: str) -> None:
             print(
                 "  stall ms "
                 + ", ".join(f"{m} {v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" for m, v in s["stall_ms"].items())
+            )
+            print(
+                "  each stall ms "
+                + ", ".join(
+                    f"{m} {v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" for m, v in s["stall_each_ms"].items()
+                )
             )
 
 

@@ -66,6 +66,9 @@ class IncrementalPlan:
     the rank stored and where they lie).
     ``stored``: filled by the writer with where each item of this save lies (written or
     referenced), for :meth:`IncrementalTracker.committed`.
+    ``unstaged``: keys of ``reusable`` whose tensors an async save did not stage (it passed the
+    live ones): the writer must reference them, and refuses to write one (its bytes may have
+    changed since).
     """
 
     location: str
@@ -76,6 +79,7 @@ class IncrementalPlan:
     stored: dict[ItemKey, StoredPiece] = field(default_factory=dict)
     bytes_written: int = 0
     bytes_referenced: int = 0
+    unstaged: frozenset[str] = frozenset()
 
     def piece(self, key: str, offsets: tuple[int, ...] | None, length: int) -> StoredPiece | None:
         """Where the item ``(key, offsets)`` of ``length`` bytes may be referenced, or ``None``."""

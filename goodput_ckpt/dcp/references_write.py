@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from torch.distributed.checkpoint.planner import WriteItem
 
+from ..errors import CheckpointError
 from ..format.dcp_metadata import dtype_name
 from ..format.manifest import DTYPE_SIZES, FileEntry
 from .incremental import IncrementalPlan, StoredPiece, located
@@ -30,6 +31,9 @@ def referenced_items(reuse: IncrementalPlan | None, items: Sequence[WriteItem], 
     A reference is dropped (the item is written) when its file name is one this save writes
     (the same random token) or another referenced file of another location has its name: a
     manifest lists each name once.
+
+    Raises:
+        CheckpointError: an item the save left unstaged (``reuse.unstaged``) would be written.
     """
     if reuse is None or reuse.full:
         return {}
@@ -49,6 +53,13 @@ def referenced_items(reuse: IncrementalPlan | None, items: Sequence[WriteItem], 
         if seen.setdefault(piece.file.path, piece.file.base) != piece.file.base:
             continue
         refs[i] = piece
+    for i, it in enumerate(items):
+        if i not in refs and it.tensor_data is not None and it.index.fqn in reuse.unstaged:
+            raise CheckpointError(
+                f"item {it.index.fqn!r} was left unstaged as unchanged but cannot be referenced: it is not "
+                "written from live memory that training may have changed since (the next save is full)",
+                key=it.index.fqn,
+            )
     return refs
 
 

@@ -14,14 +14,17 @@ location's own store, unchanged. No torch here.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
+from ..errors import CorruptCheckpointError
 from ..storage.base import FileSource, Store
 from ..storage.siblings import parent_store
-from .schema import Manifest
+from .schema import FORMAT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, REFERENCES_VERSION, SUPPORTED_VERSIONS, Manifest
+from .seal import check_seal
 
-__all__ = ["MAX_BASE_LENGTH", "ReferencingStore", "base_problem", "with_references"]
+__all__ = ["MAX_BASE_LENGTH", "ReferencingStore", "base_problem", "sealed_bases", "with_references"]
 
 #: A base is one path component of a portable name: a letter or digit, then letters, digits,
 #: ``.``, ``_`` and ``-`` (so never ``.``, ``..``, a slash, a backslash or a drive letter).
@@ -39,6 +42,43 @@ def base_problem(base: object) -> str | None:
             "or '-' starting with a letter or digit"
         )
     return None
+
+
+def sealed_bases(data: bytes) -> frozenset[str] | None:
+    """The bases a commit record's raw bytes name, when they are a sealed record of a version this
+    library reads; ``None`` for anything else (the caller then reads the record in full, which
+    says what is wrong with it).
+
+    Why: retention and a restore's clean-up ask every kept step which steps it references, and a
+    full parse validates every tensor entry (about 30 ms for a GPT-2 record here, against about
+    1 ms for the JSON alone), which made a restore of a root with an incremental step ~10% slower
+    than of one without. The seal (its own digest over every byte before it) already tells that
+    these are the bytes a writer produced after validating them; only what retention reads is
+    checked again: the ``files`` table's shape and each ``base`` (:func:`base_problem`).
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        return None
+    try:
+        check_seal(data, MANIFEST_NAME)  # (its message is not used)
+        doc = json.loads(data.decode("utf-8"))
+    except (CorruptCheckpointError, ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        return None
+    version = doc.get("version")
+    files = doc.get("files")
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS or not isinstance(files, dict):
+        return None
+    bases: set[str] = set()
+    for entry in files.values():  # bounded by the record's size
+        if not isinstance(entry, dict):
+            return None
+        base = entry.get("base")
+        if base is not None:
+            if version < REFERENCES_VERSION or base_problem(base) is not None:
+                return None
+            bases.add(base)
+    return frozenset(bases)
 
 
 class ReferencingStore:

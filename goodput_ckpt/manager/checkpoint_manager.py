@@ -23,7 +23,9 @@ The job's storage is a chain of tiers (:mod:`.chain`): ``[persistent]``, or with
 chain's first tier, which then spreads it (``Chain.after_write``); a restore hands the chain
 one :class:`~.restoring.RestoreTarget`, which loads the per-rank rows, checks them on every
 rank, then loads the tensors and applies them. This module is the public class: it checks the
-arguments and calls those pieces in order; no branch here depends on the number of tiers.
+arguments and calls those pieces in order; no branch here depends on the number of tiers. Its
+read-only views (``steps``, ``latest_step``, ``step_uri``, ``extra``, ``timeline`` ...) live in
+:mod:`.queries`.
 """
 
 from __future__ import annotations
@@ -38,20 +40,19 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp.collectives import Group
-from ..engine.manifest_load import load_manifest
 from ..errors import CheckpointError, as_checkpoint_error
-from ..state import EXTRA_KEY, Topology, check_stateful, normalize
+from ..state import Topology, check_stateful, normalize
 from ..storage import open_store
 from .agreement import ExistingSteps, fail_on_every_rank, open_group
 from .chain import Chain, agree_on_job, open_chain
 from .config import ManagerConfig
 from .incremental_saves import IncrementalSaves
 from .job import JobState, job_of
+from .queries import ManagerQueries
 from .restoring import RestoreTarget
 from .save_job import ErrorCallback, SaveJobs
 from .saving import prepare_save
 from .staging.async_staging import AsyncStaging
-from .step_layout import child_uri, step_dir_name
 from .timeline import TimelineSink, timeline_target
 
 __all__ = ["CheckpointManager", "ManagerConfig"]
@@ -59,7 +60,7 @@ __all__ = ["CheckpointManager", "ManagerConfig"]
 logger = logging.getLogger("goodput_ckpt.manager")
 
 
-class CheckpointManager:
+class CheckpointManager(ManagerQueries):
     """Save and resume the whole training state, one checkpoint per step under ``root_uri``.
 
     Args:
@@ -89,7 +90,8 @@ class CheckpointManager:
             process and reference the others in the earlier step that holds them
             (:mod:`goodput_ckpt.dcp.incremental`; retention keeps a step while a kept step
             references it). ``True``: every 10th save is full; an integer ``n``: every ``n``-th.
-            One tier only, and not with ``overwrite`` (both are refused).
+            With two tiers, replicas and persists send only what the receiver lacks
+            (``docs/manager.md``). Not with ``overwrite`` (refused).
         free_space_on_full: when a save fails because the local disk (the root, or with two
             tiers the node's local directory) is full, delete the failed save's files, other
             incomplete steps and the oldest complete step beyond the newest one, and try the save
@@ -192,69 +194,6 @@ class CheckpointManager:
             job=self._job,
         )
 
-    @property
-    def job_id(self) -> str:
-        """The id of the job whose checkpoints this manager saves and restores (:mod:`.job`):
-        the one recorded at the root, or a new one that the first save records there."""
-        return self._job.id
-
-    # -- queries --------------------------------------------------------------------------------
-    @property
-    def last_error(self) -> CheckpointError | None:
-        """The most recent failure of a background save, or ``None``."""
-        return self._saves.last_error
-
-    @property
-    def timeline(self) -> list[dict[str, Any]]:
-        """This rank's newest timeline records (see :mod:`goodput_ckpt.manager.timeline`), oldest first."""
-        return list(self._timeline.records)
-
-    @property
-    def timeline_path(self) -> str | None:
-        """The JSON-lines file the timeline is appended to, or ``None``."""
-        return self._timeline.path
-
-    @property
-    def is_coordinator(self) -> bool:
-        """Whether this rank deletes old checkpoints and decides which step to restore."""
-        return self._topology.rank == 0
-
-    @property
-    def in_flight_step(self) -> int | None:
-        """The step an async save is still writing (or applying retention after), or ``None``."""
-        return self._saves.in_flight_step
-
-    def steps(self) -> list[int]:
-        """The steps that hold a complete (committed) checkpoint, ascending. With two tiers: the
-        steps this rank sees committed on its node's local tier or on the persistent tier
-        (:meth:`step_tiers` says which)."""
-        return list(self._chain.step_tiers())
-
-    def step_tiers(self) -> dict[int, tuple[str, ...]]:
-        """Step -> the tiers holding a committed copy of it, seen from this rank (``"local"``:
-        this node's directory, ``"persistent"``: the root). One tier: every step is persistent."""
-        return self._chain.step_tiers()
-
-    def latest_step(self) -> int | None:
-        """The newest complete step, or ``None``."""
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def step_uri(self, step: int) -> str:
-        """Where the checkpoint of ``step`` lives (for ``CheckpointReader`` or the tools): on the
-        persistent tier (with two tiers, only persisted steps are complete there)."""
-        return child_uri(self.root_uri, step_dir_name(step))
-
-    def extra(self, step: int) -> dict[str, Any]:
-        """The ``extra`` metadata saved with ``step``.
-
-        Raises:
-            CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
-        """
-        manifest = load_manifest(self._chain.manifest_store(step))
-        extra = manifest.metadata.get(EXTRA_KEY, {})
-        return dict(extra) if isinstance(extra, dict) else {}
-
     # -- save -------------------------------------------------------------------------------------
     def save(
         self,
@@ -314,7 +253,8 @@ class CheckpointManager:
             self._saves.save_now(job, state, blocked_from=t0, started=t_waited)
             return
         try:  # the only part of an async save that blocks
-            staged, later = self._staging.stage(state, models)
+            skip = self._incremental.unstaged() if self._incremental is not None else ()
+            staged, later = self._staging.stage(state, models, skip)  # unchanged tensors: not copied
         except BaseException as e:
             if isinstance(e, (Exception, CheckpointException)):
                 err = as_checkpoint_error(e, f"staging step {step}")

@@ -70,10 +70,5 @@ class ManagerConfig:
                 "incremental saves cannot be combined with overwrite=True yet: overwriting a step deletes its "
                 "files first, and a later kept step may reference them; save to a new step instead"
             )
-        if inc and self.local_dir is not None:
-            raise ValueError(
-                "incremental saves are not supported with two tiers (local_dir=) yet: a replica and a persist "
-                "would need the referenced steps too; use incremental=False, or one tier"
-            )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")

@@ -36,10 +36,25 @@ class IncrementalSaves:
         return cls(DEFAULT_FULL_EVERY if setting is True else int(setting))
 
     def plan(self, step: int, state: dict[str, Any], models: ModelSet) -> IncrementalPlan:
-        """The plan of the save of ``step`` (with the live state, before staging)."""
+        """The plan of the save of ``step`` (with the live state, before staging). After a save
+        that never committed (it failed: the next ``plan`` comes only after the previous save
+        finished), the base is forgotten and this save is full: whatever failed (a replica
+        without a referenced file, a tier that lost a base) is not referenced again."""
+        if self._pending is not None:
+            self.tracker.reset()
         plan = self.tracker.plan(state, [m for m, _ in models.pairs.values()], location=step_dir_name(step))
         self._pending = (step, plan)
         return plan
+
+    def unstaged(self) -> frozenset[str]:
+        """The keys of the pending plan's unchanged tensors, which an async save need not stage
+        (the writer references them and never reads their bytes; it refuses to write one):
+        recorded on the plan, so that its writer knows."""
+        if self._pending is None:
+            return frozenset()
+        plan = self._pending[1]
+        plan.unstaged = frozenset(plan.reusable)
+        return plan.unstaged
 
     def committed(self, step: int) -> None:
         """After the save of ``step`` committed (every rank): it becomes the reference base."""

@@ -43,6 +43,7 @@ __all__ = [
     "apply_retention",
     "clean_before_restore",
     "delete_step",
+    "deletion_order",
     "describe_fresh_start",
     "retention_victims",
     "scan_steps",
@@ -130,16 +131,24 @@ def spare_referenced(root: Store, scan: StepScan, doomed: Collection[int], *, fr
     return sorted(gone - needed)
 
 
+def deletion_order(victims: Collection[int]) -> list[int]:
+    """``victims`` newest first: a step that references another victim (an incremental save and
+    its base, both beyond ``keep_last``) is deleted before the step it references, so a crash
+    between two deletions never leaves a complete step whose base is gone (found by the SIGKILL
+    trials: oldest first, a kill after the base's deletion left the referencing step corrupt).
+    A base is always an earlier save, and saves go up in step number."""
+    return sorted(victims, reverse=True)
+
+
 def apply_retention(root: Store, *, committed: int, keep_last: int | None, protect: Collection[int] = ()) -> None:
     """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
-    still being read: a persist in flight). Best effort: a failure is logged, and the next
-    commit retries."""
+    still being read: a persist in flight), and what those reference, as a kept step's bases
+    are. Best effort: a failure is logged, and the next commit retries."""
     try:
         scan = scan_steps(root)
-        victims = retention_victims(scan, committed=committed, keep_last=keep_last)
-        for s in spare_referenced(root, scan, victims, fresh=(committed,)):
-            if s not in protect:
-                delete_step(root, s, scan.files[s])
+        victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
+        for s in deletion_order(spare_referenced(root, scan, victims, fresh=(committed,))):
+            delete_step(root, s, scan.files[s])
     except CheckpointError as e:
         logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
 
@@ -176,7 +185,7 @@ def clean_before_restore(root: Store, *, keep_last: int | None, fresh_start: lis
     doomed = set(scan.incomplete)
     if scan.latest is not None:
         doomed.update(retention_victims(scan, committed=scan.latest, keep_last=keep_last))
-    for s in spare_referenced(root, scan, doomed, fresh=scan.complete):
+    for s in deletion_order(spare_referenced(root, scan, doomed, fresh=scan.complete)):
         try:
             delete_step(root, s, scan.files[s])
         except CheckpointError as e:

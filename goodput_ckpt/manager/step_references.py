@@ -22,6 +22,8 @@ from collections.abc import Collection, Iterable
 
 from ..errors import CheckpointError
 from ..format.commit_record import COMMITTED, CORRUPT, UNSUPPORTED, read_commit_record
+from ..format.manifest import MANIFEST_NAME
+from ..format.references import sealed_bases
 from ..storage.base import Store
 from .step_layout import parse_step_dir, step_dir_name
 
@@ -59,21 +61,36 @@ def protected_steps(
     return protected
 
 
+def _sealed(root: Store, step: int, names: list[str]) -> frozenset[str] | None:
+    """The bases the step's record names, read without a full parse (:func:`sealed_bases`), or
+    ``None`` (no record in the listing, unreadable, not sealed ...: the caller reads it in full)."""
+    if MANIFEST_NAME not in names:
+        return None
+    try:
+        data = root.read_small(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    except CheckpointError:
+        return None
+    return None if data is None else sealed_bases(data)
+
+
 def _bases(root: Store, step: int, names: list[str], *, refresh: bool) -> frozenset[int] | None:
     key = (root.uri, step)
     with _lock:
         if not refresh and key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    try:
-        record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False)
-    except CheckpointError:
-        return None  # unreadable now: not remembered, asked again next time
-    if record.status in (CORRUPT, UNSUPPORTED):
-        return None  # a step that is complete but whose references cannot be known
-    if record.status != COMMITTED:
-        return frozenset()  # deleted since the listing, or not a commit: it references nothing
-    steps = {parse_step_dir(b) for b in record.manifest.bases()}
+    named = _sealed(root, step, names)
+    if named is None:  # not a sealed record of a known version: the full read says what it is
+        try:
+            record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False)
+        except CheckpointError:
+            return None  # unreadable now: not remembered, asked again next time
+        if record.status in (CORRUPT, UNSUPPORTED):
+            return None  # a step that is complete but whose references cannot be known
+        if record.status != COMMITTED:
+            return frozenset()  # deleted since the listing, or not a commit: it references nothing
+        named = frozenset(record.manifest.bases())
+    steps = {parse_step_dir(b) for b in named}
     # A base that is not a step of this root cannot be protected here: nothing deletes it either.
     bases = frozenset(s for s in steps if s is not None)
     with _lock:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers.incremental import frozen_model, load_model, save_steps
+from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointWriter
 from goodput_ckpt.dcp.incremental import IncrementalTracker
+from goodput_ckpt.errors import CheckpointError, as_checkpoint_error, find_checkpoint_error
 from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
 
 
@@ -97,3 +100,22 @@ def test_saving_a_step_again_never_references_its_own_files(tmp_path):
     assert w.bytes_referenced == 0 and _manifest(tmp_path, 1).bases() == set()
     loaded = load_model(str(tmp_path / "step_00000001"))
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_unstaged_item_that_would_be_written_fails_the_save(tmp_path):
+    """An async save leaves the unchanged tensors unstaged (their live memory in the staged copy):
+    if the writer would write one after all, the save fails naming it, rather than writing bytes
+    that training may have changed since staging (issue 40)."""
+    model = frozen_model()
+    tracker, _ = save_steps(str(tmp_path), model, [1])
+    state = {"model": model.state_dict(), "step": 2}
+    plan = tracker.plan(state, [model], location="step_00000002")
+    plan.unstaged = frozenset(plan.reusable) | {"model.1.weight"}  # trainable: never referenced
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "step_00000002"), reuse=plan))
+    err = find_checkpoint_error(as_checkpoint_error(caught.value, "saving"))
+    assert isinstance(err, CheckpointError) and err.key == "model.1.weight", err
+    plan = tracker.plan(state, [model], location="step_00000003")
+    plan.unstaged = frozenset(plan.reusable)  # what the manager passes: referenced, never read
+    dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "step_00000003"), reuse=plan))
+    assert _manifest(tmp_path, 3).bases() == {"step_00000001"}

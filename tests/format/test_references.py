@@ -117,3 +117,24 @@ def test_the_spec_reader_reads_a_referenced_tensor(tmp_path):
     got = namespace["read_tensor"](str(tmp_path / "step_00000002"), "model.0.weight")
     assert parse_manifest(_manifest(tmp_path, 2)).bases() == {"step_00000001"}
     assert (got == model[0].weight.numpy()).all()
+
+
+def test_sealed_bases_reads_the_files_table_of_a_sealed_record_only(tmp_path):
+    """``sealed_bases``: the bases of a sealed record of a known version; ``None`` for anything
+    else, so that the caller reads the record in full (issue 40)."""
+    from goodput_ckpt.format.references import sealed_bases
+
+    save_steps(str(tmp_path), frozen_model(), [1, 2])
+    raw = _manifest(tmp_path, 2)
+    assert sealed_bases(raw) == parse_manifest(raw).bases() == {"step_00000001"}
+    assert sealed_bases(_manifest(tmp_path, 1)) == frozenset()
+    assert sealed_bases(raw[:-5]) is None  # torn
+    assert sealed_bases(raw.replace(b"step_00000001", b"step_00000009", 1)) is None  # seal broken
+    assert sealed_bases(_resealed(raw, lambda d: d.update(version=99))) is None
+    assert sealed_bases(_resealed(raw, lambda d: d.update(version=2))) is None  # references need 3
+    assert sealed_bases(_resealed(raw, lambda d: d.update(files=[]))) is None
+
+    def hostile(doc):
+        next(f for f in doc["files"].values() if "base" in f)["base"] = ".."
+
+    assert sealed_bases(_resealed(raw, hostile)) is None

@@ -4,8 +4,10 @@ frozen base; retention keeps a referenced step; a killed job restores bit-exactl
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +17,7 @@ from helpers.lora import adapter_optimizer, frozen_bytes, lora_model, train_step
 from helpers.trees import assert_tree_equal
 
 from goodput_ckpt import CheckpointManager
+from goodput_ckpt.format.manifest import parse_manifest
 from goodput_ckpt.manager.step_layout import step_dir_name
 from goodput_ckpt.tools import verify_checkpoint
 
@@ -151,9 +154,46 @@ def test_incremental_takes_a_bool_or_a_positive_count(tmp_path, value):
         CheckpointManager(str(tmp_path), incremental=value)
 
 
-def test_two_tiers_refuse_incremental_saves_by_name(tmp_path):
-    with pytest.raises(ValueError, match="two tiers"):
-        CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), incremental=True)
+def test_two_tiers_in_one_process_persist_the_bases_first_and_restore_from_each_tier(tmp_path):
+    """One process, two tiers: a persisted incremental step whose base was not due for the
+    persistent tier gets that base persisted first, and only what it lacks; retention on both
+    tiers keeps the bases of kept steps; the newest step restores bit-exact from the local tier,
+    and with the local tier lost, the newest persisted one from the persistent tier alone (the
+    multi-rank cases, replicas included: test_incremental_tiers.py)."""
+    torch.manual_seed(0)
+    model = lora_model()
+    opt = adapter_optimizer(model)
+    root, local = tmp_path / "root", tmp_path / "local"
+    expected = {}
+    opts = dict(local_dir=str(local), persist_every=3, keep_last=1, incremental=4, timeline=False)
+    with CheckpointManager(str(root), **opts) as mgr:
+        for step in range(1, 7):
+            train_step(model, opt, step)
+            mgr.save(step, model=model, optimizer=opt)
+            mgr.wait()
+            expected[step] = copy.deepcopy(model.state_dict())
+        tiers = mgr.step_tiers()
+    # Saves 1 and 5 are full. Steps 3 and 6 were due for the persistent tier; 3 references 1,
+    # which went first; keep_last=1 there keeps 6 and what it references (5), not 1 or 3.
+    persisted = sorted(p.name for p in root.glob("step_*"))
+    assert persisted == [step_dir_name(5), step_dir_name(6)], persisted
+    with open(root / step_dir_name(6) / "manifest.json", "rb") as f:
+        assert parse_manifest(f.read()).bases() == {step_dir_name(5)}
+    assert tiers[6] == ("local", "persistent") and tiers[5] == ("local", "persistent"), tiers
+    for name in persisted:
+        assert verify_checkpoint(str(root / name)).ok, name
+    fresh = lora_model(seed=7)
+    fresh_opt = adapter_optimizer(fresh)
+    with CheckpointManager(str(root), **opts) as mgr:
+        assert mgr.restore(model=fresh, optimizer=fresh_opt) == 6
+    assert_tree_equal(fresh.state_dict(), expected[6])
+    shutil.rmtree(local)  # the node's disk is gone: the persistent tier alone
+    fresh = lora_model(seed=8)
+    fresh_opt = adapter_optimizer(fresh)
+    with CheckpointManager(str(root), **opts) as mgr:
+        assert mgr.restore(model=fresh, optimizer=fresh_opt) == 6
+        assert mgr.timeline[-1]["sources"] == {"persistent": 2}  # its own file and the one in its base
+    assert_tree_equal(fresh.state_dict(), expected[6])
 
 
 def test_incremental_saves_refuse_overwrite(tmp_path):

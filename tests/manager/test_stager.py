@@ -117,3 +117,20 @@ def test_as_the_async_stager_of_dcp_async_save(tmp_path):
     assert torch.equal(dest["w"], expected) and dest["step"] == 5
     stager.close()
     assert stager.nbytes == 0
+
+
+def test_skipped_keys_are_not_copied_and_keep_their_buffers():
+    """An incremental save's unchanged tensors (``skip``, by DCP's flattened key) stay the live
+    tensors in the staged copy, and their buffers stay kept for the next full save (issue 40)."""
+    sd = _state()
+    stager = ReusableStager()
+    stager.stage(sd)
+    stager.release()
+    kept = stager.buffers[("model", "w")]
+    staged, later = stager.stage_deferred(sd, None, skip={"model.w"})
+    assert staged["model"]["w"].data_ptr() == sd["model"]["w"].data_ptr(), "not copied"
+    assert staged["model"]["b"].data_ptr() != sd["model"]["b"].data_ptr(), "the others are"
+    assert stager.buffers[("model", "w")] is kept
+    stager.release()
+    full = stager.stage(sd)
+    assert full["model"]["w"].data_ptr() == kept.data_ptr() and torch.equal(full["model"]["w"], sd["model"]["w"])

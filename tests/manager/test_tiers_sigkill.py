@@ -23,6 +23,7 @@ from helpers.dist import run_ranks
 from helpers.wait import wait_until
 
 from goodput_ckpt.tools.demos._job_launch import JobLaunch, free_port
+from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -59,9 +60,15 @@ PHASES: dict[str, Callable[[Path, Path], bool]] = {
 }
 
 
+#: Incremental saves (issue 40): the first layer frozen, every 3rd save full, so that a persist
+#: (every 2nd save) first persists the base it references, and replicas skip referenced files.
+INCREMENTAL = {"incremental": 3, "freeze_first": True}
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("phase", list(PHASES))
-def test_sigkill_in_phase(tmp_path, phase):
+@pytest.mark.parametrize("phase,incremental", [(p, False) for p in PHASES] + [("replication", True), ("persist", True)])
+def test_sigkill_in_phase(tmp_path, phase, incremental):
+    opts = {**OPTS, **INCREMENTAL} if incremental else OPTS
     persist, local = tmp_path / "persist", tmp_path / "local"
     port = str(free_port())
     script = str(Path(tiers_job.__file__))
@@ -75,7 +82,7 @@ def test_sigkill_in_phase(tmp_path, phase):
             str(persist),
             str(local / "node{node}"),
             str(WIDTH),
-            json.dumps(OPTS),
+            json.dumps(opts),
         ]
         for r in range(WORLD)
     ]
@@ -105,7 +112,7 @@ def test_sigkill_in_phase(tmp_path, phase):
         WORLD,
         str(persist),
         str(local / "node{node}"),
-        OPTS,
+        opts,
         str(tmp_path),
         WIDTH,
         report_dir=tmp_path / "report",
@@ -113,8 +120,10 @@ def test_sigkill_in_phase(tmp_path, phase):
     results = [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
     step = results[0]["step"]
     assert step is not None and all(r["step"] == step and r["error"] is None for r in results)
-    want = tiers_job.reference_digest(step + 1, WIDTH)
+    want = tiers_job.reference_digest(step + 1, WIDTH, incremental)
     assert all(r["digest"] == want for r in results)
     # what the kill left half-written is not taken for a checkpoint, and was cleaned up
     assert not _persist(persist, local)
     assert all((d / "manifest.json").exists() for d in persist.glob("step_*"))
+    # every persisted step is whole, the files it references in its bases included
+    assert all(verify_checkpoint(str(d)).ok for d in persist.glob("step_*"))

@@ -22,10 +22,14 @@ from goodput_ckpt import CheckpointManager
 from goodput_ckpt.errors import CheckpointError
 
 
-def make(rank: int, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make(rank: int, width: int = 64, freeze_first: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer; ``freeze_first``: the first layer frozen (what an incremental
+    save references: the SIGKILL tests' ``"freeze_first"`` option)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if freeze_first:
+        model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return model, opt
 
 
@@ -141,7 +145,8 @@ def restore_step(
 
         module, attr, exc = FAULTS[fault[1]]
         setattr(importlib.import_module(module), attr, _fail_with(exc))
-    model, opt = make(rank, width)
+    opts = dict(opts)
+    model, opt = make(rank, width, opts.pop("freeze_first", False))
     torch.manual_seed(123 + rank)  # restore must overwrite whatever this leaves
     error = None
     logged = _LogKeeper()
@@ -190,10 +195,10 @@ class _LogKeeper(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def reference_digest(steps: int, width: int = 64) -> dict[str, str]:
+def reference_digest(steps: int, width: int = 64, freeze_first: bool = False) -> dict[str, str]:
     """The digest after training steps ``0 .. steps-1`` in this process (what a restore of the
     checkpoint saved after step ``steps-1`` must reproduce)."""
-    model, opt = make(0, width)
+    model, opt = make(0, width, freeze_first)
     for step in range(steps):
         train(model, opt, step)
     return digest(model, opt)
@@ -213,10 +218,11 @@ def main(argv: list[str]) -> None:
         json.loads(argv[6]),
     )
     resume = opts.pop("resume", False)  # restore first and go on from the restored step
+    freeze_first = opts.pop("freeze_first", False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, opt = make(rank, width)
+    model, opt = make(rank, width, freeze_first)
     with CheckpointManager(root, local_dir=local, local_world_size=2, **opts) as mgr:
         restored = mgr.restore(model=model, optimizer=opt) if resume else None
         print("RESTORED", restored, flush=True)

@@ -10,7 +10,7 @@ forward and backward, and a pre-hook on each of those optimizers' ``step()``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .deferred_copy import DeferredCopies
@@ -42,8 +42,11 @@ class AsyncStaging:
         self.stager = ReusableStager(timeout_s=timeout_s)
         self.guard = StepGuard()
 
-    def stage(self, state: dict[str, Any], models: Any) -> tuple[dict[str, Any], DeferredCopies]:
-        """Copy ``state`` into the kept buffers, all but what may be deferred (see the class).
+    def stage(
+        self, state: dict[str, Any], models: Any, skip: Collection[str] = ()
+    ) -> tuple[dict[str, Any], DeferredCopies]:
+        """Copy ``state`` into the kept buffers, all but what may be deferred (see the class) and
+        the tensors of ``skip`` (an incremental save's unchanged ones: ``ReusableStager.stage_deferred``).
 
         ``models`` is the normalized ``(model, optimizers)`` pairs of ``save``
         (:func:`goodput_ckpt.state.normalize`).
@@ -51,7 +54,7 @@ class AsyncStaging:
         Raises:
             CheckpointError: the previous save still holds the buffers after ``timeout_s``.
         """
-        return self.stager.stage_deferred(state, self._deferrable(models))
+        return self.stager.stage_deferred(state, self._deferrable(models), skip)
 
     def _deferrable(self, models: Any) -> Callable[[Any], bool] | None:
         """Which sources ``save`` may leave to the save thread: the tensors of the optimizers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -75,6 +75,7 @@ class ReusableStager(AsyncStager):
         # the copies deferred so far.
         self._defer: DeferPredicate | None = None
         self._later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._skip: frozenset[str] = frozenset()  # keys left unstaged (stage_deferred's ``skip``)
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +103,7 @@ class ReusableStager(AsyncStager):
         return self.stage_deferred(state_dict, None)[0]
 
     def stage_deferred(
-        self, state_dict: dict[str, Any], defer: DeferPredicate | None
+        self, state_dict: dict[str, Any], defer: DeferPredicate | None, skip: Collection[str] = ()
     ) -> tuple[dict[str, Any], DeferredCopies]:
         """Like :meth:`stage`, but the copies of CPU sources for which ``defer`` is true are left
         to a :class:`~goodput_ckpt.manager.staging.deferred_copy.DeferredCopies`: the staged copy is not
@@ -110,6 +111,11 @@ class ReusableStager(AsyncStager):
 
         The caller must keep those sources unchanged until then (``CheckpointManager`` holds the
         next optimizer step). Accelerator tensors are always copied here.
+
+        ``skip``: flattened keys (``a.b.0.c``, DCP's) of tensors not copied at all: the staged
+        copy holds the live tensor itself, for an incremental save that references those bytes
+        in an earlier step and never reads them (its writer refuses to write one:
+        ``dcp.references_write``). Their kept buffers stay kept, for the next full save.
 
         Raises:
             CheckpointError: the previous staged copy was not released within ``timeout_s``.
@@ -126,7 +132,7 @@ class ReusableStager(AsyncStager):
             wrappers: dict[tuple, Any] = {}
             devices: set[torch.device] = set()
             later: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            self._defer, self._later = defer, later
+            self._defer, self._later, self._skip = defer, later, frozenset(skip)
             staged = self._stage(state_dict, (), buffers, wrappers, devices)
             for device in devices:
                 torch.cuda.synchronize(device)
@@ -135,7 +141,7 @@ class ReusableStager(AsyncStager):
             self.release()  # or the next save would wait timeout_s for buffers nobody holds
             raise
         finally:
-            self._defer, self._later = None, None
+            self._defer, self._later, self._skip = None, None, frozenset()
         # Buffers of tensors that left the state dict are dropped; the rest are kept.
         self._buffers, self._wrappers = buffers, wrappers
         return staged, copies
@@ -184,6 +190,11 @@ class ReusableStager(AsyncStager):
         self, src: torch.Tensor, path: tuple, buffers: dict, devices: set, watch: torch.Tensor | None = None
     ) -> torch.Tensor:
         src = src.detach()
+        if self._skip and ".".join(map(str, path)) in self._skip:
+            kept = self._buffers.get(path)
+            if kept is not None:
+                buffers[path] = kept  # not written now; the next full save copies into it again
+            return src
         on_cuda = src.device.type == "cuda"
         buf = self._buffers.get(path)
         if buf is None or buf.dtype != src.dtype or buf.shape != src.shape or (on_cuda and not buf.is_pinned()):

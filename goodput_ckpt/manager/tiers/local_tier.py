@@ -9,7 +9,8 @@ thread, on every rank (:meth:`LocalTier.after_save`):
    the files of its own ranks (and the replicas it receives next);
 2. each rank sends its data files to the ranks that keep its replicas, the same local rank
    on each of the next ``replicas`` nodes (:class:`.nodes.NodeLayout`), over the manager's
-   group; the receiver checks every chunk against the manifest before writing it;
+   group; the receiver checks every chunk against the manifest before writing it (a file an
+   incremental step references is not sent: the holder got it with its base's replica);
 3. every ``persist_every``-th save is handed to the persist thread (:mod:`.persist`);
 4. retention on this node's local directory (its first rank applies it), which keeps the step
    a persist is still reading.
@@ -34,6 +35,7 @@ from ...engine.hashed_write import data_file_rank, remove_stale_files
 from ...errors import CheckpointError, as_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ...format.references import with_references
 from ...storage import open_store
 from ...storage.base import Store
 from ..job import JobState, foreign_entries, job_of, local_job_dir
@@ -210,12 +212,22 @@ class LocalTier:
         return data, manifest
 
     def _replicate(self, step: int, manifest: Manifest) -> CheckpointError | None:
-        moves = [
-            Move(src, dst, entry)
-            for entry in manifest.files.values()
-            if (src := data_file_rank(entry.path)) is not None and src < self.layout.world_size
-            for dst in self.layout.replica_holders(src)
-        ]
+        """Send each rank's files of ``step`` to its replica holders. A file the step references
+        (``base``: an incremental save) is not sent: the holder received it with its base's
+        replica; each holder checks that it still has it, at its size (``lacking``), and a save
+        whose replica lacks one fails (the next save is then full: ``..incremental_saves``)."""
+        moves: list[Move] = []
+        lacking: list[str] = []
+        mine = with_references(self.step_store(step), manifest)
+        for entry in manifest.files.values():
+            src = data_file_rank(entry.path)
+            if src is None or src >= self.layout.world_size:
+                continue
+            for dst in self.layout.replica_holders(src):
+                if entry.base is None:
+                    moves.append(Move(src, dst, entry))
+                elif dst == self.layout.rank and mine.size(entry.path) != entry.size:
+                    lacking.append(f"{entry.base}/{entry.path}")
         assert self.pg is not None  # replicas need another node, hence a group
         failed = run_moves(
             moves,
@@ -226,6 +238,11 @@ class LocalTier:
             sender_uri=f"the local copy of rank {{rank}} ({self.step_uri(step)} on its node)",
             keys=KeyIndex(manifest),
         )
+        if lacking:
+            return CheckpointError(
+                f"replicating step {step}: node {self.layout.node} lacks {len(lacking)} file(s) of earlier steps "
+                f"that it references (the step stays on its own nodes); first: {lacking[0]}"
+            )
         if failed:
             name, first = next(iter(failed.items()))
             return CheckpointError(

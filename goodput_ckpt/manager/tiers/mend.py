@@ -6,6 +6,10 @@ sent over the group, else the persistent tier (:func:`route` decides, the same o
 Everything that arrives is checked against the agreed commit record, and a step some rank
 cannot get a file of is passed, on every rank, with why (:class:`Unrebuildable`). The steps of
 the whole restore: :mod:`.restore`.
+
+A file an incremental step references (its ``base``) lies in its base's directory on every tier
+(:func:`holding_step`, :func:`node_copy`): each tier keeps the bases of the steps it holds
+(``.persist``, ``.local_tier``), so the same lookups find it, one directory over.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from typing import Any, TypeVar
 from ...errors import CheckpointError, CorruptCheckpointError, as_checkpoint_error, find_checkpoint_error
 from ...format.commit_record import KeyIndex
 from ...format.manifest import Manifest
+from ...format.references import ReferencingStore, with_references
+from ...format.schema import FileEntry
 from ...storage import open_store
 from ...storage.base import Store
-from ..step_layout import child_uri, step_dir_name
+from ..step_layout import child_uri, parse_step_dir, step_dir_name
 from .file_moves import Move, ReceivedFiles, check_file, copy_file, run_moves
 from .local_tier import LocalTier
 
@@ -32,7 +38,9 @@ __all__ = [
     "Candidate",
     "Unrebuildable",
     "check_local",
+    "holding_step",
     "mend",
+    "node_copy",
     "or_error",
     "store_of",
 ]
@@ -121,7 +129,7 @@ def mend(
         return routed
     plan_moves, fetch = routed
     failed: dict[str, CheckpointError] = {}
-    here_store = store_of(tier.store, s)
+    here_store = node_copy(tier.store, s, manifest)
     keys = KeyIndex(manifest)
     sender_uri = f"the local copy of step {s} on the node of rank {{rank}}"
     received = ReceivedFiles(f"step {s} as received over the process group", manifest.chunk_size) if direct else None
@@ -158,7 +166,10 @@ def mend(
         errors.append(str(made))
     elif want:
         assert persistent is not None
-        src = or_error(f"opening {persistent.uri}", lambda: store_of(persistent, s, c.persistent_options))
+        src = or_error(
+            f"opening {persistent.uri}",
+            lambda: with_references(store_of(persistent, s, c.persistent_options), manifest),
+        )
         for name in want:
             got = (
                 src
@@ -209,10 +220,13 @@ def _route(
                     continue  # another rank of this node receives it
                 taken.add((node, name))
             entry = manifest.files[name]
+            held_in = holding_step(entry, s)
             holder = None
             for hop in range(1, layout.nodes):
                 other = (node + hop) % layout.nodes
-                if nodes.get(other, {}).get(s, {}).get(name) == entry.size and name not in damaged.get(other, set()):
+                if nodes.get(other, {}).get(held_in, {}).get(name) == entry.size and name not in damaged.get(
+                    other, set()
+                ):
                     holder = other
                     break
             if holder is not None:
@@ -231,7 +245,8 @@ def check_local(c: Candidate, files: dict[str, set[int]], verify: bool) -> tuple
     """The files of ``files`` this node's copy of ``c.step`` lacks, or holds with a damaged chunk
     among those this rank reads (``files``: name -> chunk indices), and why, where it is not
     simply absent (name -> a short reason, for :func:`_report_arrivals`)."""
-    step_store, manifest = store_of(c.tier.store, c.step), c.manifest
+    manifest = c.manifest
+    step_store = node_copy(c.tier.store, c.step, manifest)
     missing: set[str] = set()
     notes: dict[str, str] = {}
     keys = KeyIndex(manifest)
@@ -263,6 +278,32 @@ def damage(err: CheckpointError) -> str:
         return f"is damaged (bytes [{found.byte_range[0]}, {found.byte_range[1]}), keys: {keys})"
     text = str(found)
     return f"cannot be read ({text if len(text) <= 200 else text[:197] + '...'})"
+
+
+def holding_step(entry: FileEntry, s: int) -> int | None:
+    """The step whose directory holds ``entry`` of step ``s``: ``s``, or the step an incremental
+    save references it in (``base``; ``None`` for a base that is not a step directory)."""
+    return s if entry.base is None else parse_step_dir(entry.base)
+
+
+class _NodeCopy(ReferencingStore):
+    """A node's copy of a step in which the files the step references resolve in their base's
+    directory on the same node, for reads, sizes and writes alike: a repair writes a referenced
+    file where every later load reads it, its base's directory (the bytes are checked against
+    the digests the base's own manifest records for them, which the referencing entry copies)."""
+
+    def open_sink(self, name: str, **kwargs: Any) -> Any:
+        routed = self._routes.get(name)
+        if routed is None:
+            return self.inner.open_sink(name, **kwargs)
+        return self._parent.open_sink(routed, **kwargs)
+
+
+def node_copy(root: Store, s: int, manifest: Manifest) -> Store:
+    """This node's copy of step ``s`` under the node-local ``root``, with the files ``manifest``
+    references resolved in their bases (:class:`_NodeCopy`)."""
+    inner = store_of(root, s)
+    return _NodeCopy(inner, manifest) if manifest.bases() else inner
 
 
 def store_of(root: Store, s: int, options: dict[str, Any] | None = None) -> Store:

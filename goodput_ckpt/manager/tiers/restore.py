@@ -62,11 +62,12 @@ from ...errors import (
     find_checkpoint_error,
 )
 from ...format.manifest import MANIFEST_NAME, parse_manifest
+from ...format.references import with_references
 from ...storage.base import FileOrigin, Store
 from ..agreement import raise_first_failure, raise_if_any_rank_failed
 from ..job import job_of
 from ..restoring import ROWS_PART, TENSORS_PART, Restored, RestoreTarget
-from ..retention import apply_retention, delete_step
+from ..retention import apply_retention, delete_step, deletion_order
 from ..step_layout import list_step_dirs
 from .candidates import agreed_record, list_candidates
 from .local_tier import LocalTier
@@ -179,7 +180,8 @@ def _attempt(
         fetched = [name for name, tier_name in arrived.items() if tier_name == PERSISTENT]
         if fetched:
             assert persistent is not None
-            out.update(dict.fromkeys(fetched, store_of(persistent, s, c.persistent_options)))
+            at = with_references(store_of(persistent, s, c.persistent_options), manifest)  # bases persisted first
+            out.update(dict.fromkeys(fetched, at))
         return out
 
     def load(part: int, checked: set[str], elsewhere: dict[str, FileOrigin]) -> None:
@@ -289,9 +291,9 @@ def _drop_after(tier: LocalTier, s: int, keep_last: int | None) -> None:
     """This node's leader, after restoring ``s``: delete local steps newer than ``s`` (none of
     them could be rebuilt) and incomplete or surplus ones (best effort)."""
     try:
-        for step, names in list_step_dirs(tier.store).items():
-            if step > s:
-                delete_step(tier.store, step, names)
+        listed = list_step_dirs(tier.store)
+        for step in deletion_order([step for step in listed if step > s]):  # a referencing step first
+            delete_step(tier.store, step, listed[step])
         apply_retention(tier.store, committed=s, keep_last=keep_last)
     except Exception as e:  # noqa: BLE001 - best effort, after the last collective
         logger.warning("cleaning %s after the restore failed: %s", tier.uri, e)
