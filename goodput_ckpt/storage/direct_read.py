@@ -10,7 +10,7 @@ user memory. One implementation serves both stores that read files by path:
 - ``aligned`` direct reads (local disks, and volumes that refused an unaligned one): a block
   device wants the file offset, the length and the buffer address aligned to its block size.
   A read whose offset and buffers are all :data:`ALIGN`-aligned goes straight into the
-  destination; any other is read through a reused, page-aligned bounce buffer (:class:`_BouncePool`)
+  destination; any other is read through a reused, page-aligned bounce buffer (:class:`.bounce.BouncePool`)
   covering the aligned window around it, then copied into the destination. Torch places large
   tensors 64 bytes past a page boundary, so most destinations take the bounce: one memcpy, which
   measured cheaper than the page cache's copy and bookkeeping (docs/benchmarks.md).
@@ -24,15 +24,14 @@ Descriptors are opened with ``O_NOFOLLOW`` on a path the store has already check
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import os
 import threading
 from collections.abc import Sequence
 
 from ..errors import CheckpointError
 from .base import Buffer, drop_done, missing_file_error, truncated_error
+from .bounce import BouncePool, address_of
 
 __all__ = ["ALIGN", "DirectSource", "read_full"]
 
@@ -96,39 +95,11 @@ def read_full(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> int
     return total
 
 
-class _BouncePool:
-    """Page-aligned buffers (anonymous ``mmap``s) reused across reads and loads.
-
-    Reuse matters: a fresh buffer is page-faulted on first touch, which costs more than the copy.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # reader threads take and return buffers concurrently
-        self._idle: list[mmap.mmap] = []
-
-    def take(self) -> mmap.mmap:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return mmap.mmap(-1, _BOUNCE_BYTES)
-
-    def give(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._idle) < _BOUNCE_KEEP:
-                self._idle.append(buf)
-                return
-        buf.close()
-
-
-_POOL = _BouncePool()
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+_POOL = BouncePool(_BOUNCE_BYTES, _BOUNCE_KEEP)
 
 
 def _aligned(offset: int, views: Sequence[memoryview]) -> bool:
-    return offset % ALIGN == 0 and all(v.nbytes % ALIGN == 0 and _address(v) % ALIGN == 0 for v in views)
+    return offset % ALIGN == 0 and all(v.nbytes % ALIGN == 0 and address_of(v) % ALIGN == 0 for v in views)
 
 
 def read_aligned(fd: int, path: str, offset: int, buffers: Sequence[Buffer]) -> int:

@@ -12,7 +12,7 @@ was faster buffered there (the page cache takes the bytes at memory speed), so t
 writes direct only for saves that run beside training (``LocalConfig.direct_writes``).
 
 How a chunk is written (:meth:`DirectWriter.write_hashed`): its buffers are copied into a bounce
-buffer from :class:`_BouncePool`, hashed there (while in the CPU cache), and written with
+buffer from :class:`.bounce.BouncePool`, hashed there (while in the CPU cache), and written with
 ``pwrite`` on an ``O_DIRECT`` descriptor of the same file. A device wants the offset, the length
 and the buffer address aligned (:data:`~.direct_read.ALIGN`); the bounce buffer is aligned, chunk
 offsets are multiples of the chunk size, and the unaligned tail of a file's last chunk (less than
@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from .base import Buffer
+from .bounce import BouncePool, address_of
 from .direct_read import ALIGN
 
 __all__ = ["DirectWriter", "open_direct"]
@@ -56,32 +55,7 @@ _MEMMOVE_MIN = 64 << 10
 _REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
-class _BouncePool:
-    """Page-aligned buffers (anonymous ``mmap``s of :data:`BOUNCE_BYTES`) reused across saves."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # writer threads take and return buffers concurrently
-        self._idle: list[mmap.mmap] = []
-
-    def take(self) -> mmap.mmap:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return mmap.mmap(-1, BOUNCE_BYTES)
-
-    def give(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._idle) < _BOUNCE_KEEP:
-                self._idle.append(buf)
-                return
-        buf.close()
-
-
-_POOL = _BouncePool()
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+_POOL = BouncePool(BOUNCE_BYTES, _BOUNCE_KEEP)
 
 
 def open_direct(fd: int) -> int | None:
@@ -125,7 +99,7 @@ class DirectWriter:
         bounce = _POOL.take()
         bview = memoryview(bounce)
         try:
-            base = _address(bview)
+            base = address_of(bview)
             pos = offset
             piece = 0  # bytes in the bounce buffer
             for v in views:
@@ -134,7 +108,7 @@ class DirectWriter:
                     n = min(v.nbytes - done, BOUNCE_BYTES - piece)
                     part = v[done : done + n]
                     if n >= _MEMMOVE_MIN and not part.readonly:
-                        ctypes.memmove(base + piece, _address(part), n)
+                        ctypes.memmove(base + piece, address_of(part), n)
                     else:
                         bview[piece : piece + n] = part
                     piece += n

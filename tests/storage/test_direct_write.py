@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import subprocess
 
 import pytest
 import torch
@@ -120,21 +119,6 @@ def test_async_save_writes_around_the_page_cache_and_a_sync_save_does_not(tmp_pa
     assert a.read_bytes() == s.read_bytes()
     for d in ("async", "sync"):
         assert verify_checkpoint(str(tmp_path / d)).ok
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A ramfs mount: a filesystem that refuses ``O_DIRECT`` at open (root only)."""
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True).returncode != 0:
-        pytest.skip("cannot mount ramfs here (not root?)")
-    try:
-        yield mnt
-    finally:
-        # Lazy: a file the test left open must not keep the mount (and pytest's cleanup of
-        # tmp_path) stuck for the rest of the machine's life.
-        subprocess.run(["umount", "--lazy", str(mnt)], check=True, capture_output=True)
 
 
 def test_filesystem_without_direct_io_writes_buffered(ramfs, tmp_path):
