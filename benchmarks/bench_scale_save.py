@@ -82,8 +82,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_scale import MODELS, PARAM_GROUP_KEYS, model_tensors  # noqa: E402
 
 from goodput_ckpt import CheckpointWriter  # noqa: E402
-from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, rank_writes  # noqa: E402
+from goodput_ckpt.dcp.commit_build import forget_layouts  # noqa: E402
 from goodput_ckpt.dcp.plan_cache import SavePlanCache  # noqa: E402
+from goodput_ckpt.dcp.rank_reports import rank_report  # noqa: E402
 from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner  # noqa: E402
 from goodput_ckpt.engine.hashed_write import data_file_name  # noqa: E402
 from goodput_ckpt.engine.layout import place_items  # noqa: E402
@@ -147,31 +148,23 @@ def state_dict(layout: str, rank: int, world: int) -> dict[str, Any]:
 
 # -- write_data's bookkeeping ------------------------------------------------------------------------
 def ours_results(plan: SavePlan) -> list[WriteResult]:
-    """What ``CheckpointWriter._write_rank`` returns for ``plan``, without hashing or writing."""
+    """What ``CheckpointWriter._write_rank`` returns for ``plan``, without hashing or writing: its
+    items ordered and placed, then its report (its rows left out when the coordinator announced
+    this rank's layout in ``plan.storage_data``) from ``rank_report``, the writer's own function."""
     assignment = plan.storage_data
     items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
     own = sum(1 for it in items if it.type != WriteItemType.SHARD)
-    sizes = [_nbytes(it) for it in items]
-    placements, file_sizes = place_items(sizes, 1)
+    placements, file_sizes = place_items([_nbytes(it) for it in items], 1)
     names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
     entries = [
         FileEntry(n, s, tuple(f"{i:064x}" for i in range(math.ceil(s / CHUNK)))) for n, s in zip(names, file_sizes)
     ]
+    where = {p.item: (p.file, p.offset, p.length) for p in placements}
     written = tuple(
-        (
-            items[p.item].index.fqn,
-            None if items[p.item].index.offset is None else tuple(items[p.item].index.offset),
-            p.file,
-            p.offset,
-            p.length,
-        )
-        for p in placements
+        (it.index.fqn, None if it.index.offset is None else tuple(it.index.offset), *where[i])
+        for i, it in enumerate(items)
     )
-    boxes = [
-        None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements
-    ]
-    writes = rank_writes(tuple(entries), written, boxes, own=own)
-    return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
+    return rank_report(entries, written, items, own=own, assignment=assignment)
 
 
 def torch_results(plan: SavePlan) -> list[WriteResult]:
@@ -195,20 +188,43 @@ def _nbytes(item: WriteItem) -> int:
 
 # -- one simulated save --------------------------------------------------------------------------------
 class Clock:
-    """CPU and wall seconds per (rank, phase), and bytes per payload."""
+    """CPU and wall seconds per (rank, phase), the part of the wall spent in the garbage
+    collector, and bytes per payload."""
 
     def __init__(self) -> None:
         self.cpu: dict[tuple[str, str], float] = {}
         self.wall: dict[tuple[str, str], float] = {}
+        self.gc: dict[tuple[str, str], float] = {}
         self.bytes: dict[str, int] = {}
+        self.write_all: list[float] = []  # every rank's step-3 CPU, in rank order
 
     def run(self, who: str, phase: str, fn: Callable[[], Any]) -> Any:
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0, g0 = time.process_time(), time.perf_counter(), _GC.seconds
         out = fn()
         key = (who, phase)
         self.cpu[key] = self.cpu.get(key, 0.0) + time.process_time() - c0
         self.wall[key] = self.wall.get(key, 0.0) + time.perf_counter() - w0
+        self.gc[key] = self.gc.get(key, 0.0) + _GC.seconds - g0
         return out
+
+
+class _GcTime:
+    """Seconds spent in the garbage collector's passes (``gc.callbacks``), to tell a phase's own
+    work from a collection that the objects of earlier phases set off in it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+
+_GC = _GcTime()
 
 
 class Ranks:
@@ -257,7 +273,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
 
         blobs.append(timed(r, "local plan", local))
     clock.bytes["plans gathered"] = sum(map(len, blobs))
-    if traced:
+    if traced:  # the coordinator's global step (module doc: peak memory)
         gc.collect()
         tracemalloc.start()
     coord = "coordinator"
@@ -269,17 +285,25 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     scattered = clock.run(coord, "scatter: pickle plans", lambda final=final: [pickle.dumps(p) for p in final])
     del final
     clock.bytes["plans scattered"] = sum(map(len, scattered))
+    if traced:
+        peak_plan, held = tracemalloc.get_traced_memory()[::-1]
+        tracemalloc.stop()  # the other ranks' step 3 is their memory, not the coordinator's
     results = []
-    for r in range(W):  # 3. finish_plan, write_data's bookkeeping
+    for r in range(W):  # 3. finish_plan, write_data's bookkeeping (every rank timed: the worst of all)
 
         def write(r: int = r, scattered: list[bytes] = scattered) -> bytes:
             plan = planners[r].finish_plan(pickle.loads(scattered[r]))
             res = ours_results(plan) if ranks.method.startswith("ours") else torch_results(plan)
             return pickle.dumps(res)
 
+        c0 = time.process_time()
         results.append(timed(r, "finish_plan + write bookkeeping", write))
+        clock.write_all.append(time.process_time() - c0)
     del scattered
     clock.bytes["results gathered"] = sum(map(len, results))
+    if traced:  # the coordinator's commit
+        gc.collect()
+        tracemalloc.start()
     all_results = clock.run(
         coord, "gather: unpickle results", lambda results=results: [pickle.loads(b) for b in results]
     )
@@ -289,8 +313,12 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     blob = clock.run(coord, "broadcast: pickle Metadata", lambda: pickle.dumps(metadata))
     clock.bytes["Metadata broadcast"] = len(blob)
     if traced:
-        clock.bytes["coordinator peak MB"] = int(tracemalloc.get_traced_memory()[1] / MB)
+        peak_commit = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+        b = clock.bytes
+        clock.bytes["coordinator peak MB"] = int(
+            max(b["plans gathered"] + peak_plan, held - b["plans scattered"] + b["results gathered"] + peak_commit) / MB
+        )
     for r in range(W):
         if names[r] is not None and r:
             clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
@@ -302,6 +330,7 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
     for rep in range(repeats + (1 if memory else 0)):
         with tempfile.TemporaryDirectory(prefix="bench-save-") as root:
             traced = memory and rep == 0
+            forget_layouts()  # a first save of a run: the coordinator holds no layout yet
             ranks = Ranks(method, layout, world, root)
             # The W state dicts live in this one process (a real rank holds its own): kept out of
             # the collector's scans, which otherwise land, long, in whichever phase comes next.
@@ -329,6 +358,17 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
                 for (w, ph) in clocks[0].cpu
                 if w == who
             }
+            row[f"{who} phases gc s"] = {
+                ph: statistics.median(c.gc.get((who, ph), 0.0) for c in clocks) for (w, ph) in clocks[0].gc if w == who
+            }
+        # Step 3 is timed on every rank: its worst other rank over all W-1, not only the timed ones.
+        worst = sorted(max(c.write_all[1:], default=0.0) for c in clocks)
+        row["step 3 worst of all other ranks cpu s"] = {
+            "min": worst[0],
+            "median": statistics.median(worst),
+            "max": worst[-1],
+            "rank": max(range(1, world), key=lambda r: clocks[0].write_all[r], default=None),
+        }
         out["saves"][save] = row
     return out
 
@@ -345,8 +385,15 @@ def print_row(row: dict[str, Any]) -> None:
             print(
                 f"  {who:<12} cpu {cpu['min']:8.3f} / {cpu['median']:8.3f} / {cpu['max']:8.3f} s   wall median {wall['median']:8.3f} s"
             )
+            gcs = r[f"{who} phases gc s"]
             for ph, s in r[f"{who} phases cpu s"].items():
-                print(f"      {ph:<34} {s:8.3f}")
+                print(f"      {ph:<34} {s:8.3f}   (gc wall {gcs.get(ph, 0.0):.3f})")
+        w = r["step 3 worst of all other ranks cpu s"]
+        print(
+            f"  (the rank rows are the timed ranks only; step 3, finish_plan + write bookkeeping, timed on every "
+            f"rank: its worst other rank {w['min']:.3f} / {w['median']:.3f} / {w['max']:.3f} s, rank {w['rank']} "
+            "in the first repeat)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

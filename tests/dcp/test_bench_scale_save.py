@@ -1,8 +1,9 @@
 """benchmarks/bench_scale_save.py stays runnable: the ``tiny`` layout at 4 simulated ranks, one
 repeat, each method. No assertion is about speed: the bytes each save exchanges are counts, and
 the ones plan caching removes (issue 37) are checked: from the second save on, our ranks send
-digests and get empty plans, torch's send and get the same bytes again, and the ``Metadata``
-every rank receives from ours is slim."""
+digests and get empty plans and send their files without their rows, torch's send and get the
+same bytes again, and the ``Metadata`` every rank receives from ours is slim. The traced repeat
+(peak memory) and the step timed on every rank run too."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import bench_scale_save  # noqa: E402
 
 def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     out = tmp_path / "save.json"
-    argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-nocache,torch", "--repeats", "1", "--no-memory"]
+    argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-nocache,torch", "--repeats", "1"]
     assert bench_scale_save.main([*argv, "--json", str(out)]) == 0
     rows = {r["method"]: r["saves"] for r in json.loads(out.read_text())["rows"]}
     ours, nocache, torch_ = (
@@ -27,4 +28,10 @@ def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     assert nocache[2]["plans gathered"] == nocache[1]["plans gathered"]
     assert torch_[2]["plans gathered"] == torch_[1]["plans gathered"]
     assert ours[2]["Metadata broadcast"] < 200 < torch_[2]["Metadata broadcast"]
+    # the write results: every rank's rows at the first save, files and a digest from the second on
+    assert ours[1]["results gathered"] > 4 * ours[2]["results gathered"]
+    assert torch_[2]["results gathered"] == torch_[1]["results gathered"]
+    saves = rows["ours"]
+    assert all(saves[k]["coordinator peak MB"] is not None for k in saves)  # the traced repeat ran
+    assert all(saves[k]["step 3 worst of all other ranks cpu s"]["rank"] in (1, 2, 3) for k in saves)
     assert "coordinator" in capsys.readouterr().out
