@@ -33,14 +33,28 @@ What is simulated, and why it equals the real path:
 - The transport: not counted; each payload is pickled once by its sender and unpickled by each
   receiver, as ``gather_object``/``scatter_object_list``/``broadcast_object_list`` do.
 
-The W simulated state dicts are frozen out of the garbage collector (``gc.freeze``) before the
-saves: a real rank's heap holds one of them. Every rank's steps run (the coordinator needs every
-plan), but only rank 0 (coordinator), rank 1 (the worst other rank: with FSDP it holds a
+The garbage collector is off during the simulated saves (``--gc`` keeps it on): in one process
+its passes scan the objects of every simulated rank (W planners, plan caches and plans), and land
+in whichever rank's phase comes next, so each rank would be charged the others' heaps (seen: 1 to
+3.5 s of collection in phases whose own work is 0.03 to 1 s, at W = 16). A real rank's passes
+scan its own heap (on the coordinator: its plan cache, O(W x tensors) objects after a first
+save); they are not counted here. The phases' ``gc wall`` column shows what remains (explicit
+collections are outside the timed phases). The W state dicts are also frozen (``gc.freeze``).
+
+Every rank's steps run (the coordinator needs every plan), but only rank 0 (coordinator), rank 1 (the worst other rank: with FSDP it holds a
 non-empty shard of every tensor) and rank W/2 (a typical rank: empty shards of the tensors
-shorter than W rows) are timed. CPU (``process_time``)
+shorter than W rows) are timed phase by phase; the "rank" rows of the output are those timed
+ranks only. Step 3 (``finish_plan`` and the write bookkeeping) is also timed on every rank, and
+its worst other rank over all W - 1 is printed (the local step cannot be: an untimed rank's shard
+boxes are computed once per run). CPU (``process_time``)
 and wall (``perf_counter``); the coordinator's peak of Python allocations (``tracemalloc``) on an
-extra first run; min / median / max over ``--repeats``. Each repeat runs save 1 (first save) and
-save 2 (same layout: what plan caching reuses).
+extra first run, in two windows so that the other simulated ranks' allocations are not counted:
+its global step (from the plans gathered to the plans scattered; plus the gathered plans' bytes)
+and its commit (from the results gathered to the ``Metadata`` pickled; plus what the first
+window left allocated, less the scattered bytes, plus the gathered results' bytes): the peak is
+the larger, an upper estimate of the Python heap a save adds on the coordinator; min / median /
+max over ``--repeats``. Each repeat runs save 1 (first save) and save 2 (same layout: what plan
+caching reuses), the coordinator's layout entries forgotten before save 1.
 
 Methods: ``ours`` (``ReplicaGroupingSavePlanner`` with a ``SavePlanCache`` + ``CheckpointWriter``,
 what ``CheckpointManager`` runs), ``ours-nocache`` (no plan cache) and ``torch``
@@ -324,7 +338,9 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
             clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
 
 
-def measure(method: str, layout: str, world: int, repeats: int, memory: bool) -> dict[str, Any]:
+def measure(
+    method: str, layout: str, world: int, repeats: int, memory: bool, collector: bool = False
+) -> dict[str, Any]:
     runs: dict[int, list[Clock]] = {1: [], 2: []}
     peaks: dict[int, int] = {}
     for rep in range(repeats + (1 if memory else 0)):
@@ -336,6 +352,8 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
             # the collector's scans, which otherwise land, long, in whichever phase comes next.
             gc.collect()
             gc.freeze()
+            if not collector:
+                gc.disable()  # module doc: in one process its passes scan every simulated rank's objects
             for save in (1, 2):
                 clock = Clock()
                 one_save(ranks, save, clock, traced)
@@ -343,6 +361,7 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
                     peaks[save] = clock.bytes.pop("coordinator peak MB")
                 else:
                     runs[save].append(clock)
+            gc.enable()
             gc.unfreeze()
             del ranks
             gc.collect()
@@ -403,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="ours,torch", help="from ours, ours-nocache, torch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--gc", action="store_true", help="keep the garbage collector on (its passes scan every simulated rank's heap)"
+    )
     ap.add_argument("--json")
     ap.add_argument(
         "--check", action="store_true", help="compare with a real 8-rank gloo save (bench_scale_save_check.py)"
@@ -419,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
         for method in args.methods.split(","):
-            row = measure(method, args.layout, world, args.repeats, not args.no_memory)
+            row = measure(method, args.layout, world, args.repeats, not args.no_memory, args.gc)
             print_row(row)
             sys.stdout.flush()
             rows.append(row)
