@@ -115,7 +115,8 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
         return scatter, self.metadata
 
     def _plan_all(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        all_plans = widen_rank_rows(all_plans, self._widen)
+        if self._widen:  # a pass over every rank's items, for nothing when no row may widen
+            all_plans = widen_rank_rows(all_plans, self._widen)
         check_rank_rows(all_plans)
         return super().create_global_plan(group_small_replicas(drop_empty_shards(all_plans)))
 
