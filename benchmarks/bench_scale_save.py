@@ -41,14 +41,14 @@ scan its own heap (on the coordinator: its plan cache, O(W x tensors) objects af
 save); they are not counted here. The phases' ``gc wall`` column shows what remains (explicit
 collections are outside the timed phases). The W state dicts are also frozen (``gc.freeze``).
 
-Every rank's steps run (the coordinator needs every plan), but only rank 0 (coordinator), rank 1 (the worst other rank: with FSDP it holds a
-non-empty shard of every tensor) and rank W/2 (a typical rank: empty shards of the tensors
-shorter than W rows) are timed phase by phase; the "rank" rows of the output are those timed
-ranks only. Step 3 (``finish_plan`` and the write bookkeeping) is also timed on every rank, and
-its worst other rank over all W - 1 is printed (the local step cannot be: an untimed rank's shard
-boxes are computed once per run). CPU (``process_time``)
-and wall (``perf_counter``); the coordinator's peak of Python allocations (``tracemalloc``) on an
-extra first run, in two windows so that the other simulated ranks' allocations are not counted:
+Every rank's steps run (the coordinator needs every plan), but only rank 0 (coordinator), rank 1
+(the worst other rank: with FSDP it holds a non-empty shard of every tensor) and rank W/2 (a
+typical rank: empty shards of the tensors shorter than W rows) are timed phase by phase; the
+"rank" rows of the output are those timed ranks only. Step 3 (``finish_plan`` and the write
+bookkeeping) is also timed on every rank, and its worst other rank over all W - 1 is printed (the
+local step cannot be: an untimed rank's shard boxes are computed once per run). CPU
+(``process_time``) and wall (``perf_counter``); the coordinator's peak of Python allocations
+(``tracemalloc``) on an extra first run, in two windows so that the other simulated ranks' allocations are not counted:
 its global step (from the plans gathered to the plans scattered; plus the gathered plans' bytes)
 and its commit (from the results gathered to the ``Metadata`` pickled; plus what the first
 window left allocated, less the scattered bytes, plus the gathered results' bytes): the peak is
