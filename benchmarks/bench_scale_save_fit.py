@@ -5,7 +5,8 @@ seconds, the bytes of each payload, the coordinator's peak), a least-squares lin
 through the measured W (all of them, unweighted) gives the estimate at the larger W. A line is
 the growth the code has where its work is per rank (digests, file entries, reports): a
 figure that grows faster than linearly would be underestimated, so the fit's largest relative
-residual at the measured points is printed beside it. With fewer than two W a figure is not
+residual at the measured points is printed beside it. A slope of zero or below (no growth that
+the noise lets through) gives the largest measured value. With fewer than two W a figure is not
 extrapolated.
 
 Run: ``python benchmarks/bench_scale_save_fit.py docs/scale/save/a.json docs/scale/save/b.json``.
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {measured} (one W: not extrapolated)")
             continue
         a, b, worst = fit(points)
+        if b <= 0:  # no growth the noise lets through: the largest measured value stands
+            print(f"{label}: {measured}; no growth with W resolved (b={b:,.3g}); est. {max(v for _, v in points):,.3g}")
+            continue
         est = ", ".join(f"{a + b * w:,.3g}" for w in TARGETS)
         print(f"{label}: {measured}; a={a:,.4g} b={b:,.4g}/rank (worst residual {worst:.0%}); est. {est}")
     return 0

@@ -35,3 +35,25 @@ def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     assert all(saves[k]["coordinator peak MB"] is not None for k in saves)  # the traced repeat ran
     assert all(saves[k]["step 3 worst of all other ranks cpu s"]["rank"] in (1, 2, 3) for k in saves)
     assert "coordinator" in capsys.readouterr().out
+
+
+def test_the_fit_extrapolates_a_line_and_reads_the_benchmark_json(tmp_path, capsys):
+    import bench_scale_save_fit as fit_mod
+
+    a, b, worst = fit_mod.fit([(16, 1.0 + 16 * 0.5), (64, 1.0 + 64 * 0.5), (256, 1.0 + 256 * 0.5)])
+    assert abs(a - 1.0) < 1e-9 and abs(b - 0.5) < 1e-9 and worst < 1e-9
+
+    def row(world: int, cpu: float) -> dict:
+        later = {
+            "coordinator cpu s": {"median": cpu},
+            "rank 1 cpu s": {"median": 0.1},
+            "bytes": {"results gathered": 100 * world},
+        }
+        return {"method": "ours", "world": world, "saves": {"2": later}}
+
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"rows": [row(16, 0.2), row(64, 0.2)]}))
+    assert fit_mod.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ours, later save, results gathered (bytes)" in out and "b=100/rank" in out
+    assert "coordinator cpu s: W=16: 0.2; W=64: 0.2; no growth with W resolved" in out
