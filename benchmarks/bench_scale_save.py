@@ -15,7 +15,8 @@ For each simulated rank this runs what ``dcp.save`` (``state_dict_saver._save_st
    built and published on a local directory; torch: its ``.metadata`` written), the ``Metadata``
    pickled (``dcp.save``'s result, broadcast); every rank unpickles it.
 
-What is simulated, and why it equals the real path:
+What is simulated, and why it equals the real path (the simulated inputs live in
+``bench_scale_save_sim.py``):
 
 - The state dict: a Llama-shaped model (``--layout``, as in ``bench_scale.py``) and AdamW state
   as FSDP2's ``get_state_dict`` nests it (``model.*``, ``optim.state.<fqn>.{exp_avg, exp_avg_sq,
@@ -33,14 +34,28 @@ What is simulated, and why it equals the real path:
 - The transport: not counted; each payload is pickled once by its sender and unpickled by each
   receiver, as ``gather_object``/``scatter_object_list``/``broadcast_object_list`` do.
 
-The W simulated state dicts are frozen out of the garbage collector (``gc.freeze``) before the
-saves: a real rank's heap holds one of them. Every rank's steps run (the coordinator needs every
-plan), but only rank 0 (coordinator), rank 1 (the worst other rank: with FSDP it holds a
-non-empty shard of every tensor) and rank W/2 (a typical rank: empty shards of the tensors
-shorter than W rows) are timed. CPU (``process_time``)
-and wall (``perf_counter``); the coordinator's peak of Python allocations (``tracemalloc``) on an
-extra first run; min / median / max over ``--repeats``. Each repeat runs save 1 (first save) and
-save 2 (same layout: what plan caching reuses).
+The garbage collector is off during the simulated saves (``--gc`` keeps it on): in one process
+its passes scan the objects of every simulated rank (W planners, plan caches and plans), and land
+in whichever rank's phase comes next, so each rank would be charged the others' heaps (seen: 1 to
+3.5 s of collection in phases whose own work is 0.03 to 1 s, at W = 16). A real rank's passes
+scan its own heap (on the coordinator: its plan cache, O(W x tensors) objects after a first
+save); they are not counted here. The phases' ``gc wall`` column shows what remains (explicit
+collections are outside the timed phases). The W state dicts are also frozen (``gc.freeze``).
+
+Every rank's steps run (the coordinator needs every plan), but only rank 0 (coordinator), rank 1
+(the worst other rank: with FSDP it holds a non-empty shard of every tensor) and rank W/2 (a
+typical rank: empty shards of the tensors shorter than W rows) are timed phase by phase; the
+"rank" rows of the output are those timed ranks only. Step 3 (``finish_plan`` and the write
+bookkeeping) is also timed on every rank, and its worst other rank over all W - 1 is printed (the
+local step cannot be: an untimed rank's shard boxes are computed once per run). CPU
+(``process_time``) and wall (``perf_counter``); the coordinator's peak of Python allocations
+(``tracemalloc``) on an extra first run, in two windows so that the other simulated ranks' allocations are not counted:
+its global step (from the plans gathered to the plans scattered; plus the gathered plans' bytes)
+and its commit (from the results gathered to the ``Metadata`` pickled; plus what the first
+window left allocated, less the scattered bytes, plus the gathered results' bytes): the peak is
+the larger, an upper estimate of the Python heap a save adds on the coordinator; min / median /
+max over ``--repeats``. Each repeat runs save 1 (first save) and save 2 (same layout: what plan
+caching reuses), the coordinator's layout entries forgotten before save 1.
 
 Methods: ``ours`` (``ReplicaGroupingSavePlanner`` with a ``SavePlanCache`` + ``CheckpointWriter``,
 what ``CheckpointManager`` runs), ``ours-nocache`` (no plan cache) and ``torch``
@@ -57,7 +72,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import pickle
 import statistics
@@ -71,144 +85,58 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_scale import MODELS, PARAM_GROUP_KEYS, model_tensors  # noqa: E402
+from bench_scale import MODELS  # noqa: E402
+from bench_scale_save_sim import ours_results, state_dict, timed_ranks, torch_results  # noqa: E402
 
 from goodput_ckpt import CheckpointWriter  # noqa: E402
-from goodput_ckpt.dcp.commit_build import RANK_WRITES_KEY, rank_writes  # noqa: E402
+from goodput_ckpt.dcp.commit_build import forget_layouts  # noqa: E402
 from goodput_ckpt.dcp.plan_cache import SavePlanCache  # noqa: E402
 from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner  # noqa: E402
-from goodput_ckpt.engine.hashed_write import data_file_name  # noqa: E402
-from goodput_ckpt.engine.layout import place_items  # noqa: E402
-from goodput_ckpt.format.manifest import DTYPE_SIZES, FileEntry  # noqa: E402
 
-CHUNK = 8 << 20
 MB = 1e6
-
-
-_BOXES: dict[tuple[tuple[int, ...], int, int], Any] = {}
-
-
-class SimShard:
-    """One rank's shard of a DTensor ``Shard(0)`` over ``world`` ranks, as DCP's planning sees it."""
-
-    __slots__ = ("shape", "dtype", "rank", "world")
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int) -> None:
-        self.shape, self.dtype, self.rank, self.world = shape, dtype, rank, world
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        key = (self.shape, self.rank, self.world)
-        if self.rank in timed_ranks(self.world) or key not in _BOXES:  # a timed rank pays it every save
-            _BOXES[key] = _compute_local_shape_and_global_offset(self.shape, (self.world,), [self.rank], [Shard(0)])
-        sizes, offsets = _BOXES[key]  # an untimed rank: computed once per run (the benchmark's own time)
-        sizes, offsets = torch.Size(sizes), torch.Size(offsets)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                    properties=TensorProperties(dtype=self.dtype),
-                    size=torch.Size(self.shape),
-                ),
-            )
-        ]
-
-
-def state_dict(layout: str, rank: int, world: int) -> dict[str, Any]:
-    """Rank ``rank``'s FSDP2 + AdamW state dict, nested as ``get_state_dict`` returns it."""
-    tensors = model_tensors(layout)
-    params = [t for t in tensors if t.dtype == "bfloat16"]
-    model = {t.fqn: SimShard(t.shape, torch.bfloat16, rank, world) for t in params}
-    state = {
-        p.fqn: {
-            "step": torch.tensor(100.0),
-            "exp_avg": SimShard(p.shape, torch.float32, rank, world),
-            "exp_avg_sq": SimShard(p.shape, torch.float32, rank, world),
-        }
-        for p in params
-    }
-    groups = [
-        {
-            k: (0.9, 0.95) if k == "betas" else ([p.fqn for p in params] if k == "params" else 1e-4)
-            for k in PARAM_GROUP_KEYS
-        }
-    ]
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
-
-
-# -- write_data's bookkeeping ------------------------------------------------------------------------
-def ours_results(plan: SavePlan) -> list[WriteResult]:
-    """What ``CheckpointWriter._write_rank`` returns for ``plan``, without hashing or writing."""
-    assignment = plan.storage_data
-    items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
-    own = sum(1 for it in items if it.type != WriteItemType.SHARD)
-    sizes = [_nbytes(it) for it in items]
-    placements, file_sizes = place_items(sizes, 1)
-    names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
-    entries = [
-        FileEntry(n, s, tuple(f"{i:064x}" for i in range(math.ceil(s / CHUNK)))) for n, s in zip(names, file_sizes)
-    ]
-    written = tuple(
-        (
-            items[p.item].index.fqn,
-            None if items[p.item].index.offset is None else tuple(items[p.item].index.offset),
-            p.file,
-            p.offset,
-            p.length,
-        )
-        for p in placements
-    )
-    boxes = [
-        None if items[p.item].tensor_data is None else tuple(items[p.item].tensor_data.chunk.sizes) for p in placements
-    ]
-    writes = rank_writes(tuple(entries), written, boxes, own=own)
-    return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
-
-
-def torch_results(plan: SavePlan) -> list[WriteResult]:
-    """What ``FileSystemWriter.write_data`` returns for ``plan`` (one file per rank)."""
-    name, off, out = f"{plan.storage_data.prefix}0.distcp", 0, []  # one string per file, as torch's (pickled once)
-    for it in plan.items:
-        n = _nbytes(it)
-        out.append(WriteResult(index=it.index, size_in_bytes=n, storage_data=_StorageInfo(name, off, n)))
-        off += n
-    return out
-
-
-def _nbytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 100
-    return (
-        math.prod(item.tensor_data.chunk.sizes)
-        * DTYPE_SIZES[str(item.tensor_data.properties.dtype).removeprefix("torch.")]
-    )
 
 
 # -- one simulated save --------------------------------------------------------------------------------
 class Clock:
-    """CPU and wall seconds per (rank, phase), and bytes per payload."""
+    """CPU and wall seconds per (rank, phase), the part of the wall spent in the garbage
+    collector, and bytes per payload."""
 
     def __init__(self) -> None:
         self.cpu: dict[tuple[str, str], float] = {}
         self.wall: dict[tuple[str, str], float] = {}
+        self.gc: dict[tuple[str, str], float] = {}
         self.bytes: dict[str, int] = {}
+        self.write_all: list[float] = []  # every rank's step-3 CPU, in rank order
 
     def run(self, who: str, phase: str, fn: Callable[[], Any]) -> Any:
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0, g0 = time.process_time(), time.perf_counter(), _GC.seconds
         out = fn()
         key = (who, phase)
         self.cpu[key] = self.cpu.get(key, 0.0) + time.process_time() - c0
         self.wall[key] = self.wall.get(key, 0.0) + time.perf_counter() - w0
+        self.gc[key] = self.gc.get(key, 0.0) + _GC.seconds - g0
         return out
+
+
+class _GcTime:
+    """Seconds spent in the garbage collector's passes (``gc.callbacks``), to tell a phase's own
+    work from a collection that the objects of earlier phases set off in it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+
+_GC = _GcTime()
 
 
 class Ranks:
@@ -229,10 +157,6 @@ class Ranks:
         if self.method.startswith("ours"):
             return CheckpointWriter(path, overwrite=True)
         return FileSystemWriter(path, overwrite=False)  # a fresh directory per save and repeat
-
-
-def timed_ranks(world: int) -> dict[int, str]:
-    return {0: "coordinator", 1: "rank 1", world // 2: f"rank {world // 2}"}
 
 
 def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
@@ -257,7 +181,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
 
         blobs.append(timed(r, "local plan", local))
     clock.bytes["plans gathered"] = sum(map(len, blobs))
-    if traced:
+    if traced:  # the coordinator's global step (module doc: peak memory)
         gc.collect()
         tracemalloc.start()
     coord = "coordinator"
@@ -269,17 +193,25 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     scattered = clock.run(coord, "scatter: pickle plans", lambda final=final: [pickle.dumps(p) for p in final])
     del final
     clock.bytes["plans scattered"] = sum(map(len, scattered))
+    if traced:
+        peak_plan, held = tracemalloc.get_traced_memory()[::-1]
+        tracemalloc.stop()  # the other ranks' step 3 is their memory, not the coordinator's
     results = []
-    for r in range(W):  # 3. finish_plan, write_data's bookkeeping
+    for r in range(W):  # 3. finish_plan, write_data's bookkeeping (every rank timed: the worst of all)
 
         def write(r: int = r, scattered: list[bytes] = scattered) -> bytes:
             plan = planners[r].finish_plan(pickle.loads(scattered[r]))
             res = ours_results(plan) if ranks.method.startswith("ours") else torch_results(plan)
             return pickle.dumps(res)
 
+        c0 = time.process_time()
         results.append(timed(r, "finish_plan + write bookkeeping", write))
+        clock.write_all.append(time.process_time() - c0)
     del scattered
     clock.bytes["results gathered"] = sum(map(len, results))
+    if traced:  # the coordinator's commit
+        gc.collect()
+        tracemalloc.start()
     all_results = clock.run(
         coord, "gather: unpickle results", lambda results=results: [pickle.loads(b) for b in results]
     )
@@ -289,24 +221,33 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     blob = clock.run(coord, "broadcast: pickle Metadata", lambda: pickle.dumps(metadata))
     clock.bytes["Metadata broadcast"] = len(blob)
     if traced:
-        clock.bytes["coordinator peak MB"] = int(tracemalloc.get_traced_memory()[1] / MB)
+        peak_commit = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+        b = clock.bytes
+        clock.bytes["coordinator peak MB"] = int(
+            max(b["plans gathered"] + peak_plan, held - b["plans scattered"] + b["results gathered"] + peak_commit) / MB
+        )
     for r in range(W):
         if names[r] is not None and r:
             clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
 
 
-def measure(method: str, layout: str, world: int, repeats: int, memory: bool) -> dict[str, Any]:
+def measure(
+    method: str, layout: str, world: int, repeats: int, memory: bool, collector: bool = False
+) -> dict[str, Any]:
     runs: dict[int, list[Clock]] = {1: [], 2: []}
     peaks: dict[int, int] = {}
     for rep in range(repeats + (1 if memory else 0)):
         with tempfile.TemporaryDirectory(prefix="bench-save-") as root:
             traced = memory and rep == 0
+            forget_layouts()  # a first save of a run: the coordinator holds no layout yet
             ranks = Ranks(method, layout, world, root)
             # The W state dicts live in this one process (a real rank holds its own): kept out of
             # the collector's scans, which otherwise land, long, in whichever phase comes next.
             gc.collect()
             gc.freeze()
+            if not collector:
+                gc.disable()  # module doc: in one process its passes scan every simulated rank's objects
             for save in (1, 2):
                 clock = Clock()
                 one_save(ranks, save, clock, traced)
@@ -314,6 +255,7 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
                     peaks[save] = clock.bytes.pop("coordinator peak MB")
                 else:
                     runs[save].append(clock)
+            gc.enable()
             gc.unfreeze()
             del ranks
             gc.collect()
@@ -329,6 +271,17 @@ def measure(method: str, layout: str, world: int, repeats: int, memory: bool) ->
                 for (w, ph) in clocks[0].cpu
                 if w == who
             }
+            row[f"{who} phases gc s"] = {
+                ph: statistics.median(c.gc.get((who, ph), 0.0) for c in clocks) for (w, ph) in clocks[0].gc if w == who
+            }
+        # Step 3 is timed on every rank: its worst other rank over all W-1, not only the timed ones.
+        worst = sorted(max(c.write_all[1:], default=0.0) for c in clocks)
+        row["step 3 worst of all other ranks cpu s"] = {
+            "min": worst[0],
+            "median": statistics.median(worst),
+            "max": worst[-1],
+            "rank": max(range(1, world), key=lambda r: clocks[0].write_all[r], default=None),
+        }
         out["saves"][save] = row
     return out
 
@@ -345,8 +298,15 @@ def print_row(row: dict[str, Any]) -> None:
             print(
                 f"  {who:<12} cpu {cpu['min']:8.3f} / {cpu['median']:8.3f} / {cpu['max']:8.3f} s   wall median {wall['median']:8.3f} s"
             )
+            gcs = r[f"{who} phases gc s"]
             for ph, s in r[f"{who} phases cpu s"].items():
-                print(f"      {ph:<34} {s:8.3f}")
+                print(f"      {ph:<34} {s:8.3f}   (gc wall {gcs.get(ph, 0.0):.3f})")
+        w = r["step 3 worst of all other ranks cpu s"]
+        print(
+            f"  (the rank rows are the timed ranks only; step 3, finish_plan + write bookkeeping, timed on every "
+            f"rank: its worst other rank {w['min']:.3f} / {w['median']:.3f} / {w['max']:.3f} s, rank {w['rank']} "
+            "in the first repeat)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="ours,torch", help="from ours, ours-nocache, torch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--gc", action="store_true", help="keep the garbage collector on (its passes scan every simulated rank's heap)"
+    )
     ap.add_argument("--json")
     ap.add_argument(
         "--check", action="store_true", help="compare with a real 8-rank gloo save (bench_scale_save_check.py)"
@@ -372,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
         for method in args.methods.split(","):
-            row = measure(method, args.layout, world, args.repeats, not args.no_memory)
+            row = measure(method, args.layout, world, args.repeats, not args.no_memory, args.gc)
             print_row(row)
             sys.stdout.flush()
             rows.append(row)

@@ -6,7 +6,7 @@ results: the one code path that ``CheckpointWriter.finish`` runs and that
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,11 +21,34 @@ from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
 from ..format.manifest import FORMAT_VERSION, REFERENCES_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
+from .rank_reports import RANK_WRITES_KEY, report_of
 
-__all__ = ["RANK_WRITES_KEY", "RankWrites", "Written", "build_manifest", "forget_layouts", "rank_writes"]
+__all__ = [
+    "RANK_WRITES_KEY",
+    "HeldLayout",
+    "RankWrites",
+    "Written",
+    "build_manifest",
+    "forget_layouts",
+    "held_layouts",
+    "rank_writes",
+]
 
-#: The index of the one ``WriteResult`` each rank returns (its ``storage_data`` a :class:`RankWrites`).
-RANK_WRITES_KEY = "__goodput_ckpt_rank_writes__"
+
+@dataclass(frozen=True)
+class HeldLayout:
+    """The item entries of one build, by layout: ``key`` is (grids or not, each rank's file count,
+    each rank's layout digest, the tensors' signature); ``names`` the build's file names, in the
+    order the entries' positions refer to. Immutable, so a writer can pin it for one save."""
+
+    key: tuple[Any, ...]
+    items: dict[str, TensorEntry | ObjectEntry]
+    names: tuple[str, ...]
+
+    @property
+    def layouts(self) -> tuple[bytes, ...]:
+        """Each rank's layout digest, in rank order."""
+        return self.key[2]
 
 
 class _LastLayout:
@@ -35,24 +58,19 @@ class _LastLayout:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._key: tuple[Any, ...] | None = None
-        self._items: dict[str, TensorEntry | ObjectEntry] = {}
-        self._names: tuple[str, ...] = ()
+        self._held: HeldLayout | None = None
         self.reused = 0  # how many builds took the entries from here (tests, benchmarks)
 
-    def get(self, key: tuple[Any, ...], names: tuple[str, ...]) -> dict[str, TensorEntry | ObjectEntry] | None:
+    def get(self) -> HeldLayout | None:
         with self._lock:
-            if key != self._key or len(names) != len(self._names):
-                return None
-            self.reused += 1
-            return _renamed(self._items, dict(zip(self._names, names)), names)
+            return self._held
 
-    def put(self, key: tuple[Any, ...], items: dict[str, TensorEntry | ObjectEntry], names: tuple[str, ...]) -> None:
+    def put(self, held: HeldLayout | None) -> None:
         with self._lock:
-            self._key, self._items, self._names = key, items, names
+            self._held = held
 
     def forget(self) -> None:
-        self.put(None, {}, ())  # type: ignore[arg-type]
+        self.put(None)
 
 
 _last_layout = _LastLayout()
@@ -61,6 +79,12 @@ _last_layout = _LastLayout()
 def forget_layouts() -> None:
     """Drop the remembered layout, so that the next build starts from every item (benchmarks)."""
     _last_layout.forget()
+
+
+def held_layouts() -> HeldLayout | None:
+    """The layouts this process's coordinator holds entries for (``None``: none), to announce to
+    the ranks and to pin for one save (:mod:`.rank_reports`)."""
+    return _last_layout.get()
 
 
 @gc_paused()
@@ -72,6 +96,7 @@ def build_manifest(
     created_at: str,
     user_metadata: dict[str, Any],
     version: int = FORMAT_VERSION,
+    held: HeldLayout | None = None,
 ) -> Manifest:
     """The manifest of a save: its files (in rank order) and its items (in DCP's order), in
     format ``version`` (v2: regular shardings as grids; 1 is kept for comparisons and fixtures;
@@ -81,23 +106,39 @@ def build_manifest(
     (:func:`~.item_entries.items_from_ranks`). When every rank's layout digest and every tensor's
     shape, dtype and flags equal the previous build's, the item entries are that build's with the
     new file names: O(ranks + tensors) in all (plans do not change between the saves of a run).
+    Such ranks may have sent their layout digest without their rows (:mod:`.rank_reports`):
+    ``held`` is the entry the coordinator announced to them (default: this process's last).
 
     Raises:
         CheckpointError: a result was not written by :class:`~goodput_ckpt.CheckpointWriter`,
-            or an item cannot be stored.
+            a rank sent no rows for a layout that is not held, or an item cannot be stored.
     """
-    ranks = [_rank_writes(r) for r in results]
-    files = {f.path: f for rw in ranks for f in rw.files}
-    if len(files) != sum(len(rw.files) for rw in ranks):  # items address files by rank and position
+    reports = [report_of(r) for r in results]
+    if any(r is None for r in reports):
+        raise CheckpointError("CheckpointWriter.finish got results it did not write")
+    files = {f.path: f for rep in reports for f in rep.files}
+    if len(files) != sum(len(rep.files) for rep in reports):  # items address files by rank and position
         raise CheckpointError("two ranks reported the same data file name: the manifest cannot list it once")
     if any(f.base is not None for f in files.values()):
         version = max(version, REFERENCES_VERSION)  # an incremental save (docs/format.md, "References")
     names = tuple(files)
-    key = (version, tuple(rw.layout for rw in ranks), _tensor_signature(metadata))
-    items = _last_layout.get(key, names)
-    if items is None:
-        items = items_from_ranks(metadata, ranks, names, grids=version >= 2)
-        _last_layout.put(key, items, names)
+    counts = tuple(len(rep.files) for rep in reports)
+    key = (version >= 2, counts, tuple(rep.layout for rep in reports), _tensor_signature(metadata))
+    held = _last_layout.get() if held is None else held
+    if held is not None and held.key == key:
+        _last_layout.reused += 1
+        items = _renamed(held.items, dict(zip(held.names, names)), names)
+        _last_layout.put(held)  # this layout is the current one again
+    else:
+        missing = [r for r, rep in enumerate(reports) if rep.writes is None]
+        if missing:
+            raise CheckpointError(
+                f"rank {missing[0]} (and {len(missing) - 1} more) sent only its layout digest, and the coordinator "
+                "holds no entries for this save's layouts: the ranks' state changed in a way their digests do not "
+                "cover, or a rank's report was forged"
+            )
+        items = items_from_ranks(metadata, [rep.writes for rep in reports], names, grids=version >= 2)
+        _last_layout.put(HeldLayout(key, items, names))
     return Manifest(
         version=version,
         library_version=__version__,
@@ -114,12 +155,6 @@ def build_manifest(
         },
         metadata=user_metadata,
     )
-
-
-def _rank_writes(results: list[WriteResult]) -> RankWrites:
-    if len(results) != 1 or not isinstance(results[0].storage_data, RankWrites):
-        raise CheckpointError("CheckpointWriter.finish got results it did not write")
-    return results[0].storage_data
 
 
 def _tensor_signature(metadata: Metadata) -> tuple[Any, ...]:

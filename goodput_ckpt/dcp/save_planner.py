@@ -49,22 +49,24 @@ def _small(item: WriteItem) -> bool:
 
 def group_small_replicas(all_plans: list[SavePlan]) -> list[SavePlan]:
     """``all_plans`` with each small value that several ranks hold left only in the lowest of
-    those ranks' plans. One pass over the items; plans without such values are returned as is."""
+    those ranks' plans. One pass over the items, which hashes only the small values' indices
+    (a shard's index is never hashed: at W ranks x thousands of tensors that hashing was most
+    of this function's time); plans without such values are returned as is."""
     first: dict[MetadataIndex, int] = {}
-    shared: set[MetadataIndex] = set()
+    drop: dict[int, list[int]] = {}  # rank -> positions of the copies another, lower rank keeps
     for rank, plan in enumerate(all_plans):
-        for item in plan.items:
-            if _small(item):
-                if item.index in first:
-                    shared.add(item.index)
-                else:
-                    first[item.index] = rank
-    if not shared:
+        for pos, item in enumerate(plan.items):
+            if item.type != WriteItemType.SHARD and _small(item):
+                if first.setdefault(item.index, rank) != rank:
+                    drop.setdefault(rank, []).append(pos)
+    if not drop:
         return all_plans
-    return [
-        dataclasses.replace(plan, items=[it for it in plan.items if it.index not in shared or first[it.index] == rank])
-        for rank, plan in enumerate(all_plans)
-    ]
+    out = list(all_plans)
+    for rank, positions in drop.items():
+        gone = set(positions)
+        plan = all_plans[rank]
+        out[rank] = dataclasses.replace(plan, items=[it for p, it in enumerate(plan.items) if p not in gone])
+    return out
 
 
 def _empty_shard(item: WriteItem) -> bool:
@@ -113,7 +115,8 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
         return scatter, self.metadata
 
     def _plan_all(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        all_plans = widen_rank_rows(all_plans, self._widen)
+        if self._widen:  # a pass over every rank's items, for nothing when no row may widen
+            all_plans = widen_rank_rows(all_plans, self._widen)
         check_rank_rows(all_plans)
         return super().create_global_plan(group_small_replicas(drop_empty_shards(all_plans)))
 

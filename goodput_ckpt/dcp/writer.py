@@ -7,8 +7,10 @@ DCP call order, and which ranks make each call (see torch's ``StorageWriter``)::
     set_up_storage_writer(...)      all ranks: claims this instance for one save
     prepare_local_plan(plan)        all ranks: creates the location
     prepare_global_plan(plans)      coordinator: refuses or clears an existing checkpoint,
-                                    names this save's files (a fresh token per save)
-    write_data(plan, planner)       all ranks: lays out, hashes and writes their files
+                                    names this save's files (a fresh token per save), tells
+                                    each rank the layout digest it holds for it
+    write_data(plan, planner)       all ranks: lays out, hashes and writes their files; reports
+                                    them, without their rows when the layout is the known one
     finish(metadata, results)       coordinator: builds the manifest and commits it
 
 A save that fails anywhere leaves no manifest: its data files are visibly incomplete and are
@@ -23,28 +25,24 @@ same instance raises :class:`~goodput_ckpt.CheckpointError`, unless the running 
 ends within 2 s (a failed save's executor thread is then let go): use one writer per in-flight
 ``dcp.async_save``.
 
-Why this module is above the ~400-line guideline: it is one class whose methods are DCP's
-``StorageWriter`` protocol, called in the order above. The work they start already lives
-elsewhere (layout: ``engine/layout.py``; hashing and commit: ``engine/hashed_write.py``; staging:
-``dcp/staging.py``), and splitting the protocol's methods across files would hide the call order
-that this docstring documents.
+What the protocol's methods start lives elsewhere, one concern a module: layout
+(``engine/layout.py``), hashing and commit (``engine/hashed_write.py``), an item's bytes
+(``dcp/write_sources.py``), what ranks report (``dcp/rank_reports.py``), the commit record
+(``dcp/commit_build.py``), one save at a time (``dcp/save_claim.py``), staging
+(``dcp/staging.py``). This module keeps the call order above in one place.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import os
 import secrets
-import threading
 import time
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -61,16 +59,17 @@ from ..engine.hashed_write import (
 )
 from ..engine.layout import place_items
 from ..errors import CheckpointError
-from ..format.dcp_metadata import dtype_name
-from ..format.manifest import DTYPE_SIZES
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
-from .commit_build import RANK_WRITES_KEY, build_manifest, rank_writes
+from .commit_build import HeldLayout, build_manifest, held_layouts
 from .incremental import IncrementalPlan
 from .plan_cache import PlanDigest
+from .rank_reports import RankAssignment, rank_report
 from .references_write import add_referenced_files, record_stored, referenced_items
+from .save_claim import SaveClaim
 from .staging import stage_state_dict
-from .tensor_bytes import TensorByteSource, check_byte_order
+from .tensor_bytes import check_byte_order
+from .write_sources import resolve_item
 
 __all__ = ["CheckpointWriter", "DEFAULT_CHUNK_SIZE", "DEFAULT_WRITE_THREADS"]
 
@@ -83,17 +82,6 @@ DEFAULT_CHUNK_SIZE = 8 << 20
 #: both busy while others wait in pwritev or in the store's writeback. 2, 4 and 8 measured alike
 #: (docs/benchmarks.md); 8 would only double the in-flight memory.
 DEFAULT_WRITE_THREADS = 4
-#: How long a new save waits for the thread holding this writer's claim to end before refusing:
-#: long enough for an async executor thread whose save failed to exit, short for an overlap error.
-_STALE_CLAIM_WAIT_S = 2.0
-
-
-@dataclass(frozen=True)
-class _RankAssignment:
-    """What the coordinator tells each rank in ``prepare_global_plan``."""
-
-    rank_index: int
-    token: str
 
 
 def _now_utc() -> str:
@@ -157,7 +145,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._store: Store = open_store(uri, self._options)
         check_chunk_size(self._store, self.chunk_size)  # S3: a chunk is a part, >= 5 MiB
         self._is_coordinator = False
-        self._assignment: _RankAssignment | None = None
+        self._assignment: RankAssignment | None = None
+        self._held: HeldLayout | None = None  # coordinator: the layouts announced for this save
         self._beside_training = False  # the next save runs beside training: mark_background_save
         self._init_runtime()
 
@@ -170,15 +159,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- pickling (dcp.async_save with the process executor pickles the writer) -----------------
     def _init_runtime(self) -> None:
-        self._claim_lock = threading.Lock()
-        self._owner: threading.Thread | None = None
+        self._save_claim = SaveClaim()
         self._durable: concurrent.futures.Future | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_claim_lock", None)
-        state.pop("_owner", None)
+        state.pop("_save_claim", None)
         state.pop("_durable", None)
+        state["_held"] = None  # the coordinator's entries: this process's, for one save
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -228,7 +216,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             self._release()
             raise
         token = secrets.token_hex(6)
-        return [replace(p, storage_data=_RankAssignment(i, token)) for i, p in enumerate(plans)]
+        # (scale) the layout each rank had at the last build this process holds entries for: a
+        # rank whose layout is the same sends no rows (rank_reports.py). Pinned for this save.
+        held = self._held = held_layouts()
+        known = held.layouts if held is not None and len(held.layouts) == len(plans) else (None,) * len(plans)
+        return [replace(p, storage_data=RankAssignment(i, token, known[i])) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -302,32 +294,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Nothing to release: threads live only inside ``write_data``."""
 
-    # -- one save at a time -----------------------------------------------------------------
+    # -- one save at a time (save_claim.py) ----------------------------------------------------
     def _claim(self) -> None:
-        me = threading.current_thread()
-        owner = self._owner
-        if owner is not None and owner is not me:
-            # A save that failed between this writer's calls never released its claim; when it
-            # ran on dcp.async_save's executor thread, that thread exits just after the failure
-            # reaches the caller's future, so a prompt retry can find it still alive.
-            owner.join(_STALE_CLAIM_WAIT_S)
-        with self._claim_lock:
-            owner = self._owner
-            if owner is not None and owner is not me and owner.is_alive():
-                raise CheckpointError(
-                    f"a save to {self._store.uri} is already running on this CheckpointWriter "
-                    "(thread " + owner.name + "); wait for its future or use one writer per "
-                    "in-flight async_save",
-                    path=self._store.uri,
-                )
-            # An owner that is this thread or dead belongs to a save that failed before it
-            # could release: it is over.
-            self._owner = me
+        self._save_claim.claim(self._store.uri)
 
     def _release(self) -> None:
-        with self._claim_lock:
-            if self._owner is threading.current_thread():
-                self._owner = None
+        self._save_claim.release()
 
     # -- coordinator: existing checkpoints --------------------------------------------------
     def _clear_or_refuse_existing(self) -> None:
@@ -339,7 +311,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if getattr(planner, "_enable_plan_caching", False):
             raise CheckpointError(_PLAN_CACHING)
         assignment = plan.storage_data
-        if not isinstance(assignment, _RankAssignment):
+        if not isinstance(assignment, RankAssignment):
             raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
         # Values that are not shards of a distributed tensor first: the small replicated ones
         # (optimizer steps, hyperparameters) that every rank reads at a restore then lie together
@@ -349,7 +321,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         own = sum(1 for it in items if it.type != WriteItemType.SHARD)
         refs = referenced_items(self.reuse, items, assignment.token)
         to_write = [i for i in range(len(items)) if i not in refs]
-        sources = [self._resolve(items[i], planner) for i in to_write]
+        sources = [resolve_item(items[i], planner) for i in to_write]
         sizes = [s.nbytes for s in sources]
         store = self._store
         if self._beside_training and hasattr(store, "for_background_save"):
@@ -363,39 +335,22 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         where = {to_write[p.item]: (p.file, p.offset, p.length) for p in placements}
         files, where = add_referenced_files(entries, where, refs)
         written = tuple((it.index.fqn, _offsets(it), *where[i]) for i, it in enumerate(items))
-        boxes = [None if it.tensor_data is None else tuple(it.tensor_data.chunk.sizes) for it in items]
         self.bytes_written = sum(file_sizes)
         self.bytes_referenced = sum(p.length for p in refs.values())
         if self.reuse is not None:
             record_stored(self.reuse, files, written, self.bytes_written, self.bytes_referenced)
-        writes = rank_writes(tuple(files), written, boxes, own=own)
-        return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=sum(file_sizes), storage_data=writes)]
-
-    def _resolve(self, item: WriteItem, planner: SavePlanner) -> Any:
-        key = item.index.fqn
-        data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-            _warn_if_unsafe_object(raw, key)
-            return _BytesSource(raw)
-        if not isinstance(data, torch.Tensor):
-            raise CheckpointError(f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor", key=key)
-        src = TensorByteSource(data, key)
-        td = item.tensor_data
-        if td is not None:
-            expected = _numel(td.chunk.sizes) * DTYPE_SIZES[dtype_name(td.properties.dtype, key)]
-            if src.nbytes != expected or data.dtype != td.properties.dtype:
-                raise CheckpointError(
-                    f"tensor {key!r}: data ({data.dtype}, {src.nbytes} bytes) does not match its plan "
-                    f"({td.properties.dtype}, {expected} bytes)",
-                    key=key,
-                )
-        return src
+        return rank_report(files, written, items, own=own, assignment=assignment)
 
     # -- coordinator: the commit --------------------------------------------------------------
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        held, self._held = self._held, None
         manifest = build_manifest(
-            metadata, results, chunk_size=self.chunk_size, created_at=_now_utc(), user_metadata=self.user_metadata
+            metadata,
+            results,
+            chunk_size=self.chunk_size,
+            created_at=_now_utc(),
+            user_metadata=self.user_metadata,
+            held=held,
         )
         publish_manifest(self._store, manifest, replace=self.overwrite)
         remove_stale_files_after_commit(self._store, set(manifest.files))
@@ -420,43 +375,9 @@ class _SlimWhenPickled(Metadata):
         return (Metadata, ({},), {"storage_meta": self.storage_meta, "version": getattr(self, "version", None)})
 
 
-class _BytesSource:
-    """Serialized non-tensor value: served from memory."""
-
-    def __init__(self, raw: bytes) -> None:
-        self._view = memoryview(raw)
-        self.nbytes = len(raw)
-
-    def view(self, start: int, end: int) -> memoryview:
-        return self._view[start:end]
-
-    def release(self) -> None:
-        pass
-
-
-def _warn_if_unsafe_object(raw: bytes, key: str) -> None:
-    """Warn at save time when a value will not load with ``weights_only=True``."""
-    try:
-        torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
-        warnings.warn(
-            f"state-dict value {key!r} cannot be loaded with weights_only=True ({type(e).__name__}: "
-            f"{str(e)[:200]}); loading it will need CheckpointReader(..., trust_pickle=True). "
-            "Store plain Python types or tensors instead.",
-            stacklevel=4,
-        )
-
-
 def _offsets(item: WriteItem) -> tuple[int, ...] | None:
     """The item's chunk offsets as a plain tuple (``None`` for an object), as the manifest keys it."""
     return None if item.index.offset is None else tuple(item.index.offset)
-
-
-def _numel(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def _positive(name: str, value: int | None, default: int) -> int:

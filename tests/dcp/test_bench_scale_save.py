@@ -1,8 +1,9 @@
 """benchmarks/bench_scale_save.py stays runnable: the ``tiny`` layout at 4 simulated ranks, one
 repeat, each method. No assertion is about speed: the bytes each save exchanges are counts, and
 the ones plan caching removes (issue 37) are checked: from the second save on, our ranks send
-digests and get empty plans, torch's send and get the same bytes again, and the ``Metadata``
-every rank receives from ours is slim."""
+digests and get empty plans and send their files without their rows, torch's send and get the
+same bytes again, and the ``Metadata`` every rank receives from ours is slim. The traced repeat
+(peak memory) and the step timed on every rank run too."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import bench_scale_save  # noqa: E402
 
 def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     out = tmp_path / "save.json"
-    argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-nocache,torch", "--repeats", "1", "--no-memory"]
+    argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-nocache,torch", "--repeats", "1"]
     assert bench_scale_save.main([*argv, "--json", str(out)]) == 0
     rows = {r["method"]: r["saves"] for r in json.loads(out.read_text())["rows"]}
     ours, nocache, torch_ = (
@@ -27,4 +28,32 @@ def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     assert nocache[2]["plans gathered"] == nocache[1]["plans gathered"]
     assert torch_[2]["plans gathered"] == torch_[1]["plans gathered"]
     assert ours[2]["Metadata broadcast"] < 200 < torch_[2]["Metadata broadcast"]
+    # the write results: every rank's rows at the first save, files and a digest from the second on
+    assert ours[1]["results gathered"] > 4 * ours[2]["results gathered"]
+    assert torch_[2]["results gathered"] == torch_[1]["results gathered"]
+    saves = rows["ours"]
+    assert all(saves[k]["coordinator peak MB"] is not None for k in saves)  # the traced repeat ran
+    assert all(saves[k]["step 3 worst of all other ranks cpu s"]["rank"] in (1, 2, 3) for k in saves)
     assert "coordinator" in capsys.readouterr().out
+
+
+def test_the_fit_extrapolates_a_line_and_reads_the_benchmark_json(tmp_path, capsys):
+    import bench_scale_save_fit as fit_mod
+
+    a, b, worst = fit_mod.fit([(16, 1.0 + 16 * 0.5), (64, 1.0 + 64 * 0.5), (256, 1.0 + 256 * 0.5)])
+    assert abs(a - 1.0) < 1e-9 and abs(b - 0.5) < 1e-9 and worst < 1e-9
+
+    def row(world: int, cpu: float) -> dict:
+        later = {
+            "coordinator cpu s": {"median": cpu},
+            "rank 1 cpu s": {"median": 0.1},
+            "bytes": {"results gathered": 100 * world},
+        }
+        return {"method": "ours", "world": world, "saves": {"2": later}}
+
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"rows": [row(16, 0.2), row(64, 0.2)]}))
+    assert fit_mod.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ours, later save, results gathered (bytes)" in out and "b=100/rank" in out
+    assert "coordinator cpu s: W=16: 0.2; W=64: 0.2; no growth with W resolved" in out

@@ -5,7 +5,8 @@ Two FSDP-like states (DTensors ``Shard(0)`` over 8 ranks, several shorter than 8
 ranks past their end hold empty shards, as FSDP2 gives them), one with 6 tensors and one with 48,
 are each saved three times with one ``SavePlanCache``. What DCP moves is counted where it is made:
 each rank's local plan as the planner hands it to the gather, the plans the coordinator's global
-step hands to the scatter, and the ``Metadata`` that ``dcp.save`` broadcasts as its result, each
+step hands to the scatter, each rank's write results as the writer hands them to the gather
+(dcp/rank_reports.py), and the ``Metadata`` that ``dcp.save`` broadcasts as its result, each
 pickled as torch pickles them. From the second save on those counts must not depend on the number
 of tensors. The last checkpoint then loads bit-exact at 8, 3 and 1 ranks.
 """
@@ -59,6 +60,19 @@ class _Counting(ReplicaGroupingSavePlanner):
         return scatter, md
 
 
+class _CountingWriter(CheckpointWriter):
+    """The project's writer, with the size of the write results it hands to DCP's gather."""
+
+    def __init__(self, counts: dict[str, int], *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts = counts
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        self.counts["results"] = len(pickle.dumps(fut.value()))
+        return fut
+
+
 def _sharded(mesh, full: dict[str, torch.Tensor]) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -77,7 +91,9 @@ def _save_worker(rank: int, world: int, root: str) -> None:
             planner = _Counting(counts, plan_cache=cache)
             path = Path(root) / f"{name}-{save}"
             md = dcp.save(
-                _sharded(mesh, full_state(tensors, save)), storage_writer=CheckpointWriter(path), planner=planner
+                _sharded(mesh, full_state(tensors, save)),
+                storage_writer=_CountingWriter(counts, path),
+                planner=planner,
             )
             counts["metadata"] = len(pickle.dumps(md))  # rank 0: what the result broadcast pickled
             if rank:
@@ -129,8 +145,11 @@ def test_later_saves_exchange_the_same_bytes_whatever_the_number_of_tensors(save
     for rank in range(WORLD):
         # The first save sends whole plans: 8x the tensors, more bytes.
         assert c["large", 0, rank]["gathered"] > 2 * c["small", 0, rank]["gathered"]
+        assert c["large", 0, rank]["results"] > 2 * c["small", 0, rank]["results"]  # every row
         for save in range(1, SAVES):
             assert c["large", save, rank]["gathered"] == c["small", save, rank]["gathered"], (save, rank)
+            # files and a layout digest: a file size's int may pickle a byte or two longer
+            assert abs(c["large", save, rank]["results"] - c["small", save, rank]["results"]) <= 8, (save, rank)
     for save in range(1, SAVES):
         assert c["large", save, 0]["scattered"] == c["small", save, 0]["scattered"]
         assert c["large", save, 0]["scattered"] < c["large", 0, 0]["scattered"] / 4

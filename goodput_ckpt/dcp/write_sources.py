@@ -1,0 +1,85 @@
+"""Where a rank's bytes come from while ``CheckpointWriter.write_data`` writes them: each planned
+item resolved through the planner to a tensor's bytes (checked against its plan) or a serialized
+object's bytes (checked to load with ``weights_only=True``).
+
+Why apart from the writer: the writer is DCP's protocol, called in DCP's order; what one item's
+bytes are, and which of them are refused, is one rule of its own.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+
+from ..errors import CheckpointError
+from ..format.dcp_metadata import dtype_name
+from ..format.manifest import DTYPE_SIZES
+from .tensor_bytes import TensorByteSource
+
+__all__ = ["BytesSource", "resolve_item"]
+
+
+def resolve_item(item: WriteItem, planner: SavePlanner) -> Any:
+    """The byte source of ``item``: a :class:`TensorByteSource` or a :class:`BytesSource`.
+
+    Raises:
+        CheckpointError: the planner resolved something that is not a tensor for a tensor item,
+            or a tensor whose dtype or size differs from its plan.
+    """
+    key = item.index.fqn
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        _warn_if_unsafe_object(raw, key)
+        return BytesSource(raw)
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointError(f"item {key!r}: the planner resolved a {type(data).__name__}, not a tensor", key=key)
+    src = TensorByteSource(data, key)
+    td = item.tensor_data
+    if td is not None:
+        expected = _numel(td.chunk.sizes) * DTYPE_SIZES[dtype_name(td.properties.dtype, key)]
+        if src.nbytes != expected or data.dtype != td.properties.dtype:
+            raise CheckpointError(
+                f"tensor {key!r}: data ({data.dtype}, {src.nbytes} bytes) does not match its plan "
+                f"({td.properties.dtype}, {expected} bytes)",
+                key=key,
+            )
+    return src
+
+
+class BytesSource:
+    """Serialized non-tensor value: served from memory."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._view = memoryview(raw)
+        self.nbytes = len(raw)
+
+    def view(self, start: int, end: int) -> memoryview:
+        return self._view[start:end]
+
+    def release(self) -> None:
+        pass
+
+
+def _warn_if_unsafe_object(raw: bytes, key: str) -> None:
+    """Warn at save time when a value will not load with ``weights_only=True``."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+        warnings.warn(
+            f"state-dict value {key!r} cannot be loaded with weights_only=True ({type(e).__name__}: "
+            f"{str(e)[:200]}); loading it will need CheckpointReader(..., trust_pickle=True). "
+            "Store plain Python types or tensors instead.",
+            stacklevel=4,
+        )
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
