@@ -247,17 +247,28 @@ class FileProblem:
         )
 
 
-def file_problems(store: Store, manifest: Manifest, keys: KeyIndex | None = None) -> Iterator[FileProblem]:
+def file_problems(
+    store: Store, manifest: Manifest, keys: KeyIndex | None = None, *, referenced: bool = True
+) -> Iterator[FileProblem]:
     """Every listed data file whose size differs from its record, in manifest order (lazily: a
     reader stops at the first, a report collects them all). The sizes come from one listing
     where the store's listing carries them (S3: 1,000 a request, not a ``HEAD`` each;
-    :func:`~goodput_ckpt.storage.bulk.file_sizes`)."""
+    :func:`~goodput_ckpt.storage.bulk.file_sizes`).
+
+    ``referenced=False`` leaves out the files another location holds (an incremental save's
+    base, :mod:`.references`): the load's choice. Why: the location's listing does not show
+    them, so each cost a request of its own (a ``HEAD`` on S3) on every restore, and a load
+    does not need it: every chunk it reads is checked against the manifest's digest, a file that
+    ends early or is gone raises a typed error naming it when read, and bytes past the recorded
+    size are never read. ``verify`` keeps the default and checks them.
+    """
     index = keys
+    listed = manifest.files if referenced else {k: f for k, f in manifest.files.items() if f.base is None}
     try:  # one listing where the store's listing has sizes, instead of a request per file
-        sizes: dict[str, int | None] = file_sizes(store, manifest.files)
+        sizes: dict[str, int | None] = file_sizes(store, listed)
     except CheckpointError:
         sizes = {}  # a file that cannot be examined: found and named below, one at a time
-    for f in manifest.files.values():
+    for f in listed.values():
         where = f"{store.uri}/{f.path}"
         try:
             actual = sizes[f.path] if f.path in sizes else store.size(f.path)
