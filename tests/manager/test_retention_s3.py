@@ -114,10 +114,11 @@ def test_a_retention_killed_midway_leaves_every_committed_step_readable(moto, pr
         log.close()
     root = open_store(moto.uri("root"), moto.options())
     scan = scan_steps(root)
-    # Victims go in ascending order: the kill came during step 1's, so steps 2 and 3 are whole;
-    # step 1 is complete (its record not yet deleted) or incomplete (record gone, data left).
-    assert sorted(scan.files) == [1, 2, 3] and {2, 3} <= set(scan.complete)
-    assert (1 in scan.complete) == (held == "DeleteObject")
+    # Victims go newest first (retention.deletion_order): the kill came during step 2's, so
+    # steps 1 and 3 are whole; step 2 is complete (its record not yet deleted) or incomplete
+    # (record gone, data left).
+    assert sorted(scan.files) == [1, 2, 3] and {1, 3} <= set(scan.complete)
+    assert (2 in scan.complete) == (held == "DeleteObject")
     for step in scan.complete:
         report = verify_checkpoint(moto.uri(f"root/{step_dir_name(step)}"), **moto.options())
         assert report.ok, [p.message for p in report.problems]
