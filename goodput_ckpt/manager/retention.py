@@ -127,7 +127,7 @@ def spare_referenced(root: Store, scan: StepScan, doomed: Collection[int], *, fr
         return []
     gone = set(doomed)
     kept = [s for s in scan.complete if s not in gone]
-    needed = protected_steps(root, scan.files, kept, fresh=fresh)
+    needed = protected_steps(root, scan.files, kept, fresh=fresh, doomed=gone)
     return sorted(gone - needed)
 
 

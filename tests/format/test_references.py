@@ -104,6 +104,18 @@ def test_a_missing_base_is_a_corrupt_checkpoint_naming_the_file(tmp_path):
     assert verify_checkpoint(str(tmp_path / "step_00000002")).status == "corrupt"
 
 
+def test_a_truncated_base_file_is_refused_by_the_load_and_reported_by_verify(tmp_path):
+    """A base file cut short is a typed error naming it, from the load's size check before any
+    data byte is read (engine/manifest_load.py), and a problem of ``verify``'s report."""
+    save_steps(str(tmp_path), frozen_model(), [1, 2])
+    data = next(p for p in (tmp_path / "step_00000001").iterdir() if p.suffix == ".bin")
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=data.name):
+        load_model(str(tmp_path / "step_00000002"))
+    report = verify_checkpoint(str(tmp_path / "step_00000002"))
+    assert report.status == "corrupt" and any(p.file == data.name for p in report.problems)
+
+
 def test_the_spec_reader_reads_a_referenced_tensor(tmp_path):
     """docs/format.md's example reader follows a `base` (and checks its chunk digests)."""
     import re
