@@ -21,7 +21,7 @@ from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
 from ..format.manifest import FORMAT_VERSION, REFERENCES_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
-from .rank_reports import RANK_WRITES_KEY, report_of
+from .rank_reports import RANK_WRITES_KEY, RankReport, report_of
 
 __all__ = [
     "RANK_WRITES_KEY",
@@ -39,11 +39,20 @@ __all__ = [
 class HeldLayout:
     """The item entries of one build, by layout: ``key`` is (grids or not, each rank's file count,
     each rank's layout digest, the tensors' signature); ``names`` the build's file names, in the
-    order the entries' positions refer to. Immutable, so a writer can pin it for one save."""
+    order the entries' positions refer to; ``writes`` each rank's rows of that build. Immutable,
+    so a writer can pin it for one save.
+
+    Why the rows are kept: a rank whose layout is the held one sends no rows, but another rank's
+    layout may have changed (an incremental save's references add files on the ranks that have
+    them; a stateful object on one rank only), and then the entries are built again from every
+    rank's rows, the unchanged ranks' taken from here. The cost: the coordinator keeps every
+    rank's table between saves (O(ranks x the rank's items) of int64, the size it received once).
+    """
 
     key: tuple[Any, ...]
     items: dict[str, TensorEntry | ObjectEntry]
     names: tuple[str, ...]
+    writes: tuple[RankWrites, ...] = ()
 
     @property
     def layouts(self) -> tuple[bytes, ...]:
@@ -130,15 +139,16 @@ def build_manifest(
         items = _renamed(held.items, dict(zip(held.names, names)), names)
         _last_layout.put(held)  # this layout is the current one again
     else:
-        missing = [r for r, rep in enumerate(reports) if rep.writes is None]
+        rows = [_rows_of(r, rep, held) for r, rep in enumerate(reports)]
+        missing = [r for r, w in enumerate(rows) if w is None]
         if missing:
             raise CheckpointError(
                 f"rank {missing[0]} (and {len(missing) - 1} more) sent only its layout digest, and the coordinator "
                 "holds no entries for this save's layouts: the ranks' state changed in a way their digests do not "
                 "cover, or a rank's report was forged"
             )
-        items = items_from_ranks(metadata, [rep.writes for rep in reports], names, grids=version >= 2)
-        _last_layout.put(HeldLayout(key, items, names))
+        items = items_from_ranks(metadata, rows, names, grids=version >= 2)
+        _last_layout.put(HeldLayout(key, items, names, tuple(rows)))
     return Manifest(
         version=version,
         library_version=__version__,
@@ -155,6 +165,20 @@ def build_manifest(
         },
         metadata=user_metadata,
     )
+
+
+def _rows_of(rank: int, report: RankReport, held: HeldLayout | None) -> RankWrites | None:
+    """The rows of ``rank`` for a build: its own, or (it sent only its layout digest) the held
+    build's rows of that rank with this save's files, when the digest is the one held for it and
+    it has as many files (rows address files by position). ``None``: neither."""
+    if report.writes is not None:
+        return report.writes
+    if held is None or rank >= len(held.writes) or held.layouts[rank] != report.layout:
+        return None
+    kept = held.writes[rank]
+    if len(kept.files) != len(report.files):
+        return None
+    return replace(kept, files=report.files)
 
 
 def _tensor_signature(metadata: Metadata) -> tuple[Any, ...]:
