@@ -300,6 +300,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def _release(self) -> None:
         self._save_claim.release()
+        # A save that failed before write_data must not leave its mark for the next one (a
+        # synchronous save after a failed async one would write around the page cache).
+        self._beside_training = False
 
     # -- coordinator: existing checkpoints --------------------------------------------------
     def _clear_or_refuse_existing(self) -> None:

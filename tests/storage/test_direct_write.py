@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shutil
 
 import pytest
 import torch
@@ -119,6 +120,22 @@ def test_async_save_writes_around_the_page_cache_and_a_sync_save_does_not(tmp_pa
     assert a.read_bytes() == s.read_bytes()
     for d in ("async", "sync"):
         assert verify_checkpoint(str(tmp_path / d)).ok
+
+
+def test_a_failed_background_save_leaves_no_mark_on_the_next_save(tmp_path):
+    """The writer's mark of a save beside training is for one save: one refused before its
+    writes (here: the step exists) does not make the next, synchronous save write direct."""
+    state = {"w": torch.randn(1 << 20)}
+    path = tmp_path / "ckpt"
+    dcp.save(state, storage_writer=CheckpointWriter(str(path)), no_dist=True)
+    writer = CheckpointWriter(str(path))
+    writer.mark_background_save()
+    with pytest.raises(BaseException, match="already"):
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    shutil.rmtree(path)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    (f,) = _data_files(path)
+    assert _resident_pages(f) > 100  # written through the page cache
 
 
 def test_filesystem_without_direct_io_writes_buffered(ramfs, tmp_path):
