@@ -118,7 +118,7 @@ def _churn(path: str, mib: int, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def artificial_load(spec: str, where: str, limit_s: float = 1800.0) -> Iterator[str]:
+def artificial_load(spec: str, where: str, settle_s: float, limit_s: float = 1800.0) -> Iterator[str]:
     """``N,MIB``: N busy loops and a page-cache churner of MIB MiB (see the module doc), each
     process ending by itself after ``limit_s`` and stopped by PID when the block ends."""
     import multiprocessing as mp
@@ -133,7 +133,7 @@ def artificial_load(spec: str, where: str, limit_s: float = 1800.0) -> Iterator[
     for proc in procs:
         proc.start()
     try:
-        time.sleep(10 if procs else 0)  # let the pressure figures (10 s averages) see the load
+        time.sleep(settle_s if procs else 0)  # let the pressure figures (10 s averages) see the load
         yield f"{n or 0} busy loops, page-cache churn of {mib or 0} MiB, PIDs {[p.pid for p in procs]}"
     finally:
         for proc in procs:
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load", default="", help="N,MIB: an artificial load for the run (see the module doc)")
+    p.add_argument("--settle", type=float, default=10.0, help="seconds between starting --load and the first save")
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, base, ignore_errors=True)
         if a.load:
-            print(f"artificial load: {stack.enter_context(artificial_load(a.load, base))}")
+            print(f"artificial load: {stack.enter_context(artificial_load(a.load, base, a.settle))}")
         for rep in range(a.repeats):
             order = rotated(names, rep)
             orders.append(order)

@@ -36,14 +36,16 @@ __all__ = [
 ]
 
 #: Percent of the last 10 s in which some runnable task waited for a CPU, from which a save writes
-#: direct. Measured on 2 vCPUs: 3-20 while buffered saves kept up with raw writes, 96-99 where they
-#: fell to 0.5x raw and direct ones reached 1.4x (docs/benchmarks.md); the line is between them.
+#: direct. Measured on 2 vCPUs: 9 before the quiet run where buffered saves kept up with raw
+#: writes (0.96x), 88-99 in every run where they fell to 0.25-0.7x raw and direct ones did better
+#: (docs/benchmarks.md, "The physical limit"); the line is between them.
 CPU_PRESSURE_LIMIT = 50.0
 #: Percent of the last 10 s in which some task stalled on memory reclaim, from which a save writes
 #: direct: each page-cache page a buffered write takes must then first be reclaimed.
 MEMORY_PRESSURE_LIMIT = 10.0
 #: Runnable tasks per usable CPU (1-minute load average), without PSI, from which a save writes
-#: direct: more runnable tasks than CPUs is the state that CPU pressure measures.
+#: direct: more runnable tasks than CPUs is the state that CPU pressure measures (the quiet run
+#: had 0.4-0.7 per CPU, the contended ones 3-12; the average lags by a minute, hence the margin).
 LOAD_PER_CPU_LIMIT = 1.5
 
 
