@@ -50,13 +50,15 @@ LOAD_PER_CPU_LIMIT = 1.5
 
 
 def _cgroup_dir() -> str | None:
-    """This process's cgroup v2 directory, or ``None`` (cgroup v1 only, or the root group, whose
-    figures are the machine's: /proc/pressure)."""
+    """This process's cgroup v2 directory, or ``None`` (cgroup v1 only). In a container with its
+    own cgroup namespace the group reads as ``/``: ``/sys/fs/cgroup`` is then the container's
+    own group, whose figures count its tasks only (where that directory has no pressure files,
+    on a host's root group or a v1/v2 hybrid, :func:`pressure` reads /proc/pressure)."""
     try:
         with open("/proc/self/cgroup", encoding="ascii", errors="replace") as f:
             for line in f.read(4096).splitlines():
-                if line.startswith("0::/") and len(line) > 4:
-                    path = "/sys/fs/cgroup" + line[3:]
+                if line.startswith("0::/"):
+                    path = "/sys/fs/cgroup" + line[3:].rstrip("/")
                     return path if os.path.isdir(path) else None
     except OSError:
         pass
