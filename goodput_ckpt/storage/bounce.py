@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 import time
+import weakref
 
 __all__ = ["IDLE_SECONDS", "BouncePool", "address_of"]
 
@@ -40,6 +42,18 @@ class BouncePool:
         self._in_use = 0
         self._last_use = 0.0  # time.monotonic() of the last give
         self._timer: threading.Timer | None = None
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._after_fork_in_child)
+            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a data-loader worker) has none of the parent's threads: its lock may
+        be held by one of them and its timer does not run there. Start afresh."""
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._timer = None
+        if self._idle:
+            self._arm(self.idle_seconds)
 
     @property
     def idle_bytes(self) -> int:
@@ -66,7 +80,7 @@ class BouncePool:
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
-            self._in_use -= 1
+            self._in_use = max(0, self._in_use - 1)  # 0 floor: a forked child's count starts at 0
             self._last_use = time.monotonic()
             kept = len(self._idle) < self.keep
             if kept:

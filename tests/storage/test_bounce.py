@@ -67,3 +67,30 @@ def test_a_direct_save_leaves_no_bounce_buffer_once_idle(tmp_path, monkeypatch):
     dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "c"), direct_writes=True), no_dist=True)
     _released(pool)
     assert pool.idle_bytes == 0
+
+
+def test_a_forked_child_releases_its_copy_of_the_idle_buffers():
+    """A child forked while the release timer is armed (a data-loader worker) has no timer thread:
+    its pool arms one of its own, so its copy of the idle buffers is released too."""
+    import os
+
+    pool = BouncePool(mmap.PAGESIZE, 2, idle_seconds=3600.0)
+    pool.give(pool.take())
+    parent_timer = pool.pending_release
+    assert parent_timer is not None and parent_timer.is_alive()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                timer = pool.pending_release
+                code = 0 if timer is not None and timer.is_alive() and timer is not parent_timer else 2
+                if timer is not None:
+                    timer.cancel()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        parent_timer.cancel()
+        parent_timer.join(60)
