@@ -82,7 +82,7 @@ class LocalConfig:
             under CPU load (256 MiB). ``True`` or ``False`` fixes the choice for every save.
             The cost of direct writes: the checkpoint is not left in the page cache, so a load
             right after a save reads the device. A filesystem that refuses ``O_DIRECT`` (ramfs:
-            at open; a device whose sectors are larger than a page: at the first write) is
+            at open; a device whose sectors are larger than 4 KiB: at the first write) is
             written buffered, as is a chunk at an unaligned offset, and so is everything with
             ``fsync=False`` (scratch data, a volume save's local staging, whose upload reads the
             files back at once).
