@@ -53,9 +53,12 @@ def big_sector_fs(tmp_path):
     mnt.mkdir()
     with open(image, "wb") as f:
         f.truncate(320 << 20)  # XFS's smallest filesystem at this block size is about 300 MiB
-    loop = subprocess.run(
-        ["losetup", "--show", "-f", "--sector-size", "16384", str(image)], capture_output=True, text=True
-    )
+    try:
+        loop = subprocess.run(
+            ["losetup", "--show", "-f", "--sector-size", "16384", str(image)], capture_output=True, text=True
+        )
+    except FileNotFoundError:
+        pytest.skip("losetup is not installed")
     if loop.returncode != 0:
         pytest.skip(f"cannot make a loop device with 16 KiB sectors here: {loop.stderr.strip()}")
     device = loop.stdout.strip()
