@@ -7,14 +7,21 @@ untimed warm-up save of the same method (``goodput_ckpt.tools.measure._bench_sav
 - ``raw``: the tensors' bytes written in order into one file by one thread (``os.write`` of at most
   64 MiB), then the file and the directory fsynced: the disk's limit for these bytes;
 - ``ours``: ``dcp.save`` with ``CheckpointWriter`` at its defaults (it fsyncs its files, the
-  manifest and the directory itself);
-- ``ours-direct``: the same around the page cache (``direct_writes=True``; a synchronous save
-  writes through the page cache by default, an async one around it: ``LocalConfig``);
+  manifest and the directory itself; ``direct_writes=None``: it writes through the page cache or
+  around it as ``goodput_ckpt/storage/write_mode.py`` decides when it opens its data file);
+- ``ours-buffered``: the same through the page cache (``direct_writes=False``);
+- ``ours-direct``: the same around the page cache (``direct_writes=True``);
 - ``ours-tN``: the same with ``thread_count=N`` (``--threads``), to show what the writer threads buy.
 
 Printed per method: seconds and the ratio **raw seconds / method seconds within the same repeat**
 (1.0: as fast as the raw write), min / median / max over ``--repeats``; user and system CPU
-seconds and minor page faults of the process during each save; and the load average.
+seconds and minor page faults of the process during each save; and, per repeat, the load
+average, the CPU and memory pressure (PSI ``some avg10``) and what ``ours`` chose from them.
+
+``--load N,MIB`` starts an artificial load for the run and stops it (by PID) at the end: ``N``
+processes in busy loops and, with ``MIB`` > 0, one process that keeps writing a file of ``MIB``
+MiB through the page cache and reading it back (dirty pages and page-cache churn), so one session
+shows both regimes: a quiet machine and a contended one.
 
 ``--phases`` adds, per repeat, one more save of ``ours`` (not in the ratios) with timers around its
 parts: blake3 hashing, ``pwritev``, direct writes' ``pwrite`` (none at the defaults) and ``sync_file_range`` (summed over the writer threads: a sum
@@ -86,6 +93,61 @@ def raw_save(state: State, where: str) -> None:
 
 def ours_save(state: State, where: str, **kw: Any) -> None:
     dcp.save(state.nested, storage_writer=CheckpointWriter(where, **kw))
+
+
+def _busy(deadline: float) -> None:
+    x = 0
+    while time.time() < deadline:
+        for _ in range(100_000):
+            x += 1
+
+
+def _churn(path: str, mib: int, deadline: float) -> None:
+    block = os.urandom(MiB)
+    try:
+        while time.time() < deadline:
+            with open(path, "wb") as f:
+                for _ in range(mib):
+                    f.write(block)
+            with open(path, "rb") as f:
+                while f.read(8 * MiB):
+                    pass
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def artificial_load(spec: str, where: str, settle_s: float, limit_s: float = 1800.0) -> Iterator[str]:
+    """``N,MIB``: N busy loops and a page-cache churner of MIB MiB (see the module doc), each
+    process ending by itself after ``limit_s`` and stopped by PID when the block ends."""
+    import multiprocessing as mp
+
+    n, _, mib = spec.partition(",")
+    deadline = time.time() + limit_s
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_busy, args=(deadline,), daemon=True) for _ in range(int(n or 0))]
+    if int(mib or 0) > 0:
+        churn = os.path.join(where, "churn.bin")
+        procs.append(ctx.Process(target=_churn, args=(churn, int(mib), deadline), daemon=True))
+    for proc in procs:
+        proc.start()
+    try:
+        time.sleep(settle_s if procs else 0)  # let the pressure figures (10 s averages) see the load
+        yield f"{n or 0} busy loops, page-cache churn of {mib or 0} MiB, PIDs {[p.pid for p in procs]}"
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(10)
+
+
+def _regime() -> str:
+    from goodput_ckpt.storage.write_mode import pressure, should_write_direct
+
+    direct, why = should_write_direct()
+    cpu, mem = pressure("cpu"), pressure("memory")
+    return f"psi cpu {cpu}, memory {mem}; auto -> {'direct' if direct else 'buffered'} ({why})"
 
 
 def _clock(fn: Callable[[], Any]) -> dict[str, float]:
@@ -194,13 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="256MiB")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--threads", default="1,2", help="extra ours-tN methods (thread_count), comma-separated; '' for none"
-    )
+    p.add_argument("--threads", default="", help="extra ours-tN methods (thread_count), comma-separated; '' for none")
     p.add_argument("--phases", action="store_true", help="one instrumented save per repeat (see the module doc)")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load", default="", help="N,MIB: an artificial load for the run (see the module doc)")
+    p.add_argument("--settle", type=float, default=10.0, help="seconds between starting --load and the first save")
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -209,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, Callable[[str], None]] = {
         "raw": lambda w: raw_save(state, w),
         "ours": lambda w: ours_save(state, w),
+        "ours-buffered": lambda w: ours_save(state, w, direct_writes=False),
         "ours-direct": lambda w: ours_save(state, w, direct_writes=True),
     }
     for n in [int(x) for x in a.threads.split(",") if x.strip()]:
@@ -223,10 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     orders: list[list[str]] = []
     phases: list[dict[str, Any]] = []
-    try:
+    regimes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, base, ignore_errors=True)
+        if a.load:
+            print(f"artificial load: {stack.enter_context(artificial_load(a.load, base, a.settle))}")
         for rep in range(a.repeats):
             order = rotated(names, rep)
             orders.append(order)
+            regimes.append(_regime())
             for n in order:
                 target = os.path.join(base, f"{n}-{rep}")
                 c = timed_save(methods[n], target, warm=target + "-warm", remove=shutil.rmtree, clock=_clock)
@@ -235,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                 samples[n].append(c)
             if a.phases:
                 phases.append(_phases_once(state, base, rep))
-            print(f"repeat {rep + 1}: order {', '.join(order)}; load average {os.getloadavg()[0]:.1f}")
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+            print(
+                f"repeat {rep + 1}: order {', '.join(order)}; load average {os.getloadavg()[0]:.1f}; "
+                f"before it: {regimes[-1]}"
+            )
 
     load1 = os.getloadavg()
     report: dict[str, Any] = {
@@ -245,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         "tensors": len(state.flat),
         "repeats": a.repeats,
         "order": orders,
+        "regimes": regimes,
+        "artificial_load": a.load,
         "load_average": [load0[0], load1[0]],
         "seconds": {},
         "vs_raw": {},

@@ -8,8 +8,10 @@ used 34-163 CPU-ms per save (median 88) buffered against 26-48 (median 30) direc
 included (docs/benchmarks.md, "A whole training loop"). Direct writes move the bytes from a
 reused, page-aligned bounce buffer to the device, so a save's CPU is one ``memmove`` into that
 buffer (GIL released) and the hash over it, and its wall time is the device's. A save on its own
-was faster buffered there (the page cache takes the bytes at memory speed), so the local store
-writes direct only for saves that run beside training (``LocalConfig.direct_writes``).
+was faster buffered there while the CPUs had room (the page cache takes the bytes at memory
+speed) and faster direct when they were contended, so the local store writes direct for saves
+that run beside training and, for a save the caller waits for, when :mod:`.write_mode` finds
+the CPUs or memory under pressure (``LocalConfig.direct_writes``).
 
 How a chunk is written (:meth:`DirectWriter.write_hashed`): its buffers are copied into a bounce
 buffer from :class:`.bounce.BouncePool`, hashed there (while in the CPU cache), and written with
@@ -46,7 +48,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 BOUNCE_BYTES = 8 << 20
 #: Idle bounce buffers kept for later chunks and later saves (one per writer thread is enough):
 #: a fresh buffer is page-faulted on first touch, which costs more than the copy. At most
-#: 8 x 8 MiB stay allocated in the process between saves.
+#: 8 x 8 MiB stay allocated in the process between saves, and none once no direct write has run
+#: for :data:`.bounce.IDLE_SECONDS`.
 _BOUNCE_KEEP = 8
 #: Buffers at least this large are copied with ``memmove`` through ctypes (GIL released); smaller
 #: ones (alignment padding, pickled values) by a slice assignment.

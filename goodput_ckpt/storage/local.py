@@ -3,7 +3,8 @@
 Why these choices:
 - A save that runs beside training writes its data files around the page cache (``direct_writes``,
   :mod:`.direct_write`): less CPU taken from training. One the caller waits for writes them with
-  buffered ``pwritev`` calls (:mod:`.local_sink`): the page cache absorbs them faster.
+  buffered ``pwritev`` calls (:mod:`.local_sink`), where the page cache absorbs them faster, unless
+  the CPUs are contended or memory is being reclaimed (:mod:`.write_mode`): then direct is faster.
 - Reads are buffered by default (the kernel's readahead measured faster than direct reads on
   the development machine); ``direct_reads=True`` bypasses the page cache (:mod:`.direct_read`).
 - ``os.pwritev``/``os.preadv`` take lists of buffers at an offset, so the writer can hand the
@@ -46,6 +47,7 @@ from .base import (
 )
 from .direct_read import DirectSource, os_error
 from .local_sink import LocalSink
+from .write_mode import should_write_direct
 
 __all__ = ["LocalConfig", "LocalStore"]
 
@@ -70,13 +72,17 @@ class LocalConfig:
             buffers (:mod:`.direct_write`): no page-cache copy and no page allocation per byte.
             ``None`` (the default): direct for a save that runs beside training
             (``dcp.async_save`` staging through ``CheckpointWriter``, the manager's async
-            saves), buffered for one the caller waits for. Measured on the development machine
-            (docs/benchmarks.md): beside a training loop a direct 48 MiB save cost 5-30 CPU-ms
-            against 70-120 buffered, and the loop's goodput went from 0.85x to 1.14x torch's
-            writer; a save on its own was faster buffered (the page cache absorbs the bytes and
-            the writeback merges them), 1.16x a raw write against 0.80x direct at 1 GiB. The
-            cost of direct writes: the checkpoint is not left in the page cache, so a load right
-            after a save reads the device. A filesystem that refuses ``O_DIRECT`` (ramfs) is
+            saves); for one the caller waits for, chosen when each data file is opened from the
+            machine's state (:mod:`.write_mode`): buffered while the CPUs have room, direct when
+            runnable tasks wait for them or memory is being reclaimed. Measured on the
+            development machine (docs/benchmarks.md): beside a training loop a direct 48 MiB
+            save cost 5-30 CPU-ms against 70-120 buffered, and the loop's goodput went from
+            0.85x to 1.14x torch's writer; a save on its own reached 0.96x a raw write buffered
+            against 0.74x direct on a quiet machine, and 0.48x buffered against 1.39x direct
+            under CPU load (256 MiB). ``True`` or ``False`` fixes the choice for every save.
+            The cost of direct writes: the checkpoint is not left in the page cache, so a load
+            right after a save reads the device. A filesystem that refuses ``O_DIRECT`` (ramfs:
+            at open; a device whose sectors are larger than 4 KiB: at the first write) is
             written buffered, as is a chunk at an unaligned offset, and so is everything with
             ``fsync=False`` (scratch data, a volume save's local staging, whose upload reads the
             files back at once).
@@ -186,7 +192,13 @@ class LocalStore:
             os.makedirs(parent, exist_ok=True)
         # Without fsync (scratch data, a volume save's local staging, whose upload reads the files
         # back at once) the page cache is where the bytes are wanted: write buffered.
-        return LocalSink(path, self.config.fsync, bool(self.config.direct_writes) and self.config.fsync)
+        if not self.config.fsync:
+            direct = False
+        elif self.config.direct_writes is None:
+            direct = should_write_direct()[0]  # a save the caller waits for: by the machine's state
+        else:
+            direct = self.config.direct_writes
+        return LocalSink(path, self.config.fsync, direct)
 
     def for_background_save(self) -> LocalStore:
         """This store for a save that runs beside training: with ``direct_writes=None`` (auto)

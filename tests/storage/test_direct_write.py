@@ -75,17 +75,24 @@ def _direct(store: LocalStore, name: str) -> bool:
         sink.close()
 
 
-def test_direct_writes_auto_means_saves_beside_training(tmp_path):
+def test_direct_writes_auto_means_saves_beside_training(tmp_path, roomy_machine):
     # ext4/xfs/tmpfs take O_DIRECT; test_filesystem_without_direct_io_writes_buffered covers one that does not
     auto = LocalStore(str(tmp_path))
     assert auto.config.direct_writes is None
-    assert not _direct(auto, "a.bin")  # a save the caller waits for: buffered
+    assert not _direct(auto, "a.bin")  # a save the caller waits for, CPUs to spare: buffered
     assert _direct(auto.for_background_save(), "b.bin")
     assert auto.for_background_save().uri == auto.uri
     off = LocalStore(str(tmp_path), LocalConfig(direct_writes=False))
     assert not _direct(off.for_background_save(), "c.bin")
     on = LocalStore(str(tmp_path), LocalConfig(direct_writes=True))
     assert _direct(on, "d.bin") and _direct(on.for_background_save(), "e.bin")
+
+
+def test_direct_writes_auto_writes_a_waited_for_save_direct_on_a_contended_machine(tmp_path, contended_machine):
+    auto = LocalStore(str(tmp_path))
+    assert _direct(auto, "a.bin")
+    off = LocalStore(str(tmp_path), LocalConfig(direct_writes=False))
+    assert not _direct(off, "b.bin")  # False is never overridden by the machine's state
 
 
 def _resident_pages(path) -> int:
@@ -108,7 +115,7 @@ def _data_files(path) -> list:
     return sorted(p for p in path.iterdir() if p.suffix == ".bin")
 
 
-def test_async_save_writes_around_the_page_cache_and_a_sync_save_does_not(tmp_path):
+def test_async_save_writes_around_the_page_cache_and_a_sync_save_does_not(tmp_path, roomy_machine):
     state = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
     fut = dcp.async_save(state, storage_writer=CheckpointWriter(str(tmp_path / "async")), no_dist=True)
     fut.result()
@@ -122,7 +129,7 @@ def test_async_save_writes_around_the_page_cache_and_a_sync_save_does_not(tmp_pa
         assert verify_checkpoint(str(tmp_path / d)).ok
 
 
-def test_a_failed_background_save_leaves_no_mark_on_the_next_save(tmp_path):
+def test_a_failed_background_save_leaves_no_mark_on_the_next_save(tmp_path, roomy_machine):
     """The writer's mark of a save beside training is for one save: one refused before its
     writes (here: the step exists) does not make the next, synchronous save write direct."""
     state = {"w": torch.randn(1 << 20)}
@@ -145,6 +152,35 @@ def test_filesystem_without_direct_io_writes_buffered(ramfs, tmp_path):
     _ref, expected = _write(tmp_path / "ref", False, items, chunk_size=1 << 20)
     assert entries == expected
     assert (ramfs / "ckpt" / "f0.bin").read_bytes() == (tmp_path / "ref" / "f0.bin").read_bytes()
+
+
+def test_direct_write_refused_after_open_falls_back_and_the_checkpoint_is_correct(big_sector_fs, tmp_path):
+    """A device whose sectors (16 KiB) are larger than our alignment: ``O_DIRECT`` opens, the first
+    direct write gets ``EINVAL``, and that chunk and every later one are written buffered."""
+    items = _items(3, [3 << 20, 1234, 5 << 20])
+    store = LocalStore(str(big_sector_fs / "probe"), LocalConfig(direct_writes=True))
+    store.prepare()
+    assert _direct(store, "p.bin")  # the open is not refused: only the writes are
+    store, entries = _write(big_sector_fs / "ckpt", True, items, chunk_size=1 << 20)
+    _ref, expected = _write(tmp_path / "ref", False, items, chunk_size=1 << 20)
+    assert entries == expected
+    assert (big_sector_fs / "ckpt" / "f0.bin").read_bytes() == (tmp_path / "ref" / "f0.bin").read_bytes()
+    sink = store.open_sink("after.bin")
+    sink.write_hashed(0, [bytearray(8192)], _Hasher())
+    assert not sink.direct  # refused at its first write: the rest of the file goes buffered
+    sink.close()
+    state = {"w": torch.randn(1000, 1001), "i": torch.arange(7, dtype=torch.int16)}
+    path = str(big_sector_fs / "dcp")
+    dcp.save(state, storage_writer=CheckpointWriter(path, direct_writes=True), no_dist=True)
+    assert verify_checkpoint(path).ok
+    out = {"w": torch.empty(1000, 1001), "i": torch.empty(7, dtype=torch.int16)}
+    dcp.load(out, storage_reader=CheckpointReader(path, verify=True), no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["i"], state["i"])
+
+
+class _Hasher:
+    def update(self, b) -> None:
+        pass
 
 
 def test_dcp_save_with_direct_writes_verifies_and_loads_bit_exact(tmp_path):
@@ -193,7 +229,7 @@ def test_async_save_to_a_volume_path_is_unchanged(tmp_path):
     assert verify_checkpoint(str(tmp_path / "v")).ok
 
 
-def test_manager_async_saves_write_direct_and_sync_saves_buffered(tmp_path):
+def test_manager_async_saves_write_direct_and_sync_saves_buffered(tmp_path, roomy_machine):
     from goodput_ckpt import CheckpointManager
 
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
