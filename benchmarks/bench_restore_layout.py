@@ -145,6 +145,26 @@ def _rank(
     dist.destroy_process_group()
 
 
+def reparse(paths: list[str], repeats: int) -> list[dict]:
+    """``read_metadata`` of kept checkpoints (``--keep``) in this one process, the new and the old
+    parse path interleaved: the per-rank work without 2 cores shared by W ranks (CPU seconds,
+    min/median/max of ``repeats``)."""
+    from goodput_ckpt import CheckpointReader
+    from goodput_ckpt.format import grid, parse
+
+    out = []
+    for path in paths:
+        times: dict[str, list[float]] = {"new": [], "old": []}
+        for _ in range(repeats + 1):  # the first round warms up and is dropped
+            for which in times:
+                parse._BATCH_GRID_RUNS = which == "new"  # noqa: SLF001
+                grid._EXPAND_MIN_SPANS = _NEW_EXPAND_MIN if which == "new" else 1 << 62  # noqa: SLF001
+                times[which].append(_time(lambda: CheckpointReader(path).read_metadata())[0])
+        parse._BATCH_GRID_RUNS, grid._EXPAND_MIN_SPANS = True, _NEW_EXPAND_MIN  # noqa: SLF001
+        out.append({"path": path, **{k: _spread(v[1:]) for k, v in times.items()}})
+    return out
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -193,8 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the worst rank's top functions per W")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", help="save the checkpoints under this directory (w<W>) and keep them")
+    ap.add_argument("--reparse", nargs="+", help="only time read_metadata of these kept checkpoints in one process")
     args = ap.parse_args(argv)
     print(f"load average at start: {os.getloadavg()}", flush=True)
+    if args.reparse:
+        rows = reparse(args.reparse, args.repeats)
+        for row in rows:
+            print(f"{row['path']}: CPU new {_fmt(row['new'])} s, old {_fmt(row['old'])} s (min/median/max)")
+        print(f"load average at end: {os.getloadavg()}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"load_average_end": os.getloadavg(), "reparse": rows}, indent=1))
+        return 0
     figures = []
     with tempfile.TemporaryDirectory() as out:
         for world in args.worlds:

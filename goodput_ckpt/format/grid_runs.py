@@ -110,7 +110,9 @@ class GridRuns:
         nruns = np.array([len(g.runs) for g in grids], dtype=np.int64)
         if (nruns < 1).any():
             return None
-        runs = np.array(list(itertools.chain.from_iterable(g.runs for g in grids)), dtype=np.int64).reshape(-1, 4)
+        # (Flat: numpy converts a flat list of ints several times faster than one of tuples.)
+        flat = list(itertools.chain.from_iterable(itertools.chain.from_iterable(g.runs for g in grids)))
+        runs = np.array(flat, dtype=np.int64).reshape(-1, 4)
         gi = np.repeat(np.arange(len(grids)), nruns)
         cnt, first, step, offset = runs[:, 0], runs[:, 1], runs[:, 2], runs[:, 3]
         ok = (cnt >= 1) & (cnt <= cells[gi])
