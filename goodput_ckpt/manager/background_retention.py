@@ -85,7 +85,10 @@ class BackgroundRetention:
             committed, self._waiting = self._waiting, None
             if committed is None:  # merged into a run that already took the newest commit
                 return
-        apply_retention(self.root, committed=committed, keep_last=self.keep_last, protect=_Newer(self, committed))
+        try:
+            apply_retention(self.root, committed=committed, keep_last=self.keep_last, protect=_Newer(self, committed))
+        except Exception:  # noqa: BLE001 - best effort, as apply_retention's own errors: the next run retries
+            logger.exception("retention after step %d under %s failed", committed, self.root.uri)
         with self._lock:
             self.runs += 1
             self._started = {s for s in self._started if s > committed}
