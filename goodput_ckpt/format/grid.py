@@ -22,7 +22,9 @@ finds the chunk at given offsets in O(dimensions + log runs). No torch here.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -61,11 +63,9 @@ class GridChunks(Sequence[ChunkEntry]):
     ) -> None:
         self.shape, self.block, self.esize, self.runs, self.names = shape, block, esize, runs, names
         self.counts = _counts(shape, block)
-        starts, n = [], 0
-        for run in runs:
-            starts.append(n)
-            n += run[0]
-        self._starts, self._n = starts, n
+        # (C-speed sums: a real FSDP2 layout of small tensors has about one run per cell.)
+        starts = list(itertools.accumulate(map(operator.itemgetter(0), runs), initial=0))
+        self._starts, self._n = starts[:-1], starts[-1]
 
     def __len__(self) -> int:
         return self._n
@@ -164,12 +164,20 @@ def _uniform(shape: Sequence[int], block: Sequence[int], counts: Sequence[int], 
 
 
 def parse_grid(
-    doc: Any, shape: tuple[int, ...], esize: int, names: Sequence[str], key: str, budget: list[int]
+    doc: Any,
+    shape: tuple[int, ...],
+    esize: int,
+    names: Sequence[str],
+    key: str,
+    budget: list[int],
+    batch: Any = None,
 ) -> GridChunks:
     """Validate a grid entry's own fields (``budget[0]``: cells this manifest may still describe).
 
     Its byte ranges are checked later, with every other item's, by :func:`check_spans` (fed
-    :func:`spans_of`).
+    :func:`spans_of`). With ``batch`` (a :class:`~.grid_runs.GridRuns`), runs of the plain
+    JSON shape are left to it, which checks every grid's runs of the manifest at once and gives
+    their spans; others are checked here (and raise here).
 
     Raises:
         GridError: a field is malformed or out of range.
@@ -191,9 +199,30 @@ def parse_grid(
     budget[0] -= cells
     if budget[0] < 0:
         raise GridError(f"{where}: the manifest's grids describe more than {MAX_GRID_CELLS} cells in all", key)
+    runs_doc = doc["runs"]
+    if batch is not None and batch.plain(runs_doc):  # checked with every other grid's runs
+        grid = GridChunks(shape, block_t, esize, tuple(map(tuple, runs_doc)), names)
+        batch.add(key, grid)
+        return grid
+    return GridChunks(shape, block_t, esize, check_runs(runs_doc, shape, block_t, counts, len(names), key), names)
+
+
+def check_runs(
+    runs_doc: list[Any], shape: tuple[int, ...], block: tuple[int, ...], counts: tuple[int, ...], files: int, key: str
+) -> tuple[Run, ...]:
+    """A grid's runs, each checked (``files``: how many files the manifest lists).
+
+    The reference for :class:`~.grid_runs.GridRuns`, which makes the same checks on a whole
+    manifest's runs at once.
+
+    Raises:
+        GridError: a run is malformed or out of range (names the item and the run).
+    """
+    where = f"item {key!r} grid"
+    cells = math.prod(counts)
     runs: list[Run] = []
     n = 0
-    for i, run in enumerate(doc["runs"]):
+    for i, run in enumerate(runs_doc):
         if not isinstance(run, list) or len(run) != 4:
             raise GridError(f"{where} run {i}: must be 4 integers [cells, file, file_step, offset]", key)
         count, first, step, offset = run
@@ -202,14 +231,14 @@ def parse_grid(
             raise GridError(f"{where} run {i}: must be 4 integers [cells, file, file_step, offset]", key)
         if not 1 <= count <= cells - n:
             raise GridError(f"{where} run {i}: {count} cells, but {cells - n} of the grid's {cells} are left", key)
-        if first < 0 or step < 1 or first + step * (count - 1) >= len(names):
+        if first < 0 or step < 1 or first + step * (count - 1) >= files:
             raise GridError(
-                f"{where} run {i}: file indices {first} + {step} x k (k < {count}) are not all among the {len(names)} files",
+                f"{where} run {i}: file indices {first} + {step} x k (k < {count}) are not all among the {files} files",
                 key,
             )
         if not 0 <= offset <= MAX_FILE_BYTES or offset % ALIGNMENT:
             raise GridError(f"{where} run {i}: byte offset {offset} is not a multiple of {ALIGNMENT} in range", key)
-        if count > 1 and not _uniform(shape, block_t, counts, n, count):
+        if count > 1 and not _uniform(shape, block, counts, n, count):
             raise GridError(
                 f"{where} run {i}: cells {n}-{n + count - 1} differ in size (a run holds one byte length)", key
             )
@@ -217,7 +246,7 @@ def parse_grid(
         n += count
     if n != cells:
         raise GridError(f"{where}: its runs hold {n} of the grid's {cells} cells", key)
-    return GridChunks(shape, block_t, esize, tuple(runs), names)
+    return tuple(runs)
 
 
 Span = tuple[int, int, int, int, int, str]  # byte offset, length, first file, file step, files, key
@@ -242,9 +271,16 @@ def check_spans(spans: list[Span], names: Sequence[str], sizes: Sequence[int]) -
     file): O(spans log spans) comparisons plus one C-speed step per (span, file). A span of one
     file (v1's chunks, objects) takes the scalar path, the same comparisons on single elements.
 
+    Where the spans cover few files each (``cells <= EXPAND_FACTOR x spans``: a real FSDP2
+    layout of small tensors, about one run per cell), the sweep's Python step per span costs more
+    than expanding every span into its files: :func:`_disjoint_expanded` then checks the same
+    conditions in a few array operations, and the sweep runs only to name a problem it found.
+
     Raises:
         GridError: two ranges overlap, or one runs past the end of its file (names the keys).
     """
+    if len(spans) >= _EXPAND_MIN_SPANS and _disjoint_expanded(spans, sizes):
+        return
     ends = np.zeros(len(names), dtype=np.int64)  # offsets and lengths are at most 2**50: no overflow
     limit = np.asarray(sizes, dtype=np.int64)
     owner = np.full(len(names), -1, dtype=np.int64)  # the span that ends last in each file
@@ -266,6 +302,38 @@ def check_spans(spans: list[Span], names: Sequence[str], sizes: Sequence[int]) -
         if limit[sl].min() < end:
             _beyond(names, limit, first + step * int(np.argmax(limit[sl] < end)), offset, end, key)
         ends[sl], owner[sl] = end, i
+
+
+#: Spans are expanded into one row per (span, file) when that makes at most this many rows per
+#: span: a row costs a few array operations' worth of C (tens of ns), a span in the sweep a
+#: Python step (about 1 us).
+EXPAND_FACTOR = 4
+#: Fewer spans than this: the sweep (the arrays' fixed cost is not worth it).
+_EXPAND_MIN_SPANS = 64
+
+
+def _disjoint_expanded(spans: list[Span], sizes: Sequence[int]) -> bool:
+    """Whether every span lies inside its files and no two overlap, checked by expanding the
+    spans into (file, start, end) rows, sorting them by file and start, and comparing each row
+    with the one before it. ``False`` also when the spans cover too many files to expand
+    (more than :data:`EXPAND_FACTOR` per span): the caller's sweep decides then."""
+    offset, length, first, step, count = (np.array(c, dtype=np.int64) for c in list(zip(*spans))[:5])
+    keep = length > 0
+    offset, length, first, step, count = offset[keep], length[keep], first[keep], step[keep], count[keep]
+    total = int(count.sum())
+    if total > EXPAND_FACTOR * len(spans):
+        return False
+    span = np.repeat(np.arange(len(count)), count)
+    k = np.arange(total) - np.repeat(np.cumsum(count) - count, count)  # index within its span
+    file = first[span] + step[span] * k
+    start = offset[span]
+    end = start + length[span]
+    if (end > np.asarray(sizes, dtype=np.int64)[file]).any():
+        return False
+    order = np.lexsort((start, file))
+    file, start, end = file[order], start[order], end[order]
+    same = file[1:] == file[:-1]
+    return not (same & (start[1:] < end[:-1])).any()
 
 
 def _overlap(spans: list[Span], names: Sequence[str], owner: np.ndarray, f: int, offset: int, key: str) -> None:

@@ -23,6 +23,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.base import check_relative_name
 from .gc_pause import gc_paused
 from .grid import MAX_GRID_CELLS, GridError, Span, check_spans, parse_grid, spans_of
+from .grid_runs import GridRuns
 from .nesting import int_keys_problem
 from .references import base_problem
 from .schema import (
@@ -55,6 +56,9 @@ __all__ = ["parse_manifest"]
 #: What a chunk digest is made of: 64 of these (lowercase hex).
 _HEX_DIGITS = b"0123456789abcdef"
 _DIGEST_LEN = 64
+#: Grid runs checked a manifest at a time (format/grid_runs.py). ``False`` only in
+#: benchmarks/bench_restore_layout.py, to measure the run-by-run path it replaced in the same run.
+_BATCH_GRID_RUNS = True
 
 
 class _Bad(Exception):
@@ -205,6 +209,7 @@ class _Ranges:
         self.names = list(files)
         self.index = {name: i for i, name in enumerate(self.names)}
         self.spans: list[Span] = []
+        self.grids = GridRuns(self.names, self.spans)  # their runs: checked together at the end
 
     def take(self, d: dict, where: str, key: str) -> tuple[str, int, int]:
         file = _get(d, "file", str, where)
@@ -229,7 +234,7 @@ class _Ranges:
         # A one-digit change to a byte offset must not move an item onto other bytes unnoticed:
         # the digests cover files, not items, so they cannot catch it.
         try:
-            check_spans(self.spans, self.names, [f.size for f in self.files.values()])
+            check_spans(self.grids.merged(), self.names, [f.size for f in self.files.values()])
         except GridError as e:
             raise _Bad(str(e), key=e.key) from None
 
@@ -256,10 +261,13 @@ def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared, version:
         if "chunks" in it:
             raise _Bad(f"{where}: holds both 'grid' and 'chunks' (one of them)", key=key)
         try:
-            grid = parse_grid(it["grid"], shape, DTYPE_SIZES[dtype], ranges.names, key, shared.cells)
+            batch = ranges.grids if _BATCH_GRID_RUNS else None
+            held = len(ranges.grids.grids)
+            grid = parse_grid(it["grid"], shape, DTYPE_SIZES[dtype], ranges.names, key, shared.cells, batch)
         except GridError as e:
             raise _Bad(str(e), key=key) from None
-        ranges.spans.extend(spans_of(grid, key))
+        if len(ranges.grids.grids) == held:  # checked here, not batched: its spans now
+            ranges.spans.extend(spans_of(grid, key))
         return TensorEntry(key, dtype, shape, grid, requires_grad)
     chunks = []
     chunk_docs = _get(it, "chunks", list, where)

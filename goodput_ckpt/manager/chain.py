@@ -3,7 +3,8 @@
 The manager holds one :class:`Chain` and runs one save path and one restore path over it
 (``docs/architecture.md``): a save writes where :meth:`Chain.save_target` says, and the save
 thread then calls :meth:`Chain.after_write` (spread the save down the chain) and
-:meth:`Chain.apply_retention`; a restore hands the chain one :class:`~.restoring.RestoreTarget`
+:meth:`Chain.apply_retention` (on the persistent chain it hands the step to a retention thread:
+:mod:`.background_retention`); a restore hands the chain one :class:`~.restoring.RestoreTarget`
 and gets back what it chose and loaded (:meth:`Chain.restore`).
 
 Two chains exist:
@@ -29,11 +30,12 @@ from ..state import Topology
 from ..storage import open_store
 from ..storage.base import Store
 from .agreement import agree_on_latest, decide_on_coordinator, raise_if_any_rank_failed
+from .background_retention import BackgroundRetention
 from .config import ManagerConfig
 from .disk_full import make_room
 from .job import JobState, job_of, survey_job
 from .restoring import ROWS_PART, TENSORS_PART, Restored, RestoreTarget
-from .retention import apply_retention, scan_steps
+from .retention import scan_steps
 from .save_job import SaveJob
 from .step_layout import child_uri, step_dir_name
 from .tiers import Tiers
@@ -78,6 +80,11 @@ class Chain(Protocol):
         """The save thread, after ``committed`` was committed and is durable. Best effort."""
         ...
 
+    def before_save(self, step: int) -> None:
+        """Every rank, once the previous save is done and before a save of ``step`` writes:
+        wait for a retention running beside the saves if it may delete ``step``."""
+        ...
+
     def make_room(self, job: SaveJob) -> bool:
         """Every rank, after a save failed, with ``free_space_on_full`` (collective)."""
         ...
@@ -111,6 +118,12 @@ class PersistentChain:
     ) -> None:
         self.root, self.root_uri, self.storage_options = root, root_uri, storage_options
         self.group, self.config = group, config
+        # The coordinator retains the root on a thread of its own (off the save thread's path).
+        self.retention = (
+            BackgroundRetention(root, keep_last=config.keep_last, timeout_s=config.timeout_s)
+            if group.rank == 0
+            else None
+        )
 
     def save_target(self, step: int) -> tuple[str, dict[str, Any]]:
         return child_uri(self.root_uri, step_dir_name(step)), self.storage_options
@@ -128,10 +141,21 @@ class PersistentChain:
         return err  # nothing below the root
 
     def apply_retention(self, committed: int) -> None:
-        if self.group.rank == 0:
-            apply_retention(self.root, committed=committed, keep_last=self.config.keep_last)
+        if self.retention is not None:
+            self.retention.submit(committed)
+            if not self.config.async_save:  # a synchronous save returns with everything done
+                self.retention.drain()
+
+    def before_save(self, step: int) -> None:
+        if self.retention is not None:
+            self.retention.before_save(step)
+
+    def _drain(self) -> None:
+        if self.retention is not None:
+            self.retention.drain()
 
     def make_room(self, job: SaveJob) -> bool:
+        self._drain()  # it deletes steps too
         owners = dict.fromkeys(range(self.group.world_size), 0)
         return make_room(self.group, self.root, owner_of=owners, step=job.step, needed=job.record.bytes)
 
@@ -139,6 +163,7 @@ class PersistentChain:
         """The coordinator picks the newest complete step (or checks the one asked for) and
         reads its manifest for every rank; every rank plans, the ranks agree, and each loads the
         rows, then the tensors, from the root. A damaged step fails the restore: no fallback."""
+        self._drain()  # nothing deletes the steps it reads
         if step is None:
             step = self.latest()
             if step is None:
@@ -172,10 +197,11 @@ class PersistentChain:
         return agree_on_latest(self.root, self.group, keep_last=self.config.keep_last)
 
     def wait(self, timeout_s: float | None) -> None:
-        return None
+        self._drain()
 
     def close(self) -> None:
-        return None
+        if self.retention is not None:
+            self.retention.close()
 
 
 def open_chain(

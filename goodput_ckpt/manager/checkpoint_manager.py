@@ -219,6 +219,7 @@ class CheckpointManager(ManagerQueries):
         uri, options = self._chain.save_target(step)  # with two tiers: the node-local tier
         started, t0 = time.time(), time.perf_counter()
         self._saves.finish_previous(report=False)
+        self._chain.before_save(step)  # a retention beside the saves that may delete this step ends first
         if self.config.fail_fast and (failed := self._saves.take_unraised()) is not None:
             # Maybe a failure of this rank only (an upload's durability): fail this step everywhere.
             fail_on_every_rank(self._group, uri, failed, options)

@@ -15,12 +15,10 @@ while no other save of the same job runs:
   ``committed`` (they may be in the middle of being written), and a step whose files a step
   that stays references (an incremental save's base: :func:`spare_referenced`).
 
-Retention runs in the save thread, after the commit, and the next save waits for it. Why not in
-a thread of its own: the victims may include a step the next save writes (a rollback to an
-older step number, an overwrite, an incomplete step being retried), so a deletion running
-beside that save could remove its commit record or files. A worker would have to know the
-victims before the next save starts, which is the listing it was meant to take off the path.
-With batched deletes (:func:`delete_step`) a step costs 18 requests at 16,384 ranks, not 16,385.
+On the persistent root, retention runs on a thread of its own after the commit, beside the next
+save (:mod:`.background_retention`, which says why that is safe: a save of a step a run may
+delete, a rollback or an overwrite, waits for it; a run spares newer saves). With batched
+deletes (:func:`delete_step`) a step costs 18 requests at 16,384 ranks, not 16,385.
 """
 
 from __future__ import annotations

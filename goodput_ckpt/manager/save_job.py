@@ -4,9 +4,10 @@ An async save hands its staged copy to :meth:`SaveJobs.submit`; the save thread 
 deferred staging copies, runs ``dcp.save`` (its planning collectives go over the manager's own
 gloo group, so they never interleave with training collectives on the default group), releases
 the buffers, waits until the checkpoint is durable, applies retention (the ``on_commit``
-callback) and records the outcome in the timeline. The next ``save`` (and ``restore``, ``wait``,
-``close``) waits for it (:meth:`SaveJobs.finish_previous`), so at most one save is in flight, a
-buffer is never overwritten while it is written, and retention never races a save.
+callback: on the persistent chain, a hand-over to the retention thread) and records the outcome
+in the timeline. The next ``save`` (and ``restore``, ``wait``, ``close``) waits for it
+(:meth:`SaveJobs.finish_previous`), so at most one save is in flight and a buffer is never
+overwritten while it is written.
 
 A failure never raises in the save thread: it becomes ``last_error``, goes to ``on_error``, and
 is raised once at the next ``wait``/``close`` (or ``save`` with ``fail_fast``). A synchronous

@@ -24,9 +24,9 @@ after a SIGKILL). The events, in the order a save passes them:
                     just created, before its bytes are written
 ``commit.done``     the manifest is published: the step is committed
 ``cleanup.delete``  a stale file removed after the commit
-``retention.begin`` retention starts (after the commit)
+``retention.begin`` retention starts (after the commit, on the retention thread)
 ``retention.delete``  one file of an old step deleted
-``write.end``       the save thread is done with the step (retention included)
+``write.end``       the save thread is done with the step (retention handed over)
 ``restore.begin`` / ``restore.delete`` / ``restore.done``  the restore at start-up
 ``done``            the loop finished and the manager closed
 ==================  ============================================================================
@@ -117,7 +117,17 @@ class _Events:
         self._counts: dict[str, int] = {}
         self.stage_step: int | None = None  # the step being staged (caller's thread)
         self.write_step: int | None = None  # the step the save thread writes
-        self.context = "write"  # who deletes: "cleanup" | "retention" | "restore"
+        # Who deletes, per thread ("write" | "cleanup" | "retention" | "restore"): retention runs
+        # on a thread of its own, beside the save thread.
+        self._local = threading.local()
+
+    @property
+    def context(self) -> str:
+        return getattr(self._local, "context", "write")
+
+    @context.setter
+    def context(self, value: str) -> None:
+        self._local.context = value
 
     def __call__(self, event: str, step: int | None, extra: str = "") -> None:
         stamp = time.monotonic() - self._t0
@@ -192,6 +202,7 @@ class _HashedSinkProxy(_SinkProxy):
 
 def _install(events: _Events) -> None:
     import goodput_ckpt.engine.hashed_write as hashed_write
+    import goodput_ckpt.manager.background_retention as background_retention
     import goodput_ckpt.manager.chain as chain
     import goodput_ckpt.manager.save_job as save_job
     import goodput_ckpt.storage.local as local
@@ -221,12 +232,12 @@ def _install(events: _Events) -> None:
 
         return f
 
-    def retention(orig):
-        def f(self, committed, *a, **kw):
+    def retention(orig):  # on the coordinator's retention thread (manager/background_retention.py)
+        def f(root, *a, committed, **kw):
             events.context = "retention"
             events("retention.begin", committed)
             try:
-                return orig(self, committed, *a, **kw)
+                return orig(root, *a, committed=committed, **kw)
             finally:
                 events.context = "write"
 
@@ -281,7 +292,7 @@ def _install(events: _Events) -> None:
 
     wrap(ReusableStager, "_copy_into", copy_into)
     wrap(save_job.SaveJobs, "write", write)
-    wrap(chain.PersistentChain, "apply_retention", retention)
+    wrap(background_retention, "apply_retention", retention)
     wrap(chain.PersistentChain, "latest", restore_scan)
     wrap(hashed_write, "remove_stale_files", stale)
     local.os = volume.os = _OsProxy(events)

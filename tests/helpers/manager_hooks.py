@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["hold_saves", "save_jobs_of", "staging_of"]
+__all__ = ["hold_saves", "retention_of", "save_jobs_of", "staging_of"]
 
 
 def staging_of(mgr: Any) -> Any:
@@ -27,6 +27,12 @@ def staging_of(mgr: Any) -> Any:
 def save_jobs_of(mgr: Any) -> Any:
     """The manager's ``SaveJobs``: the save thread's ``write`` and ``report_failure``."""
     return mgr._saves
+
+
+def retention_of(mgr: Any) -> Any:
+    """The coordinator's ``BackgroundRetention`` of a manager without ``local_dir`` (``None`` on
+    other ranks): ``pending()``, ``drain()``, ``runs``."""
+    return mgr._chain.retention
 
 
 def hold_saves(mgr: Any, timeout: float = 60.0) -> threading.Event:

@@ -464,6 +464,10 @@ class FaultProxy:
     def stall_s(self, value: float) -> None:
         self._server.stall_s = value
 
+    def release(self) -> None:
+        """End every stall now (each stalled request is reset), and any later one at once."""
+        self._server.stopping.set()
+
     def stop(self) -> None:
         self._server.stopping.set()
         self._server.shutdown()

@@ -140,6 +140,9 @@ class Tiers:
     def apply_retention(self, committed: int) -> None:
         """Nothing here: each tier applies its own (``after_write``, the persist thread)."""
 
+    def before_save(self, step: int) -> None:
+        """Nothing to wait for: no tier retains beside the save thread."""
+
     def make_room(self, job: SaveJob) -> bool:
         """Room on the local disks, each node's by its first rank, sparing a persist's step."""
         local = self.local

@@ -1,0 +1,256 @@
+"""``CheckpointReader.read_metadata`` on a real FSDP2 + AdamW layout, at W = 2, 4 and 8 gloo ranks.
+
+Issue 37 ("Restore on a real layout"): a real FSDP2 + AdamW save on gloo (about 4,800 small
+tensors) read back with ``read_metadata`` cost 1.5-2.0x more at 8 ranks than at 2. This runs
+that case for real: W processes join a gloo group, shard a model of small ``nn.Linear`` layers
+with ``fully_shard`` (row counts that leave uneven shards at every W, and layers with fewer rows
+than ranks, so that ranks past a tensor's end hold empty shards), take one AdamW step, and save
+model and optimizer state (``get_state_dict``) through ``dcp.save`` with the manager's planner
+(``ReplicaGroupingSavePlanner``) and ``CheckpointWriter`` on a local disk. Then every rank times
+``CheckpointReader(path).read_metadata()``, CPU (``process_time``) and wall, ``--repeats`` times:
+
+- ``alone``: one rank at a time while the others wait in a barrier: the work one rank does,
+  without the other ranks competing for this machine's 2 cores;
+- ``together``: every rank at once, as ``dcp.load`` calls it (wall then includes the contention).
+
+For each W the worst rank's figure of each repeat is kept, then min/median/max over the repeats.
+Finally each rank runs it once under ``cProfile`` (alone) and the parent prints the top
+functions of the worst rank, so the part that grows with W can be read off at 8 against 2.
+
+``--old-grid-parse`` also measures the parse path before issue 37's fix in the same run (each
+grid's runs checked one by one in Python, and byte ranges checked by the span-by-span sweep): each
+rank then sets ``goodput_ckpt.format.parse._BATCH_GRID_RUNS = False`` and raises
+``goodput_ckpt.format.grid._EXPAND_MIN_SPANS`` past any count, switches that exist for this
+benchmark only. (The fix's one other change, run starts summed at C speed in ``GridChunks``, stays
+on: the old figures are a little low.)
+
+Usage: ``python benchmarks/bench_restore_layout.py [--worlds 2 4 8] [--repeats 5] [--layers 600]``
+(``--json PATH`` writes the figures, ``--keep DIR`` keeps the checkpoints). On a 2-core machine W = 8 needs about 3 GB of memory and a
+few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+#: Output rows of the layers, cycled: 3, 5 and 7 rows leave ranks past the tensor's end with
+#: empty shards at W = 4 and 8; 9, 13, 17, 33 and 50 split unevenly at every W tried here.
+ROWS = (3, 5, 7, 9, 13, 17, 33, 50)
+IN_FEATURES = 16
+_NEW_EXPAND_MIN = 64  # goodput_ckpt.format.grid._EXPAND_MIN_SPANS as shipped
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stack(torch.nn.Module):
+    """Small layers side by side (``fully_shard`` needs a module with a ``forward``)."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(IN_FEATURES, ROWS[i % len(ROWS)]) for i in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(m(x).sum() for m in self.layers)
+
+
+def _time(fn) -> tuple[float, float]:
+    c0, w0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+def _rank(
+    rank: int, world: int, root: str, port: int, layers: int, repeats: int, old: bool, out: str, keep: str | None
+) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from goodput_ckpt import CheckpointReader, CheckpointWriter
+    from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner
+    from goodput_ckpt.format import grid, parse
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    model = _Stack(layers)
+    for m in model.layers:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, IN_FEATURES)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    path = keep or os.path.join(root, f"w{world}")
+    dcp.save({"model": msd, "optim": osd}, storage_writer=CheckpointWriter(path), planner=ReplicaGroupingSavePlanner())
+    dist.barrier()
+    paths = ("new", "old") if old else ("new",)
+
+    def use(which: str) -> None:  # the benchmark's switches (see the module doc)
+        parse._BATCH_GRID_RUNS = which == "new"  # noqa: SLF001
+        grid._EXPAND_MIN_SPANS = _NEW_EXPAND_MIN if which == "new" else 1 << 62  # noqa: SLF001
+
+    def read() -> None:
+        CheckpointReader(path).read_metadata()
+
+    result: dict = {}
+    for which in paths:
+        use(which)
+        read()  # warm: imports, the page cache
+        result[which] = {"alone": [], "together": []}
+    for _ in range(repeats):
+        for which in paths:  # interleaved: the machine's load falls on both alike
+            use(which)
+            for r in range(world):
+                if r == rank:
+                    result[which]["alone"].append(_time(read))
+                dist.barrier()
+            result[which]["together"].append(_time(read))
+            dist.barrier()
+    for which in paths:
+        use(which)
+        for r in range(world):
+            if r == rank:
+                prof = cProfile.Profile(time.process_time)  # CPU: other processes' load not counted
+                prof.runcall(read)
+                prof.dump_stats(os.path.join(out, f"w{world}_{which}_r{rank}.prof"))
+            dist.barrier()
+    use("new")
+    md = CheckpointReader(path).read_metadata()
+    result["items"] = len(md.state_dict_metadata)
+    result["chunks"] = sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values())
+    result["manifest_bytes"] = sum(f.stat().st_size for f in Path(path).iterdir() if f.suffix == ".json")
+    Path(out, f"w{world}_r{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def reparse(paths: list[str], repeats: int) -> list[dict]:
+    """``read_metadata`` of kept checkpoints (``--keep``) in this one process, the new and the old
+    parse path interleaved: the per-rank work without 2 cores shared by W ranks (CPU seconds,
+    min/median/max of ``repeats``)."""
+    from goodput_ckpt import CheckpointReader
+    from goodput_ckpt.format import grid, parse
+
+    out = []
+    for path in paths:
+        times: dict[str, list[float]] = {"new": [], "old": []}
+        for _ in range(repeats + 1):  # the first round warms up and is dropped
+            for which in times:
+                parse._BATCH_GRID_RUNS = which == "new"  # noqa: SLF001
+                grid._EXPAND_MIN_SPANS = _NEW_EXPAND_MIN if which == "new" else 1 << 62  # noqa: SLF001
+                times[which].append(_time(lambda: CheckpointReader(path).read_metadata())[0])
+        parse._BATCH_GRID_RUNS, grid._EXPAND_MIN_SPANS = True, _NEW_EXPAND_MIN  # noqa: SLF001
+        out.append({"path": path, **{k: _spread(v[1:]) for k, v in times.items()}})
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def run(world: int, layers: int, repeats: int, old: bool, out: str, keep: str | None = None) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as root:
+        mp.start_processes(
+            _rank,
+            args=(world, root, _free_port(), layers, repeats, old, out, keep),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+    ranks = [json.loads(Path(out, f"w{world}_r{r}.json").read_text()) for r in range(world)]
+    fig: dict = {"world": world, "items": ranks[0]["items"], "chunks": ranks[0]["chunks"]}
+    fig["manifest_bytes"] = ranks[0]["manifest_bytes"]
+    for which in ("new", "old") if old else ("new",):
+        fig[which] = {}
+        for mode in ("alone", "together"):
+            for k, what in enumerate(("cpu_s", "wall_s")):
+                worst = [max(ranks[r][which][mode][i][k] for r in range(world)) for i in range(repeats)]
+                fig[which][f"{mode}_{what}"] = _spread(worst)
+        cpu = [statistics.median(x[0] for x in ranks[r][which]["alone"]) for r in range(world)]
+        fig[which]["worst_rank"] = max(range(world), key=cpu.__getitem__)
+    return fig
+
+
+def _fmt(spread: dict[str, float]) -> str:
+    return f"{spread['min']:.3f}/{spread['median']:.3f}/{spread['max']:.3f}"
+
+
+def _top(prof: str, n: int = 12) -> str:
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
+    return s.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=600, help="nn.Linear layers: 4 items each with AdamW, x2")
+    ap.add_argument("--old-grid-parse", action="store_true", help="also measure the parse before issue 37's fix")
+    ap.add_argument("--profile", action="store_true", help="print the worst rank's top functions per W")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--keep", help="save the checkpoints under this directory (w<W>) and keep them")
+    ap.add_argument("--reparse", nargs="+", help="only time read_metadata of these kept checkpoints in one process")
+    args = ap.parse_args(argv)
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    if args.reparse:
+        rows = reparse(args.reparse, args.repeats)
+        for row in rows:
+            print(f"{row['path']}: CPU new {_fmt(row['new'])} s, old {_fmt(row['old'])} s (min/median/max)")
+        print(f"load average at end: {os.getloadavg()}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"load_average_end": os.getloadavg(), "reparse": rows}, indent=1))
+        return 0
+    figures = []
+    with tempfile.TemporaryDirectory() as out:
+        for world in args.worlds:
+            sub = os.path.join(out, f"w{world}")
+            os.makedirs(sub)
+            keep = args.keep and os.path.join(args.keep, f"w{world}")
+            fig = run(world, args.layers, args.repeats, args.old_grid_parse, sub, keep)
+            figures.append(fig)
+            print(
+                f"W={world:2d}: items {fig['items']}, chunks {fig['chunks']}, record {fig['manifest_bytes']} B",
+                flush=True,
+            )
+            for which in ("new", "old") if args.old_grid_parse else ("new",):
+                f = fig[which]
+                print(
+                    f"  {which}: worst rank alone CPU {_fmt(f['alone_cpu_s'])} s, wall {_fmt(f['alone_wall_s'])} s; "
+                    f"together CPU {_fmt(f['together_cpu_s'])} s, wall {_fmt(f['together_wall_s'])} s "
+                    f"(min/median/max of {args.repeats})",
+                    flush=True,
+                )
+                if args.profile:
+                    print(_top(os.path.join(sub, f"w{world}_{which}_r{f['worst_rank']}.prof")), flush=True)
+    print(f"load average at end: {os.getloadavg()}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load_average_end": os.getloadavg(), "figures": figures}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
