@@ -42,13 +42,16 @@ def protected_steps(
     *,
     fresh: Collection[int] = (),
     doomed: Collection[int] | None = None,
+    records: dict[int, bytes] | None = None,
 ) -> set[int]:
     """The steps that the complete steps ``kept`` reference, directly or through one another.
 
     ``files``: the root's listing by step (:func:`~.step_layout.list_step_dirs`); ``fresh``:
     steps whose record is read again even if remembered; ``doomed``: the steps the caller
     means to delete, when it only asks which of them to spare: the walk stops once all of
-    them are protected, since reading more records could only protect more.
+    them are protected, since reading more records could only protect more. ``records``: when
+    given, every commit record read here is added to it (step -> its bytes), for a caller that
+    reads one of them next (a restore's load of the newest step takes it from there: one read).
 
     Why newest first and the early stop: a restore's clean-up of a root whose newest step is
     incremental read the record of every kept step and of the base (3 ``GET`` requests on S3
@@ -66,7 +69,7 @@ def protected_steps(
         if step in seen:
             continue
         seen.add(step)
-        bases = _bases(root, step, files.get(step, []), refresh=step in fresh)
+        bases = _bases(root, step, files.get(step, []), refresh=step in fresh, records=records)
         if bases is None:  # unknown references: everything older stays
             bases = frozenset(s for s in files if s < step)
         for b in bases:
@@ -76,28 +79,33 @@ def protected_steps(
     return protected
 
 
-def _sealed(root: Store, step: int, names: list[str]) -> frozenset[str] | None:
-    """The bases the step's record names, read without a full parse (:func:`sealed_bases`), or
-    ``None`` (no record in the listing, unreadable, not sealed ...: the caller reads it in full)."""
+def _read(root: Store, step: int, names: list[str]) -> bytes | None:
+    """The step's commit record's bytes; ``None``: none in the listing, or unreadable (the
+    full read below says which)."""
     if MANIFEST_NAME not in names:
         return None
     try:
-        data = root.read_small(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+        return root.read_small(f"{step_dir_name(step)}/{MANIFEST_NAME}")
     except CheckpointError:
         return None
-    return None if data is None else sealed_bases(data)
 
 
-def _bases(root: Store, step: int, names: list[str], *, refresh: bool) -> frozenset[int] | None:
+def _bases(
+    root: Store, step: int, names: list[str], *, refresh: bool, records: dict[int, bytes] | None
+) -> frozenset[int] | None:
     key = (root.uri, step)
     with _lock:
         if not refresh and key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    named = _sealed(root, step, names)
+    data = _read(root, step, names)
+    if data is not None and records is not None:
+        records[step] = data
+    # Read without a full parse (sealed_bases) where the record is sealed; else in full.
+    named = None if data is None else sealed_bases(data)
     if named is None:  # not a sealed record of a known version: the full read says what it is
         try:
-            record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False)
+            record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False, data=data)
         except CheckpointError:
             return None  # unreadable now: not remembered, asked again next time
         if record.status in (CORRUPT, UNSUPPORTED):
