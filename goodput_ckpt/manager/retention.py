@@ -35,7 +35,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from ..storage.bulk import delete_files
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
-from .step_references import protected_steps
+from .step_references import protected_steps, referrers_first
 from .timeline import TIMELINE_NAME
 
 __all__ = [
@@ -139,13 +139,15 @@ def spare_referenced(
     return sorted(gone - needed)
 
 
-def deletion_order(victims: Collection[int]) -> list[int]:
-    """``victims`` newest first: a step that references another victim (an incremental save and
-    its base, both beyond ``keep_last``) is deleted before the step it references, so a crash
-    between two deletions never leaves a complete step whose base is gone (found by the SIGKILL
-    trials: oldest first, a kill after the base's deletion left the referencing step corrupt).
-    A base is always an earlier save, and saves go up in step number."""
-    return sorted(victims, reverse=True)
+def deletion_order(root: Store, files: dict[int, list[str]], victims: Collection[int]) -> list[int]:
+    """``victims`` in the order to delete them: a step that references another victim (an
+    incremental save and its base, both beyond ``keep_last``) is deleted before the step it
+    references, so a crash between two deletions never leaves a complete step whose base is
+    gone (found by the SIGKILL trials: oldest first, a kill after the base's deletion left the
+    referencing step corrupt). Decided from the references (``files``: the root's listing by
+    step), not from step numbers: a base may be a later step than its referrer (a job rolled
+    back, :func:`~.step_references.referrers_first`)."""
+    return referrers_first(root, files, victims)
 
 
 def apply_retention(root: Store, *, committed: int, keep_last: int | None, protect: Collection[int] = ()) -> None:
@@ -155,7 +157,7 @@ def apply_retention(root: Store, *, committed: int, keep_last: int | None, prote
     try:
         scan = scan_steps(root)
         victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
-        for s in deletion_order(spare_referenced(root, scan, victims, fresh=(committed,))):
+        for s in deletion_order(root, scan.files, spare_referenced(root, scan, victims, fresh=(committed,))):
             delete_step(root, s, scan.files[s])
     except CheckpointError as e:
         logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
@@ -201,7 +203,9 @@ def clean_before_restore(
     doomed = set(scan.incomplete)
     if scan.latest is not None:
         doomed.update(retention_victims(scan, committed=scan.latest, keep_last=keep_last))
-    for s in deletion_order(spare_referenced(root, scan, doomed, fresh=scan.complete, records=records)):
+    for s in deletion_order(
+        root, scan.files, spare_referenced(root, scan, doomed, fresh=scan.complete, records=records)
+    ):
         try:
             delete_step(root, s, scan.files[s])
         except CheckpointError as e:
