@@ -315,6 +315,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 lambda r: med(r, "incremental", "seconds") / med(r, "trainable", "seconds")
             )
         s["bytes_vs_full"] = per_run(lambda r: med(r, "incremental", "bytes") / med(r, "full", "bytes"))
+        s["seconds_vs_full"] = per_run(lambda r: med(r, "incremental", "seconds") / med(r, "full", "seconds"))
         s["frozen_share_of_full"] = per_run(lambda r: r["frozen_bytes"] / med(r, "full", "bytes"))
         s["restore_vs_full"] = per_run(
             lambda r: r["incremental"]["restore"]["seconds"] / r["full"]["restore"]["seconds"]
@@ -360,6 +361,7 @@ def print_report(report: dict[str, Any], where: str) -> None:
             "bytes_vs_trainable",
             "seconds_vs_trainable",
             "bytes_vs_full",
+            "seconds_vs_full",
             "frozen_share_of_full",
             "restore_vs_full",
             "restore_pairs_vs_full",

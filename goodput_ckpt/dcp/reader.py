@@ -151,9 +151,11 @@ class CheckpointReader(StorageReader):
             self._manifest = load_manifest(self._store, check_files=not self.partial)
         return self._manifest
 
-    def shared_manifest(self) -> Manifest:
+    def shared_manifest(self, record: bytes | None = None) -> Manifest:
         """The validated manifest, read once for the whole group: collective over
         ``process_group``, like ``read_metadata`` (every rank calls it together).
+        ``record``: the commit record's bytes where this rank read them already (a restore's
+        clean-up did, on the coordinator): parsed and checked the same way, not read again.
 
         For a caller that plans from the manifest before ``dcp.load`` (the manager's restore):
         with :attr:`manifest` every rank would read the record and check every data file's size,
@@ -163,7 +165,7 @@ class CheckpointReader(StorageReader):
         Raises:
             CheckpointError: what reading it raised (on rank 0: the original error).
         """
-        self._manifest = self._load_shared()
+        self._manifest = self._load_shared(record)
         self._preloaded = True
         return self._manifest
 
@@ -191,10 +193,10 @@ class CheckpointReader(StorageReader):
             return bool(self.share_manifest)
         return self._store.traits.costly_requests
 
-    def _load_shared(self) -> Manifest:
+    def _load_shared(self, record: bytes | None = None) -> Manifest:
         # Collective when a process group exists: one rank reads, the others receive it.
         return load_shared(
-            lambda: load_manifest(self._store, check_files=not self.partial),
+            lambda: load_manifest(self._store, check_files=not self.partial, record=record),
             group=self.process_group,
             enabled=self._shares_manifest(),
         )

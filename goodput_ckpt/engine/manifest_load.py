@@ -13,10 +13,11 @@ from ..storage import Store
 __all__ = ["load_manifest"]
 
 
-def load_manifest(store: Store, *, check_files: bool = True) -> Manifest:
+def load_manifest(store: Store, *, check_files: bool = True, record: bytes | None = None) -> Manifest:
     """Read, parse and validate the manifest of ``store``, and check every file's size
     (``check_files=False``: a partial copy, such as a node's copy of a two-tier checkpoint, whose
-    missing files are an error only when read).
+    missing files are an error only when read). ``record``: the commit record's bytes when the
+    caller read them already (parsed and judged the same way, not read again).
 
     Raises:
         CheckpointNotFoundError: nothing is stored at the location.
@@ -26,7 +27,7 @@ def load_manifest(store: Store, *, check_files: bool = True) -> Manifest:
         CorruptCheckpointError: the manifest is invalid, or a file is missing or of the wrong size.
         CheckpointError: a manifest version this library does not read; a file cannot be examined.
     """
-    manifest = read_commit_record(store).manifest_or_raise()
+    manifest = read_commit_record(store, data=record).manifest_or_raise()
     if check_files:
         for problem in file_problems(with_references(store, manifest), manifest):
             raise problem.error(store.uri)

@@ -189,6 +189,7 @@ def read_commit_record(
     location: str | None = None,
     listing: Collection[str] | None = None,
     count_files: bool = True,
+    data: bytes | None = None,
 ) -> CommitRecord:
     """Read and judge the commit record of ``store`` (or of its sub-directory ``directory``).
 
@@ -199,13 +200,16 @@ def read_commit_record(
             files of a location without a record.
         count_files: list the location to count its files when there is no record (a caller
             that only asks whether a record exists saves the listing).
+        data: the record's bytes, when the caller read them already (a restore's clean-up
+            read the newest step's record just before its load): judged without a read.
 
     Raises:
         CheckpointError: the store cannot be read or listed at all (permissions, network).
     """
     name = f"{directory}/{MANIFEST_NAME}" if directory else MANIFEST_NAME
     uri = location or (f"{store.uri.rstrip('/')}/{directory}" if directory else store.uri)
-    data = None if listing is not None and MANIFEST_NAME not in listing else store.read_small(name)
+    if data is None and (listing is None or MANIFEST_NAME in listing):
+        data = store.read_small(name)
     if data is None:
         if listing is None and count_files:
             names = store.list()

@@ -132,10 +132,13 @@ class ExistingSteps:
             )
 
 
-def agree_on_latest(root: Store, group: Group, *, keep_last: int | None) -> int | None:
+def agree_on_latest(
+    root: Store, group: Group, *, keep_last: int | None, records: dict[int, bytes] | None = None
+) -> int | None:
     """The coordinator picks the newest complete step (and applies retention: incomplete steps
     and complete ones beyond ``keep_last`` go); every rank gets its choice, so all ranks load
-    the same step.
+    the same step. ``records``: on the coordinator, filled with the commit records its clean-up
+    read (step -> bytes), which the load of the chosen step takes instead of reading it again.
 
     Raises:
         CheckpointError: on every rank, when the coordinator could not list the root.
@@ -143,7 +146,7 @@ def agree_on_latest(root: Store, group: Group, *, keep_last: int | None) -> int 
 
     def decide() -> int | None:
         fresh: list[str] = []
-        latest = clean_before_restore(root, keep_last=keep_last, fresh_start=fresh)
+        latest = clean_before_restore(root, keep_last=keep_last, fresh_start=fresh, records=records)
         if fresh:  # a wrong or empty root must not start training from scratch in silence
             logger.warning("restore: %s; training starts from step 0", fresh[0])
         return latest

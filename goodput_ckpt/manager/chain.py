@@ -164,15 +164,16 @@ class PersistentChain:
         reads its manifest for every rank; every rank plans, the ranks agree, and each loads the
         rows, then the tensors, from the root. A damaged step fails the restore: no fallback."""
         self._drain()  # nothing deletes the steps it reads
+        records: dict[int, bytes] = {}  # what the clean-up read (coordinator): the newest record, once
         if step is None:
-            step = self.latest()
+            step = self.latest(records)
             if step is None:
                 return None
         uri = child_uri(self.root_uri, step_dir_name(step))
         first = target.reader(uri, **self.storage_options)
         plan, local_err, manifest = None, None, None
         try:
-            manifest = first.shared_manifest()  # one read, not one per rank
+            manifest = first.shared_manifest(records.get(step))  # one read, not one per rank
             job_of(manifest, uri)  # checked before anything is loaded
             plan = target.plan(manifest, uri)
         except CheckpointError as e:
@@ -191,10 +192,10 @@ class PersistentChain:
         target.read(TENSORS_PART, plan, second, what)
         return Restored(step, uri, manifest, plan)
 
-    def latest(self) -> int | None:
+    def latest(self, records: dict[int, bytes] | None = None) -> int | None:
         """Every rank: the newest complete step, the coordinator's choice (it cleans the root
-        first: ``agreement.agree_on_latest``)."""
-        return agree_on_latest(self.root, self.group, keep_last=self.config.keep_last)
+        first: ``agreement.agree_on_latest``; ``records``: what that clean-up read)."""
+        return agree_on_latest(self.root, self.group, keep_last=self.config.keep_last, records=records)
 
     def wait(self, timeout_s: float | None) -> None:
         self._drain()

@@ -33,7 +33,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from ..storage.bulk import delete_files
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
-from .step_references import protected_steps
+from .step_references import protected_steps, referrers_first
 from .timeline import TIMELINE_NAME
 
 __all__ = [
@@ -118,24 +118,34 @@ def retention_victims(scan: StepScan, *, committed: int, keep_last: int | None) 
     return sorted(doomed)
 
 
-def spare_referenced(root: Store, scan: StepScan, doomed: Collection[int], *, fresh: Collection[int] = ()) -> list[int]:
+def spare_referenced(
+    root: Store,
+    scan: StepScan,
+    doomed: Collection[int],
+    *,
+    fresh: Collection[int] = (),
+    records: dict[int, bytes] | None = None,
+) -> list[int]:
     """``doomed`` less every step whose files a complete step that stays still references (an
-    incremental save's base, :mod:`.step_references`), ascending."""
+    incremental save's base, :mod:`.step_references`), ascending. ``records``: filled with the
+    commit records read (:func:`~.step_references.protected_steps`)."""
     if not doomed:
         return []
     gone = set(doomed)
     kept = [s for s in scan.complete if s not in gone]
-    needed = protected_steps(root, scan.files, kept, fresh=fresh, doomed=gone)
+    needed = protected_steps(root, scan.files, kept, fresh=fresh, doomed=gone, records=records)
     return sorted(gone - needed)
 
 
-def deletion_order(victims: Collection[int]) -> list[int]:
-    """``victims`` newest first: a step that references another victim (an incremental save and
-    its base, both beyond ``keep_last``) is deleted before the step it references, so a crash
-    between two deletions never leaves a complete step whose base is gone (found by the SIGKILL
-    trials: oldest first, a kill after the base's deletion left the referencing step corrupt).
-    A base is always an earlier save, and saves go up in step number."""
-    return sorted(victims, reverse=True)
+def deletion_order(root: Store, files: dict[int, list[str]], victims: Collection[int]) -> list[int]:
+    """``victims`` in the order to delete them: a step that references another victim (an
+    incremental save and its base, both beyond ``keep_last``) is deleted before the step it
+    references, so a crash between two deletions never leaves a complete step whose base is
+    gone (found by the SIGKILL trials: oldest first, a kill after the base's deletion left the
+    referencing step corrupt). Decided from the references (``files``: the root's listing by
+    step), not from step numbers: a base may be a later step than its referrer (a job rolled
+    back, :func:`~.step_references.referrers_first`)."""
+    return referrers_first(root, files, victims)
 
 
 def apply_retention(root: Store, *, committed: int, keep_last: int | None, protect: Collection[int] = ()) -> None:
@@ -145,7 +155,7 @@ def apply_retention(root: Store, *, committed: int, keep_last: int | None, prote
     try:
         scan = scan_steps(root)
         victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
-        for s in deletion_order(spare_referenced(root, scan, victims, fresh=(committed,))):
+        for s in deletion_order(root, scan.files, spare_referenced(root, scan, victims, fresh=(committed,))):
             delete_step(root, s, scan.files[s])
     except CheckpointError as e:
         logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
@@ -164,7 +174,13 @@ def delete_step(root: Store, step: int, files: list[str]) -> None:
     logger.info("deleted the checkpoint of step %d under %s", step, root.uri)
 
 
-def clean_before_restore(root: Store, *, keep_last: int | None, fresh_start: list[str] | None = None) -> int | None:
+def clean_before_restore(
+    root: Store,
+    *,
+    keep_last: int | None,
+    fresh_start: list[str] | None = None,
+    records: dict[int, bytes] | None = None,
+) -> int | None:
     """The coordinator's clean-up before a restore, when nothing of the job is in flight: delete
     every incomplete step (a leftover) and complete ones beyond ``keep_last`` (a run killed
     between a commit and its retention left one too many), abort the multipart uploads killed
@@ -172,7 +188,9 @@ def clean_before_restore(root: Store, *, keep_last: int | None, fresh_start: lis
 
     Deletions and aborts are best effort (logged). ``fresh_start``: when nothing is complete,
     what the root holds is appended to it (:func:`describe_fresh_start`), for the caller to log
-    once it knows that no other tier holds a step either.
+    once it knows that no other tier holds a step either. ``records``: filled with the commit
+    records the clean-up read (step -> bytes), so that the load of the returned step need not
+    read its record again (:func:`~.agreement.agree_on_latest`).
 
     Raises:
         CheckpointError: the root cannot be listed.
@@ -183,7 +201,9 @@ def clean_before_restore(root: Store, *, keep_last: int | None, fresh_start: lis
     doomed = set(scan.incomplete)
     if scan.latest is not None:
         doomed.update(retention_victims(scan, committed=scan.latest, keep_last=keep_last))
-    for s in deletion_order(spare_referenced(root, scan, doomed, fresh=scan.complete)):
+    for s in deletion_order(
+        root, scan.files, spare_referenced(root, scan, doomed, fresh=scan.complete, records=records)
+    ):
         try:
             delete_step(root, s, scan.files[s])
         except CheckpointError as e:

@@ -6,7 +6,11 @@ Retention (:mod:`.retention`) asks :func:`protected_steps` before it deletes any
 root, whether or not this process saves incrementally: a root may hold incremental steps of an
 earlier run. The rule: a step is deleted only when no step that stays references it; a kept
 step whose commit record cannot be read (damaged, a version this library does not know,
-unreadable) protects every older step, since what it references is unknown.
+unreadable) protects every other step, since what it references is unknown. Then
+:func:`referrers_first` orders the deletions so that a step goes before every step it
+references. Both decide from the references alone, never from step numbers: a base is usually
+an earlier step, but not always (a job rolled back that saves lower step numbers again
+references the higher step it saved last).
 
 A committed manifest does not change, so the bases of each step are remembered per process
 (bounded): each retention reads the record of the step it just committed and of kept steps it
@@ -27,7 +31,7 @@ from ..format.references import sealed_bases
 from ..storage.base import Store
 from .step_layout import parse_step_dir, step_dir_name
 
-__all__ = ["protected_steps"]
+__all__ = ["protected_steps", "referrers_first"]
 
 #: Steps whose bases are remembered, over all roots of the process (each entry a few names).
 _CACHE_SIZE = 4096
@@ -42,13 +46,16 @@ def protected_steps(
     *,
     fresh: Collection[int] = (),
     doomed: Collection[int] | None = None,
+    records: dict[int, bytes] | None = None,
 ) -> set[int]:
     """The steps that the complete steps ``kept`` reference, directly or through one another.
 
     ``files``: the root's listing by step (:func:`~.step_layout.list_step_dirs`); ``fresh``:
     steps whose record is read again even if remembered; ``doomed``: the steps the caller
     means to delete, when it only asks which of them to spare: the walk stops once all of
-    them are protected, since reading more records could only protect more.
+    them are protected, since reading more records could only protect more. ``records``: when
+    given, every commit record read here is added to it (step -> its bytes), for a caller that
+    reads one of them next (a restore's load of the newest step takes it from there: one read).
 
     Why newest first and the early stop: a restore's clean-up of a root whose newest step is
     incremental read the record of every kept step and of the base (3 ``GET`` requests on S3
@@ -66,9 +73,9 @@ def protected_steps(
         if step in seen:
             continue
         seen.add(step)
-        bases = _bases(root, step, files.get(step, []), refresh=step in fresh)
-        if bases is None:  # unknown references: everything older stays
-            bases = frozenset(s for s in files if s < step)
+        bases = _bases(root, step, files.get(step, []), refresh=step in fresh, records=records)
+        if bases is None:  # unknown references: every other step stays, whatever its number
+            bases = frozenset(s for s in files if s != step)
         for b in bases:
             if b not in protected:
                 protected.add(b)
@@ -76,28 +83,63 @@ def protected_steps(
     return protected
 
 
-def _sealed(root: Store, step: int, names: list[str]) -> frozenset[str] | None:
-    """The bases the step's record names, read without a full parse (:func:`sealed_bases`), or
-    ``None`` (no record in the listing, unreadable, not sealed ...: the caller reads it in full)."""
+def referrers_first(root: Store, files: dict[int, list[str]], victims: Collection[int]) -> list[int]:
+    """``victims`` in an order of deletion where each step comes before every victim it
+    references (newest first among steps free to go), so that a crash between two deletions
+    never leaves a complete step whose base is gone, whatever the step numbers.
+
+    ``files``: the root's listing by step. The victims' records are read only when there are
+    two or more (usually remembered already: each was read when it was committed); a victim
+    whose references are unknown references nothing here (its record cannot be loaded either).
+    Saves reference committed steps only, so references form no cycle; should a damaged root
+    show one anyway, the rest goes newest first.
+    """
+    order = sorted(set(victims), reverse=True)
+    if len(order) < 2:
+        return order
+    among = set(order)
+    refs = {
+        v: (_bases(root, v, files.get(v, []), refresh=False, records=None) or frozenset()) & among - {v} for v in order
+    }
+    referrers = {v: sum(v in r for r in refs.values()) for v in order}  # victims that reference v
+    out: list[int] = []
+    left = list(order)  # newest first
+    while left:  # bounded: each pass removes one step
+        step = next((v for v in left if referrers[v] == 0), left[0])  # left[0]: a cycle
+        left.remove(step)
+        out.append(step)
+        for b in refs[step]:
+            referrers[b] -= 1
+    return out
+
+
+def _read(root: Store, step: int, names: list[str]) -> bytes | None:
+    """The step's commit record's bytes; ``None``: none in the listing, or unreadable (the
+    full read below says which)."""
     if MANIFEST_NAME not in names:
         return None
     try:
-        data = root.read_small(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+        return root.read_small(f"{step_dir_name(step)}/{MANIFEST_NAME}")
     except CheckpointError:
         return None
-    return None if data is None else sealed_bases(data)
 
 
-def _bases(root: Store, step: int, names: list[str], *, refresh: bool) -> frozenset[int] | None:
+def _bases(
+    root: Store, step: int, names: list[str], *, refresh: bool, records: dict[int, bytes] | None
+) -> frozenset[int] | None:
     key = (root.uri, step)
     with _lock:
         if not refresh and key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    named = _sealed(root, step, names)
+    data = _read(root, step, names)
+    if data is not None and records is not None:
+        records[step] = data
+    # Read without a full parse (sealed_bases) where the record is sealed; else in full.
+    named = None if data is None else sealed_bases(data)
     if named is None:  # not a sealed record of a known version: the full read says what it is
         try:
-            record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False)
+            record = read_commit_record(root, step_dir_name(step), listing=names, count_files=False, data=data)
         except CheckpointError:
             return None  # unreadable now: not remembered, asked again next time
         if record.status in (CORRUPT, UNSUPPORTED):

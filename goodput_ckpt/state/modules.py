@@ -22,14 +22,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 from . import optim_state as shaping
+from .plain_state import model_and_optim_state
 
 __all__ = ["ModelSet", "normalize", "tied_keys"]
 
@@ -61,12 +60,13 @@ class ModelSet:
     def state_dicts(self, saved: Callable[[str], Mapping[str, Mapping[str, Any]]] | None = None) -> tuple[Any, Any]:
         """``(model_state, optimizer_state)``; the latter is ``None`` without optimizers.
 
-        Tensors in them are the live parameters and states (views, not copies). ``saved`` (a
+        Tensors in them are the live parameters and states (views, not copies): torch's
+        ``get_state_dict`` with the default options, by a faster path for modules no wrapper
+        changes (:mod:`.plain_state`). ``saved`` (a
         restore): model name -> the optimizer state the checkpoint holds for it
         (:func:`.optim_state.saved_states`), from which a fresh optimizer's state is made
         instead of by torch's zero-gradient step (:mod:`.optim_state`).
         """
-        opts = StateDictOptions()
         models: dict[str, Any] = {}
         optims: dict[str, Any] = {}
         for name, (module, optimizers) in self.pairs.items():
@@ -74,14 +74,14 @@ class ModelSet:
                 shaped = saved is not None and shaping.preshape(module, optimizers, states := saved(name))
                 if shaped:
                     self._shaped.extend(optimizers)  # before anything else can raise
-                msd, osd = get_state_dict(module, optimizers, options=opts)
+                msd, osd = model_and_optim_state(module, optimizers)
                 if shaped and not shaping.matches(osd, states):
                     shaping.clear(optimizers)  # not torch's names: torch's initialization instead
                     self._unshaped(optimizers)
-                    msd, osd = get_state_dict(module, optimizers, options=opts)
+                    msd, osd = model_and_optim_state(module, optimizers)
                 optims[name] = osd
             else:
-                msd = get_model_state_dict(module, options=opts)
+                msd, _ = model_and_optim_state(module, [])
             models[name] = msd
         if not self.named:
             return models[""], optims.get("")

@@ -2,8 +2,9 @@
 
 Counted on the store's real boto3 client (``helpers.s3_requests.RequestCounter``) against a real
 SeaweedFS server. A restore of a root whose newest step references a base beyond ``keep_last``
-reads the newest commit record in the clean-up (which finds the base referenced and spares it:
-manager/step_references.py stops there) and no other step's record, and one ``HEAD``: the
+reads the newest commit record once, in the clean-up (which finds the base referenced and spares it:
+manager/step_references.py stops there), and hands it to the load (manager/chain.py); no other
+step's record is read, and one ``HEAD``: the
 referenced file's size, checked before any data byte is read (docs/format.md: the base's files
 are not in this location's listing).
 """
@@ -42,7 +43,8 @@ def test_an_incremental_restore_reads_one_record_and_heads_only_the_referenced_f
     heads = [k for (op, k) in counts if op == "HeadObject"]
     assert len(heads) == 1 and heads[0].startswith(f"job/{step_dir_name(1)}/"), counts
     records = {k: n for (op, k), n in counts.items() if op == "GetObject" and k.endswith(MANIFEST_NAME)}
-    # The clean-up and the load each read the newest record; steps 3 and 1 are not read.
-    assert records == {f"job/{step_dir_name(4)}/{MANIFEST_NAME}": 2}, records
+    # The newest record is read once: by the clean-up, which hands it to the load (before: twice);
+    # steps 3 and 1 are not read.
+    assert records == {f"job/{step_dir_name(4)}/{MANIFEST_NAME}": 1}, records
     # Still kept: the base, referenced by a kept step.
     assert {k.split("/")[1] for k in seaweed.keys("job/step_")} == kept

@@ -117,3 +117,37 @@ def test_retention_deletes_a_referencing_step_before_its_base(tmp_path, caplog):
     deleted = [int(r.getMessage().split("step ")[1].split()[0]) for r in caplog.records if "deleted" in r.getMessage()]
     assert deleted == [2, 1], deleted
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [step_dir_name(3), step_dir_name(4)]
+
+
+def test_a_base_with_a_larger_step_number_goes_after_its_referrers(tmp_path):
+    """A job rolled back saves steps 3 and 4 referencing step 10, its last save before the
+    rollback: all three beyond ``keep_last``, 4 and 3 go before 10 (numbers would say 10 first)."""
+    from goodput_ckpt.manager.retention import deletion_order
+
+    for step, bases in {10: [], 3: [10], 4: [10], 20: [], 21: [20]}.items():
+        _plant(tmp_path, step, bases)
+    store = open_store(str(tmp_path))
+    files = scan_steps(store).files
+    assert deletion_order(store, files, [3, 4, 10]) == [4, 3, 10]
+    assert deletion_order(store, files, [10, 20, 21]) == [21, 20, 10]  # no reference among them: newest first
+    assert deletion_order(store, files, [10]) == [10]
+
+
+def test_a_kept_step_with_a_larger_base_keeps_it(tmp_path):
+    """Step 6 (just committed, kept) references step 20, which ``keep_last`` alone would delete."""
+    for step, bases in {5: [], 6: [20], 20: [], 21: [], 22: []}.items():
+        _plant(tmp_path, step, bases)
+    store = open_store(str(tmp_path))
+    scan = scan_steps(store)
+    assert spare_referenced(store, scan, [5, 20], fresh=[6]) == [5]
+
+
+def test_a_damaged_kept_step_protects_later_steps_too(tmp_path):
+    """A kept step whose references cannot be known may reference a later step (a rollback):
+    every other step stays, not only the older ones."""
+    for step, bases in {5: [], 6: [], 20: [], 21: [], 22: []}.items():
+        _plant(tmp_path, step, bases)
+    (tmp_path / step_dir_name(6) / "manifest.json").write_bytes(b"{ not a record")
+    store = open_store(str(tmp_path))
+    scan = scan_steps(store)
+    assert spare_referenced(store, scan, [5, 20], fresh=[6]) == []

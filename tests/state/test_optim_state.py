@@ -338,7 +338,7 @@ def test_state_made_before_get_state_dict_fails_is_removed(tmp_path, monkeypatch
         assert fresh_opt.state, "called after the state was shaped"
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(modules, "get_state_dict", broken)
+    monkeypatch.setattr(modules, "model_and_optim_state", broken)
     with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(Exception, match="injected"):
         mgr.restore(model=fresh, optimizer=fresh_opt)
     assert not fresh_opt.state

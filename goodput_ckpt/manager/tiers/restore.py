@@ -292,7 +292,7 @@ def _drop_after(tier: LocalTier, s: int, keep_last: int | None) -> None:
     them could be rebuilt) and incomplete or surplus ones (best effort)."""
     try:
         listed = list_step_dirs(tier.store)
-        for step in deletion_order([step for step in listed if step > s]):  # a referencing step first
+        for step in deletion_order(tier.store, listed, [step for step in listed if step > s]):  # referrers first
             delete_step(tier.store, step, listed[step])
         apply_retention(tier.store, committed=s, keep_last=keep_last)
     except Exception as e:  # noqa: BLE001 - best effort, after the last collective
