@@ -57,6 +57,7 @@ __all__ = [
     "compact_local",
     "expand",
     "final_items",
+    "refuse_unplanned",
 ]
 
 #: Item kinds in a schema (torch's ``WriteItemType`` as small ints).
@@ -222,3 +223,19 @@ def expand(plan: CompactLocal) -> tuple[list[WriteItem], Any]:
         )
     mappings = None if plan.mappings is None else pickle.loads(zlib.decompress(plan.mappings))
     return items, mappings
+
+
+def refuse_unplanned(plans: Sequence[Any]) -> None:
+    """Refuse compact local plans that reached the writer's global step unplanned: the
+    coordinator's planner is not :class:`~.save_planner.ReplicaGroupingSavePlanner` while the
+    ranks' are, and its plans would write nothing.
+
+    Raises:
+        CheckpointError: naming the rank.
+    """
+    for rank, plan in enumerate(plans):
+        if isinstance(getattr(plan, "planner_data", None), CompactLocal):
+            raise CheckpointError(
+                f"rank {rank}'s save plan is compact (ReplicaGroupingSavePlanner) but the coordinator's planner did "
+                "not plan it: use ReplicaGroupingSavePlanner on every rank, or compact=False"
+            )

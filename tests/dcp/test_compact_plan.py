@@ -239,3 +239,31 @@ def test_lazy_chunks_pickle_as_a_list():
     _, _, _, md = plan([fsdp_state(r, world) for r in range(world)], compact=True)
     chunks = md.state_dict_metadata["model.b"].chunks
     assert len(chunks) == 3 and type(pickle.loads(pickle.dumps(chunks))) is list
+
+
+def test_a_rank_that_sends_its_plan_in_full_has_every_plan_planned_in_full():
+    world = 3
+    states = [fsdp_state(r, world) for r in range(world)]
+    planners = [ReplicaGroupingSavePlanner(compact=r != 1) for r in range(world)]
+    for r, (p, sd) in enumerate(zip(planners, states)):
+        p.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=r == 0)
+    sent = [p.create_local_plan() for p in planners]
+    scatter, _ = planners[0].create_global_plan(sent)
+    final = [p.finish_plan(s) for p, s in zip(planners, scatter)]
+    _, _, expected, _ = plan(states, compact=False)
+    assert [[_plain(i) for i in f.items] for f in final] == [[_plain(i) for i in f.items] for f in expected]
+
+
+def test_the_writer_refuses_compact_plans_a_foreign_coordinator_passed_on(tmp_path):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from goodput_ckpt import CheckpointWriter
+
+    ours = ReplicaGroupingSavePlanner()
+    ours.set_up_planner(state_dict=fsdp_state(0, 1), storage_meta=None, is_coordinator=True)
+    # (with flattening on, torch's own global step already fails on them, merging their mappings)
+    plans, _ = DefaultSavePlanner(flatten_state_dict=False).create_global_plan([ours.create_local_plan()])
+    writer = CheckpointWriter(tmp_path / "c")
+    writer.set_up_storage_writer(True)
+    with pytest.raises(CheckpointError, match="compact"):
+        writer.prepare_global_plan(plans)
