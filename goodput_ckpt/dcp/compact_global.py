@@ -151,7 +151,7 @@ def compact_global_plan(
                 col = g.dims + 1
                 w = max(int(g.table(m)[p, col]) for m in g.members)
                 widths[key] = max(widths.get(key, 0), w)
-    if widths and any(key not in _keys_of(groups, plans, 0) for key in widths):
+    if widths and any(key not in _keys_of(groups, 0) for key in widths):
         return None  # rank 0 must hold every widened row: widen_rank_rows says so
     # -- chunks: counts, and torch's validation ---------------------------------------------------------
     counts, slow = _check_chunks(groups, sig, widths, world)
@@ -202,7 +202,8 @@ def _storage(props: Any, size: tuple[int, ...]) -> int:
     return int(np.prod(size, dtype=np.int64)) * torch._utils._element_size(props.dtype)
 
 
-def _keys_of(groups: list[_Group], plans: Sequence[CompactLocal], rank: int) -> set[str]:
+def _keys_of(groups: list[_Group], rank: int) -> set[str]:
+    """The keys of ``rank``'s items."""
     return next(set(g.schema.keys) for g in groups if rank in g.members)
 
 
