@@ -58,7 +58,9 @@ max over ``--repeats``. Each repeat runs save 1 (first save) and save 2 (same la
 caching reuses), the coordinator's layout entries forgotten before save 1.
 
 Methods: ``ours`` (``ReplicaGroupingSavePlanner`` with a ``SavePlanCache`` + ``CheckpointWriter``,
-what ``CheckpointManager`` runs), ``ours-nocache`` (no plan cache) and ``torch``
+what ``CheckpointManager`` runs: compact plans), ``ours-full`` (the same with ``compact=False``:
+torch's ``WriteItem`` lists exchanged and planned, as before compact plans), ``ours-nocache`` (no
+plan cache) and ``torch``
 (``DefaultSavePlanner`` + ``FileSystemWriter``). Not torch's own ``enable_plan_caching``: its
 cache is keyed by the planner's class name, one per process, so W ranks simulated in one process
 would share it (and ``CheckpointWriter`` refuses it, docs/scale.md).
@@ -144,12 +146,13 @@ class Ranks:
 
     def __init__(self, method: str, layout: str, world: int, root: str) -> None:
         self.method, self.world, self.root = method, world, root
-        self.caches = [SavePlanCache() for _ in range(world)] if method == "ours" else None
+        self.caches = [SavePlanCache() for _ in range(world)] if method in ("ours", "ours-full") else None
         self.states = [state_dict(layout, r, world) for r in range(world)]
 
     def planner(self, rank: int) -> Any:
         if self.method.startswith("ours"):
-            return ReplicaGroupingSavePlanner(plan_cache=None if self.caches is None else self.caches[rank])
+            cache = None if self.caches is None else self.caches[rank]
+            return ReplicaGroupingSavePlanner(plan_cache=cache, compact=self.method != "ours-full")
         return DefaultSavePlanner()
 
     def writer(self, save: int) -> Any:
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", default="70B", choices=sorted(MODELS))
     ap.add_argument("--ranks", default="16,64")
-    ap.add_argument("--methods", default="ours,torch", help="from ours, ours-nocache, torch")
+    ap.add_argument("--methods", default="ours,torch", help="from ours, ours-full, ours-nocache, torch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument(
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench_scale_save_check import run_check  # noqa: PLC0415 - only this mode spawns processes
 
         return run_check(8)
-    unknown = set(args.methods.split(",")) - {"ours", "ours-nocache", "torch"}
+    unknown = set(args.methods.split(",")) - {"ours", "ours-full", "ours-nocache", "torch"}
     if unknown:
         ap.error(f"unknown method(s) {', '.join(sorted(unknown))}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")

@@ -13,6 +13,11 @@ no rank writes much more than the others.
 values already unique). Values held by one rank only (per-rank RNG and dataloader state) and
 DTensor shards are never touched.
 
+The plans the ranks exchange are compact (:mod:`.compact_plan`, :mod:`.compact_global`): a
+schema per group of ranks and a box table per rank instead of torch's ``WriteItem`` lists, and a
+global step that decides what the full path below decides without building those lists on the
+coordinator. What the compact step does not decide itself is planned in full, as before.
+
 It also resolves the per-rank rows of :mod:`.rank_rows` (which DCP's own lookup cannot), widens
 the rows that may differ in length to the longest, and refuses a save whose ranks disagree on
 the shape of the others.
@@ -28,6 +33,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ..errors import CheckpointError
+from .compact_global import compact_global_plan
+from .compact_plan import CompactFinal, CompactLocal, compact_local, expand, final_items
 from .plan_cache import SavePlanCache
 from .rank_rows import check_rank_rows, resolve_rank_row, row_widths, widen_rank_rows
 
@@ -93,19 +101,34 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     :class:`~.rank_rows.RankRow` values (module doc)."""
 
     def __init__(
-        self, *args: Any, widen_rows: Collection[str] = (), plan_cache: SavePlanCache | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        widen_rows: Collection[str] = (),
+        plan_cache: SavePlanCache | None = None,
+        compact: bool = True,
+        **kwargs: Any,
     ) -> None:
         """``widen_rows``: the keys of :class:`~.rank_rows.RankRow` values made with
         ``widen=True`` (the same on every rank). ``plan_cache``: one per sequence of saves by
         the same ranks (:mod:`.plan_cache`): from the second save with the same layout on, the
-        ranks exchange digests and empty plans instead of their plans."""
+        ranks exchange digests and empty plans instead of their plans. ``compact``: exchange
+        compact plans (module doc; the same on every rank); ``False`` sends torch's ``WriteItem``
+        lists (comparisons, benchmarks)."""
         super().__init__(*args, **kwargs)
         self._widen = frozenset(widen_rows)
         self._widths: dict[str, tuple[int, Any]] = {}
         self._cache = plan_cache
+        self._compact = compact
+        self._items: list[WriteItem] | None = None  # this rank's items, when it sent them compactly
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
+        self._items = None
+        if self._compact and plan.usable:
+            items = [it for it in plan.items if not _empty_shard(it)]  # as drop_empty_shards, on the rank
+            sent = compact_local(items, plan.planner_data, self._widen)
+            if sent is not None:
+                self._items, plan = items, SavePlan([], planner_data=sent)
         return plan if self._cache is None else self._cache.local_plan_to_send(plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -115,6 +138,17 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
         return scatter, self.metadata
 
     def _plan_all(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        compact = [isinstance(p.planner_data, CompactLocal) and not p.items for p in all_plans]
+        if all_plans and all(compact):
+            done = compact_global_plan(all_plans, self._widen, SMALL_REPLICA_BYTES, self.flatten_state_dict)
+            if done is not None:
+                self.global_plan, self.metadata = done
+                return done
+        if any(compact):  # what the compact step does not decide: the full path, on torch's items
+            all_plans = [_expanded(p) if c else p for p, c in zip(all_plans, compact)]
+        return self._plan_full(all_plans)
+
+    def _plan_full(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self._widen:  # a pass over every rank's items, for nothing when no row may widen
             all_plans = widen_rank_rows(all_plans, self._widen)
         check_rank_rows(all_plans)
@@ -123,9 +157,22 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if self._cache is not None:
             new_plan = self._cache.final_plan(new_plan)
+        if isinstance(new_plan.planner_data, CompactFinal):
+            if self._items is None:
+                raise CheckpointError("the coordinator sent a compact final plan to a rank that sent its plan in full")
+            mappings = self.mappings if self.flatten_state_dict else None
+            new_plan = dataclasses.replace(
+                new_plan, items=final_items(self._items, new_plan.planner_data), planner_data=mappings
+            )
         self._widths = row_widths(new_plan, self._widen)
         return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         row = resolve_rank_row(self.state_dict, index, self._widths)
         return row if row is not None else super().lookup_object(index)
+
+
+def _expanded(plan: SavePlan) -> SavePlan:
+    """A compact local plan as the ``WriteItem`` list and mappings it stands for."""
+    items, mappings = expand(plan.planner_data)
+    return dataclasses.replace(plan, items=items, planner_data=mappings)

@@ -62,6 +62,7 @@ from ..errors import CheckpointError
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
 from .commit_build import HeldLayout, build_manifest, held_layouts
+from .compact_plan import refuse_unplanned
 from .incremental import IncrementalPlan
 from .plan_cache import PlanDigest
 from .rank_reports import RankAssignment, rank_report
@@ -211,6 +212,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         try:
+            refuse_unplanned(plans)  # (scale) compact plans (compact_plan.py) a foreign planner passed on
             self._clear_or_refuse_existing()
         except BaseException:
             self._release()

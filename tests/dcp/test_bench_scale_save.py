@@ -1,6 +1,6 @@
 """benchmarks/bench_scale_save.py stays runnable: the ``tiny`` layout at 4 simulated ranks, one
 repeat, each method. No assertion is about speed: the bytes each save exchanges are counts, and
-the ones plan caching removes (issue 37) are checked: from the second save on, our ranks send
+the ones plan caching and compact plans remove (issue 37) are checked: from the second save on, our ranks send
 digests and get empty plans and send their files without their rows, torch's send and get the
 same bytes again, and the ``Metadata`` every rank receives from ours is slim. The traced repeat
 (peak memory) and the step timed on every rank run too."""
@@ -17,14 +17,17 @@ import bench_scale_save  # noqa: E402
 
 def test_tiny_run_counts_what_plan_caching_removes(tmp_path, capsys):
     out = tmp_path / "save.json"
-    argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-nocache,torch", "--repeats", "1"]
+    argv = ["--layout", "tiny", "--ranks", "4", "--methods", "ours,ours-full,ours-nocache,torch", "--repeats", "1"]
     assert bench_scale_save.main([*argv, "--json", str(out)]) == 0
     rows = {r["method"]: r["saves"] for r in json.loads(out.read_text())["rows"]}
-    ours, nocache, torch_ = (
-        ({int(k): v["bytes"] for k, v in rows[m].items()}) for m in ("ours", "ours-nocache", "torch")
+    ours, full, nocache, torch_ = (
+        ({int(k): v["bytes"] for k, v in rows[m].items()}) for m in ("ours", "ours-full", "ours-nocache", "torch")
     )
-    assert ours[1]["plans gathered"] > 100 * ours[2]["plans gathered"]  # digests, not plans
-    assert ours[1]["plans scattered"] > 100 * ours[2]["plans scattered"]  # empty plans
+    assert ours[1]["plans gathered"] > ours[2]["plans gathered"]  # digests, not plans
+    assert full[1]["plans gathered"] > 100 * full[2]["plans gathered"]
+    assert full[1]["plans gathered"] > 2 * ours[1]["plans gathered"]  # compact plans, not WriteItem lists
+    assert full[1]["plans scattered"] > 10 * ours[1]["plans scattered"]
+    assert ours[1]["plans scattered"] > ours[2]["plans scattered"]  # empty plans
     assert nocache[2]["plans gathered"] == nocache[1]["plans gathered"]
     assert torch_[2]["plans gathered"] == torch_[1]["plans gathered"]
     assert ours[2]["Metadata broadcast"] < 200 < torch_[2]["Metadata broadcast"]
