@@ -198,15 +198,17 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
         )
         for m in methods
     }
-    out: dict[str, Any] = {m: {"bytes": [], "seconds": [], "written_bytes": []} for m in methods}
+    out: dict[str, Any] = {m: {"bytes": [], "seconds": [], "written_bytes": [], "requests": []} for m in methods}
     order = list(methods)
     for i in range(1, args.saves + 1):
         train_steps(model, opt, args.every, 100 * rep + i)
         order = order[1:] + order[:1]
         for m in order:
+            before = target.requests()  # the server's counters: not the timed part
             t0 = time.perf_counter()
             managers[m].save(i, model=methods[m], optimizer=opt)
             out[m]["seconds"].append(time.perf_counter() - t0)
+            out[m]["requests"].append(dict(target.requests() - before))  # before the step's LIST below
             out[m]["bytes"].append(target.bytes(f"{scenario}-{m}-{rep}", i))
             rec = managers[m].timeline[-1]
             out[m]["written_bytes"].append(rec.get("written_bytes"))
@@ -297,6 +299,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 "bytes_first": statistics.median(r[m]["bytes"][0] for r in reps),
                 "bytes_later": spread(later),
                 "seconds_later": spread(secs),
+                "save_requests": reps[-1][m]["requests"][-1],  # the last save of the last run (S3)
             }
             if m != "trainable":
                 s[m]["restore_s"] = spread([r[m]["restore"]["seconds"] for r in reps])
@@ -352,7 +355,7 @@ def print_report(report: dict[str, Any], where: str) -> None:
                 r = s[m]
                 line = (
                     f"  {m:12s} first {r['bytes_first'] / MiB:8.2f} MiB  later {r['bytes_later']['median'] / MiB:8.3f} MiB"
-                    f"  save {1e3 * r['seconds_later']['median']:7.1f} ms"
+                    f"  save {1e3 * r['seconds_later']['median']:7.1f} ms {r['save_requests'] or ''}"
                 )
                 if "restore_s" in r:
                     line += f"  restore {1e3 * r['restore_s']['median']:7.1f} ms {r['restore_requests'] or ''}"
