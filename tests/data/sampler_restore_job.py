@@ -61,6 +61,10 @@ def resume_and_read(
 
 def each(rank: int, world: int, fn: Callable[..., None], cases: list[tuple[Any, ...]]) -> None:
     """``fn(rank, world, *case)`` for every case, in this one process group: the test runs all
-    its scenarios in four gloo jobs instead of two each (a group costs 10-30 s to start on 2 cores)."""
+    its scenarios in four gloo jobs instead of two each (a group costs 10-30 s to start on 2 cores).
+    Each case's saves start as in a fresh process (no layout held from the previous case's)."""
+    from goodput_ckpt.dcp.commit_build import forget_layouts
+
     for case in cases:
+        forget_layouts()
         fn(rank, world, *case)
