@@ -56,10 +56,14 @@ def test_parse_duration():
 
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory):
-    """The --json output of a real (small) `goodput-ckpt bench`, written to a file."""
+    """The --json output of a real (small) `goodput-ckpt bench`, written to a file.
+
+    ``--quiet 0``: the default waits up to 10 s before each timed step for an idle machine (a
+    minute or more of this fixture on a shared one); the figures' values do not matter here.
+    """
     where = tmp_path_factory.mktemp("bench")
     code, out, err = _run(
-        "bench", str(where / "scratch"), "--size", "8MiB", "--repeats", "1", "--json", "--no-progress"
+        "bench", str(where / "scratch"), "--size", "8MiB", "--repeats", "1", "--quiet", "0", "--json", "--no-progress"
     )
     assert code == 0, err
     path = where / "bench.json"

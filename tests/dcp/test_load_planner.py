@@ -128,14 +128,27 @@ def _load_resharded(rank: int, world: int, path: str, placement: str) -> None:
         assert torch.equal(sd[k].to_local(), want), k
 
 
+def _load_resharded_both(rank: int, world: int, path: str) -> None:
+    """Both placements in one gloo job (a process group costs 10-30 s to start on 2 cores)."""
+    _load_resharded(rank, world, path, "shard0")
+    _load_resharded(rank, world, path, "shard1")
+
+
+@pytest.fixture(scope="module")
+def saved_on_3_ranks(tmp_path_factory) -> str:
+    """A checkpoint of ``reference()`` sharded on 3 gloo ranks; read-only for the tests."""
+    where = tmp_path_factory.mktemp("load_planner")
+    path = str(where / "ck")
+    run_ranks(_save, 3, path, timeout=300, report_dir=where / "save")
+    return path
+
+
 @pytest.mark.multiproc
-def test_resharded_loads_through_the_planner_are_bit_exact(tmp_path: Path) -> None:
-    path = str(tmp_path / "ck")
-    run_ranks(_save, 3, path, timeout=300, report_dir=tmp_path / "save")
+def test_resharded_loads_through_the_planner_are_bit_exact(saved_on_3_ranks: str, tmp_path: Path) -> None:
+    path = saved_on_3_ranks
     m = parse_manifest((Path(path) / MANIFEST_NAME).read_bytes())
     assert isinstance(m.items["l0.w"].chunks, GridChunks)
-    run_ranks(_load_resharded, 2, path, "shard0", timeout=300, report_dir=tmp_path / "load2")
-    run_ranks(_load_resharded, 2, path, "shard1", timeout=300, report_dir=tmp_path / "load2b")
+    run_ranks(_load_resharded_both, 2, path, timeout=300, report_dir=tmp_path / "load2")
     # one process, plain tensors: the whole plan, compared item by item with torch's planner
     dest = {k: torch.zeros_like(v) for k, v in reference().items()}
     md = to_dcp_metadata(m)
@@ -157,9 +170,8 @@ def _fails_with(match: str, dest: dict, path: str) -> None:
     assert match in " ".join(map(str, info.value.failures.values()))
 
 
-def test_planner_refuses_missing_keys_and_shape_changes(tmp_path: Path) -> None:
-    path = str(tmp_path / "ck")
-    run_ranks(_save, 2, path, timeout=300, report_dir=tmp_path / "save")
+def test_planner_refuses_missing_keys_and_shape_changes(saved_on_3_ranks: str) -> None:
+    path = saved_on_3_ranks
     dest = {k: torch.zeros_like(v) for k, v in reference().items()}
     dest["extra"] = torch.zeros(2)
     _fails_with("the checkpoint has no extra (1 key(s) this state dict expects)", dest, path)

@@ -29,7 +29,8 @@ After every trial, with the same root carried on to the next trial:
   manager too (``commit.record``; test_volume_manager_bugs.py has the small case);
 - on S3, the restore aborts the multipart uploads the killed process left open.
 
-Trials per backend: 30, scaled by ``GOODPUT_FAULT_TRIALS`` (see ``_reliability``).
+Trials per backend: 30, scaled by ``GOODPUT_FAULT_TRIALS`` (see ``_reliability``). The S3 and
+volume backends are marked ``slow`` (see ``_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,13 @@ def read_events(path: Path) -> list[Event]:
     return out
 
 
-@pytest.fixture(params=["local", "s3", "volume"])
+#: The local sweep runs in the default selection; S3 (SeaweedFS) and the rclone volume take 2-4x
+#: longer per trial (about 2.5 of the default suite's minutes together), so they are ``slow``:
+#: tools/run-tests runs them after the default selection, so CI still runs all three.
+_BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.slow), pytest.param("volume", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=_BACKENDS)
 def backend(request, tmp_path) -> Backend:
     if request.param == "local":
         return Backend("local", str(tmp_path / "root"), {}, kib=1024, chunk_size=64 << 10)

@@ -23,8 +23,10 @@ KEPT_FACTOR = 4
 
 
 def test_parse_peak_memory_is_a_small_multiple_of_the_manifest_size():
-    raw = staircase_manifest(30_000)  # 60,000 chunks in one tensor
-    assert 5_000_000 < len(raw) < 10_000_000
+    # 20,000 chunks in one tensor, about 1.7 MB: the factors are the same as at 60,000 chunks
+    # (5.4 MB: peak 7.7x, kept 3.1x), and tracemalloc makes the parse several times slower.
+    raw = staircase_manifest(10_000)
+    assert 1_000_000 < len(raw) < 4_000_000
     gc.collect()
     tracemalloc.start()
     try:
@@ -32,6 +34,6 @@ def test_parse_peak_memory_is_a_small_multiple_of_the_manifest_size():
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(manifest.items["w"].chunks) == 60_000
+    assert len(manifest.items["w"].chunks) == 20_000
     assert peak < PEAK_FACTOR * len(raw), f"peak {peak / len(raw):.2f}x the manifest size"
     assert kept < KEPT_FACTOR * len(raw), f"kept {kept / len(raw):.2f}x the manifest size"

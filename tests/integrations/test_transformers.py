@@ -240,6 +240,7 @@ def _ddp_checks(rank: int, world_size: int, root: str) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # 2 processes that import transformers and train three runs: 1.5 minutes on the shared machine
 def test_two_process_ddp_run_resumes_bit_exact(tmp_path):
     """Two CPU processes (DDP over gloo): the main process gathers both processes' RNG states
     into the checkpoint, each takes its own back on resume, and both end bit-exact."""

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -87,9 +88,23 @@ def _setup(tmp_path: Path) -> tuple[Path, str, str, str]:
     return full, a, b, c
 
 
-def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Path) -> None:
-    full, a, b, c = _setup(tmp_path)
-    run_ranks(_worker, 2, str(tmp_path), report_dir=tmp_path / "report")
+def _both(rank: int, world: int, to_disk: str, into_memory: str) -> None:
+    """Both tests' moves in one gloo job (a process group costs 10-30 s to start on 2 cores)."""
+    _worker(rank, world, to_disk)
+    _worker(rank, world, into_memory, True)
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory) -> dict[str, tuple[Path, tuple[Path, str, str, str]]]:
+    """ "disk" and "memory": (the test's directory, ``_setup``'s result) after its moves ran."""
+    dirs = {kind: tmp_path_factory.mktemp(kind) for kind in ("disk", "memory")}
+    setups = {kind: _setup(d) for kind, d in dirs.items()}
+    run_ranks(_both, 2, str(dirs["disk"]), str(dirs["memory"]), report_dir=dirs["disk"] / "report")
+    return {kind: (dirs[kind], setups[kind]) for kind in dirs}
+
+
+def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(moved) -> None:
+    tmp_path, (full, a, b, c) = moved["disk"]
 
     assert (tmp_path / "rank1" / a).read_bytes() == (full / a).read_bytes()
     assert (tmp_path / "rank0" / c).read_bytes() == (full / c).read_bytes()  # after the failed move: still in step
@@ -102,13 +117,12 @@ def test_moves_arrive_exact_and_a_damaged_chunk_fails_only_its_file(tmp_path: Pa
     assert b in message and "the copy of rank 0" in message, message
 
 
-def test_moves_into_memory_arrive_exact_and_write_nothing(tmp_path: Path) -> None:
+def test_moves_into_memory_arrive_exact_and_write_nothing(moved) -> None:
     """``into=ReceivedFiles``: what a rank receives (whole files, or only some chunks) is kept in
     memory and read back exactly through its source; bytes of a chunk not received cannot be
     read; nothing is written to the receiver's store. Nothing is checked on arrival (the
     reader checks what it reads): the sender's damaged chunk 3 of b was not sent."""
-    full, a, b, c = _setup(tmp_path)
-    run_ranks(_worker, 2, str(tmp_path), True, report_dir=tmp_path / "report")
+    tmp_path, (full, a, b, c) = moved["memory"]
     assert (tmp_path / f"memory1-{a}").read_bytes() == (full / a).read_bytes()
     assert (tmp_path / f"memory0-{c}").read_bytes() == (full / c).read_bytes()
     want_b = (full / b).read_bytes()

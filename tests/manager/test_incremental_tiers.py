@@ -51,18 +51,37 @@ def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "persist", tmp_path / "local"
 
 
-def _restore(tmp_path: Path, persist: Path, local: Path, go_on: bool = False) -> list[dict]:
-    run_ranks(
-        job.restore_and_go_on,
-        WORLD,
-        str(persist),
-        str(local / "node{node}"),
-        str(tmp_path),
-        go_on,
-        report_dir=tmp_path / "report",
-        timeout=400,
-    )
-    return [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
+def _lose_node1(local: Path) -> None:
+    shutil.rmtree(local / "node1")
+
+
+def _lose_local(local: Path) -> None:
+    shutil.rmtree(local)
+
+
+#: Restore scenarios: (what is lost before the restore, whether the restored job saves on). The
+#: one that saves runs last, so the pure restores run in a process that has not saved yet.
+SCENARIOS = {"lost-node": (_lose_node1, False), "lost-local": (_lose_local, False), "nothing-lost": (None, True)}
+
+
+@pytest.fixture(scope="module")
+def restored(saved, tmp_path_factory) -> dict[str, tuple[Path, int, list[dict]]]:
+    """Scenario -> (its persistent root, its newest persisted step before the restore, what each
+    rank restored). Every scenario restores a copy of ``saved``; all run in one gloo job."""
+    cases, out = [], {}
+    for name, (lose, go_on) in SCENARIOS.items():
+        where = tmp_path_factory.mktemp(name)
+        persist, local = _copy(saved, where)
+        if lose is not None:
+            lose(local)
+        newest = max(parse_step_dir(p.name) for p in persist.glob("step_*"))
+        cases.append((str(persist), str(local / "node{node}"), str(where), go_on))
+        out[name] = (where, persist, newest)
+    run_ranks(job.restore_each, WORLD, cases, report_dir=out["lost-node"][0] / "report", timeout=600)
+    return {
+        name: (persist, newest, [json.loads((where / f"restored-rank{r}.json").read_text()) for r in range(WORLD)])
+        for name, (where, persist, newest) in out.items()
+    }
 
 
 def _bases(step_dir: Path) -> set[int]:
@@ -94,9 +113,8 @@ def test_every_tier_holds_what_its_steps_reference(saved):
             assert (local / (entry.base or "step_00000007") / entry.path).stat().st_size == entry.size
 
 
-def test_nothing_lost_restores_the_newest_incremental_step_from_local(saved, tmp_path):
-    persist, local = _copy(saved, tmp_path)
-    results = _restore(tmp_path, persist, local, go_on=True)
+def test_nothing_lost_restores_the_newest_incremental_step_from_local(restored):
+    _, _, results = restored["nothing-lost"]
     for r in results:
         assert r["error"] is None and r["step"] == STEPS - 1
         assert r["digest"] == job.reference_digest(STEPS)
@@ -109,10 +127,8 @@ def test_nothing_lost_restores_the_newest_incremental_step_from_local(saved, tmp
         assert r["after"] == job.reference_digest(STEPS + 3)
 
 
-def test_lost_node_restores_from_the_replicas_and_their_bases(saved, tmp_path):
-    persist, local = _copy(saved, tmp_path)
-    shutil.rmtree(local / "node1")
-    results = _restore(tmp_path, persist, local)
+def test_lost_node_restores_from_the_replicas_and_their_bases(restored):
+    _, _, results = restored["lost-node"]
     for rank, r in enumerate(results):
         assert r["error"] is None and r["step"] == STEPS - 1
         assert r["digest"] == job.reference_digest(STEPS)
@@ -120,12 +136,9 @@ def test_lost_node_restores_from_the_replicas_and_their_bases(saved, tmp_path):
             assert "replica" in r["sources"] and "persistent" not in r["sources"], r["sources"]
 
 
-def test_lost_local_tiers_restore_the_newest_persisted_step(saved, tmp_path):
-    persist, local = _copy(saved, tmp_path)
-    shutil.rmtree(local)
-    newest = max(parse_step_dir(p.name) for p in persist.glob("step_*"))
+def test_lost_local_tiers_restore_the_newest_persisted_step(restored):
+    persist, newest, results = restored["lost-local"]
     assert _bases(persist / f"step_{newest:08d}"), "the newest persisted step should reference a base"
-    results = _restore(tmp_path, persist, local)
     for r in results:
         assert r["error"] is None and r["step"] == newest
         assert r["digest"] == job.reference_digest(newest + 1)

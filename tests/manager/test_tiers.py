@@ -4,8 +4,9 @@ that fall back tier by tier, on 4 real gloo ranks laid out as 2 simulated nodes 
 
 One saving run (7 steps, every step saved, ``replicas=1``, ``persist_every=3``, ``keep_last=3``)
 leaves steps 4-6 on both nodes' local tiers and steps 2 and 5 persisted. Each failure scenario
-works on a copy of that state, restores on 4 fresh ranks and compares the restored model and
-optimizer with the state the saving run had at that step.
+works on a copy of that state, restores on 4 fresh ranks (all scenarios one after the other, in
+one job: ``restored``) and compares the restored model and optimizer with the state the saving
+run had at that step.
 """
 
 from __future__ import annotations
@@ -54,21 +55,6 @@ def _scenario(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "persist", tmp_path / "local"
 
 
-def _restore(tmp_path: Path, persist: Path, local: Path, fault: tuple[int, str] | None = None) -> list[dict]:
-    run_ranks(
-        tiers_job.restore_step,
-        WORLD,
-        str(persist),
-        str(local / "node{node}"),
-        OPTS,
-        str(tmp_path),
-        64,
-        fault,
-        report_dir=tmp_path / "report",
-    )
-    return [json.loads((tmp_path / f"restored-rank{r}.json").read_text()) for r in range(WORLD)]
-
-
 def _damage_every_data_file(node_dir: Path) -> list[Path]:
     hit = []
     for f in sorted(node_dir.rglob("*.bin")):
@@ -77,6 +63,105 @@ def _damage_every_data_file(node_dir: Path) -> list[Path]:
         f.write_bytes(bytes(raw))
         hit.append(f)
     return hit
+
+
+def _nothing(where: Path, persist: Path, local: Path) -> dict:
+    return {}
+
+
+def _lose_node1(where: Path, persist: Path, local: Path) -> dict:
+    shutil.rmtree(local / "node1")
+    return {}
+
+
+def _lose_local(where: Path, persist: Path, local: Path) -> dict:
+    shutil.rmtree(local)
+    return {}
+
+
+def _another_valid_record(where: Path, persist: Path, local: Path) -> dict:
+    record = job_dir(local / "node1") / "step_00000006" / "manifest.json"
+    shutil.copyfile(job_dir(local / "node1") / "step_00000005" / "manifest.json", record)
+    agreed = (job_dir(local / "node0") / "step_00000006" / "manifest.json").read_bytes()
+    assert record.read_bytes() != agreed
+    return {"record": record, "agreed": agreed}
+
+
+def _damage_a_local_file(where: Path, persist: Path, local: Path) -> dict:
+    (bad,) = (job_dir(local / "node0") / "step_00000006").glob("rank00000-*.bin")
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 0x10
+    bad.write_bytes(bytes(raw))
+    return {"bad": bad}
+
+
+def _lose_node1_and_damage_node0(where: Path, persist: Path, local: Path) -> dict:
+    shutil.rmtree(local / "node1")
+    assert _damage_every_data_file(local / "node0")
+    return {}
+
+
+def _lose_local_and_damage_persistent(where: Path, persist: Path, local: Path) -> dict:
+    shutil.rmtree(local)
+    (bad,) = (persist / "step_00000005").glob("rank00002-*.bin")
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 3] ^= 0x04
+    bad.write_bytes(bytes(raw))
+    return {}
+
+
+def _new_job(where: Path, persist: Path, local: Path) -> dict:
+    shutil.rmtree(local / "node1")
+    return {"root": where / "fresh-root"}
+
+
+def _damage_the_replicas(where: Path, persist: Path, local: Path) -> dict:
+    shutil.rmtree(local / "node1")
+    for step_dir in persist.glob("step_*"):  # the steps, not the root's job file: still this job
+        shutil.rmtree(step_dir)
+    for f in (local / "node0").rglob("rank0000[23]-*.bin"):
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0x01
+        f.write_bytes(bytes(raw))
+    return {}
+
+
+#: The restore scenarios: name -> (what is done to a copy of the saved state, the fault a rank
+#: raises). "nothing-lost" comes first: it checks the collectives and that torch warned of
+#: nothing, in a process that has restored nothing before.
+SCENARIOS = {
+    "nothing-lost": (_nothing, None),
+    "lost-node": (_lose_node1, None),
+    "unreadable-local": (_nothing, (2, "inventory")),
+    "foreign-error": (_nothing, (3, "reader")),
+    "another-record": (_another_valid_record, None),
+    "damaged-local": (_damage_a_local_file, None),
+    "lost-node-damaged-survivor": (_lose_node1_and_damage_node0, None),
+    "both-local-lost": (_lose_local, None),
+    "damaged-persistent": (_lose_local_and_damage_persistent, None),
+    "new-job": (_new_job, None),
+    "damaged-replica": (_damage_the_replicas, None),
+}
+
+
+@pytest.fixture(scope="module")
+def restored(saved, tmp_path_factory) -> dict[str, tuple[list[dict], Path, Path, dict]]:
+    """Scenario -> (each rank's ``restore_step`` result, its persistent root, its local
+    directory, what its preparation returned). Each scenario works on its own copy of ``saved``;
+    all restore in one job of 4 fresh ranks (``restore_each``), one after the other."""
+    cases, made = [], {}
+    for name, (prepare, fault) in SCENARIOS.items():
+        where = tmp_path_factory.mktemp(name)
+        persist, local = _scenario(saved, where)
+        info = prepare(where, persist, local)
+        root = info.pop("root", persist)
+        cases.append((str(root), str(local / "node{node}"), OPTS, str(where), 64, fault))
+        made[name] = (where, persist, local, info)
+    run_ranks(tiers_job.restore_each, WORLD, cases, report_dir=made["nothing-lost"][0] / "report", timeout=540)
+    return {
+        name: ([json.loads((where / f"restored-rank{r}.json").read_text()) for r in range(WORLD)], persist, local, info)
+        for name, (where, persist, local, info) in made.items()
+    }
 
 
 def test_saves_land_on_each_tier(saved):
@@ -97,9 +182,8 @@ def test_saves_land_on_each_tier(saved):
         assert names == {f"rank{r:05d}-00" for r in range(WORLD)}
 
 
-def test_nothing_lost_restores_newest_from_local(saved, tmp_path):
-    persist, local = _scenario(saved, tmp_path)
-    results = _restore(tmp_path, persist, local)
+def test_nothing_lost_restores_newest_from_local(restored):
+    results, _, _, _ = restored["nothing-lost"]
     want = tiers_job.reference_digest(7)
     for r in results:
         assert r["error"] is None and r["step"] == 6
@@ -117,10 +201,8 @@ def test_nothing_lost_restores_newest_from_local(saved, tmp_path):
         assert r["torch_warnings"] == []  # the per-rank load is deliberate: torch's warning is not shown
 
 
-def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
-    persist, local = _scenario(saved, tmp_path)
-    shutil.rmtree(local / "node1")
-    results = _restore(tmp_path, persist, local)
+def test_lost_node_restores_newest_from_replicas(restored):
+    results, _, local, _ = restored["lost-node"]
     want = tiers_job.reference_digest(7)
     for rank, r in enumerate(results):
         assert r["error"] is None and r["step"] == 6
@@ -140,13 +222,12 @@ def test_lost_node_restores_newest_from_replicas(saved, tmp_path):
     assert not list((local / "node1").rglob("*.bin")) and not list((local / "node1").rglob("manifest.json"))
 
 
-def test_unreadable_local_tier_on_one_node_reads_from_the_replicas(saved, tmp_path):
+def test_unreadable_local_tier_on_one_node_reads_from_the_replicas(restored):
     """Listing node 1's local directory raises an OSError (a disk error, not one of ours) on the
     rank that lists it, before the first collective: that rank must not leave the others
     waiting. Node 1's steps count as absent from the inventory, with a warning; each file its
     ranks read is still taken from its copy when that file is there and intact (here: all)."""
-    persist, local = _scenario(saved, tmp_path)
-    results = _restore(tmp_path, persist, local, fault=(2, "inventory"))
+    results, _, _, _ = restored["unreadable-local"]
     want = tiers_job.reference_digest(7)
     for r in results:
         assert r["error"] is None and r["step"] == 6, r["error"]
@@ -154,11 +235,10 @@ def test_unreadable_local_tier_on_one_node_reads_from_the_replicas(saved, tmp_pa
     assert any("node 1's local tier cannot be read" in w and "Input/output error" in w for w in results[2]["warnings"])
 
 
-def test_a_load_that_raises_a_foreign_error_fails_every_rank_with_its_reason(saved, tmp_path):
+def test_a_load_that_raises_a_foreign_error_fails_every_rank_with_its_reason(restored):
     """One rank's load raises a plain RuntimeError (not a CheckpointError): every rank raises a
     CheckpointError that names that rank and the cause, instead of that rank leaving alone."""
-    persist, local = _scenario(saved, tmp_path)
-    results = _restore(tmp_path, persist, local, fault=(3, "reader"))
+    results, _, _, _ = restored["foreign-error"]
     for rank, r in enumerate(results):
         assert r["step"] is None and r["error"] is not None
         assert "reader exploded" in r["error"], r["error"]
@@ -166,16 +246,12 @@ def test_a_load_that_raises_a_foreign_error_fails_every_rank_with_its_reason(sav
             assert "rank 3" in r["error"], r["error"]
 
 
-def test_a_node_holding_another_valid_record_of_the_step_gets_the_agreed_one(saved, tmp_path):
+def test_a_node_holding_another_valid_record_of_the_step_gets_the_agreed_one(restored):
     """Node 1's step 6 holds a valid commit record that is not node 0's (here step 5's record,
     sealed and whole): the restore loads with node 0's record and writes it over node 1's, so
     the copy on disk never pairs one save's record with another's data files."""
-    persist, local = _scenario(saved, tmp_path)
-    record = job_dir(local / "node1") / "step_00000006" / "manifest.json"
-    shutil.copyfile(job_dir(local / "node1") / "step_00000005" / "manifest.json", record)
-    agreed = (job_dir(local / "node0") / "step_00000006" / "manifest.json").read_bytes()
-    assert record.read_bytes() != agreed
-    results = _restore(tmp_path, persist, local)
+    results, _, _, info = restored["another-record"]
+    record, agreed = info["record"], info["agreed"]
     want = tiers_job.reference_digest(7)
     for r in results:
         assert r["error"] is None and r["step"] == 6, r["error"]
@@ -183,13 +259,9 @@ def test_a_node_holding_another_valid_record_of_the_step_gets_the_agreed_one(sav
     assert record.read_bytes() == agreed
 
 
-def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):
-    persist, local = _scenario(saved, tmp_path)
-    (bad,) = (job_dir(local / "node0") / "step_00000006").glob("rank00000-*.bin")
-    raw = bytearray(bad.read_bytes())
-    raw[100] ^= 0x10
-    bad.write_bytes(bytes(raw))
-    results = _restore(tmp_path, persist, local)
+def test_damaged_local_file_comes_from_its_replica(restored):
+    results, _, _, info = restored["damaged-local"]
+    bad = info["bad"]
     want = tiers_job.reference_digest(7)
     for r in results:
         assert r["error"] is None and r["step"] == 6 and r["digest"] == want
@@ -205,11 +277,8 @@ def test_damaged_local_file_comes_from_its_replica(saved, tmp_path):
     assert set(results[2]["record"]["sources"]) == {"local"}
 
 
-def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path):
-    persist, local = _scenario(saved, tmp_path)
-    shutil.rmtree(local / "node1")
-    assert _damage_every_data_file(local / "node0")
-    results = _restore(tmp_path, persist, local)
+def test_lost_node_and_damaged_survivor_fall_back_to_persistent(restored):
+    results, _, local, _ = restored["lost-node-damaged-survivor"]
     want = tiers_job.reference_digest(6)  # step 5, the newest persisted
     for r in results:
         assert r["error"] is None and r["step"] == 5
@@ -225,10 +294,8 @@ def test_lost_node_and_damaged_survivor_fall_back_to_persistent(saved, tmp_path)
     assert not (job_dir(local / "node0") / "step_00000006").exists()
 
 
-def test_both_local_tiers_lost_restore_newest_persistent(saved, tmp_path):
-    persist, local = _scenario(saved, tmp_path)
-    shutil.rmtree(local)
-    results = _restore(tmp_path, persist, local)
+def test_both_local_tiers_lost_restore_newest_persistent(restored):
+    results, _, local, _ = restored["both-local-lost"]
     want = tiers_job.reference_digest(6)
     for r in results:
         assert r["error"] is None and r["step"] == 5
@@ -238,46 +305,30 @@ def test_both_local_tiers_lost_restore_newest_persistent(saved, tmp_path):
     assert not list(local.rglob("*.bin")), list(local.rglob("*.bin"))
 
 
-def test_damaged_persistent_file_read_directly_passes_to_an_older_step(saved, tmp_path):
+def test_damaged_persistent_file_read_directly_passes_to_an_older_step(restored):
     """Both local tiers lost, and rank 2's file of persistent step 5 damaged: the load, reading
     it straight from the persistent tier, finds the mismatch; step 5 has no intact copy, so
     every rank restores the older persisted step 2, and says why step 5 was passed."""
-    persist, local = _scenario(saved, tmp_path)
-    shutil.rmtree(local)
-    (bad,) = (persist / "step_00000005").glob("rank00002-*.bin")
-    raw = bytearray(bad.read_bytes())
-    raw[len(raw) // 3] ^= 0x04
-    bad.write_bytes(bytes(raw))
-    results = _restore(tmp_path, persist, local)
+    results, _, _, _ = restored["damaged-persistent"]
     want = tiers_job.reference_digest(3)
     for r in results:
         assert r["error"] is None and r["step"] == 2, r["error"]
         assert r["digest"] == want
 
 
-def test_a_new_job_on_the_same_local_dirs_restores_nothing(saved, tmp_path):
+def test_a_new_job_on_the_same_local_dirs_restores_nothing(restored):
     """Issue 32: job B (a fresh root) on job A's local directories, with node 1 lost so that
     node 0 holds A's replicas of node 1's files too: B restores none of A's steps, and leaves
     them where they are."""
-    _, local = _scenario(saved, tmp_path)
-    shutil.rmtree(local / "node1")
-    results = _restore(tmp_path, tmp_path / "fresh-root", local)
+    results, _, local, _ = restored["new-job"]
     assert all(r["step"] is None and r["error"] is None for r in results), results
     assert (job_dir(local / "node0") / "step_00000006" / "manifest.json").exists()
 
 
-def test_damaged_replica_is_not_used(saved, tmp_path):
+def test_damaged_replica_is_not_used(restored):
     """Node 1 lost, node 0's copies of node 1's files damaged, nothing persisted: the newest
     local steps cannot be rebuilt, and the restore says so instead of loading bad bytes."""
-    persist, local = _scenario(saved, tmp_path)
-    shutil.rmtree(local / "node1")
-    for step_dir in persist.glob("step_*"):  # the steps, not the root's job file: still this job
-        shutil.rmtree(step_dir)
-    for f in (local / "node0").rglob("rank0000[23]-*.bin"):
-        raw = bytearray(f.read_bytes())
-        raw[-1] ^= 0x01
-        f.write_bytes(bytes(raw))
-    results = _restore(tmp_path, persist, local)
+    results, _, _, _ = restored["damaged-replica"]
     for r in results:
         assert r["step"] is None
         assert "no checkpoint can be rebuilt from any tier" in r["error"]

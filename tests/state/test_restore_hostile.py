@@ -294,21 +294,48 @@ def _one_bad_row(rank: int, world: int, root: str, local_dir: str | None = None)
         _assert_bit_identical(tensors, model, opt)
 
 
+def _one_bad_row_each(rank: int, world: int, cases: list[tuple[str, str | None]]) -> None:
+    """``_one_bad_row`` for each (root, local_dir) in one gloo job (a group costs 10-30 s to start
+    on 2 cores); each case writes its marker once every rank passed it."""
+    import torch.distributed as dist
+
+    from goodput_ckpt.dcp.commit_build import forget_layouts
+
+    for root, local_dir in cases:
+        forget_layouts()  # each case saves as in a fresh process
+        _one_bad_row(rank, world, root, local_dir)
+        dist.barrier()
+        if rank == 0:
+            Path(root, "passed").write_text("")
+
+
+@pytest.fixture(scope="module")
+def bad_row_roots(tmp_path_factory) -> dict[str, Path]:
+    """ "one-tier" and "two-tier": the root each case ran in (``passed`` in it once it passed on
+    every rank). A rank's failure fails both tests, with its traceback."""
+    from helpers.dist import run_ranks
+
+    base = tmp_path_factory.mktemp("bad_row")
+    roots = {"one-tier": (base / "run1", None), "two-tier": (base / "run2", str(base / "local"))}
+    run_ranks(
+        _one_bad_row_each,
+        2,
+        [(str(root), local) for root, local in roots.values()],
+        report_dir=base / "report",
+        timeout=280,
+    )
+    return {name: root for name, (root, _) in roots.items()}
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_one_ranks_bad_row_fails_the_restore_on_every_rank(tmp_path):
+def test_one_ranks_bad_row_fails_the_restore_on_every_rank(bad_row_roots):
     """Checked in DCP's read phase: rank 0, whose own row is good, is refused too, by rank 1's
     row, instead of training on while rank 1 fails."""
-    from helpers.dist import run_ranks
-
-    run_ranks(_one_bad_row, 2, str(tmp_path / "run"), report_dir=tmp_path / "report", timeout=240)
+    assert (bad_row_roots["one-tier"] / "passed").exists()
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_one_ranks_bad_row_fails_the_two_tier_restore_on_every_rank(tmp_path):
-    from helpers.dist import run_ranks
-
-    run_ranks(
-        _one_bad_row, 2, str(tmp_path / "run"), str(tmp_path / "local"), report_dir=tmp_path / "report", timeout=240
-    )
+def test_one_ranks_bad_row_fails_the_two_tier_restore_on_every_rank(bad_row_roots):
+    assert (bad_row_roots["two-tier"] / "passed").exists()
