@@ -7,19 +7,30 @@ next, so its stream always has a read in flight: a direct read of a FUSE file ke
 flight otherwise, and hashing 16 MiB between reads would leave the stream idle for as long. At
 most one hash per run is outstanding, so a run holds at most two tasks' worth of unverified
 bytes, and a run's task counts as done only once its hash has been checked.
+
+The threads are the process's kept readers and hashers (:mod:`.worker_pool`): a load submits
+``threads`` runners that take its jobs in order from its own list, so it never uses more than
+``threads`` readers, and it starts no thread once the pool has them.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import TypeVar
 
 from .read_plan import Task
+from .worker_pool import HASHERS, READERS
 
 __all__ = ["run_jobs"]
 
 B = TypeVar("B")
+
+#: Seconds between the caller's checks that its runners are still there while it waits for a
+#: job (a runner that never ran: the interpreter is shutting its pools down).
+_POLL_S = 1.0
 
 
 def run_jobs(
@@ -40,15 +51,13 @@ def run_jobs(
             (never concurrently with another call).
 
     Raises:
-        The first error of any read or verification; the jobs not started yet are cancelled
+        The first error of any read or verification; the jobs not started yet are not started
         and the running ones finish before it is raised.
     """
+    if not jobs:
+        return
     runs = sum(len(j) > 1 for j in jobs)
-    hashers = (
-        ThreadPoolExecutor(min(threads, runs), thread_name_prefix="goodput-hash")
-        if verify is not None and runs
-        else None
-    )
+    hashers, own_hashers = HASHERS.executor(threads) if verify is not None and runs else (None, False)
 
     def run(job: list[Task]) -> None:
         hashing: Future[None] | None = None
@@ -68,22 +77,46 @@ def run_jobs(
             if hashing is not None and not hashing.cancel():
                 wait([hashing])  # never leave a hash running into buffers the caller may free
 
+    order = iter(range(len(jobs)))
+    taking = threading.Lock()
+    stop = threading.Event()
+    finished: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
+
+    def runner() -> None:
+        while not stop.is_set():
+            with taking:
+                i = next(order, None)
+            if i is None:
+                return
+            try:
+                run(jobs[i])
+            except BaseException as e:  # handed to the caller, which raises it
+                stop.set()
+                finished.put((i, e))
+                return
+            finished.put((i, None))
+
+    readers, own_readers = READERS.executor(threads)
+    runners: list[Future[None]] = []
     try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="goodput-read") as pool:
-            futures = {pool.submit(run, job): job for job in jobs}
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                try:
-                    for fut in done:
-                        err = fut.exception()
-                        if err is not None:
-                            raise err
-                        job_done(futures[fut])
-                except BaseException:
-                    for other in pending:  # jobs not started yet are not read for nothing
-                        other.cancel()
-                    raise
+        runners = [readers.submit(runner) for _ in range(min(max(1, threads), len(jobs)))]
+        left = len(jobs)
+        while left:
+            try:
+                i, err = finished.get(timeout=_POLL_S)
+            except queue.Empty:
+                if all(f.done() for f in runners) and finished.empty():
+                    broken = next((f.exception() for f in runners if f.exception() is not None), None)
+                    raise RuntimeError(f"the load's reader threads stopped with {left} jobs unread") from broken
+                continue
+            if err is not None:
+                raise err
+            job_done(jobs[i])
+            left -= 1
     finally:
-        if hashers is not None:
+        stop.set()  # jobs not started yet are not read for nothing
+        wait(runners)
+        if own_readers:
+            readers.shutdown(wait=True)
+        if own_hashers and hashers is not None:
             hashers.shutdown(wait=True, cancel_futures=True)
