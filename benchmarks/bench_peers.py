@@ -13,8 +13,9 @@ seed), every method in the same run, the order of the methods rotating per repea
 - **tiers** (checkpoints of a ``Linear`` stack plus AdamW, ``benchmarks/bench_stall.py``'s model, on
   local disk, through each library's checkpoint manager; a one-rank gloo group, which nvrx and
   torchtitan need): ``manager`` (our ``CheckpointManager`` on one local root, ``async_staging=False``:
-  ``save`` returns once the state is copied into reused buffers; ``restore`` verifies every chunk)
-  and ``manager-2tier`` (the same with ``local_dir`` and a second local directory as the persistent
+  ``save`` returns once the state is copied into reused buffers; ``restore`` verifies every chunk),
+  ``manager-sync`` (``async_save=False``: ``save`` returns once the checkpoint is committed; compared
+  with the peers whose save also blocks, ``ratios_sync``) and ``manager-2tier`` (the same with ``local_dir`` and a second local directory as the persistent
   tier: ``durable`` then includes the copy to the persistent tier) vs ``nvrx-local``
   (nvidia-resiliency-ext's ``LocalCheckpointManager``, with a CPU adapter of its
   ``BasicTensorAwareStateDict``, which asserts CUDA tensors; its ``save`` is ``torch.save`` + rename,
@@ -327,10 +328,12 @@ def print_report(report: dict[str, Any]) -> None:
                 f"  {m:16s} stall {statistics.median(s['stall']):.3f} s  durable {statistics.median(s['durable']):.3f} s  "
                 f"restore {statistics.median(s['restore']):.3f} s (medians)"
             )
-        for peer, rr in r["ratios"].items():
-            print(
-                f"  manager vs {peer:16s} stall {fmt(rr['stall'])}  durable {fmt(rr['durable'])}  restore {fmt(rr['restore'])}"
-            )
+        for ours, key in (("manager", "ratios"), ("manager-sync", "ratios_sync")):
+            for peer, rr in r[key].items():
+                print(
+                    f"  {ours} vs {peer:16s} stall {fmt(rr['stall'])}  durable {fmt(rr['durable'])}  "
+                    f"restore {fmt(rr['restore'])}"
+                )
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
 

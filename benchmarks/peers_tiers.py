@@ -35,6 +35,12 @@ else:
             return None  # already on the CPU
 
 
+#: Our methods: the async manager is the row every peer is compared with (``ratios``); the synchronous
+#: one is compared with the peers whose save also blocks until the bytes are written (``ratios_sync``).
+OURS = ("manager", "manager-sync", "manager-2tier")
+SYNCHRONOUS = ("nvrx-local", "nvrx-local+fsync", "titan-sync")
+
+
 class _TitanOptimizers:
     """What torchtitan's manager needs of its ``OptimizersContainer``: a Stateful (the same calls)."""
 
@@ -92,11 +98,15 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
             for t in state_tensors(model, opt):
                 t.zero_()
 
-    def manager(two_tiers: bool) -> Callable[[Path], tuple[float, float, float]]:
+    def manager(two_tiers: bool, sync: bool = False) -> Callable[[Path], tuple[float, float, float]]:
         def run(where: Path) -> tuple[float, float, float]:
             kw: dict[str, Any] = {"local_dir": str(where / "local")} if two_tiers else {}
+            kw.update(async_save=False) if sync else kw.update(async_staging=False)
             root = str(where / "persistent")
-            with CheckpointManager(root, async_staging=False, keep_last=1, timeline=False, **kw) as mgr:
+            # keep_last=None, as torchtitan's keep_latest_k=0 here: the timed save deletes no
+            # step (nvrx's synchronous save unlinks its one older file; ours would wait for a
+            # step directory's deletion in `wait`, which its retention thread runs).
+            with CheckpointManager(root, keep_last=None, timeline=False, **kw) as mgr:
                 mgr.save(0, model=model, optimizer=opt)  # allocates the staging buffers (as in a long job)
                 mgr.wait()
                 t0 = time.perf_counter()
@@ -194,6 +204,7 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
 
     methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {
         "manager": manager(False),
+        "manager-sync": manager(False, sync=True),
         "manager-2tier": manager(True),
     }
     if NVRX_MISSING is None:
@@ -225,11 +236,20 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
             out[m]["durable"].append(durable)
             out[m]["restore"].append(restore)
     nbytes = sum(t.numel() * t.element_size() for t in want)
-    rel = {
-        peer: {
-            p: stats([t / o for t, o in zip(out[peer][p], out["manager"][p])]) for p in ("stall", "durable", "restore")
+
+    def against(ours: str, peers: list[str]) -> dict[str, Any]:
+        return {
+            peer: {
+                p: stats([t / o for t, o in zip(out[peer][p], out[ours][p])]) for p in ("stall", "durable", "restore")
+            }
+            for peer in peers
         }
-        for peer in out
-        if peer != "manager"
+
+    peers = [m for m in out if m not in OURS]
+    return {
+        "bytes": nbytes,
+        "order": order,
+        "seconds": out,
+        "ratios": against("manager", peers + ["manager-2tier"]),
+        "ratios_sync": against("manager-sync", [m for m in peers if m in SYNCHRONOUS]),
     }
-    return {"bytes": nbytes, "order": order, "seconds": out, "ratios": rel}

@@ -54,10 +54,11 @@ def test_tiny_run_measures_or_skips_every_peer(tmp_path, capsys):
     titan = _installed("torchtitan")
     assert ("titan-async" in tiers) == titan and (titan or "torchtitan" in report["skipped"])
     assert "nvrx-local async" in report["skipped"]
+    assert set(report["tiers"]["ratios_sync"]) == {"titan-sync", "nvrx-local", "nvrx-local+fsync"} & set(tiers)
     for target in ("local", "s3", "tiers"):
         r = report[target]
         assert r["order"] == [list(r["seconds"])]
-        assert set(r["ratios"]) == set(r["seconds"]) - {"ours", "manager"}
+        assert set(r["ratios"]) == set(r["seconds"]) - {"ours", "manager", "manager-sync"}
         assert list(r["seconds"])[0] in ("ours", "manager")
         for phases in r["seconds"].values():
             assert all(len(v) == 1 and v[0] > 0 for v in phases.values())
