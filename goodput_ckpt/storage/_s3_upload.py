@@ -18,6 +18,11 @@ A file that is a single chunk shorter than a part is one ``PutObject``: no multi
 ``close()`` waits for every part, checks that the parts tile ``[0, size)`` without a gap, then
 completes the upload. Any failure (a part that exhausted its retries, a gap, a failed
 completion) aborts the upload instead, so a file is never completed with missing parts.
+
+The stored size is checked (one ``HeadObject``) after a ``PutObject`` or a completion only where
+the server did not confirm the CRC-32 of every body it received (:func:`server_checked`): AWS S3
+and SeaweedFS confirm it, and then the object holds exactly the bytes sent; moto does not, nor a
+store with ``checksums=False``.
 """
 
 from __future__ import annotations
