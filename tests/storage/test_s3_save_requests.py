@@ -111,3 +111,20 @@ def test_manager_save_makes_the_minimum_requests_but_the_check_of_its_location(s
         "DeleteObjects": 1,  # then step 2's data files, 1,000 a request
         **({"HeadObject": 1} if _verified_uploads(s3) else {}),
     }, steady
+
+
+def test_the_manager_cleans_the_stale_uploads_of_every_step_at_its_first_save(s3):
+    """The clean-up the step writers no longer make: a killed save's multipart upload in another
+    step's directory (which a step writer's own clean-up never looked at) is aborted once the
+    manager's first save starts; uploads younger than ``stale_upload_age`` would stay."""
+    client = s3.client()
+    client.create_multipart_upload(Bucket=s3.bucket, Key="root/step_00000007/rank00000-00.0123456789ab.bin")
+    assert s3.open_uploads()
+    mgr = CheckpointManager(
+        s3.uri("root"), keep_last=2, async_save=False, timeline=False, **s3.options(stale_upload_age=0)
+    )
+    try:
+        mgr.save(1, model=torch.nn.Linear(8, 4))
+    finally:
+        mgr.close()
+    assert s3.open_uploads() == []
