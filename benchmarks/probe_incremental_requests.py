@@ -6,7 +6,10 @@ boto3 API call (operation and key) of saves 4 to 7 of each manager on a SeaweedF
 127.0.0.1 (the tests' recipe), lists the fourth save's calls and counts the others. Found
 (2026-12-07): the extra call is a ``GetObject`` of the base step's commit record, which retention
 reads once to learn whether the base references a step it would delete; later saves find it
-remembered and make as many requests as the trainable state alone.
+remembered and make as many requests as the trainable state alone. Since issue 37's request
+cuts (docs/s3.md, *Requests per save*; same day, later): 7 for the fourth incremental save, 6 for
+every later one and for the trainable state alone (11 before): the listing of the step before the
+save, the data and the commit ``PutObject``, the root's listing and the retired step's two deletes.
 
 Run: ``.venv/bin/python benchmarks/probe_incremental_requests.py``.
 """

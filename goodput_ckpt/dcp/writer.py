@@ -146,6 +146,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._is_coordinator = False
         self._assignment: RankAssignment | None = None
         self._held: HeldLayout | None = None  # coordinator: the layouts announced for this save
+        self._found: list[str] | None = None  # coordinator: the location's files before this save
+        #: The coordinator's commit record of its last save, as committed (``None`` elsewhere).
+        self.committed_record: bytes | None = None
         self._beside_training = False  # the next save runs beside training: mark_background_save
         self._init_runtime()
 
@@ -306,7 +309,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- coordinator: existing checkpoints --------------------------------------------------
     def _clear_or_refuse_existing(self) -> None:
-        clear_or_refuse_existing(self._store, self.overwrite)
+        # (requests) what the location held before the save, where it was listed: the files of
+        # failed saves that _commit removes without listing again (engine/hashed_write.py)
+        self._found = clear_or_refuse_existing(self._store, self.overwrite)
 
     # -- every rank: layout, hashing, writing ------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -355,8 +360,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             user_metadata=self.user_metadata,
             held=held,
         )
-        publish_manifest(self._store, manifest, replace=self.overwrite)
-        remove_stale_files_after_commit(self._store, set(manifest.files))
+        self.committed_record = publish_manifest(self._store, manifest, replace=self.overwrite)
+        found, self._found = self._found, None
+        remove_stale_files_after_commit(self._store, set(manifest.files), found)
 
 
 #: torch's save-plan caching hands a rank whose plan did not change the cached final plan of the

@@ -220,7 +220,7 @@ def write_hashed_files(
     return [FileEntry(names[f], file_sizes[f], tuple(digests[f])) for f in range(len(names))]
 
 
-def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
+def clear_or_refuse_existing(store: Store, overwrite: bool) -> list[str] | None:
     """Before a save (the coordinator, before any rank writes): refuse a committed checkpoint at
     ``store``, or remove it when allowed; first, on a store whose killed saves leave hidden
     uploads behind (S3), abort the stale ones (:meth:`~..storage.base.StaleUploads.abort_stale_uploads_before_save`).
@@ -231,19 +231,28 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     The commit record goes first: from then on the old checkpoint is visibly incomplete, so a
     crash can never pair the old manifest with new data.
 
+    Returns:
+        On a store whose requests are billed (``traits.costly_requests``: S3), the files the
+        location held before the save (less those removed here): one listing answers both "is a
+        record there?" and "which files of failed saves to remove after the commit?", which
+        :func:`remove_stale_files_after_commit` then deletes without listing again (issue 37,
+        docs/s3.md). ``None`` elsewhere: the record is read, and the location is listed after
+        the commit.
+
     Raises:
         CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is false.
     """
     if isinstance(store, StaleUploads):
         store.abort_stale_uploads_before_save()
-    record = read_commit_record(store, count_files=False)
+    found = store.list() if store.traits.costly_requests else None
+    record = read_commit_record(store, count_files=False, listing=found)
     if record.status == MISSING:
-        return
+        return found
     if record.status == TORN:
         # A record that is not a commit (a mounted volume can hold the truncated record of a
         # killed save): the location is saved into as if it had no record.
         store.delete(MANIFEST_NAME)
-        return
+        return found
     if not overwrite:  # damaged, or a version this library does not know: still a checkpoint
         raise CheckpointExistsError(
             f"{store.uri} already holds a committed checkpoint; {OVERWRITE_HINT} or save to a new location",
@@ -267,10 +276,12 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> None:
     store.delete(MANIFEST_NAME)
     for name in owned:
         store.delete(name)
+    return None if found is None else [n for n in found if n not in set(owned)]
 
 
-def publish_manifest(store: Store, manifest: Manifest, *, replace: bool) -> None:
-    """Commit ``manifest``: check that it reads back, then publish it atomically.
+def publish_manifest(store: Store, manifest: Manifest, *, replace: bool) -> bytes:
+    """Commit ``manifest``: check that it reads back, then publish it atomically. Returns the
+    record's bytes as committed (the manager's retention takes them instead of reading them back).
 
     Raises:
         CorruptCheckpointError: the manifest does not pass its own validation (a bug); nothing
@@ -291,25 +302,35 @@ def publish_manifest(store: Store, manifest: Manifest, *, replace: bool) -> None
         for name in manifest.files:
             store.delete(name)
         raise
+    return data
 
 
-def remove_stale_files(store: Store, keep: set[str]) -> None:
-    """Delete data files of failed or replaced saves (best effort, after the commit)."""
+def remove_stale_files(store: Store, keep: set[str], found: Sequence[str] | None = None) -> None:
+    """Delete data files of failed or replaced saves (best effort, after the commit). ``found``:
+    the names listed before the save (:func:`clear_or_refuse_existing`), or ``None`` to list now.
+
+    Why a listing from before the save is enough: every save that failed before this one began
+    wrote its files before that listing, which sees them (object stores list after writes
+    consistently), and this save's own files carry a fresh token (:func:`data_file_name`), so
+    they are in ``keep``. Only files of a save running beside this one at the same location are
+    not in it; the post-commit listing never caught those reliably either (one written after it
+    stays), they are cleaned by the next save at the location, and the manager's retention
+    deletes whatever its step directory holds."""
     try:
-        for name in store.list():
+        for name in store.list() if found is None else found:
             if name not in keep and (_DATA_FILE.match(name) or _TMP_FILE.match(name)):
                 store.delete(name)
     except CheckpointError as e:
         warnings.warn(f"could not remove stale files in {store.uri}: {e}", stacklevel=3)
 
 
-def remove_stale_files_after_commit(store: Store, keep: set[str]) -> None:
+def remove_stale_files_after_commit(store: Store, keep: set[str], found: Sequence[str] | None = None) -> None:
     """:func:`remove_stale_files`, in the background on stores that commit in the background
     (``after_commit``, see storage.base), so the caller does not wait for a listing."""
     if isinstance(store, BackgroundCommit):
-        store.after_commit(lambda: remove_stale_files(store, keep))
+        store.after_commit(lambda: remove_stale_files(store, keep, found))
     else:
-        remove_stale_files(store, keep)
+        remove_stale_files(store, keep, found)
 
 
 def durable_future(store: Store) -> Future:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Collection
 
 from ..errors import CheckpointError
@@ -43,6 +45,7 @@ __all__ = [
     "delete_step",
     "deletion_order",
     "describe_fresh_start",
+    "note_committed",
     "retention_victims",
     "scan_steps",
     "spare_referenced",
@@ -152,13 +155,39 @@ def apply_retention(root: Store, *, committed: int, keep_last: int | None, prote
     """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
     still being read: a persist in flight), and what those reference, as a kept step's bases
     are. Best effort: a failure is logged, and the next commit retries."""
+    record = _take_committed(root, committed)
     try:
         scan = scan_steps(root)
         victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
-        for s in deletion_order(root, scan.files, spare_referenced(root, scan, victims, fresh=(committed,))):
+        records = None if record is None else {committed: record}
+        spared = spare_referenced(root, scan, victims, fresh=(committed,), records=records)
+        for s in deletion_order(root, scan.files, spared):
             delete_step(root, s, scan.files[s])
     except CheckpointError as e:
         logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
+
+
+#: The commit records this process's manager saves just wrote (the step location's URI -> the
+#: record's bytes), each taken by the retention run after its commit (a few, bounded).
+_committed: OrderedDict[str, bytes] = OrderedDict()
+_committed_lock = threading.Lock()  # the save thread notes, the retention thread takes
+_COMMITTED_KEPT = 4
+
+
+def note_committed(location: str, record: bytes) -> None:
+    """The save thread, after the commit of ``location`` (a step directory's URI, as its store
+    names it): the record as committed, for :func:`apply_retention` to take instead of reading it
+    back (issue 37: one ``GetObject`` a save on S3). The record the save wrote is the step's
+    newest; retention is the only reader that wants it, and judges it afresh as before."""
+    with _committed_lock:
+        _committed[location.rstrip("/")] = record
+        while len(_committed) > _COMMITTED_KEPT:  # a chain that never retains (two tiers) leaves them
+            _committed.popitem(last=False)
+
+
+def _take_committed(root: Store, step: int) -> bytes | None:
+    with _committed_lock:
+        return _committed.pop(f"{root.uri.rstrip('/')}/{step_dir_name(step)}", None)
 
 
 def delete_step(root: Store, step: int, files: list[str]) -> None:

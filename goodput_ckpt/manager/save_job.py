@@ -40,6 +40,7 @@ from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error, find_interrupt
 from ..state.per_rank import WIDENED_ROWS
 from .agreement import deliberate_no_dist
+from .retention import note_committed
 from .staging.async_staging import AsyncStaging
 from .staging.confirmed_writer import ConfirmedWriter
 from .staging.deferred_copy import DeferredCopies
@@ -218,8 +219,7 @@ class SaveJobs:
         self._emit(job.record, started, err, stall_from=blocked_from)
         if err is not None:
             raise err
-        self.committed.add(job.step)
-        self._on_commit(job.step)
+        self._committed(job)
 
     # -- an async save ------------------------------------------------------------------------------
     def submit(
@@ -273,8 +273,7 @@ class SaveJobs:
         self._emit(job.record, handed_off, err)
         if err is None:
             logger.info("committed step %d at %s", job.step, job.uri)
-            self.committed.add(job.step)
-            self._on_commit(job.step)
+            self._committed(job)
             return
         self.report_failure(job.step, err)
 
@@ -297,6 +296,15 @@ class SaveJobs:
                 logger.exception("on_error callback raised")
 
     # -- shared -----------------------------------------------------------------------------------
+    def _committed(self, job: SaveJob) -> None:
+        """After ``job`` committed and is durable: remember it, hand the record the coordinator
+        committed to retention (:func:`~.retention.note_committed`, no read back), retain."""
+        self.committed.add(job.step)
+        record = getattr(job.writer, "committed_record", None)
+        if record is not None:
+            note_committed(job.writer.store.uri, record)
+        self._on_commit(job.step)
+
     def _dcp_save(self, job: SaveJob, state: dict[str, Any]) -> None:
         """``dcp.save`` of ``state`` through ``job.writer``, every rank together. When it fails and
         ``make_room`` (``free_space_on_full``) says the disk was full and room was made, once

@@ -10,12 +10,13 @@ save thread (async, after staging) or is written at once. Either way the chain
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from ..dcp.writer import CheckpointWriter
 from ..state import Topology, build_save_state, check_stateful, normalize
-from ..storage.base import Store
+from ..storage.base import StaleUploads, Store
 from .config import ManagerConfig
 from .incremental_saves import IncrementalSaves
 from .job import JobState, job_metadata
@@ -71,6 +72,7 @@ def prepare_save(
     job.claim(root, topology.rank == 0)
     metadata.update(job_metadata(job.id, job.next_save))
     job.next_save += 1
+    options = stale_uploads_once(root, uri, options, coordinator=topology.rank == 0)
     # An async save commits only if every rank's deferred copies are good (staging/confirmed_writer.py).
     writer_options = dict(
         thread_count=config.thread_count,
@@ -93,3 +95,28 @@ def prepare_save(
         bytes=tensor_nbytes(state),
     )
     return SaveJob(step, uri, writer, record), state, models
+
+
+#: The roots (one per manager) whose stale uploads were cleaned at their manager's first save.
+_cleaned_roots: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def stale_uploads_once(root: Store, uri: str, options: dict[str, Any], *, coordinator: bool) -> dict[str, Any]:
+    """The options of a step's writer, without its per-save stale-upload clean-up where the
+    manager does it once for the whole root instead.
+
+    Why (issue 37): a writer's clean-up lists the multipart uploads of its own location before
+    every save: one ``ListMultipartUploads`` per save, for a step directory that is new at almost
+    every save, so it almost never finds anything. Uploads are left open only by a killed save,
+    and a killed save kills the job (its collectives fail); the manager of the restarted job
+    cleans every step of the root once, at its first save (uploads idle for the root's
+    ``stale_upload_age``, recursive), and its restore aborts every open upload under the root
+    (``retention.clean_before_restore``). On S3 (the first tier is the root itself) the step
+    writers then skip theirs; with a local first tier nothing changes.
+    """
+    if not isinstance(root, StaleUploads) or not uri.startswith("s3://"):
+        return options
+    if coordinator and root not in _cleaned_roots:
+        root.abort_stale_uploads_before_save(recursive=True)
+        _cleaned_roots.add(root)
+    return {**options, "stale_upload_age": None}

@@ -55,7 +55,9 @@ def protected_steps(
     means to delete, when it only asks which of them to spare: the walk stops once all of
     them are protected, since reading more records could only protect more. ``records``: when
     given, every commit record read here is added to it (step -> its bytes), for a caller that
-    reads one of them next (a restore's load of the newest step takes it from there: one read).
+    reads one of them next (a restore's load of the newest step takes it from there: one read);
+    a record it holds already is taken from it, not read (retention after a commit: the record
+    the save wrote).
 
     Why newest first and the early stop: a restore's clean-up of a root whose newest step is
     incremental read the record of every kept step and of the base (3 ``GET`` requests on S3
@@ -132,7 +134,10 @@ def _bases(
         if not refresh and key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    data = _read(root, step, names)
+    # A record the caller holds already (the one its save just committed) is not read again.
+    data = records.get(step) if records is not None else None
+    if data is None:
+        data = _read(root, step, names)
     if data is not None and records is not None:
         records[step] = data
     # Read without a full parse (sealed_bases) where the record is sealed; else in full.

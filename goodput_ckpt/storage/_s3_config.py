@@ -69,7 +69,9 @@ class S3Config:
             its uploads after this clean-up, so only another writer saving to the same location
             at the same time (which one of them loses anyway) could own an upload that is
             aborted, and only one stalled for longer than this. ``None``: never. Not at a
-            bucket's root, whose uploads may belong to anything.
+            bucket's root, whose uploads may belong to anything. A ``CheckpointManager`` on S3
+            does this once for its whole root, at its first save, instead of at every step's
+            save (``manager/saving.py``: one ``ListMultipartUploads`` per manager, not per save).
 
     Raises:
         TypeError, ValueError: a field of the wrong type or out of range, or options that

@@ -261,10 +261,10 @@ class StaleUploads(Protocol):
     def abort_stale_uploads(self, *, older_than: float, recursive: bool = False) -> list[str]:
         """Abort the uploads under the location idle for ``older_than`` seconds; their keys."""
 
-    def abort_stale_uploads_before_save(self) -> None:
+    def abort_stale_uploads_before_save(self, *, recursive: bool = False) -> None:
         """Before a save, on one rank (the coordinator) before any rank writes: abort the uploads
-        under the location idle for the store's configured age. Best effort: a failure is
-        logged, never raised."""
+        under the location (``recursive``: and nested locations) idle for the store's configured
+        age. Best effort: a failure is logged, never raised."""
 
 
 @runtime_checkable

@@ -6,11 +6,12 @@ Why these choices:
   are ranged GETs that resume a cut transfer (``_s3_download``).
 - The commit record is one ``PutObject``, last: S3 makes a PUT visible whole or not at all, and
   reads after it are strongly consistent, so no rename or copy is needed. Without ``replace`` the
-  PUT is conditional (``If-None-Match: *``), so two savers cannot both commit. On servers that
-  reject the condition the store falls back to check-then-put: a ``HeadObject`` then a plain PUT,
-  with a race window between the two (two savers that both pass the check both write, and the
-  later PUT wins). Servers that silently ignore the header cannot be told apart; there the race
-  is the same.
+  PUT is conditional (``If-None-Match: *``, honoured by AWS S3, SeaweedFS and moto), so two
+  savers cannot both commit. On servers that reject the condition the store falls back to
+  check-then-put: a ``HeadObject`` then a plain PUT, with a race window between the two (two
+  savers that both pass the check both write, and the later PUT wins). Servers that silently
+  ignore the header cannot be told apart; there the only check is the save's own, before any
+  rank writes (the listing of the location), and the window is the save's duration.
 - Requests are retried here, not by botocore, with jittered exponential backoff within a time
   budget (``_s3_retry``); stalls are cut by the read timeout and retried.
 - Clients, the upload semaphore and locks are created on first use and never pickled, because
@@ -187,9 +188,10 @@ class S3Store:
         clean-up of stale uploads runs once per save, on the coordinator
         (:meth:`abort_stale_uploads_before_save`), not on every rank."""
 
-    def abort_stale_uploads_before_save(self) -> None:
+    def abort_stale_uploads_before_save(self, *, recursive: bool = False) -> None:
         """Before a save (the coordinator, before any rank writes): abort this location's stale
-        multipart uploads, those idle for ``S3Config.stale_upload_age``.
+        multipart uploads, those idle for ``S3Config.stale_upload_age``; with ``recursive``,
+        also those of nested locations (a manager root's steps, once per manager).
 
         DCP plans collectively before any rank writes, so no upload of this save exists yet.
         The clean-up is best effort: a failure (a policy without
@@ -198,7 +200,7 @@ class S3Store:
         if self.config.stale_upload_age is None or not self.prefix:
             return
         try:
-            self.abort_stale_uploads(older_than=self.config.stale_upload_age)
+            self.abort_stale_uploads(older_than=self.config.stale_upload_age, recursive=recursive)
         except CheckpointError as e:
             log.warning("could not clean up stale multipart uploads under %s: %s", self.uri, e)
 
@@ -294,9 +296,10 @@ class S3Store:
         if replace:
             self.call("committing", key, lambda: client.put_object(Bucket=self.bucket, Key=key, Body=body, **crc))
             return
+        # No HeadObject first (issue 37: one request per save): the condition refuses an existing
+        # record by itself, and the save checked the location before any rank wrote
+        # (engine/hashed_write.py); a HEAD here only narrowed the race on servers that ignore it.
         exists = committed_elsewhere_error(self.where(key))
-        if self.size_of_key(key) is not None:
-            raise exists
         attempts = [0]
 
         def put() -> None:

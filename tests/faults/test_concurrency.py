@@ -175,29 +175,33 @@ def test_commit_race_loser_gets_checkpoint_exists_error(tmp_path, monkeypatch):
 
 def test_s3_commit_race_loser_whose_files_were_cleaned_up_gets_checkpoint_exists_error(seaweed, monkeypatch):
     """Deterministic form of an S3 race the two-writer trials hit now and then: the rival
-    commits, and deletes this save's freshly stored data object, just before this save checks
-    the object's size. Not a short body: this save must end with CheckpointExistsError."""
+    commits, and deletes this save's freshly stored data objects, just before this save commits.
+    This save must end with CheckpointExistsError (its conditional PUT meets the rival's record),
+    never a record that names deleted files. (Before issue 37's request cuts the moment was the
+    size check after the upload; SeaweedFS confirms each part's CRC-32, so there is none now.)"""
     from goodput_ckpt import CheckpointExistsError, CheckpointWriter
     from goodput_ckpt.storage.s3 import S3Store
 
     where = Where("s3", seaweed.uri, seaweed.options(), mib=8, chunk_size=5 << 20)  # multipart
     loc = where.make_uri("rival")
-    real_size = S3Store.size_of_key
+    real_commit = S3Store.put_commit_record
     rival = []
 
-    def rival_commits_first(self, key):
-        if not rival and key.endswith(".bin"):
+    def rival_commits_first(self, name, data, *, replace):
+        if not rival:
             rival.append(True)
+            ours = [k for k in seaweed.keys("rival/") if k.endswith(".bin")]
             dcp.save(writer_state(1, 8), storage_writer=CheckpointWriter(loc, **where.options))
-            # The rival's clean-up of files its manifest does not name (at its start or after its
-            # commit, depending on timing) removes this object: done here so it always happens.
-            seaweed.client().delete_object(Bucket=seaweed.bucket, Key=key)
-        return real_size(self, key)
+            # The rival removes the files its manifest does not name after its commit (when its
+            # listing before the save saw them): done here so it always happens.
+            for key in ours:
+                seaweed.client().delete_object(Bucket=seaweed.bucket, Key=key)
+        return real_commit(self, name, data, replace=replace)
 
-    monkeypatch.setattr(S3Store, "size_of_key", rival_commits_first)
+    monkeypatch.setattr(S3Store, "put_commit_record", rival_commits_first)
     with pytest.raises(CheckpointException) as info:
         dcp.save(writer_state(2, 8), storage_writer=CheckpointWriter(loc, **where.options))
-    monkeypatch.setattr(S3Store, "size_of_key", real_size)
+    monkeypatch.setattr(S3Store, "put_commit_record", real_commit)
     assert rival and isinstance(find_checkpoint_error(info.value), CheckpointExistsError), repr(info.value)
     assert verify_checkpoint(loc, **where.options).ok and _holds(_load(loc, where), 1, 8)
 
