@@ -182,8 +182,13 @@ def write_hashed_files(
     sinks = []
     digests: list[list[str]] = [[""] * len(c) for c in plans]
     try:
-        for name in names:
-            sinks.append(store.open_sink(name, part_size=chunk_size))
+        for name, size in zip(names, file_sizes):
+            sink = store.open_sink(name, part_size=chunk_size)
+            sinks.append(sink)
+            # Optional (a local file: its blocks allocated up front, see storage/local_sink.py).
+            reserve = getattr(type(sink), "reserve", None)
+            if reserve is not None:
+                reserve(sink, size)
         pool = ThreadPoolExecutor(thread_count, thread_name_prefix="goodput-write")
         try:
             if store.traits.random_writes:
