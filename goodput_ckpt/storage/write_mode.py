@@ -11,8 +11,9 @@ against a raw ``write`` + ``fsync`` of the same bytes, both ways in the same run
   direct save needs one ``memmove`` per chunk (0.48x raw buffered against 1.39x direct under 4
   busy loops and a page-cache filler on 2 CPUs). Since buffered writes to a file are copied one
   at a time (:mod:`.local_sink`), a buffered save of 256 MiB takes 0.12-0.14 CPU-s against 0.24-0.29
-  before and raw's 0.07, and the gap narrowed, but direct still won in 8 of the 9 contended runs
-  of session 20 (buffered 0.59-2.24x raw, direct 0.64-4.42x in the same runs).
+  before and raw's 0.07, and the gap narrowed, but direct still won in 8 of the 10 contended runs
+  of session 20 (buffered 0.59-2.24x raw, direct 0.57-4.42x in the same runs; buffered won the
+  two at the lowest load, 9-13 on 2 CPUs).
 
 Neither way alone stays at 0.9x raw in both, so with ``LocalConfig.direct_writes=None`` a save
 reads the machine's state when it opens a data file and writes direct when the CPUs are
