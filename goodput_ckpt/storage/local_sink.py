@@ -125,9 +125,10 @@ class LocalSink:
         called once by :func:`~..engine.hashed_write.write_hashed_files` right after the open).
 
         Why: chunks arrive from several threads, out of order, each beyond the end the file has
-        so far. On ext4 such an extending write allocates blocks under the inode's lock (a direct
-        one holds it exclusively for the whole device write); once the blocks exist and the
-        file has its final size, the writes only fill them. A filesystem without ``fallocate``
+        so far, and such an extending write allocates blocks and moves the size under the inode's
+        lock; once the blocks exist and the file has its final size, the writes only fill them.
+        Measured on ext4 (class docstring): buffered writes' CPU 0.063 -> 0.045 CPU-s per 256 MiB;
+        direct writes unchanged (the device is their limit). A filesystem without ``fallocate``
         (or any failure, a full disk included) leaves the file as it is: the writes then
         allocate as before, and a full disk fails them with the same error as without this.
         """
