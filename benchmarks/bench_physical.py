@@ -15,7 +15,10 @@ untimed warm-up save of the same method (``goodput_ckpt.tools.measure._bench_sav
 
 Printed per method: seconds and the ratio **raw seconds / method seconds within the same repeat**
 (1.0: as fast as the raw write), min / median / max over ``--repeats``; user and system CPU
-seconds and minor page faults of the process during each save; and, per repeat, the load
+seconds and minor page faults of the process during each save, and the full (generation 2) garbage
+collections that ran inside the timed saves, summed over the repeats (``full_gc`` in the JSON
+lists them per repeat: a save's own allocations can trigger a collection of the whole process,
+which a raw write never does); and, per repeat, the load
 average, the CPU and memory pressure (PSI ``some avg10``) and what ``ours`` chose from them.
 
 ``--load N,MIB`` starts an artificial load for the run and stops it (by PID) at the end: ``N``
@@ -151,6 +154,7 @@ def _regime() -> str:
 
 
 def _clock(fn: Callable[[], Any]) -> dict[str, float]:
+    g0 = gc.get_stats()[2]["collections"]
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     fn()
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
@@ -159,6 +163,7 @@ def _clock(fn: Callable[[], Any]) -> dict[str, float]:
         "user": r1.ru_utime - r0.ru_utime,
         "sys": r1.ru_stime - r0.ru_stime,
         "minflt": float(r1.ru_minflt - r0.ru_minflt),
+        "full_gc": float(gc.get_stats()[2]["collections"] - g0),
     }
 
 
@@ -320,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {},
         "vs_raw": {},
         "cpu": {},
+        "full_gc": {},
     }
     print(
         f"\n{'method':<14}{'seconds (median)':>18}{'raw/method min':>16}{'median':>8}{'max':>7}"
-        f"{'user s':>8}{'sys s':>7}{'minflt':>8}"
+        f"{'user s':>8}{'sys s':>7}{'minflt':>8}{'full gc':>9}"
     )
     for n in names:
         walls = [s["wall"] for s in samples[n]]
@@ -332,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         report["vs_raw"][n] = stats(ratio)
         cpu = {k: statistics.median(s[k] for s in samples[n]) for k in ("user", "sys", "minflt")}
         report["cpu"][n] = cpu
+        gcs = [int(s["full_gc"]) for s in samples[n]]
+        report["full_gc"][n] = gcs
         print(
             f"{n:<14}{statistics.median(walls):>18.3f}{min(ratio):>16.2f}{statistics.median(ratio):>8.2f}"
-            f"{max(ratio):>7.2f}{cpu['user']:>8.2f}{cpu['sys']:>7.2f}{cpu['minflt']:>8.0f}"
+            f"{max(ratio):>7.2f}{cpu['user']:>8.2f}{cpu['sys']:>7.2f}{cpu['minflt']:>8.0f}{sum(gcs):>9}"
         )
     if phases:
         report["phases"] = phases

@@ -119,7 +119,9 @@ def write_hashed_files(
     bytes of one chunk (item ranges and zero padding), hashes exactly those bytes and writes
     them, so digests never need a read-back. A sink with ``write_hashed(offset, buffers,
     hasher)`` (S3's, which copies every chunk into its part bodies) is handed the hasher and
-    feeds it the bytes as it copies them: one pass over memory instead of two. On stores with
+    feeds it the bytes as it copies them: one pass over memory instead of two. A sink with
+    ``reserve(size)`` (a local file's, which allocates its blocks) is told its file's size right
+    after it is opened, before any chunk. On stores with
     random writes every chunk is a task; otherwise each file is written in order, and closed,
     by one worker.
 
@@ -182,8 +184,13 @@ def write_hashed_files(
     sinks = []
     digests: list[list[str]] = [[""] * len(c) for c in plans]
     try:
-        for name in names:
-            sinks.append(store.open_sink(name, part_size=chunk_size))
+        for name, size in zip(names, file_sizes):
+            sink = store.open_sink(name, part_size=chunk_size)
+            sinks.append(sink)
+            # Optional, looked up on the class as write_hashed is (see the docstring).
+            reserve = getattr(type(sink), "reserve", None)
+            if reserve is not None:
+                reserve(sink, size)
         pool = ThreadPoolExecutor(thread_count, thread_name_prefix="goodput-write")
         try:
             if store.traits.random_writes:

@@ -6,10 +6,14 @@ against a raw ``write`` + ``fsync`` of the same bytes, both ways in the same run
 - with CPUs to spare, buffered writes win: the page cache takes the bytes at memory speed and
   its writeback (started early by ``sync_file_range``) merges them, while direct writes wait on
   the device request by request (0.96x raw buffered against 0.74x direct, 256 MiB);
-- when runnable tasks wait for the CPUs, direct writes win: a buffered save needs about twice
-  raw's CPU (the page-cache copy and page allocation on 4 threads, plus hashing) and gets a
-  fraction of it, while a direct save needs one ``memmove`` per chunk (0.48x raw buffered against
-  1.39x direct under 4 busy loops and a page-cache filler on 2 CPUs).
+- when runnable tasks wait for the CPUs, direct writes win: a buffered save needs more CPU than
+  raw (the page-cache copy and page allocation, plus hashing) and gets a fraction of it, while a
+  direct save needs one ``memmove`` per chunk (0.48x raw buffered against 1.39x direct under 4
+  busy loops and a page-cache filler on 2 CPUs). Since buffered writes to a file are copied one
+  at a time (:mod:`.local_sink`), a buffered save of 256 MiB takes 0.12-0.14 CPU-s against 0.24-0.29
+  before and raw's 0.07, and the gap narrowed, but direct still won in 8 of the 10 contended runs
+  of session 20 (buffered 0.59-2.24x raw, direct 0.57-4.42x in the same runs; buffered won the
+  two at the lowest load, 9-13 on 2 CPUs).
 
 Neither way alone stays at 0.9x raw in both, so with ``LocalConfig.direct_writes=None`` a save
 reads the machine's state when it opens a data file and writes direct when the CPUs are

@@ -48,6 +48,7 @@ def test_tiny_run_reports_ratios_and_phases(tmp_path, capsys):
     assert list(report["seconds"]) == methods and report["order"] == [methods]
     assert report["vs_raw"]["raw"]["median"] == 1.0
     assert all(v["median"] > 0 for v in report["vs_raw"].values())
+    assert list(report["full_gc"]) == methods and all(len(v) == 1 and v[0] >= 0 for v in report["full_gc"].values())
     parts = report["phases"][0]["parts"]
     assert parts["write_hashed_files (wall)"]["calls"] == 1 and parts["blake3 (thread-s)"]["calls"] > 0
     text = capsys.readouterr().out

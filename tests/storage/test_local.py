@@ -146,3 +146,101 @@ def test_a_closed_sink_takes_no_writes_and_an_aborted_one_cannot_close(tmp_path)
     aborted.abort()
     with pytest.raises(CheckpointError, match="aborted"):
         aborted.close()
+
+
+def test_buffered_writes_to_one_file_are_copied_one_at_a_time(tmp_path, monkeypatch):
+    """Writer threads copy into the page cache one at a time (the kernel serializes buffered
+    writes to a file anyway, and its waiters spin on the CPUs first: storage/local_sink.py)."""
+    import goodput_ckpt.storage.local_sink as sink_mod
+
+    real, lock = os.pwritev, threading.Lock()
+    inside, most, arrived = [0], [0], threading.Event()
+
+    def pwritev(fd, views, offset):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] > 1:
+                arrived.set()
+        arrived.wait(0.2)  # hold the call open so that an unserialized second writer gets in
+        try:
+            return real(fd, views, offset)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(sink_mod.os, "pwritev", pwritev)
+    store = LocalStore(str(tmp_path / "loc"), LocalConfig(direct_writes=False))
+    store.prepare()
+    sink = store.open_sink("data.bin")
+    blocks = [bytes([i]) * 4096 for i in range(6)]
+    threads = [threading.Thread(target=sink.write_at, args=(i * 4096, [blocks[i]])) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sink.close()
+    assert most[0] == 1
+    assert (tmp_path / "loc" / "data.bin").read_bytes() == b"".join(blocks)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_data_file_is_allocated_at_its_size_before_its_chunks_arrive(tmp_path, monkeypatch, direct):
+    """write_hashed_files reserves each local file's size first (fallocate: chunks then fill
+    allocated blocks instead of extending the file under its inode lock), and the file that
+    results is the same."""
+    from goodput_ckpt.engine.hashed_write import write_hashed_files
+    from goodput_ckpt.engine.layout import place_items
+    from goodput_ckpt.storage.local_sink import LocalSink
+
+    seen: list[tuple[int, int, int]] = []
+    real = LocalSink.reserve
+
+    def reserve(self, size):
+        real(self, size)
+        st = os.fstat(self._fd)
+        seen.append((size, st.st_size, st.st_blocks * 512))
+
+    monkeypatch.setattr(LocalSink, "reserve", reserve)
+    items = [os.urandom(3 << 20), os.urandom(1234), os.urandom(2 << 20)]
+    store = LocalStore(str(tmp_path / "loc"), LocalConfig(direct_writes=direct))
+    store.prepare()
+    placements, sizes = place_items([len(b) for b in items], 2)
+
+    class _Bytes:
+        def __init__(self, data: bytes) -> None:
+            self._view, self.nbytes = memoryview(bytearray(data)), len(data)
+
+        def view(self, start, end):
+            return self._view[start:end]
+
+        def release(self):
+            pass
+
+    names = ["f0.bin", "f1.bin"]
+    entries = write_hashed_files(
+        store, names, placements, sizes, [_Bytes(b) for b in items], chunk_size=1 << 20, thread_count=4
+    )
+    assert [s[0] for s in seen] == sizes  # once per file, before any chunk: its size is already final
+    assert all(size == st_size and allocated >= size for size, st_size, allocated in seen)
+    for entry, placed in zip(entries, [[p for p in placements if p.file == f] for f in range(2)]):
+        data = (tmp_path / "loc" / entry.path).read_bytes()
+        assert len(data) == entry.size
+        for p in placed:
+            assert data[p.offset : p.offset + p.length] == items[p.item]
+
+
+def test_reserve_is_a_hint_where_the_filesystem_has_no_fallocate(tmp_path, monkeypatch):
+    import goodput_ckpt.storage.local_sink as sink_mod
+
+    def refused(fd, mode, offset, length):
+        return -1  # EOPNOTSUPP on a filesystem without it, ENOSPC on a full disk: writes decide
+
+    monkeypatch.setattr(sink_mod, "_FALLOCATE", refused)
+    store = LocalStore(str(tmp_path / "loc"))
+    store.prepare()
+    sink = store.open_sink("data.bin")
+    sink.reserve(8192)
+    sink.write_at(0, [b"a" * 5000])
+    sink.close()
+    assert (tmp_path / "loc" / "data.bin").read_bytes() == b"a" * 5000
