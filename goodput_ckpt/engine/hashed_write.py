@@ -26,7 +26,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import blake3
@@ -37,6 +37,7 @@ from ..format.manifest import ALIGNMENT, MANIFEST_NAME, FileEntry, Manifest, par
 from ..storage import Store
 from ..storage.base import BackgroundCommit, StaleUploads
 from .layout import ChunkPlan, Placement, chunk_plans
+from .worker_pool import WRITERS, run_bounded
 
 __all__ = [
     "ByteSource",
@@ -191,30 +192,33 @@ def write_hashed_files(
             reserve = getattr(type(sink), "reserve", None)
             if reserve is not None:
                 reserve(sink, size)
-        pool = ThreadPoolExecutor(thread_count, thread_name_prefix="goodput-write")
-        try:
-            if store.traits.random_writes:
-                all_chunks = [ch for chunks in plans for ch in chunks]
-                if order is not None:
-                    all_chunks.sort(key=order)
-                futs = {pool.submit(write_chunk, sinks[ch.file], ch): ch for ch in all_chunks}
-                for fut, ch in futs.items():
-                    digests[ch.file][ch.index] = fut.result()
-            else:
+        # On the first failure, the chunks not yet started are dropped instead of written.
+        if store.traits.random_writes:
+            all_chunks = [ch for chunks in plans for ch in chunks]
+            if order is not None:
+                all_chunks.sort(key=order)
 
-                def write_file(f: int) -> list[str]:
-                    out = [write_chunk(sinks[f], ch) for ch in plans[f]]
-                    # Close here, not after every file is written: on a mount or an object
-                    # store, close flushes the file's tail (uploads its last part), and the
-                    # files' tails then go up in parallel instead of one after the other.
-                    sinks[f].close()
-                    return out
+            def put_digest(i: int, digest: str) -> None:
+                digests[all_chunks[i].file][all_chunks[i].index] = digest
 
-                for f, fut in enumerate([pool.submit(write_file, f) for f in range(len(plans))]):
-                    digests[f] = fut.result()
-        finally:
-            # On the first failure, drop the chunks not yet started instead of writing them.
-            pool.shutdown(wait=True, cancel_futures=True)
+            run_bounded(
+                WRITERS,
+                len(all_chunks),
+                thread_count,
+                lambda i: write_chunk(sinks[all_chunks[i].file], all_chunks[i]),
+                put_digest,
+            )
+        else:
+
+            def write_file(f: int) -> list[str]:
+                out = [write_chunk(sinks[f], ch) for ch in plans[f]]
+                # Close here, not after every file is written: on a mount or an object
+                # store, close flushes the file's tail (uploads its last part), and the
+                # files' tails then go up in parallel instead of one after the other.
+                sinks[f].close()
+                return out
+
+            run_bounded(WRITERS, len(plans), thread_count, write_file, digests.__setitem__)
         for sink in sinks:
             sink.close()
     except BaseException:

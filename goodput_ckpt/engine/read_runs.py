@@ -15,22 +15,16 @@ The threads are the process's kept readers and hashers (:mod:`.worker_pool`): a 
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TypeVar
 
 from .read_plan import Task
-from .worker_pool import HASHERS, READERS
+from .worker_pool import HASHERS, READERS, run_bounded
 
 __all__ = ["run_jobs"]
 
 B = TypeVar("B")
-
-#: Seconds between the caller's checks that its runners are still there while it waits for a
-#: job (a runner that never ran: the interpreter is shutting its pools down).
-_POLL_S = 1.0
 
 
 def run_jobs(
@@ -54,8 +48,6 @@ def run_jobs(
         The first error of any read or verification; the jobs not started yet are not started
         and the running ones finish before it is raised.
     """
-    if not jobs:
-        return
     runs = sum(len(j) > 1 for j in jobs)
     hashers, own_hashers = HASHERS.executor(threads) if verify is not None and runs else (None, False)
 
@@ -77,46 +69,8 @@ def run_jobs(
             if hashing is not None and not hashing.cancel():
                 wait([hashing])  # never leave a hash running into buffers the caller may free
 
-    order = iter(range(len(jobs)))
-    taking = threading.Lock()
-    stop = threading.Event()
-    finished: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
-
-    def runner() -> None:
-        while not stop.is_set():
-            with taking:
-                i = next(order, None)
-            if i is None:
-                return
-            try:
-                run(jobs[i])
-            except BaseException as e:  # handed to the caller, which raises it
-                stop.set()
-                finished.put((i, e))
-                return
-            finished.put((i, None))
-
-    readers, own_readers = READERS.executor(threads)
-    runners: list[Future[None]] = []
     try:
-        runners = [readers.submit(runner) for _ in range(min(max(1, threads), len(jobs)))]
-        left = len(jobs)
-        while left:
-            try:
-                i, err = finished.get(timeout=_POLL_S)
-            except queue.Empty:
-                if all(f.done() for f in runners) and finished.empty():
-                    broken = next((f.exception() for f in runners if f.exception() is not None), None)
-                    raise RuntimeError(f"the load's reader threads stopped with {left} jobs unread") from broken
-                continue
-            if err is not None:
-                raise err
-            job_done(jobs[i])
-            left -= 1
+        run_bounded(READERS, len(jobs), threads, lambda i: run(jobs[i]), lambda i, _: job_done(jobs[i]))
     finally:
-        stop.set()  # jobs not started yet are not read for nothing
-        wait(runners)
-        if own_readers:
-            readers.shutdown(wait=True)
         if own_hashers and hashers is not None:
             hashers.shutdown(wait=True, cancel_futures=True)

@@ -1,4 +1,5 @@
-"""Worker threads kept from one load to the next, shared by every load of the process.
+"""Worker threads kept from one load or save to the next, shared by every load and save of the
+process.
 
 Why: ``Thread.start`` returns only once the new thread has run, so a caller that starts its
 workers per load waits for each of them to be scheduled, while the workers it started first
@@ -9,14 +10,14 @@ started once per process.
 
 How a caller keeps its own bound: a pool's thread cap is only a ceiling (:data:`_CAP`); threads
 are made when a task finds none idle, so the pool holds as many as the busiest moment needed. A
-caller that wants ``n`` threads submits ``n`` tasks that each take work from the caller's own
-queue (:func:`.read_runs.run_jobs`), so two loads at once share the threads without either
+caller that wants ``n`` threads submits ``n`` runners that each take work from the caller's own
+list (:func:`run_bounded`), so two loads or saves at once share the threads without either
 exceeding its own count.
 
 What must not happen, and why it cannot:
 
 - a deadlock of tasks waiting on tasks of the same pool: each pool's tasks wait only on another
-  pool's (readers wait on hashers, hashers on nothing), and a task that itself needs a pool of
+  pool's (readers wait on hashers; hashers and writers on none of these), and a task that itself needs a pool of
   its kind gets a private one (:meth:`WorkerPool.executor` sees it runs on a worker);
 - a forked child using its parent's pool, whose threads it does not have (a dataloader worker):
   the pools are dropped in the child and made again on first use.
@@ -25,13 +26,21 @@ What must not happen, and why it cannot:
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
-__all__ = ["HASHERS", "READERS", "WorkerPool"]
+__all__ = ["HASHERS", "READERS", "WRITERS", "WorkerPool", "run_bounded"]
+
+R = TypeVar("R")
 
 #: The most threads one pool may hold at once; a ceiling, not a count (threads start on demand).
 _CAP = 256
+#: Seconds between the caller's checks that its runners are still there while it waits (a runner
+#: that never ran: the interpreter is shutting its pools down).
+_POLL_S = 1.0
 
 
 class WorkerPool:
@@ -80,3 +89,65 @@ if hasattr(os, "register_at_fork"):
 READERS = WorkerPool("goodput-read")
 #: Threads that hash a task while its reader reads the next one.
 HASHERS = WorkerPool("goodput-hash")
+#: Threads that hash and write a save's chunks (:func:`.hashed_write.write_hashed_files`).
+WRITERS = WorkerPool("goodput-write")
+
+
+def run_bounded(
+    pool: WorkerPool,
+    count: int,
+    threads: int,
+    task: Callable[[int], R],
+    done: Callable[[int, R], None],
+) -> None:
+    """Run ``task(0) ... task(count - 1)`` on at most ``threads`` of ``pool``'s workers, taken
+    in order; ``done(i, result)`` is called in the calling thread as each finishes (never two at
+    once).
+
+    Raises:
+        The first error of any task (or of ``done``): the tasks not started yet are not started,
+        and the running ones finish before it is raised.
+    """
+    if count <= 0:
+        return
+    order = iter(range(count))
+    taking = threading.Lock()
+    stop = threading.Event()
+    finished: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = queue.SimpleQueue()
+
+    def runner() -> None:
+        while not stop.is_set():
+            with taking:
+                i = next(order, None)
+            if i is None:
+                return
+            try:
+                result = task(i)
+            except BaseException as e:  # handed to the caller, which raises it
+                stop.set()
+                finished.put((i, None, e))
+                return
+            finished.put((i, result, None))
+
+    executor, private = pool.executor(threads)
+    runners: list[Future[None]] = []
+    try:
+        runners = [executor.submit(runner) for _ in range(min(max(1, threads), count))]
+        left = count
+        while left:
+            try:
+                i, result, err = finished.get(timeout=_POLL_S)
+            except queue.Empty:
+                if all(f.done() for f in runners) and finished.empty():
+                    broken = next((f.exception() for f in runners if f.exception() is not None), None)
+                    raise RuntimeError(f"the worker threads stopped with {left} tasks not run") from broken
+                continue
+            if err is not None:
+                raise err
+            done(i, result)
+            left -= 1
+    finally:
+        stop.set()  # tasks not started yet are not run for nothing
+        wait(runners)
+        if private:
+            executor.shutdown(wait=True)
