@@ -19,7 +19,8 @@ Models are GPT-2-style, built from a ``transformers`` config (no download). Scen
 Bytes written are the step directory's files (data files and manifest) after the save, the same
 measure for every method; the incremental manager's own counters (timeline ``written_bytes``)
 are reported too. Saves are synchronous (``async_save=False``) so that a save's time is its
-wall time. Each figure is the median over ``--repeats`` runs (each run: ``--saves`` saves per
+wall time; the saving process's CPU time (every thread, not the S3 server's) is recorded beside
+it, a measure that the load of a shared machine moves less. Each figure is the median over ``--repeats`` runs (each run: ``--saves`` saves per
 method, methods in rotated order), with min and max as the spread. Restore: the newest step of
 ``full`` and of ``incremental`` (which references the first step) into a fresh model, verified
 bit-exact; on S3 the server's request counters are read before and after each restore.
@@ -198,16 +199,20 @@ def run_scenario(scenario: str, rep: int, args: argparse.Namespace, target: Targ
         )
         for m in methods
     }
-    out: dict[str, Any] = {m: {"bytes": [], "seconds": [], "written_bytes": [], "requests": []} for m in methods}
+    out: dict[str, Any] = {
+        m: {"bytes": [], "seconds": [], "cpu_seconds": [], "written_bytes": [], "requests": []} for m in methods
+    }
     order = list(methods)
     for i in range(1, args.saves + 1):
         train_steps(model, opt, args.every, 100 * rep + i)
         order = order[1:] + order[:1]
         for m in order:
             before = target.requests()  # the server's counters: not the timed part
+            c0 = time.process_time()  # this process's CPU, every thread: the load's swing aside
             t0 = time.perf_counter()
             managers[m].save(i, model=methods[m], optimizer=opt)
             out[m]["seconds"].append(time.perf_counter() - t0)
+            out[m]["cpu_seconds"].append(time.process_time() - c0)
             out[m]["requests"].append(dict(target.requests() - before))  # before the step's LIST below
             out[m]["bytes"].append(target.bytes(f"{scenario}-{m}-{rep}", i))
             rec = managers[m].timeline[-1]
@@ -317,6 +322,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             s["seconds_vs_trainable"] = per_run(
                 lambda r: med(r, "incremental", "seconds") / med(r, "trainable", "seconds")
             )
+            if "cpu_seconds" in reps[0]["trainable"]:  # the saving process's CPU time (not the server's)
+                s["cpu_vs_trainable"] = per_run(
+                    lambda r: med(r, "incremental", "cpu_seconds") / med(r, "trainable", "cpu_seconds")
+                )
         s["bytes_vs_full"] = per_run(lambda r: med(r, "incremental", "bytes") / med(r, "full", "bytes"))
         s["seconds_vs_full"] = per_run(lambda r: med(r, "incremental", "seconds") / med(r, "full", "seconds"))
         s["frozen_share_of_full"] = per_run(lambda r: r["frozen_bytes"] / med(r, "full", "bytes"))
@@ -363,6 +372,7 @@ def print_report(report: dict[str, Any], where: str) -> None:
         for k in (
             "bytes_vs_trainable",
             "seconds_vs_trainable",
+            "cpu_vs_trainable",
             "bytes_vs_full",
             "seconds_vs_full",
             "frozen_share_of_full",

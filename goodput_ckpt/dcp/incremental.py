@@ -105,6 +105,10 @@ class IncrementalTracker:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         self.full_every = full_every
         self._stored: dict[ItemKey, StoredPiece] = {}
+        #: key -> its one stored piece, for keys stored as one item (what may be referenced).
+        #: Built once per commit from ``_stored`` (which changes only there and at ``reset``),
+        #: not at every plan: a LoRA base's ~60-150 frozen keys were regrouped at every save.
+        self._single: dict[str, tuple[tuple[int, ...] | None, StoredPiece]] = {}
         self._signatures: dict[str, tuple[Any, ...]] = {}
         self._tensors: dict[str, torch.Tensor] = {}  # keeps the compared memory alive
         self._since_full: int | None = None  # saves committed since the last full one
@@ -112,7 +116,7 @@ class IncrementalTracker:
     def reset(self) -> None:
         """Forget everything: the next save is full (after a restore, the live tensors hold
         another step's bytes)."""
-        self._stored, self._signatures, self._tensors, self._since_full = {}, {}, {}, None
+        self._stored, self._single, self._signatures, self._tensors, self._since_full = {}, {}, {}, {}, None
 
     def plan(self, state: Mapping[str, Any], models: Iterable[torch.nn.Module], *, location: str) -> IncrementalPlan:
         """This save's plan on this rank: call it with the live state dict, before staging."""
@@ -123,18 +127,20 @@ class IncrementalTracker:
         plan = IncrementalPlan(location=location, reusable={}, full=full, signatures=signatures, tensors=flat)
         if full:
             return plan
-        by_key: dict[str, list[tuple[tuple[int, ...] | None, StoredPiece]]] = {}
-        for (key, offsets), piece in self._stored.items():
-            by_key.setdefault(key, []).append((offsets, piece))
+        before = self._signatures
         for key, sig in signatures.items():
-            pieces = by_key.get(key)
-            if sig == self._signatures.get(key) and pieces is not None and len(pieces) == 1:
-                plan.reusable[key] = pieces[0]
+            piece = self._single.get(key)
+            if piece is not None and sig == before.get(key):
+                plan.reusable[key] = piece
         return plan
 
     def committed(self, plan: IncrementalPlan) -> None:
         """After ``plan``'s save committed on every rank: its items become the reference base."""
         self._stored = dict(plan.stored)
+        by_key: dict[str, list[tuple[tuple[int, ...] | None, StoredPiece]]] = {}
+        for (key, offsets), piece in self._stored.items():
+            by_key.setdefault(key, []).append((offsets, piece))
+        self._single = {k: pieces[0] for k, pieces in by_key.items() if len(pieces) == 1}
         self._signatures = plan.signatures
         self._tensors = {k: t for k, t in plan.tensors.items() if k in plan.signatures}
         self._since_full = 0 if plan.full else (self._since_full or 0) + 1
@@ -164,8 +170,8 @@ def _flat_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 def _trainable_storages(models: Iterable[torch.nn.Module]) -> set[tuple[str, int]]:
@@ -179,4 +185,6 @@ def _trainable_storages(models: Iterable[torch.nn.Module]) -> set[tuple[str, int
 
 
 def _signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
+    # ``torch.Size`` is a tuple and ``stride()`` returns one; a ``torch.device`` compares by
+    # value: no conversions (this runs once per tensor of the state at every save).
+    return (t.data_ptr(), t._version, t.dtype, t.shape, t.stride(), t.device)

@@ -6,7 +6,8 @@ With ``CheckpointManager(..., free_space_on_full=True)``, after a failed save ev
 whether its target disk now has less room than the state it saves; if any has, each such disk's
 owner (one tier: the coordinator; two tiers: each node's first rank, on its node's directory)
 deletes the failed save's partial files, the other incomplete steps and the oldest complete step
-beyond the newest one, and every rank tries the save once more. A check of free space, not of
+beyond the newest one, by retention's rule (none that a step that stays references, each before
+the steps it references: :mod:`.step_references`), and every rank tries the save once more. A check of free space, not of
 the error's text: DCP hands the ranks each other's errors without their ``OSError`` (and its
 ``errno``), and "no space" must be told apart the same way on every rank.
 """
@@ -20,7 +21,7 @@ from collections.abc import Collection
 from ..dcp.collectives import Group
 from ..errors import CheckpointError
 from ..storage.base import Store
-from .retention import delete_step, scan_steps, spare_referenced
+from .retention import delete_step, deletion_order, scan_steps, spare_referenced
 
 __all__ = ["free_oldest", "make_room", "short_of_space"]
 
@@ -45,13 +46,29 @@ def short_of_space(store: Store, needed: int) -> bool:
 
 def free_oldest(store: Store, *, protect: Collection[int] = ()) -> list[int]:
     """Delete every incomplete step under ``store`` and the oldest complete step beyond the
-    newest one, except ``protect`` (a step a persist still reads); the steps deleted."""
+    newest one, except ``protect`` (a step a persist still reads) and what a step that stays
+    references; the steps deleted, ascending.
+
+    The same rule as retention (:func:`~.retention.spare_referenced`, then
+    :func:`~.retention.deletion_order`): a step goes only when no step that stays references it
+    (an incomplete step may be a base whose record was lost while a kept step still reads its
+    data files), and each step goes before every step it references, so that a kill between two
+    deletions never leaves a complete step whose base is gone.
+    """
     scan = scan_steps(store)
-    doomed = [s for s in scan.incomplete if s not in protect]
+    incomplete = [s for s in scan.incomplete if s not in protect]
     older = [s for s in scan.complete[:-1] if s not in protect]
-    # The oldest that no other step references (an incremental save's base stays).
-    doomed += next(([s] for s in older if spare_referenced(store, scan, [s])), [])
-    for s in sorted(doomed):
+    # With the oldest complete step that no step that stays references (an incremental save's
+    # base stays); the incomplete steps only it referenced go with it.
+    doomed = None
+    for s in older:  # bounded: one try per complete step
+        with_it = spare_referenced(store, scan, [*incomplete, s])
+        if s in with_it:
+            doomed = with_it
+            break
+    if doomed is None:
+        doomed = spare_referenced(store, scan, incomplete)
+    for s in deletion_order(store, scan.files, doomed):
         try:
             delete_step(store, s, scan.files[s])
         except CheckpointError as e:
