@@ -1,9 +1,10 @@
-"""A restore's reader threads kept from load to load (engine/worker_pool.py) against threads
-started for each load, as before, in one process.
+"""A restore's reader threads and a save's writer threads kept from one load or save to the next
+(engine/worker_pool.py) against threads started for each, as before, in one process.
 
 The tiers model of ``bench_peers.py`` (a ``Linear`` stack plus AdamW, ``bench_stall.build``),
 saved once by ``CheckpointManager``; then ``--repeats`` pairs of restores by a new manager (a
-restarted job's restore, verification on), the pair's order alternating. "fresh" makes every
+restarted job's restore, verification on), then as many pairs of synchronous saves of a new step
+(``async_save=False``, ``keep_last=2``), each pair's order alternating. "fresh" makes every
 pool private to its load (``WorkerPool.on_worker`` answers yes, so each load makes its own
 ``ThreadPoolExecutor`` and shuts it down: the code before the change); "kept" is the default.
 Prints min/median/max of each and of fresh / kept within each pair, and the load average.
@@ -47,23 +48,38 @@ def main(argv: list[str] | None = None) -> int:
         with CheckpointManager(root, keep_last=None, timeline=False, async_save=False) as mgr:
             mgr.save(1, model=model, optimizer=opt)
         kept_check = WorkerPool.on_worker
-        times: dict[str, list[float]] = {"fresh": [], "kept": []}
         print(f"load average before: {os.getloadavg()[0]:.2f}")
-        for r in range(args.repeats):
-            for way in ("fresh", "kept") if r % 2 == 0 else ("kept", "fresh"):
-                WorkerPool.on_worker = (lambda self: True) if way == "fresh" else kept_check
-                try:
-                    with CheckpointManager(root, timeline=False) as mgr:
-                        t0 = time.perf_counter()
-                        mgr.restore(model=model, optimizer=opt)
-                        times[way].append(time.perf_counter() - t0)
-                finally:
-                    WorkerPool.on_worker = kept_check
-        ratio = [f / k for f, k in zip(times["fresh"], times["kept"])]
-        print(f"order: fresh, kept / kept, fresh alternating; {args.repeats} pairs")
-        print(f"restore s, fresh threads per load: {_spread(times['fresh'])}")
-        print(f"restore s, kept threads:           {_spread(times['kept'])}")
-        print(f"fresh / kept (within each pair):   {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})")
+        step = [1]
+
+        def restore() -> float:
+            with CheckpointManager(root, timeline=False) as mgr:
+                t0 = time.perf_counter()
+                mgr.restore(model=model, optimizer=opt)
+                return time.perf_counter() - t0
+
+        def save() -> float:
+            step[0] += 1
+            with CheckpointManager(root, keep_last=2, timeline=False, async_save=False) as mgr:
+                t0 = time.perf_counter()
+                mgr.save(step[0], model=model, optimizer=opt)
+                return time.perf_counter() - t0
+
+        for what, fn in (("restore", restore), ("save", save)):
+            times: dict[str, list[float]] = {"fresh": [], "kept": []}
+            for r in range(args.repeats):
+                for way in ("fresh", "kept") if r % 2 == 0 else ("kept", "fresh"):
+                    WorkerPool.on_worker = (lambda self: True) if way == "fresh" else kept_check
+                    try:
+                        times[way].append(fn())
+                    finally:
+                        WorkerPool.on_worker = kept_check
+            ratio = [f / k for f, k in zip(times["fresh"], times["kept"])]
+            print(f"{what}: order fresh, kept / kept, fresh alternating; {args.repeats} pairs")
+            print(f"  {what} s, fresh threads each time: {_spread(times['fresh'])}")
+            print(f"  {what} s, kept threads:            {_spread(times['kept'])}")
+            print(
+                f"  fresh / kept (within each pair):   {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})"
+            )
         print(f"load average after: {os.getloadavg()[0]:.2f}")
     finally:
         dist.destroy_process_group()
