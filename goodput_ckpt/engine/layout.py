@@ -16,8 +16,9 @@ whatever the number of ranks, instead of about one run per rank (each rank's une
 shards shifted every later item of its file): on a real FSDP2 + AdamW layout of small tensors the
 record's runs grew 2.5x from 2 to 8 ranks, and ``read_metadata`` with them (issue 37, "Restore on
 a real layout"; docs/scale.md). The padding is bounded: no rank's shards take more bytes than
-those of a rank holding a full block of every tensor it holds (rank 0's), and in all the slots
-add at most one block per tensor.
+those of a rank holding a full block of every tensor (rank 0's), and the slots add less than
+one block per tensor in all (the short last shard's rest; a planner that keeps empty shards, not
+ours, adds a block for each).
 """
 
 from __future__ import annotations
