@@ -193,6 +193,9 @@ def run(world: int, layers: int, repeats: int, old: bool, out: str, keep: str | 
                 fig[which][f"{mode}_{what}"] = _spread(worst)
         cpu = [statistics.median(x[0] for x in ranks[r][which]["alone"]) for r in range(world)]
         fig[which]["worst_rank"] = max(range(world), key=cpu.__getitem__)
+        # Each rank's median over the repeats: the worst of W noisy figures grows with W by
+        # itself (the maximum of more draws), these show whether any rank's work does.
+        fig[which]["alone_cpu_s_rank_medians"] = cpu
     return fig
 
 
