@@ -330,7 +330,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             store = store.for_background_save()  # an optional ability (storage/local.py)
         file_count = self.files_per_rank or (1 if store.traits.random_writes else self.thread_count)
         shards = [shard_shape(items[i]) if i >= own else None for i in to_write]
-        placements, file_sizes = rank_placements(sizes, shards, file_count, save_world_size())
+        placements, file_sizes = rank_placements(sizes, shards, file_count, save_world_size(), self.chunk_size)
         names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
         entries = write_hashed_files(
             store, names, placements, file_sizes, sources, chunk_size=self.chunk_size, thread_count=self.thread_count

@@ -10,15 +10,15 @@ Shards of one tensor lie at one offset in every rank's file where the writer can
 torch's chunk rule gives a full block (``ceil(rows / world)`` rows), also when its own shard is
 shorter (:func:`shard_slot`); it lays its shards out in an order every rank computes alike (those
 of tensors every rank holds first, then those held by fewer ranks, by how many: a rank past a
-tensor's end holds no item for it, the save planner drops empty shards), and its replicated
-values after its shards. Then the commit record describes such a tensor as one or two grid runs
-whatever the number of ranks, instead of about one run per rank (each rank's uneven or missing
-shards shifted every later item of its file): on a real FSDP2 + AdamW layout of small tensors the
-record's runs grew 2.5x from 2 to 8 ranks, and ``read_metadata`` with them (issue 37, "Restore on
-a real layout"; docs/scale.md). The padding is bounded: no rank's shards take more bytes than
-those of a rank holding a full block of every tensor (rank 0's), and the slots add less than
-one block per tensor in all (the short last shard's rest; a planner that keeps empty shards, not
-ours, adds a block for each).
+tensor's end holds no item for it, the save planner drops empty shards), and its replicated values
+after its shards, in one hash chunk where they fit in one. Then the commit record describes such a
+tensor as one or two grid runs whatever the number of ranks, instead of about one run per rank
+(each rank's uneven or missing shards shifted every later item of its file): on a real FSDP2 +
+AdamW layout of small tensors the record's runs grew 2.5x from 2 to 8 ranks, and ``read_metadata``
+with them (issue 37, "Restore on a real layout"; docs/scale.md). The padding is bounded: no rank's
+shards take more bytes than those of a rank holding a full block of every tensor (rank 0's), and
+the slots add less than one block per tensor in all (the short last shard's rest; a planner that
+keeps empty shards, not ours, adds a block for each).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _fsdp_cut(shard: ShardShape, world: int) -> tuple[int, int] | None:
 
 
 def rank_placements(
-    sizes: list[int], shards: list[ShardShape | None], file_count: int, world: int
+    sizes: list[int], shards: list[ShardShape | None], file_count: int, world: int, chunk_size: int | None = None
 ) -> tuple[list[Placement], list[int]]:
     """A rank's layout (the writer's; see the module doc). ``shards[i]``: item ``i``'s shard,
     ``None`` for an item that is not one (a replicated value some rank keeps).
@@ -131,8 +131,9 @@ def rank_placements(
     first (every rank holds a block of a tensor with ``world`` of them; a tensor of ``b`` blocks
     is held by ranks ``0 .. b - 1`` only, so each rank's shards are a prefix of one order that
     every rank shares), in their given order among equals; then other shards; then the items
-    that are not shards, together. Returns what :func:`place_items` returns, indexed like
-    ``sizes``.
+    that are not shards, together, and within one hash chunk of ``chunk_size`` bytes where they
+    fit in one (every rank reads the replicated values at a restore: one chunk to read and
+    verify, not two). Returns what :func:`place_items` returns, indexed like ``sizes``.
     """
     cuts = [None if s is None else _fsdp_cut(s, world) for s in shards]
 
@@ -146,10 +147,33 @@ def rank_placements(
     head = sum(1 for s in shards if s is not None)
     slots = [sizes[i] if shards[i] is None else max(sizes[i], shard_slot(shards[i], world)) for i in order]
     placed, file_sizes = place_items([sizes[i] for i in order], file_count, slots=slots, head=head)
+    if chunk_size and chunk_size % ALIGNMENT == 0:
+        placed, file_sizes = _tail_in_one_chunk(placed, file_sizes, head, chunk_size)
     out: list[Placement] = [None] * len(sizes)  # type: ignore[list-item]
     for p in placed:
         out[order[p.item]] = Placement(order[p.item], p.file, p.offset, p.length)
     return out, file_sizes
+
+
+def _tail_in_one_chunk(
+    placed: list[Placement], file_sizes: list[int], head: int, chunk_size: int
+) -> tuple[list[Placement], list[int]]:
+    """The items after the first ``head`` (the last of each file) moved to the next chunk
+    boundary of their file where they would cross one and fit in one chunk: the padding is less
+    than their own bytes."""
+    sizes = list(file_sizes)
+    for f in range(len(sizes)):
+        tail = [p for p in placed if p.item >= head and p.file == f]
+        if not tail:
+            continue
+        start, end = tail[0].offset, sizes[f]
+        if start // chunk_size == max(start, end - 1) // chunk_size or end - start > chunk_size:
+            continue
+        shift = (start // chunk_size + 1) * chunk_size - start  # aligned: chunk_size is
+        moved = {p.item for p in tail}
+        placed = [Placement(p.item, p.file, p.offset + shift, p.length) if p.item in moved else p for p in placed]
+        sizes[f] += shift
+    return placed, sizes
 
 
 def place_items(

@@ -165,3 +165,19 @@ def test_slot_padding_is_written(tmp_path):
     assert len(data) == entries[0].size == file_sizes[0]
     for p in placements:
         assert data[p.offset : p.offset + p.length] == bytes([p.item + 1]) * p.length
+
+
+@pytest.mark.parametrize("before", [0, 4000, 4096 - 64, 4096 * 3 - 640])
+def test_replicated_values_lie_in_one_hash_chunk(before):
+    """Rank 0's replicated values (read by every rank at a restore) lie together after its shards,
+    moved to the next chunk boundary when they would cross one and fit in one chunk."""
+    chunk = 4096
+    shards = [ShardShape((before // 4,), (0,), (before // 4,), 4)] if before else []
+    own = [1261, 1261, 300]
+    sizes = [s.esize * s.sizes[0] for s in shards] + own
+    placements, file_sizes = rank_placements(sizes, shards + [None] * len(own), 1, 2, chunk)
+    tail = placements[len(shards) :]
+    start, end = tail[0].offset, tail[-1].offset + tail[-1].length
+    assert start // chunk == (end - 1) // chunk and end == file_sizes[0]
+    assert all(a.offset + a.length <= b.offset for a, b in zip(placements, placements[1:]))
+    assert start - (before + 63) // 64 * 64 < sum(own) + 3 * 64, "the padding is less than their bytes"
