@@ -17,15 +17,15 @@ For each W the worst rank's figure of each repeat is kept, then min/median/max o
 Finally each rank runs it once under ``cProfile`` (alone) and the parent prints the top
 functions of the worst rank, so the part that grows with W can be read off at 8 against 2.
 
-``--old-grid-parse`` also measures the parse path before issue 37's fix in the same run (each
-grid's runs checked one by one in Python, and byte ranges checked by the span-by-span sweep): each
-rank then sets ``goodput_ckpt.format.parse._BATCH_GRID_RUNS = False`` and raises
-``goodput_ckpt.format.grid._EXPAND_MIN_SPANS`` past any count, switches that exist for this
-benchmark only. (The fix's one other change, run starts summed at C speed in ``GridChunks``, stays
-on: the old figures are a little low.)
+``--old-layout`` also saves the same state with the byte layout before issue 37's second fix
+(each rank's items packed at their own sizes, its replicated values first: a tensor's shards at a
+different offset in each rank's file, about one grid run per rank in the record) and times both
+checkpoints interleaved in the same run. The old layout is this process's own replacement of
+``goodput_ckpt.dcp.writer.rank_placements`` by ``place_items`` of the sizes alone, made here only:
+the library has no switch for it.
 
 Usage: ``python benchmarks/bench_restore_layout.py [--worlds 2 4 8] [--repeats 5] [--layers 600]``
-(``--json PATH`` writes the figures, ``--keep DIR`` keeps the checkpoints). On a 2-core machine W = 8 needs about 3 GB of memory and a
+(``--json PATH`` writes the figures, ``--keep DIR`` keeps the checkpoints, ``--old-layout``). On a 2-core machine W = 8 needs about 3 GB of memory and a
 few minutes.
 """
 
@@ -50,7 +50,6 @@ import torch
 #: empty shards at W = 4 and 8; 9, 13, 17, 33 and 50 split unevenly at every W tried here.
 ROWS = (3, 5, 7, 9, 13, 17, 33, 50)
 IN_FEATURES = 16
-_NEW_EXPAND_MIN = 64  # goodput_ckpt.format.grid._EXPAND_MIN_SPANS as shipped
 
 
 def _free_port() -> int:
@@ -87,8 +86,9 @@ def _rank(
     from torch.distributed.fsdp import fully_shard
 
     from goodput_ckpt import CheckpointReader, CheckpointWriter
+    from goodput_ckpt.dcp import writer as writer_module
     from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner
-    from goodput_ckpt.format import grid, parse
+    from goodput_ckpt.engine.layout import place_items
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -102,67 +102,70 @@ def _rank(
     model(torch.randn(2, IN_FEATURES)).backward()
     optim.step()
     msd, osd = get_state_dict(model, optim)
-    path = keep or os.path.join(root, f"w{world}")
-    dcp.save({"model": msd, "optim": osd}, storage_writer=CheckpointWriter(path), planner=ReplicaGroupingSavePlanner())
+    base = keep or os.path.join(root, f"w{world}")
+    paths = {"new": base, "old": base + "_old"} if old else {"new": base}
+    shipped = writer_module.rank_placements
+    for which, path in paths.items():
+        # The old layout: this benchmark's own stand-in, for its own process only (see the doc).
+        writer_module.rank_placements = shipped if which == "new" else (lambda s, _sh, n, _w: place_items(s, n))
+        sd = {"model": msd, "optim": osd}
+        dcp.save(sd, storage_writer=CheckpointWriter(path), planner=ReplicaGroupingSavePlanner())
+    writer_module.rank_placements = shipped
     dist.barrier()
-    paths = ("new", "old") if old else ("new",)
-
-    def use(which: str) -> None:  # the benchmark's switches (see the module doc)
-        parse._BATCH_GRID_RUNS = which == "new"  # noqa: SLF001
-        grid._EXPAND_MIN_SPANS = _NEW_EXPAND_MIN if which == "new" else 1 << 62  # noqa: SLF001
-
-    def read() -> None:
-        CheckpointReader(path).read_metadata()
 
     result: dict = {}
-    for which in paths:
-        use(which)
-        read()  # warm: imports, the page cache
+    for which, path in paths.items():
+        CheckpointReader(path).read_metadata()  # warm: imports, the page cache
         result[which] = {"alone": [], "together": []}
     for _ in range(repeats):
-        for which in paths:  # interleaved: the machine's load falls on both alike
-            use(which)
+        for which, path in paths.items():  # interleaved: the machine's load falls on both alike
+
+            def read(path: str = path) -> None:
+                CheckpointReader(path).read_metadata()
+
             for r in range(world):
                 if r == rank:
                     result[which]["alone"].append(_time(read))
                 dist.barrier()
             result[which]["together"].append(_time(read))
             dist.barrier()
-    for which in paths:
-        use(which)
+    for which, path in paths.items():
         for r in range(world):
             if r == rank:
                 prof = cProfile.Profile(time.process_time)  # CPU: other processes' load not counted
-                prof.runcall(read)
+                prof.runcall(lambda path=path: CheckpointReader(path).read_metadata())
                 prof.dump_stats(os.path.join(out, f"w{world}_{which}_r{rank}.prof"))
             dist.barrier()
-    use("new")
-    md = CheckpointReader(path).read_metadata()
+    md = CheckpointReader(base).read_metadata()
     result["items"] = len(md.state_dict_metadata)
     result["chunks"] = sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values())
-    result["manifest_bytes"] = sum(f.stat().st_size for f in Path(path).iterdir() if f.suffix == ".json")
+    for which, path in paths.items():
+        result[which]["record"] = _record(path)
     Path(out, f"w{world}_r{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def reparse(paths: list[str], repeats: int) -> list[dict]:
-    """``read_metadata`` of kept checkpoints (``--keep``) in this one process, the new and the old
-    parse path interleaved: the per-rank work without 2 cores shared by W ranks (CPU seconds,
-    min/median/max of ``repeats``)."""
-    from goodput_ckpt import CheckpointReader
-    from goodput_ckpt.format import grid, parse
+def _record(path: str) -> dict:
+    """The commit record's size, grid runs and bytes of all data files (the layout's padding)."""
+    from goodput_ckpt.format.grid import GridChunks
+    from goodput_ckpt.format.parse import parse_manifest
 
-    out = []
-    for path in paths:
-        times: dict[str, list[float]] = {"new": [], "old": []}
-        for _ in range(repeats + 1):  # the first round warms up and is dropped
-            for which in times:
-                parse._BATCH_GRID_RUNS = which == "new"  # noqa: SLF001
-                grid._EXPAND_MIN_SPANS = _NEW_EXPAND_MIN if which == "new" else 1 << 62  # noqa: SLF001
-                times[which].append(_time(lambda: CheckpointReader(path).read_metadata())[0])
-        parse._BATCH_GRID_RUNS, grid._EXPAND_MIN_SPANS = True, _NEW_EXPAND_MIN  # noqa: SLF001
-        out.append({"path": path, **{k: _spread(v[1:]) for k, v in times.items()}})
-    return out
+    data = Path(path, "manifest.json").read_bytes()
+    m = parse_manifest(data)
+    runs = sum(len(e.chunks.runs) for e in m.items.values() if isinstance(getattr(e, "chunks", None), GridChunks))
+    return {"bytes": len(data), "grid_runs": runs, "data_bytes": sum(f.size for f in m.files.values())}
+
+
+def reparse(paths: list[str], repeats: int) -> list[dict]:
+    """``read_metadata`` of kept checkpoints (``--keep``) in this one process, interleaved: the
+    per-rank work without 2 cores shared by W ranks (CPU seconds, min/median/max of ``repeats``)."""
+    from goodput_ckpt import CheckpointReader
+
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for path in paths:
+            times[path].append(_time(lambda path=path: CheckpointReader(path).read_metadata())[0])
+    return [{"path": p, "cpu_s": _spread(v[1:]), **_record(p)} for p, v in times.items()]
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -182,15 +185,17 @@ def run(world: int, layers: int, repeats: int, old: bool, out: str, keep: str | 
         )
     ranks = [json.loads(Path(out, f"w{world}_r{r}.json").read_text()) for r in range(world)]
     fig: dict = {"world": world, "items": ranks[0]["items"], "chunks": ranks[0]["chunks"]}
-    fig["manifest_bytes"] = ranks[0]["manifest_bytes"]
     for which in ("new", "old") if old else ("new",):
-        fig[which] = {}
+        fig[which] = {"record": ranks[0][which]["record"]}
         for mode in ("alone", "together"):
             for k, what in enumerate(("cpu_s", "wall_s")):
                 worst = [max(ranks[r][which][mode][i][k] for r in range(world)) for i in range(repeats)]
                 fig[which][f"{mode}_{what}"] = _spread(worst)
         cpu = [statistics.median(x[0] for x in ranks[r][which]["alone"]) for r in range(world)]
         fig[which]["worst_rank"] = max(range(world), key=cpu.__getitem__)
+        # Each rank's median over the repeats: the worst of W noisy figures grows with W by
+        # itself (the maximum of more draws), these show whether any rank's work does.
+        fig[which]["alone_cpu_s_rank_medians"] = cpu
     return fig
 
 
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=600, help="nn.Linear layers: 4 items each with AdamW, x2")
-    ap.add_argument("--old-grid-parse", action="store_true", help="also measure the parse before issue 37's fix")
+    ap.add_argument("--old-layout", action="store_true", help="also save and time the byte layout before the fix")
     ap.add_argument("--profile", action="store_true", help="print the worst rank's top functions per W")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", help="save the checkpoints under this directory (w<W>) and keep them")
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reparse:
         rows = reparse(args.reparse, args.repeats)
         for row in rows:
-            print(f"{row['path']}: CPU new {_fmt(row['new'])} s, old {_fmt(row['old'])} s (min/median/max)")
+            print(f"{row['path']}: CPU {_fmt(row['cpu_s'])} s (min/median/max), {row['grid_runs']} grid runs")
         print(f"load average at end: {os.getloadavg()}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"load_average_end": os.getloadavg(), "reparse": rows}, indent=1))
@@ -230,16 +235,18 @@ def main(argv: list[str] | None = None) -> int:
             sub = os.path.join(out, f"w{world}")
             os.makedirs(sub)
             keep = args.keep and os.path.join(args.keep, f"w{world}")
-            fig = run(world, args.layers, args.repeats, args.old_grid_parse, sub, keep)
+            fig = run(world, args.layers, args.repeats, args.old_layout, sub, keep)
             figures.append(fig)
             print(
-                f"W={world:2d}: items {fig['items']}, chunks {fig['chunks']}, record {fig['manifest_bytes']} B",
+                f"W={world:2d}: items {fig['items']}, chunks {fig['chunks']}",
                 flush=True,
             )
-            for which in ("new", "old") if args.old_grid_parse else ("new",):
+            for which in ("new", "old") if args.old_layout else ("new",):
                 f = fig[which]
+                rec = f["record"]
                 print(
-                    f"  {which}: worst rank alone CPU {_fmt(f['alone_cpu_s'])} s, wall {_fmt(f['alone_wall_s'])} s; "
+                    f"  {which}: record {rec['bytes']} B, {rec['grid_runs']} grid runs, data {rec['data_bytes']} B; "
+                    f"worst rank alone CPU {_fmt(f['alone_cpu_s'])} s, wall {_fmt(f['alone_wall_s'])} s; "
                     f"together CPU {_fmt(f['together_cpu_s'])} s, wall {_fmt(f['together_wall_s'])} s "
                     f"(min/median/max of {args.repeats})",
                     flush=True,

@@ -15,12 +15,32 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
+from ..engine.layout import ShardShape
 from ..errors import CheckpointError
 from ..format.dcp_metadata import dtype_name
 from ..format.manifest import DTYPE_SIZES
 from .tensor_bytes import TensorByteSource
 
-__all__ = ["BytesSource", "resolve_item"]
+__all__ = ["BytesSource", "resolve_item", "save_world_size", "shard_shape"]
+
+
+def shard_shape(item: WriteItem) -> ShardShape | None:
+    """What the byte layout needs of a shard item (``engine/layout.py``: its slot), or ``None``
+    for an item without tensor data."""
+    data = item.tensor_data
+    if data is None:
+        return None
+    chunk = data.chunk
+    return ShardShape(tuple(data.size), tuple(chunk.offsets), tuple(chunk.sizes), data.properties.dtype.itemsize)
+
+
+def save_world_size() -> int:
+    """The ranks a distributed tensor's shards are cut for, as far as a rank knows it at write
+    time: the default group's size (1 without ``torch.distributed``). Only a layout hint: where
+    a tensor is cut otherwise (a sub-mesh), its shards keep their own sizes
+    (:func:`~goodput_ckpt.engine.layout.shard_slot`)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def resolve_item(item: WriteItem, planner: SavePlanner) -> Any:

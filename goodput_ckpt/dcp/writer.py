@@ -55,7 +55,7 @@ from ..engine.hashed_write import (
     remove_stale_files_after_commit,
     write_hashed_files,
 )
-from ..engine.layout import place_items
+from ..engine.layout import rank_placements
 from ..errors import CheckpointError
 from ..storage import Store, is_supported_uri, open_store
 from ..storage.base import redact
@@ -68,7 +68,7 @@ from .references_write import add_referenced_files, record_stored, referenced_it
 from .save_claim import SaveClaim
 from .staging import stage_state_dict
 from .tensor_bytes import check_byte_order
-from .write_sources import resolve_item
+from .write_sources import resolve_item, save_world_size, shard_shape
 
 __all__ = ["CheckpointWriter", "DEFAULT_CHUNK_SIZE", "DEFAULT_WRITE_THREADS"]
 
@@ -321,10 +321,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         assignment = plan.storage_data
         if not isinstance(assignment, RankAssignment):
             raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
-        # Values that are not shards of a distributed tensor first: the small replicated ones
-        # (optimizer steps, hyperparameters) that every rank reads at a restore then lie together
-        # at the start of the file, in its first hash chunk, not one chunk each. They are the
-        # rank's own items in its RankWrites (the coordinator groups ranks by their shards).
+        # Values that are not shards of a distributed tensor first: the rank's own items in its
+        # RankWrites (the coordinator groups ranks by their shards). In the file they go after
+        # the shards, together (rank_placements: shards at one offset on every rank).
         items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
         own = sum(1 for it in items if it.type != WriteItemType.SHARD)
         refs = referenced_items(self.reuse, items, assignment.token)
@@ -335,7 +334,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if self._beside_training and hasattr(store, "for_background_save"):
             store = store.for_background_save()  # an optional ability (storage/local.py)
         file_count = self.files_per_rank or (1 if store.traits.random_writes else self.thread_count)
-        placements, file_sizes = place_items(sizes, file_count)
+        shards = [shard_shape(items[i]) if i >= own else None for i in to_write]
+        placements, file_sizes = rank_placements(sizes, shards, file_count, save_world_size(), self.chunk_size)
         names = [data_file_name(assignment.rank_index, f, assignment.token) for f in range(len(file_sizes))]
         entries = write_hashed_files(
             store, names, placements, file_sizes, sources, chunk_size=self.chunk_size, thread_count=self.thread_count

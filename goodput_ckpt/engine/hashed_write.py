@@ -51,6 +51,7 @@ __all__ = [
     "write_hashed_files",
 ]
 
+#: Zero padding between items: alignment, and a shard's slot past its bytes (engine/layout.py).
 _ZEROS = bytes(ALIGNMENT)
 _DATA_FILE = re.compile(r"rank(\d{5,})-\d{2}\.[0-9a-f]{12}\.bin\Z")
 _TMP_FILE = re.compile(r"\.manifest\.json\.tmp-[0-9a-f]+\Z")
@@ -155,7 +156,11 @@ def write_hashed_files(
     def write_chunk(sink, ch: ChunkPlan) -> str:
         bufs = []
         for seg in ch.segments:
-            bufs.append(_ZEROS[: seg.end - seg.start] if seg.item < 0 else sources[seg.item].view(seg.start, seg.end))
+            if seg.item >= 0:
+                bufs.append(sources[seg.item].view(seg.start, seg.end))
+            else:  # (a gap longer than the alignment: an empty or short shard's slot)
+                n = seg.end - seg.start
+                bufs.append(_ZEROS[:n] if n <= ALIGNMENT else bytes(n))
         h = blake3.blake3()
         # Looked up on the class: a wrapper that forwards attributes (``__getattr__``) to a sink
         # keeps its own ``write_at`` in the path.

@@ -56,9 +56,6 @@ __all__ = ["parse_manifest"]
 #: What a chunk digest is made of: 64 of these (lowercase hex).
 _HEX_DIGITS = b"0123456789abcdef"
 _DIGEST_LEN = 64
-#: Grid runs checked a manifest at a time (format/grid_runs.py). ``False`` only in
-#: benchmarks/bench_restore_layout.py, to measure the run-by-run path it replaced in the same run.
-_BATCH_GRID_RUNS = True
 
 
 class _Bad(Exception):
@@ -261,9 +258,10 @@ def _parse_tensor(key: str, it: dict, ranges: _Ranges, shared: _Shared, version:
         if "chunks" in it:
             raise _Bad(f"{where}: holds both 'grid' and 'chunks' (one of them)", key=key)
         try:
-            batch = ranges.grids if _BATCH_GRID_RUNS else None
             held = len(ranges.grids.grids)
-            grid = parse_grid(it["grid"], shape, DTYPE_SIZES[dtype], ranges.names, key, shared.cells, batch)
+            # Runs of the plain JSON shape are checked with every other grid's at the end
+            # (format/grid_runs.py); others here.
+            grid = parse_grid(it["grid"], shape, DTYPE_SIZES[dtype], ranges.names, key, shared.cells, ranges.grids)
         except GridError as e:
             raise _Bad(str(e), key=key) from None
         if len(ranges.grids.grids) == held:  # checked here, not batched: its spans now

@@ -68,7 +68,9 @@ def _save_mixed(rank: int, world: int, path: str) -> None:
     dcp.save(sd, storage_writer=CheckpointWriter(path), planner=ReplicaGroupingSavePlanner())
 
 
-def test_small_replicas_lie_together_at_the_start_of_the_lowest_ranks_file(tmp_path) -> None:
+def test_small_replicas_lie_together_in_one_chunk_of_the_lowest_ranks_file(tmp_path) -> None:
+    """Together, in one hash chunk, after the rank's shards (engine/layout.py: the shards lie at
+    one offset in every rank's file, issue 37)."""
     from helpers.dist import run_ranks
 
     from goodput_ckpt.format.manifest import MANIFEST_NAME, parse_manifest
@@ -83,7 +85,9 @@ def test_small_replicas_lie_together_at_the_start_of_the_lowest_ranks_file(tmp_p
         else:
             small.append(e if e.kind == "object" else e.chunks[0])
     assert len(small) == 7 and all(c.file.startswith("rank00000-") for c in small)
-    assert max(c.offset + c.length for c in small) <= min(c.offset for c in shards) < 64 << 10
+    start, end = min(c.offset for c in small), max(c.offset + c.length for c in small)
+    assert max(c.offset + c.length for c in shards) <= start and end - start < 64 << 10
+    assert start // m.chunk_size == (end - 1) // m.chunk_size
 
 
 def test_the_writer_refuses_torchs_plan_caching(tmp_path) -> None:

@@ -5,6 +5,10 @@
   records hold 2.5x the runs at 8, make the same number of Python calls (counted with
   ``sys.setprofile``, not timed). Before, each run cost a few calls (its fields, its first cell's
   box, a sweep step).
+- The record itself does not grow with the ranks on that layout as the writer lays it out now
+  (``engine/layout.py``: a tensor's shards at one offset in every rank's file): counted in grid
+  runs, the rows the parse converts and checks at C speed, and in record bytes. Before, each
+  rank's uneven and empty shards moved every later item, and the runs grew 2.5x from 2 to 8 ranks.
 - The array checks decide as the reference run loop (``grid.check_runs``) does, and a bad run is
   refused with the reference's message, on random valid and damaged runs.
 - ``check_spans``'s expanded path agrees with the sweep and with a brute-force oracle.
@@ -16,12 +20,15 @@ import json
 import random
 import sys
 
+import numpy as np
 import pytest
 from helpers.seeds import for_each_seed
 
+from goodput_ckpt.engine.layout import ShardShape, rank_placements
 from goodput_ckpt.errors import CorruptCheckpointError
 from goodput_ckpt.format import grid as grid_module
 from goodput_ckpt.format.grid import GridChunks, GridError, check_runs, check_spans, spans_of
+from goodput_ckpt.format.grid_detect import grid_from_rows
 from goodput_ckpt.format.grid_runs import GridRuns, plain_runs
 from goodput_ckpt.format.manifest import seal_manifest
 from goodput_ckpt.format.parse import parse_manifest
@@ -70,6 +77,64 @@ def fsdp_small_doc(world: int, layers: int) -> dict:
         "files": {n: {"size": max(e, 64), "chunks": ["0" * 64]} for n, e in zip(names, ends)},
         "items": items,
     }
+
+
+def writer_layout_manifest(world: int, layers: int = 60) -> bytes:
+    """The record of the save :func:`fsdp_small_doc` describes, with each rank's file laid out
+    by the writer's own function (``engine.layout.rank_placements``: rank 0 keeps the replicated
+    values, and ranks past a tensor's end hold no item for it, as the save planner leaves them)
+    and each tensor's grid found by the commit's own detector (``grid_from_rows``)."""
+    names = [f"rank{r:05d}-00.0123456789ab.bin" for r in range(world)]
+    shapes = {}
+    for layer in range(layers):
+        rows = ROWS[layer % len(ROWS)]
+        for what in ("model", "optim.exp_avg", "optim.exp_avg_sq"):
+            for shape in ((rows, 16), (rows,)):
+                shapes[f"{what}.layers.{layer}.{'weight' if len(shape) == 2 else 'bias'}"] = shape
+    boxes: dict[str, list] = {key: [] for key in shapes}  # per tensor: (file, offset, length, box)
+    file_sizes = []
+    for rank in range(world):
+        shards = []
+        for shape in shapes.values():
+            block = -(-shape[0] // world)
+            start = min(rank * block, shape[0])
+            shards.append(ShardShape(shape, (start, 0)[: len(shape)], (min(block, shape[0] - start), *shape[1:]), 4))
+        keys = [k for k, s in zip(shapes, shards) if s.sizes[0]]  # the save planner drops empty shards
+        shards = [s for s in shards if s.sizes[0]]
+        own = [1261] * 5 + [31469] if rank == 0 else []  # the replicated values rank 0 keeps
+        sizes = own + [4 * int(np.prod(s.sizes)) for s in shards]
+        placements, ends = rank_placements(sizes, [None] * len(own) + shards, 1, world)
+        file_sizes.append(max(ends[0], 64))
+        for key, shard, p in zip(keys, shards, placements[len(own) :]):
+            boxes[key].append((rank, p.offset, p.length, shard.offsets, shard.sizes))
+    items = {}
+    for key, shape in shapes.items():
+        f, o, n, bo, bs = (np.array([b[i] for b in boxes[key]], dtype=np.int64) for i in range(5))
+        grid = grid_from_rows(shape, 4, f, o, n, bo, bs, names)
+        assert grid is not None
+        items[key] = {"kind": "tensor", "dtype": "float32", "shape": list(shape), "grid": grid.to_json()}
+    doc = fsdp_small_doc(world, 0)
+    doc["files"] = {n: {"size": size, "chunks": ["0" * 64]} for n, size in zip(names, file_sizes)}
+    doc["items"] = items
+    return seal_manifest(json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _runs(record: bytes) -> int:
+    return sum(len(e.chunks.runs) for e in parse_manifest(record).items.values())
+
+
+def test_the_record_does_not_grow_with_ranks_on_the_writers_layout():
+    records = {w: writer_layout_manifest(w) for w in (2, 8)}
+    runs = {w: _runs(r) for w, r in records.items()}
+    cells = {w: sum(len(e.chunks) for e in parse_manifest(r).items.values()) for w, r in records.items()}
+    assert cells[8] > 2 * cells[2]  # the shards do grow with the ranks
+    assert runs[8] <= runs[2], runs  # the rows the parse works on do not (before: 1,758 against 720)
+    file_table = {w: len(json.dumps(json.loads(r)["files"])) for w, r in records.items()}
+    assert len(records[8]) - file_table[8] <= len(records[2]) - file_table[2], (len(records[2]), len(records[8]))
+    for r in records.values():
+        parse_manifest(r)  # warm: imports, caches
+    calls = {w: _python_calls(lambda r=r: parse_manifest(r)) for w, r in records.items()}
+    assert calls[8] - calls[2] <= 12 * (8 - 2), calls
 
 
 def _python_calls(fn) -> int:
