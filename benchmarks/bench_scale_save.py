@@ -52,7 +52,8 @@ local step cannot be: an untimed rank's shard boxes are computed once per run). 
 (``tracemalloc``) on an extra first run, in two windows so that the other simulated ranks' allocations are not counted:
 its global step (from the plans gathered to the plans scattered; plus the gathered plans' bytes)
 and its commit (from the results gathered to the ``Metadata`` pickled; plus what the first
-window left allocated, less the scattered bytes, plus the gathered results' bytes): the peak is
+window left allocated, less the scattered bytes, plus the gathered results' bytes; the gathered
+bytes as torch's ``gather_object`` holds them, every payload padded to the largest): the peak is
 the larger, an upper estimate of the Python heap a save adds on the coordinator; min / median /
 max over ``--repeats``. Each repeat runs save 1 (first save) and save 2 (same layout: what plan
 caching reuses), the coordinator's layout entries forgotten before save 1.
@@ -184,6 +185,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
 
         blobs.append(timed(r, "local plan", local))
     clock.bytes["plans gathered"] = sum(map(len, blobs))
+    clock.bytes["plans gathered, padded"] = W * max(map(len, blobs))  # gather_object pads to the largest
     if traced:  # the coordinator's global step (module doc: peak memory)
         gc.collect()
         tracemalloc.start()
@@ -212,6 +214,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
         clock.write_all.append(time.process_time() - c0)
     del scattered
     clock.bytes["results gathered"] = sum(map(len, results))
+    clock.bytes["results gathered, padded"] = W * max(map(len, results))
     if traced:  # the coordinator's commit
         gc.collect()
         tracemalloc.start()
@@ -228,7 +231,11 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
         tracemalloc.stop()
         b = clock.bytes
         clock.bytes["coordinator peak MB"] = int(
-            max(b["plans gathered"] + peak_plan, held - b["plans scattered"] + b["results gathered"] + peak_commit) / MB
+            max(
+                b["plans gathered, padded"] + peak_plan,
+                held - b["plans scattered"] + b["results gathered, padded"] + peak_commit,
+            )
+            / MB
         )
     for r in range(W):
         if names[r] is not None and r:

@@ -68,7 +68,7 @@ def test_a_later_save_of_the_same_layout_sends_no_rows_and_loads_bit_exact(tmp_p
         assert later.writes is None and later.files  # its files and digest only
         sizes[tensors] = (first_bytes, _Recording.sent_bytes[-1])
         assert _same(_load(tmp_path / f"b{tensors}", _state(tensors, 2)), _state(tensors, 2))
-    assert sizes[64][0] > 4 * sizes[4][0]  # rows grow with tensors
+    assert sizes[64][0] > 1.3 * sizes[4][0]  # rows grow with tensors (packed: zlib, rank_reports.py)
     assert abs(sizes[64][1] - sizes[4][1]) <= 8  # a later report does not (a file size's int may take a byte more)
 
 
