@@ -139,3 +139,43 @@ def test_a_report_whose_rows_name_other_files_is_refused(tmp_path: Path) -> None
         commit_build.build_manifest(
             _metadata(tmp_path / "a"), _results(forged), chunk_size=8 << 20, created_at="t", user_metadata={}
         )
+
+
+def test_rows_go_packed_and_the_held_build_keeps_them_packed(tmp_path: Path) -> None:
+    from goodput_ckpt.dcp.rank_reports import PackedWrites, unpack
+
+    commit_build.forget_layouts()
+    first = _save(tmp_path / "a", _state(200, 1))
+    assert isinstance(first.writes, PackedWrites)
+    rows = unpack(first.writes, first.files, 0, {})
+    raw = rows.table.nbytes + len(rows.keys) + len(rows.own_keys)  # what a RankWrites pickled as before
+    assert len(pickle.dumps(first.writes)) * 3 < raw  # counted, not timed
+    held = commit_build.held_layouts()
+    assert [type(w) for w in held.writes] == [PackedWrites]  # the tables are not kept between saves
+    assert _same(_load(tmp_path / "a", _state(200, 1)), _state(200, 1))
+
+
+@pytest.mark.parametrize("forge", ["bomb", "rows", "columns"])
+def test_packed_rows_that_do_not_decompress_to_their_size_are_refused_naming_the_rank(
+    tmp_path: Path, forge: str
+) -> None:
+    import dataclasses
+    import zlib
+
+    commit_build.forget_layouts()
+    first = _save(tmp_path / "a", _state(3, 1))
+    w = first.writes
+    bad = {
+        "bomb": dataclasses.replace(w, table=zlib.compress(b"\0" * (w.rows * w.columns * 8 * 50))),
+        "rows": dataclasses.replace(w, rows=w.rows + 1),
+        "columns": dataclasses.replace(w, columns=1 << 20),
+    }[forge]
+    commit_build.forget_layouts()
+    with pytest.raises(CheckpointError, match="rank 0's write results"):
+        commit_build.build_manifest(
+            _metadata(tmp_path / "a"),
+            _results(RankReport(first.files, first.layout, bad)),
+            chunk_size=8 << 20,
+            created_at="t",
+            user_metadata={},
+        )
