@@ -230,13 +230,12 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
         peak_commit = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         b = clock.bytes
-        clock.bytes["coordinator peak MB"] = int(
-            max(
-                b["plans gathered, padded"] + peak_plan,
-                held - b["plans scattered"] + b["results gathered, padded"] + peak_commit,
-            )
-            / MB
-        )
+        plan_window = b["plans gathered, padded"] + peak_plan
+        commit_window = held - b["plans scattered"] + b["results gathered, padded"] + peak_commit
+        clock.bytes["coordinator peak MB"] = int(max(plan_window, commit_window) / MB)
+        clock.bytes["plan window MB"] = int(plan_window / MB)
+        clock.bytes["commit window MB"] = int(commit_window / MB)
+        clock.bytes["held after the global step MB"] = int(held / MB)
     for r in range(W):
         if names[r] is not None and r:
             clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
@@ -247,6 +246,7 @@ def measure(
 ) -> dict[str, Any]:
     runs: dict[int, list[Clock]] = {1: [], 2: []}
     peaks: dict[int, int] = {}
+    windows: dict[int, dict[str, int]] = {}
     for rep in range(repeats + (1 if memory else 0)):
         with tempfile.TemporaryDirectory(prefix="bench-save-") as root:
             traced = memory and rep == 0
@@ -263,6 +263,7 @@ def measure(
                 one_save(ranks, save, clock, traced)
                 if traced:
                     peaks[save] = clock.bytes.pop("coordinator peak MB")
+                    windows[save] = {k: v for k, v in clock.bytes.items() if k.endswith(" MB")}
                 else:
                     runs[save].append(clock)
             gc.enable()
@@ -271,7 +272,11 @@ def measure(
             gc.collect()
     out: dict[str, Any] = {"method": method, "layout": layout, "world": world, "saves": {}}
     for save, clocks in runs.items():
-        row: dict[str, Any] = {"bytes": clocks[0].bytes, "coordinator peak MB": peaks.get(save)}
+        row: dict[str, Any] = {
+            "bytes": clocks[0].bytes,
+            "coordinator peak MB": peaks.get(save),
+            "coordinator peak windows": windows.get(save),
+        }
         for who in timed_ranks(world).values():
             for kind in ("cpu", "wall"):
                 totals = sorted(sum(v for (w, _), v in getattr(c, kind).items() if w == who) for c in clocks)
@@ -302,6 +307,7 @@ def print_row(row: dict[str, Any]) -> None:
         label = "first save" if save == 1 else "later save, same layout"
         print(
             f"\n{row['method']} {row['layout']} W={W}, {label}:  bytes {r['bytes']}, coordinator peak {r['coordinator peak MB']} MB"
+            f" {r.get('coordinator peak windows')}"
         )
         for who in timed_ranks(W).values():
             cpu, wall = r[f"{who} cpu s"], r[f"{who} wall s"]
