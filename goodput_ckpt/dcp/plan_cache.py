@@ -167,7 +167,9 @@ def _interned(plans: list[SavePlan]) -> list[SavePlan]:
         if isinstance(data, CompactLocal):
             schema, mappings = one(data.schema_digest, data.schema), one(data.mappings_digest, data.mappings)
             if schema is not data.schema or mappings is not data.mappings:
-                plan = dataclasses.replace(plan, planner_data=dataclasses.replace(data, schema=schema, mappings=mappings))
+                plan = dataclasses.replace(
+                    plan, planner_data=dataclasses.replace(data, schema=schema, mappings=mappings)
+                )
         out.append(plan)
     return out
 

@@ -44,7 +44,9 @@ def state(rank: int, world: int, tensors: int = 40, scalars: int = 40) -> dict:
 
 def local_plans(states, caches=None):
     """Each rank's local plan as the coordinator unpickles it, and the planners."""
-    planners = [ReplicaGroupingSavePlanner(plan_cache=None if caches is None else caches[r]) for r in range(len(states))]
+    planners = [
+        ReplicaGroupingSavePlanner(plan_cache=None if caches is None else caches[r]) for r in range(len(states))
+    ]
     for r, (p, sd) in enumerate(zip(planners, states)):
         p.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=r == 0)
     return [pickle.loads(pickle.dumps(p.create_local_plan())) for p in planners], planners
