@@ -93,10 +93,10 @@ def inflate(blob: bytes, limit: int, what: str, *, exact: bool = False) -> bytes
     """
     d = zlib.decompressobj()
     try:
-        out = d.decompress(blob, limit)
+        out = d.decompress(blob, max(limit, 1))  # a max_length of 0 would mean no bound at all
     except (zlib.error, TypeError) as e:
         raise CheckpointError(f"{what} does not decompress: {e}") from e
-    if d.unconsumed_tail or not d.eof:
+    if d.unconsumed_tail or not d.eof or len(out) > limit:
         raise CheckpointError(f"{what} is torn or decompresses past {limit} bytes")
     if exact and len(out) != limit:
         raise CheckpointError(f"{what} decompresses to {len(out)} bytes, not {limit}")

@@ -91,6 +91,9 @@ def test_inflate_bounds_what_it_decompresses_and_names_the_blob() -> None:
         inflate(_bomb(100), 99, "rank 3's boxes")
     with pytest.raises(CheckpointError, match="decompresses to 100 bytes, not 101"):
         inflate(_bomb(100), 101, "y", exact=True)
+    with pytest.raises(CheckpointError, match="past 0 bytes"):  # zlib's max_length=0 would not bound it
+        inflate(_bomb(1 << 20), 0, "an empty table", exact=True)
+    assert inflate(zlib.compress(b""), 0, "empty", exact=True) == b""
     with pytest.raises(CheckpointError, match="does not decompress"):
         inflate(b"not zlib", 10, "z")
     with pytest.raises(CheckpointError, match="torn"):
