@@ -52,7 +52,8 @@ local step cannot be: an untimed rank's shard boxes are computed once per run). 
 (``tracemalloc``) on an extra first run, in two windows so that the other simulated ranks' allocations are not counted:
 its global step (from the plans gathered to the plans scattered; plus the gathered plans' bytes)
 and its commit (from the results gathered to the ``Metadata`` pickled; plus what the first
-window left allocated, less the scattered bytes, plus the gathered results' bytes): the peak is
+window left allocated, less the scattered bytes, plus the gathered results' bytes; the gathered
+bytes as torch's ``gather_object`` holds them, every payload padded to the largest): the peak is
 the larger, an upper estimate of the Python heap a save adds on the coordinator; min / median /
 max over ``--repeats``. Each repeat runs save 1 (first save) and save 2 (same layout: what plan
 caching reuses), the coordinator's layout entries forgotten before save 1.
@@ -184,6 +185,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
 
         blobs.append(timed(r, "local plan", local))
     clock.bytes["plans gathered"] = sum(map(len, blobs))
+    clock.bytes["plans gathered, padded"] = W * max(map(len, blobs))  # gather_object pads to the largest
     if traced:  # the coordinator's global step (module doc: peak memory)
         gc.collect()
         tracemalloc.start()
@@ -212,6 +214,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
         clock.write_all.append(time.process_time() - c0)
     del scattered
     clock.bytes["results gathered"] = sum(map(len, results))
+    clock.bytes["results gathered, padded"] = W * max(map(len, results))
     if traced:  # the coordinator's commit
         gc.collect()
         tracemalloc.start()
@@ -227,9 +230,12 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
         peak_commit = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         b = clock.bytes
-        clock.bytes["coordinator peak MB"] = int(
-            max(b["plans gathered"] + peak_plan, held - b["plans scattered"] + b["results gathered"] + peak_commit) / MB
-        )
+        plan_window = b["plans gathered, padded"] + peak_plan
+        commit_window = held - b["plans scattered"] + b["results gathered, padded"] + peak_commit
+        clock.bytes["coordinator peak MB"] = int(max(plan_window, commit_window) / MB)
+        clock.bytes["plan window MB"] = int(plan_window / MB)
+        clock.bytes["commit window MB"] = int(commit_window / MB)
+        clock.bytes["held after the global step MB"] = int(held / MB)
     for r in range(W):
         if names[r] is not None and r:
             clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
@@ -240,6 +246,7 @@ def measure(
 ) -> dict[str, Any]:
     runs: dict[int, list[Clock]] = {1: [], 2: []}
     peaks: dict[int, int] = {}
+    windows: dict[int, dict[str, int]] = {}
     for rep in range(repeats + (1 if memory else 0)):
         with tempfile.TemporaryDirectory(prefix="bench-save-") as root:
             traced = memory and rep == 0
@@ -256,6 +263,7 @@ def measure(
                 one_save(ranks, save, clock, traced)
                 if traced:
                     peaks[save] = clock.bytes.pop("coordinator peak MB")
+                    windows[save] = {k: v for k, v in clock.bytes.items() if k.endswith(" MB")}
                 else:
                     runs[save].append(clock)
             gc.enable()
@@ -264,7 +272,11 @@ def measure(
             gc.collect()
     out: dict[str, Any] = {"method": method, "layout": layout, "world": world, "saves": {}}
     for save, clocks in runs.items():
-        row: dict[str, Any] = {"bytes": clocks[0].bytes, "coordinator peak MB": peaks.get(save)}
+        row: dict[str, Any] = {
+            "bytes": clocks[0].bytes,
+            "coordinator peak MB": peaks.get(save),
+            "coordinator peak windows": windows.get(save),
+        }
         for who in timed_ranks(world).values():
             for kind in ("cpu", "wall"):
                 totals = sorted(sum(v for (w, _), v in getattr(c, kind).items() if w == who) for c in clocks)
@@ -295,6 +307,7 @@ def print_row(row: dict[str, Any]) -> None:
         label = "first save" if save == 1 else "later save, same layout"
         print(
             f"\n{row['method']} {row['layout']} W={W}, {label}:  bytes {r['bytes']}, coordinator peak {r['coordinator peak MB']} MB"
+            f" {r.get('coordinator peak windows')}"
         )
         for who in timed_ranks(W).values():
             cpu, wall = r[f"{who} cpu s"], r[f"{who} wall s"]

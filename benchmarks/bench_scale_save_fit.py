@@ -41,6 +41,8 @@ def figures(row: dict[str, Any], save: str) -> dict[str, float]:
     out.update({f"{k} (bytes)": float(v) for k, v in r["bytes"].items()})
     if r.get("coordinator peak MB") is not None:
         out["coordinator peak MB"] = float(r["coordinator peak MB"])
+    for k, v in (r.get("coordinator peak windows") or {}).items():  # the peak's two windows, when recorded
+        out[f"coordinator {k}"] = float(v)
     return out
 
 

@@ -21,7 +21,7 @@ from ..format.gc_pause import gc_paused
 from ..format.grid import GridChunks
 from ..format.manifest import FORMAT_VERSION, REFERENCES_VERSION, Manifest, ObjectEntry, TensorEntry
 from .item_entries import items_from_ranks
-from .rank_reports import RANK_WRITES_KEY, RankReport, report_of
+from .rank_reports import RANK_WRITES_KEY, PackedWrites, RankReport, report_of, unpack
 
 __all__ = [
     "RANK_WRITES_KEY",
@@ -39,25 +39,31 @@ __all__ = [
 class HeldLayout:
     """The item entries of one build, by layout: ``key`` is (grids or not, each rank's file count,
     each rank's layout digest, the tensors' signature); ``names`` the build's file names, in the
-    order the entries' positions refer to; ``writes`` each rank's rows of that build. Immutable,
+    order the entries' positions refer to; ``writes`` each rank's rows of that build, packed as
+    they came (:class:`~.rank_reports.PackedWrites`: about a tenth of the tables' size). Immutable,
     so a writer can pin it for one save.
 
     Why the rows are kept: a rank whose layout is the held one sends no rows, but another rank's
     layout may have changed (an incremental save's references add files on the ranks that have
     them; a stateful object on one rank only), and then the entries are built again from every
     rank's rows, the unchanged ranks' taken from here. The cost: the coordinator keeps every
-    rank's table between saves (O(ranks x the rank's items) of int64, the size it received once).
+    rank's packed rows between saves (O(ranks x the rank's items), compressed, as received once).
     """
 
     key: tuple[Any, ...]
     items: dict[str, TensorEntry | ObjectEntry]
     names: tuple[str, ...]
-    writes: tuple[RankWrites, ...] = ()
+    writes: tuple[PackedWrites | RankWrites, ...] = ()
 
     @property
     def layouts(self) -> tuple[bytes, ...]:
         """Each rank's layout digest, in rank order."""
         return self.key[2]
+
+    @property
+    def file_counts(self) -> tuple[int, ...]:
+        """Each rank's file count at that build, in rank order."""
+        return self.key[1]
 
 
 class _LastLayout:
@@ -139,7 +145,8 @@ def build_manifest(
         items = _renamed(held.items, dict(zip(held.names, names)), names)
         _last_layout.put(held)  # this layout is the current one again
     else:
-        rows = [_rows_of(r, rep, held) for r, rep in enumerate(reports)]
+        keys: dict[bytes, bytes] = {}
+        rows = [_rows_of(r, rep, held, keys) for r, rep in enumerate(reports)]
         missing = [r for r, w in enumerate(rows) if w is None]
         if missing:
             raise CheckpointError(
@@ -148,7 +155,9 @@ def build_manifest(
                 "cover, or a rank's report was forged"
             )
         items = items_from_ranks(metadata, rows, names, grids=version >= 2)
-        _last_layout.put(HeldLayout(key, items, names, tuple(rows)))
+        del rows  # the tables: the held build keeps each rank's packed rows only
+        packed = tuple(rep.writes if rep.writes is not None else held.writes[r] for r, rep in enumerate(reports))
+        _last_layout.put(HeldLayout(key, items, names, packed))
     return Manifest(
         version=version,
         library_version=__version__,
@@ -167,18 +176,19 @@ def build_manifest(
     )
 
 
-def _rows_of(rank: int, report: RankReport, held: HeldLayout | None) -> RankWrites | None:
+def _rows_of(rank: int, report: RankReport, held: HeldLayout | None, keys: dict[bytes, bytes]) -> RankWrites | None:
     """The rows of ``rank`` for a build: its own, or (it sent only its layout digest) the held
     build's rows of that rank with this save's files, when the digest is the one held for it and
-    it has as many files (rows address files by position). ``None``: neither."""
+    it has as many files (rows address files by position). ``None``: neither. Unpacked here
+    (:func:`~.rank_reports.unpack`, the shard keys once per digest in ``keys``)."""
     if report.writes is not None:
-        return report.writes
+        return unpack(report.writes, report.files, rank, keys)
     if held is None or rank >= len(held.writes) or held.layouts[rank] != report.layout:
         return None
-    kept = held.writes[rank]
-    if len(kept.files) != len(report.files):
+    kept, count = held.writes[rank], held.file_counts[rank]
+    if count != len(report.files):
         return None
-    return replace(kept, files=report.files)
+    return unpack(kept, report.files, rank, keys)
 
 
 def _tensor_signature(metadata: Metadata) -> tuple[Any, ...]:

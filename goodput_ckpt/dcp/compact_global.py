@@ -29,10 +29,9 @@ tensor held more than once.
 
 from __future__ import annotations
 
-import pickle
-import zlib
 from collections import ChainMap
 from collections.abc import Collection, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ..errors import CheckpointError
-from .compact_plan import BYTES, SHARD, CompactFinal, CompactLocal, Schema
+from .compact_plan import BYTES, SHARD, CompactFinal, CompactLocal, Schema, decode_mappings
 
 __all__ = ["LazyChunks", "compact_global_plan"]
 
@@ -92,17 +91,21 @@ class LazyChunks(Sequence):
 
 
 class _Group:
-    """Ranks with one schema: its decoded columns and its members' box tables."""
+    """Ranks with one schema: its decoded columns and its members' box tables (decompressed when
+    read, not kept: ``at[p]`` is item ``p``'s row in them)."""
 
     def __init__(self, schema: Schema, members: list[int], plans: Sequence[CompactLocal]) -> None:
         self.schema, self.members = schema, members
+        self.at, self.shards = schema.shard_rows, schema.shards
         self.dims = plans[members[0]].dims
         if any(plans[m].dims != self.dims for m in members):
             raise CheckpointError("ranks with the same compact plan schema sent box tables of other widths")
-        self.plans = plans
+        # The members' boxes only: the Metadata's lazy chunk lists keep this group alive, and
+        # with it would keep every rank's schema and mappings blobs (W x 45 KB for a 70B state).
+        self.boxes = {m: replace(plans[m], schema=b"", mappings=None) for m in members}
 
     def table(self, member: int) -> np.ndarray:
-        return self.plans[member].box_table(len(self.schema.keys))
+        return self.boxes[member].box_table(self.shards, member)
 
 
 def compact_global_plan(
@@ -120,7 +123,7 @@ def compact_global_plan(
     by_digest: dict[bytes, list[int]] = {}
     for r, p in enumerate(plans):
         by_digest.setdefault(p.schema_digest, []).append(r)
-    groups = [_Group(Schema.decode(plans[m[0]].schema), m, plans) for m in by_digest.values()]
+    groups = [_Group(Schema.decode(plans[m[0]].schema, m[0]), m, plans) for m in by_digest.values()]
     # -- one signature per key, the holders of each value that is not a shard ----------------------
     sig: dict[str, tuple[Any, ...]] = {}
     owner: dict[str, int] = {}
@@ -149,7 +152,7 @@ def compact_global_plan(
             size = g.schema.sizes[p]
             if key in widen and size is not None and len(size) == 2 and size[-1] == -1:
                 col = g.dims + 1
-                w = max(int(g.table(m)[p, col]) for m in g.members)
+                w = max(int(g.table(m)[g.at[p], col]) for m in g.members)
                 widths[key] = max(widths.get(key, 0), w)
     if widths and any(key not in _keys_of(groups, 0) for key in widths):
         return None  # rank 0 must hold every widened row: widen_rank_rows says so
@@ -238,7 +241,8 @@ def _check_chunks(
         tiled = np.ones(len(cols), dtype=bool)
         first = last_end = None
         for b in range(0, len(g.members), _BLOCK):
-            block = np.stack([g.table(m)[cols] for m in g.members[b : b + _BLOCK]])  # members x cols x 2D
+            rows = g.at[cols]
+            block = np.stack([g.table(m)[rows] for m in g.members[b : b + _BLOCK]])  # members x cols x 2D
             off, size = block[:, :, :D], block[:, :, D:]
             size1 = np.where(pad[None], 1, size)
             if ((off < 0) | (size < 0) | (off + size > np.where(pad, 0, glob)[None])).any():
@@ -297,8 +301,13 @@ def _lister(key: str, groups: list[_Group], owner: dict[str, int], widths: dict[
                 else:
                     members = g.members
                 for m in members:
-                    row = g.table(m)[p].tolist()
-                    found.append((m, p, ChunkStorageMetadata(torch.Size(row[:nd]), torch.Size(row[D : D + nd]))))
+                    if int(g.schema.kinds[p]) != SHARD:  # a whole tensor (compact_local checked it)
+                        size = g.schema.sizes[p]
+                        chunk = ChunkStorageMetadata(torch.Size((0,) * nd), torch.Size(size))
+                    else:
+                        row = g.table(m)[g.at[p]].tolist()
+                        chunk = ChunkStorageMetadata(torch.Size(row[:nd]), torch.Size(row[D : D + nd]))
+                    found.append((m, p, chunk))
         found.sort(key=lambda t: (t[0], t[1]))
         return [c for _, _, c in found]
 
@@ -316,7 +325,7 @@ def _merged_mappings(plans: Sequence[CompactLocal]) -> dict[str, Any]:
             continue
         firsts.setdefault(p.mappings_digest, r)
         lasts[p.mappings_digest] = r
-    decoded = {d: pickle.loads(zlib.decompress(plans[r].mappings)) for d, r in firsts.items()}
+    decoded = {d: decode_mappings(plans[r].mappings, r) for d, r in firsts.items()}
     values = ChainMap(*(decoded[d] for d, _ in sorted(firsts.items(), key=lambda t: t[1])))
     order = ChainMap(*(decoded[d] for d, _ in sorted(lasts.items(), key=lambda t: t[1])))
     return {k: values[k] for k in order}

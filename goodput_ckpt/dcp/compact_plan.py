@@ -11,9 +11,15 @@ docs/scale.md). Here a rank sends:
   order, as one compressed blob with its digest. With FSDP nearly all ranks have the same schema
   (the ranks past a tensor's end differ only by that tensor), so the coordinator decodes one
   schema per group of ranks, not one per rank;
-- its **boxes**: each item's chunk offsets and sizes as one int64 table (what differs between
-  ranks), read by the coordinator in numpy;
+- its **boxes**: each shard's chunk offsets and sizes as one int64 table (what differs between
+  ranks), zlib-compressed, read by the coordinator in numpy. Only shards have rows: a whole
+  tensor's chunk is its size at offset 0 (checked here, else the plan goes in full), an object
+  has none (a 70B state's 723 replicated ``step`` scalars cost 23 KB a rank as rows);
 - its ``flatten_state_dict`` mappings, compressed, with their digest (decoded once per group).
+
+Everything the coordinator decompresses is bounded (:func:`inflate`): the boxes to their exact
+size, a schema or mappings to :data:`MAX_BLOB` bytes, so a forged or torn payload fails the save
+naming the rank instead of exhausting the coordinator's memory.
 
 The empty shards FSDP2 gives ranks past a tensor's end are left out here, on the rank, as the
 coordinator's full path leaves them out (:func:`~.save_planner.drop_empty_shards`). Rows that may
@@ -49,14 +55,17 @@ from ..errors import CheckpointError
 
 __all__ = [
     "BYTES",
+    "MAX_BLOB",
     "SHARD",
     "TENSOR",
     "CompactFinal",
     "CompactLocal",
     "Schema",
     "compact_local",
+    "decode_mappings",
     "expand",
     "final_items",
+    "inflate",
     "refuse_unplanned",
 ]
 
@@ -66,17 +75,38 @@ _KIND = {WriteItemType.SHARD: SHARD, WriteItemType.TENSOR: TENSOR, WriteItemType
 _TYPE = {v: k for k, v in _KIND.items()}
 #: zlib level for the blobs: 1 compresses the repeated key prefixes about as well as 9, far faster.
 _LEVEL = 1
+#: The most bytes a compressed schema or mappings blob may decompress to: 64 MiB, about 300x a
+#: 70B state's schema (2,904 items), far below what would strain the coordinator.
+MAX_BLOB = 64 << 20
 
 
 def _digest(blob: bytes) -> bytes:
     return hashlib.blake2b(blob, digest_size=16).digest()
 
 
+def inflate(blob: bytes, limit: int, what: str, *, exact: bool = False) -> bytes:
+    """``blob`` decompressed, at most ``limit`` bytes (``exact``: exactly ``limit``).
+
+    Raises:
+        CheckpointError: the blob does not decompress, is longer than ``limit`` or (``exact``)
+            shorter; ``what`` names it (and the rank that sent it).
+    """
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(blob, max(limit, 1))  # a max_length of 0 would mean no bound at all
+    except (zlib.error, TypeError) as e:
+        raise CheckpointError(f"{what} does not decompress: {e}") from e
+    if d.unconsumed_tail or not d.eof or len(out) > limit:
+        raise CheckpointError(f"{what} is torn or decompresses past {limit} bytes")
+    if exact and len(out) != limit:
+        raise CheckpointError(f"{what} decompresses to {len(out)} bytes, not {limit}")
+    return out
+
+
 @dataclass(frozen=True)
 class CompactLocal:
     """A rank's local plan, compact (module doc): in ``SavePlan.planner_data`` of a plan with no
-    items. ``boxes`` is ``items x 2 dims`` int64 (offsets then sizes, zero-padded; zeros for an
-    object)."""
+    items. ``boxes`` is ``shards x 2 dims`` int64 (offsets then sizes, zero-padded), zlib'd."""
 
     schema: bytes
     schema_digest: bytes
@@ -85,14 +115,14 @@ class CompactLocal:
     mappings: bytes | None
     mappings_digest: bytes | None
 
-    def box_table(self, items: int) -> np.ndarray:
-        """The boxes as ``items x 2 dims``, checked against the schema's item count."""
-        table = np.frombuffer(self.boxes, dtype=np.int64)
-        if table.size != items * 2 * self.dims:
-            raise CheckpointError(
-                f"a compact save plan's boxes hold {table.size} values, not {items} items x {2 * self.dims}"
-            )
-        return table.reshape(items, 2 * self.dims)
+    def box_table(self, shards: int, rank: int | str = "?") -> np.ndarray:
+        """The boxes as ``shards x 2 dims`` (the schema's shard count; decompressed to exactly
+        that size, :func:`inflate`)."""
+        if not 0 <= self.dims <= 64:
+            raise CheckpointError(f"rank {rank}'s compact save plan has {self.dims} dimensions")
+        size = shards * 2 * self.dims * 8
+        raw = inflate(self.boxes, size, f"rank {rank}'s compact save plan's boxes", exact=True)
+        return np.frombuffer(raw, dtype=np.int64).reshape(shards, 2 * self.dims)
 
 
 @dataclass(frozen=True)
@@ -106,15 +136,42 @@ class Schema:
     sizes: tuple[tuple[int, ...] | None, ...]
 
     @staticmethod
-    def decode(blob: bytes) -> Schema:
+    def decode(blob: bytes, rank: int | str = "?") -> Schema:
+        raw = inflate(blob, MAX_BLOB, f"rank {rank}'s compact save plan's schema")
         try:
-            keys, kinds, props, sizes = pickle.loads(zlib.decompress(blob))
+            keys, kinds, props, sizes = pickle.loads(raw)
         except Exception as e:  # noqa: BLE001 - anything a forged or torn blob raises
-            raise CheckpointError(f"a compact save plan's schema does not decode: {e}") from e
+            raise CheckpointError(f"rank {rank}'s compact save plan's schema does not decode: {e}") from e
         kinds = np.frombuffer(kinds, dtype=np.int8)
         if not (len(keys) == len(kinds) == len(props) == len(sizes)):
-            raise CheckpointError("a compact save plan's schema has columns of different lengths")
+            raise CheckpointError(f"rank {rank}'s compact save plan's schema has columns of different lengths")
         return Schema(tuple(keys), kinds, tuple(props), tuple(sizes))
+
+    @property
+    def shard_rows(self) -> np.ndarray:
+        """Per item, its row in the box table (shards only; -1 for the others)."""
+        shard = self.kinds == SHARD
+        rows = np.full(len(self.kinds), -1, dtype=np.int64)
+        rows[shard] = np.arange(int(shard.sum()))
+        return rows
+
+    @property
+    def shards(self) -> int:
+        """How many rows the box table has."""
+        return int((self.kinds == SHARD).sum())
+
+
+def decode_mappings(blob: bytes, rank: int | str = "?") -> Any:
+    """A rank's compressed ``flatten_state_dict`` mappings, bounded (:data:`MAX_BLOB`).
+
+    Raises:
+        CheckpointError: naming the rank, when they do not decode.
+    """
+    raw = inflate(blob, MAX_BLOB, f"rank {rank}'s compact save plan's mappings")
+    try:
+        return pickle.loads(raw)
+    except Exception as e:  # noqa: BLE001 - anything a forged or torn blob raises
+        raise CheckpointError(f"rank {rank}'s compact save plan's mappings do not decode: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -137,7 +194,8 @@ def compact_local(
     item cannot be expressed (a tensor item without its chunk): the rank then sends its plan in
     full."""
     keys, kinds, props, sizes, rows = [], bytearray(), [], [], []
-    dims = max((len(it.tensor_data.size) for it in items if it.tensor_data is not None), default=0)
+    shards = [it for it in items if it.type == WriteItemType.SHARD and it.tensor_data is not None]
+    dims = max((len(it.tensor_data.size) for it in shards), default=0)
     for it in items:
         data = it.tensor_data
         kind = _KIND.get(it.type)
@@ -148,9 +206,14 @@ def compact_local(
         if data is None:
             props.append(None)
             sizes.append(None)
-            rows.append([0] * (2 * dims))
             continue
         size = tuple(data.size)
+        if kind == TENSOR:
+            if tuple(data.chunk.offsets) != (0,) * len(size) or tuple(data.chunk.sizes) != size:
+                return None  # not the whole tensor: its box cannot be left out
+            props.append(data.properties)
+            sizes.append(size)
+            continue
         if it.index.fqn in widen and kind == SHARD and len(size) == 2:
             size = (size[0], -1)  # the width is in the box (module doc)
         props.append(data.properties)
@@ -158,7 +221,7 @@ def compact_local(
         pad = [0] * (dims - len(size))
         rows.append([*data.chunk.offsets, *pad, *data.chunk.sizes, *pad])
     schema = zlib.compress(pickle.dumps((keys, bytes(kinds), props, sizes), protocol=pickle.HIGHEST_PROTOCOL), _LEVEL)
-    boxes = np.array(rows, dtype=np.int64).reshape(len(items), 2 * dims).tobytes()
+    boxes = zlib.compress(np.array(rows, dtype=np.int64).reshape(len(rows), 2 * dims).tobytes(), _LEVEL)
     blob = None if mappings is None else zlib.compress(pickle.dumps(mappings, protocol=pickle.HIGHEST_PROTOCOL), _LEVEL)
     return CompactLocal(schema, _digest(schema), dims, boxes, blob, None if blob is None else _digest(blob))
 
@@ -193,11 +256,12 @@ def _row(key: str, rank: int, world: int, width: int, props: TensorProperties) -
     )
 
 
-def expand(plan: CompactLocal) -> tuple[list[WriteItem], Any]:
+def expand(plan: CompactLocal, rank: int | str = "?") -> tuple[list[WriteItem], Any]:
     """The ``WriteItem`` list and mappings a compact plan stands for (the coordinator's full
     path, when a save cannot be planned compactly). A widened row gets its own width back."""
-    schema = Schema.decode(plan.schema)
-    table = plan.box_table(len(schema.keys))
+    schema = Schema.decode(plan.schema, rank)
+    table = plan.box_table(schema.shards, rank)
+    at = schema.shard_rows
     items = []
     for i, key in enumerate(schema.keys):
         kind = int(schema.kinds[i])
@@ -206,8 +270,11 @@ def expand(plan: CompactLocal) -> tuple[list[WriteItem], Any]:
             continue
         size = schema.sizes[i]
         nd = len(size)
-        offsets = torch.Size(table[i, :nd].tolist())
-        sizes = torch.Size(table[i, plan.dims : plan.dims + nd].tolist())
+        if kind == TENSOR:  # the whole tensor (compact_local checked it)
+            offsets, sizes = torch.Size((0,) * nd), torch.Size(size)
+        else:
+            offsets = torch.Size(table[at[i], :nd].tolist())
+            sizes = torch.Size(table[at[i], plan.dims : plan.dims + nd].tolist())
         if nd and size[-1] == -1:
             size = (*size[:-1], sizes[-1])
         items.append(
@@ -221,7 +288,7 @@ def expand(plan: CompactLocal) -> tuple[list[WriteItem], Any]:
                 ),
             )
         )
-    mappings = None if plan.mappings is None else pickle.loads(zlib.decompress(plan.mappings))
+    mappings = None if plan.mappings is None else decode_mappings(plan.mappings, rank)
     return items, mappings
 
 

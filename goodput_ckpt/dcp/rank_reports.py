@@ -17,6 +17,12 @@ cannot swap it in between. A rank's digest covers its item keys, its table (chun
 offsets, lengths) and each item's dtype, global shape and ``requires_grad``: two saves whose
 every rank has the same digest have the same item entries up to file names.
 
+Size: the rows go packed (:class:`PackedWrites`): the table and the keys zlib-compressed, the
+keys decompressed once per distinct digest on the coordinator (with FSDP nearly every rank has
+the same). The held build keeps the packed form, not the tables (:mod:`.commit_build`): the
+coordinator holds about a tenth of the rows' size between saves, and the first save's gathered
+payload is that size too (docs/scale.md). Decompression is bounded (:func:`.compact_plan.inflate`).
+
 This value lives only between the ranks of one job, never on disk: changing it changes no format.
 """
 
@@ -24,17 +30,35 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..engine.rank_writes import RankWrites, Written, rank_writes
+from ..engine.rank_writes import FILE, RankWrites, Written, rank_writes
+from ..errors import CheckpointError
 from ..format.manifest import FileEntry
+from .compact_plan import MAX_BLOB, inflate
 
-__all__ = ["RANK_WRITES_KEY", "RankAssignment", "RankReport", "rank_report", "report_of"]
+__all__ = [
+    "RANK_WRITES_KEY",
+    "PackedWrites",
+    "RankAssignment",
+    "RankReport",
+    "pack",
+    "rank_report",
+    "report_of",
+    "unpack",
+]
+
+#: zlib level of the packed rows: 1 takes most of what 9 does on int64 tables, far faster.
+_LEVEL = 1
+#: The widest table a rank may send: 4 columns and 2 x 64 dimensions.
+_MAX_COLUMNS = 4 + 2 * 64
 
 #: The index of the one ``WriteResult`` each rank returns (its ``storage_data`` a :class:`RankReport`).
 RANK_WRITES_KEY = "__goodput_ckpt_rank_writes__"
@@ -52,13 +76,74 @@ class RankAssignment:
 
 
 @dataclass(frozen=True)
+class PackedWrites:
+    """A rank's :class:`RankWrites` without its files (the report holds them), its keys and its
+    ``rows x columns`` int64 table zlib-compressed."""
+
+    keys: bytes
+    keys_digest: bytes
+    own_keys: bytes
+    table: bytes
+    rows: int
+    columns: int
+    own: int
+    layout: bytes
+
+
+def pack(writes: RankWrites) -> PackedWrites:
+    """``writes`` packed, on the rank: O(its rows)."""
+    table = np.ascontiguousarray(writes.table, dtype=np.int64)
+    return PackedWrites(
+        zlib.compress(writes.keys, _LEVEL),
+        writes.keys_digest,
+        zlib.compress(writes.own_keys, _LEVEL),
+        zlib.compress(table.tobytes(), _LEVEL),
+        table.shape[0],
+        table.shape[1],
+        writes.own,
+        writes.layout,
+    )
+
+
+def unpack(
+    packed: PackedWrites | RankWrites, files: tuple[FileEntry, ...], rank: int, keys: dict[bytes, bytes]
+) -> RankWrites:
+    """The :class:`RankWrites` of ``packed`` with ``files``, its shard keys decompressed once per
+    digest (``keys``, shared by one build's ranks). A bare :class:`RankWrites` (tests,
+    benchmarks) gets ``files`` only.
+
+    Raises:
+        CheckpointError: naming the rank, when a size is out of bounds or a blob does not
+            decompress to it.
+    """
+    if isinstance(packed, RankWrites):
+        return packed if packed.files == files else replace(packed, files=files)
+    if not (0 <= packed.rows and 4 <= packed.columns <= _MAX_COLUMNS and 0 <= packed.own <= packed.rows):
+        raise CheckpointError(f"rank {rank}'s write results have a table of {packed.rows} x {packed.columns}")
+    size = packed.rows * packed.columns * 8
+    if size > MAX_BLOB:
+        raise CheckpointError(f"rank {rank}'s write results have a table of {size} bytes, over {MAX_BLOB}")
+    raw = inflate(packed.table, size, f"rank {rank}'s write results' table", exact=True)
+    table = np.frombuffer(raw, dtype=np.int64).reshape(packed.rows, packed.columns)
+    if packed.rows and not (0 <= table[:, FILE].min() and table[:, FILE].max() < len(files)):
+        raise CheckpointError(
+            f"CheckpointWriter.finish got results it did not write: rank {rank}'s rows name files it did not report"
+        )
+    shard_keys = keys.get(packed.keys_digest)
+    if shard_keys is None:
+        shard_keys = keys[packed.keys_digest] = inflate(packed.keys, MAX_BLOB, f"rank {rank}'s write results' keys")
+    own_keys = inflate(packed.own_keys, MAX_BLOB, f"rank {rank}'s write results' own keys")
+    return RankWrites(files, shard_keys, packed.keys_digest, table, packed.layout, packed.own, own_keys)
+
+
+@dataclass(frozen=True)
 class RankReport:
-    """One rank's write results: its files, its layout digest, and its rows (``writes``) unless
-    the coordinator announced that it holds this layout (then ``None``)."""
+    """One rank's write results: its files, its layout digest, and its rows (``writes``, packed)
+    unless the coordinator announced that it holds this layout (then ``None``)."""
 
     files: tuple[FileEntry, ...]
     layout: bytes
-    writes: RankWrites | None
+    writes: PackedWrites | RankWrites | None
 
 
 def _layout(writes: RankWrites, items: Sequence[WriteItem]) -> bytes:
@@ -97,7 +182,7 @@ def rank_report(
     boxes = [None if it.tensor_data is None else tuple(it.tensor_data.chunk.sizes) for it in items]
     writes = rank_writes(files, written, boxes, own=own)
     layout = _layout(writes, items)
-    report = RankReport(files, layout, None if layout == assignment.known_layout else writes)
+    report = RankReport(files, layout, None if layout == assignment.known_layout else pack(writes))
     size = sum(f.size for f in files if f.base is None)  # bytes this rank wrote
     return [WriteResult(index=MetadataIndex(RANK_WRITES_KEY), size_in_bytes=size, storage_data=report)]
 
@@ -111,6 +196,8 @@ def report_of(results: list[WriteResult]) -> RankReport | None:
     data = results[0].storage_data
     if isinstance(data, RankWrites):
         return RankReport(data.files, data.layout, data)
-    if isinstance(data, RankReport) and (data.writes is None or data.writes.files == data.files):
+    if isinstance(data, RankReport) and (
+        data.writes is None or isinstance(data.writes, PackedWrites) or data.writes.files == data.files
+    ):
         return data
     return None

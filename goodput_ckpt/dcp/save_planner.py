@@ -145,7 +145,7 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
                 self.global_plan, self.metadata = done
                 return done
         if any(compact):  # what the compact step does not decide: the full path, on torch's items
-            all_plans = [_expanded(p) if c else p for p, c in zip(all_plans, compact)]
+            all_plans = [_expanded(p, r) if c else p for r, (p, c) in enumerate(zip(all_plans, compact))]
         return self._plan_full(all_plans)
 
     def _plan_full(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -172,7 +172,7 @@ class ReplicaGroupingSavePlanner(DefaultSavePlanner):
         return row if row is not None else super().lookup_object(index)
 
 
-def _expanded(plan: SavePlan) -> SavePlan:
+def _expanded(plan: SavePlan, rank: int) -> SavePlan:
     """A compact local plan as the ``WriteItem`` list and mappings it stands for."""
-    items, mappings = expand(plan.planner_data)
+    items, mappings = expand(plan.planner_data, rank)
     return dataclasses.replace(plan, items=items, planner_data=mappings)

@@ -60,3 +60,25 @@ def test_the_fit_extrapolates_a_line_and_reads_the_benchmark_json(tmp_path, caps
     out = capsys.readouterr().out
     assert "ours, later save, results gathered (bytes)" in out and "b=100/rank" in out
     assert "coordinator cpu s: W=16: 0.2; W=64: 0.2; no growth with W resolved" in out
+
+
+def test_the_gathers_are_counted_padded_and_the_peak_by_window(tmp_path):
+    out = tmp_path / "save.json"
+    assert (
+        bench_scale_save.main(
+            ["--layout", "tiny", "--ranks", "4", "--methods", "ours", "--repeats", "1", "--json", str(out)]
+        )
+        == 0
+    )
+    first = json.loads(out.read_text())["rows"][0]["saves"]["1"]
+    b = first["bytes"]
+    assert b["plans gathered, padded"] >= b["plans gathered"] and b["results gathered, padded"] >= b["results gathered"]
+    windows = first["coordinator peak windows"]
+    assert max(windows["plan window MB"], windows["commit window MB"]) == first["coordinator peak MB"]
+
+
+def test_the_sample_of_ranks_runs(capsys):
+    import bench_scale_save_sample
+
+    assert bench_scale_save_sample.main(["--layout", "tiny", "--world", "64", "--sample", "4"]) == 0
+    assert "plans gathered, padded to the largest" in capsys.readouterr().out

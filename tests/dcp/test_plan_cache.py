@@ -155,7 +155,10 @@ def test_later_saves_exchange_the_same_bytes_whatever_the_number_of_tensors(save
         # The first save sends compact plans (dcp/compact_plan.py): a box per item, no WriteItem.
         assert c["large", 0, rank]["gathered"] > c["small", 0, rank]["gathered"]
         assert all(c[name, save, rank]["write_items"] == 0 for name in LAYOUTS for save in range(SAVES))
-        assert c["large", 0, rank]["results"] > 2 * c["small", 0, rank]["results"]  # every row
+        # every row, packed (dcp/rank_reports.py): under 32 bytes a tensor more, where a table row
+        # alone was 64 bytes and its key more before (issue 37: counted, not timed)
+        more = c["large", 0, rank]["results"] - c["small", 0, rank]["results"]
+        assert 0 < more < 32 * (LAYOUTS["large"] - LAYOUTS["small"]), (rank, more)
         for save in range(1, SAVES):
             assert c["large", save, rank]["gathered"] == c["small", save, rank]["gathered"], (save, rank)
             # files and a layout digest: a file size's int may pickle a byte or two longer
