@@ -33,6 +33,7 @@ What the protocol's methods start lives elsewhere, one concern a module: layout
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import secrets
 import time
@@ -147,8 +148,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._assignment: RankAssignment | None = None
         self._held: HeldLayout | None = None  # coordinator: the layouts announced for this save
         self._found: list[str] | None = None  # coordinator: the location's files before this save
-        #: The coordinator's commit record of its last save, as committed (``None`` elsewhere).
-        self.committed_record: bytes | None = None
+        self.committed_record: bytes | None = None  # coordinator: its last save's record, as committed
         self._beside_training = False  # the next save runs beside training: mark_background_save
         self._init_runtime()
 
@@ -295,7 +295,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         """Staging is blocking: nothing to wait for."""
 
     def close(self) -> None:
-        """Nothing to release: threads live only inside ``write_data``."""
+        """Nothing to release: its threads are the process's kept writers (engine/worker_pool.py)."""
 
     # -- one save at a time (save_claim.py) ----------------------------------------------------
     def _claim(self) -> None:
@@ -309,9 +309,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- coordinator: existing checkpoints --------------------------------------------------
     def _clear_or_refuse_existing(self) -> None:
-        # (requests) what the location held before the save, where it was listed: the files of
-        # failed saves that _commit removes without listing again (engine/hashed_write.py)
-        self._found = clear_or_refuse_existing(self._store, self.overwrite)
+        self._found = clear_or_refuse_existing(self._store, self.overwrite)  # kept for _commit's clean-up
 
     # -- every rank: layout, hashing, writing ------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -321,9 +319,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         assignment = plan.storage_data
         if not isinstance(assignment, RankAssignment):
             raise CheckpointError("CheckpointWriter.write_data got a plan it did not prepare")
-        # Values that are not shards of a distributed tensor first: the rank's own items in its
-        # RankWrites (the coordinator groups ranks by their shards). In the file they go after
-        # the shards, together (rank_placements: shards at one offset on every rank).
+        # Values that are not shards first: the rank's own items in its RankWrites. In the file
+        # they go after the shards, together (rank_placements: shards at one offset on every rank).
         items = sorted(plan.items, key=lambda it: it.type == WriteItemType.SHARD)
         own = sum(1 for it in items if it.type != WriteItemType.SHARD)
         refs = referenced_items(self.reuse, items, assignment.token)
@@ -376,9 +373,8 @@ _PLAN_CACHING = (
 
 class _SlimWhenPickled(Metadata):
     """A ``Metadata`` that pickles as one without chunks, planner data or storage data: what
-    ``dcp.save`` returns on the ranks other than the coordinator after a save through
-    :class:`CheckpointWriter` (read the checkpoint's full metadata with
-    ``CheckpointReader.read_metadata``). Its size does not grow with ranks or tensors."""
+    ``dcp.save`` returns on the other ranks after a save through :class:`CheckpointWriter` (the full
+    metadata: ``CheckpointReader.read_metadata``). Its size does not grow with ranks or tensors."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Metadata, ({},), {"storage_meta": self.storage_meta, "version": getattr(self, "version", None)})
@@ -398,8 +394,6 @@ def _positive(name: str, value: int | None, default: int) -> int:
 
 
 def _json_checked(meta: Mapping[str, Any]) -> dict[str, Any]:
-    import json
-
     try:
         return json.loads(json.dumps(dict(meta), allow_nan=False))
     except (TypeError, ValueError) as e:
