@@ -25,22 +25,27 @@ __all__ = ["LocalSink"]
 _MAX_IOV = 512
 
 
-def _load_sync_file_range():
-    """libc's ``sync_file_range`` (Linux only; Python's ``os`` lacks it), or ``None``.
-
-    Called through ctypes, which releases the GIL for the call.
-    """
+def _libc(name: str, argtypes: list, restype: type):
+    """libc's ``name`` through ctypes (which releases the GIL for the call), for the Linux calls
+    Python's ``os`` lacks; ``None`` elsewhere or where libc has no such function."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):  # pragma: no cover - a libc without it
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    fn.restype = restype
     return fn
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Python's ``os`` lacks it), or ``None``."""
+    import ctypes
+
+    return _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int)
 
 
 #: Starts writeback of a just-written range (a hint: failures surface in the final fsync), so
@@ -51,19 +56,11 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _load_fallocate():
-    """libc's ``fallocate`` (Linux only; Python's ``os`` has only ``posix_fallocate``, which glibc
-    emulates by writing every block where a filesystem lacks the call), or ``None``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
+    """libc's ``fallocate`` (Python's ``os`` has only ``posix_fallocate``, which glibc emulates by
+    writing every block where a filesystem lacks the call), or ``None``."""
+    import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):  # pragma: no cover - a libc without it
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int)
 
 
 #: Allocates a data file's blocks before its chunks are written (:meth:`LocalSink.reserve`).

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 
-from goodput_ckpt.format.manifest import FileEntry, Manifest
+from helpers.records import record_referencing
+
 from goodput_ckpt.manager.disk_full import free_oldest
 from goodput_ckpt.manager.step_layout import step_dir_name
 from goodput_ckpt.storage import open_store
-
-DIGEST = "0" * 64
 
 
 def _plant(root, step: int, bases: list[int], *, record: bool = True) -> None:
@@ -20,18 +19,7 @@ def _plant(root, step: int, bases: list[int], *, record: bool = True) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / "data.bin").write_bytes(b"x")
     if record:
-        files = {f"f{b}.bin": FileEntry(f"f{b}.bin", 1, (DIGEST,), step_dir_name(b)) for b in bases}
-        manifest = Manifest(
-            version=3 if bases else 2,
-            library_version="",
-            torch_version="",
-            created_at="",
-            world_size=1,
-            chunk_size=1 << 23,
-            files=files,
-            items={},
-        )
-        (d / "manifest.json").write_bytes(manifest.to_json())
+        (d / "manifest.json").write_bytes(record_referencing(bases))
 
 
 def _deleted(caplog) -> list[int]:

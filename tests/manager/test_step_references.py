@@ -4,33 +4,18 @@ from __future__ import annotations
 
 import os
 
-from goodput_ckpt.format.manifest import FileEntry, Manifest
+from helpers.records import record_referencing
+
 from goodput_ckpt.manager.retention import scan_steps, spare_referenced
 from goodput_ckpt.manager.step_layout import step_dir_name
 from goodput_ckpt.manager.step_references import protected_steps
 from goodput_ckpt.storage import open_store
 
-DIGEST = "0" * 64
-
-
-def _record(bases: list[int]) -> bytes:
-    files = {f"f{b}.bin": FileEntry(f"f{b}.bin", 1, (DIGEST,), step_dir_name(b)) for b in bases}
-    return Manifest(
-        version=3 if bases else 2,
-        library_version="",
-        torch_version="",
-        created_at="",
-        world_size=1,
-        chunk_size=1 << 23,
-        files=files,
-        items={},
-    ).to_json()
-
 
 def _plant(root, step: int, bases: list[int]) -> None:
     d = root / step_dir_name(step)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "manifest.json").write_bytes(_record(bases))
+    (d / "manifest.json").write_bytes(record_referencing(bases))
 
 
 def test_references_are_followed_through_kept_and_protected_steps(tmp_path):
@@ -49,7 +34,7 @@ def test_a_base_outside_the_step_layout_protects_nothing(tmp_path):
     _plant(tmp_path, 1, [])
     d = tmp_path / step_dir_name(2)
     d.mkdir()
-    rec = _record([1]).replace(step_dir_name(1).encode(), b"elsewhere", 1)
+    rec = record_referencing([1]).replace(step_dir_name(1).encode(), b"elsewhere", 1)
     from goodput_ckpt.format.manifest import seal_manifest
 
     body = rec[: rec.rindex(b',"digest":"')] + b"}"
@@ -89,7 +74,7 @@ def test_sealed_records_are_read_for_their_bases_only(tmp_path):
     while an unsealed, damaged or hostile one is read in full and protects every older step."""
     for step in (1, 2):
         _plant(tmp_path, step, [])
-    sealed = _reseal(_record([1]), lambda doc: doc.update(items={"k": {"kind": "nonsense"}}))
+    sealed = _reseal(record_referencing([1]), lambda doc: doc.update(items={"k": {"kind": "nonsense"}}))
     d = tmp_path / step_dir_name(3)
     d.mkdir()
     (d / "manifest.json").write_bytes(sealed)
@@ -97,7 +82,7 @@ def test_sealed_records_are_read_for_their_bases_only(tmp_path):
     assert protected_steps(store, scan_steps(store).files, [3], fresh=[3]) == {1}  # not 2
     (d / "manifest.json").write_bytes(sealed.replace(b'"f1.bin"', b'"f9.bin"', 1))  # seal broken
     assert protected_steps(store, scan_steps(store).files, [3], fresh=[3]) == {1, 2}
-    hostile = _reseal(_record([1]), lambda doc: doc["files"]["f1.bin"].update(base="../step_00000002"))
+    hostile = _reseal(record_referencing([1]), lambda doc: doc["files"]["f1.bin"].update(base="../step_00000002"))
     (d / "manifest.json").write_bytes(hostile)
     assert protected_steps(store, scan_steps(store).files, [3], fresh=[3]) == {1, 2}
 
