@@ -11,10 +11,9 @@ overwritten while it is written.
 
 A failure never raises in the save thread: it becomes ``last_error``, goes to ``on_error``, and
 is raised once at the next ``wait``/``close`` (or ``save`` with ``fail_fast``). A synchronous
-save runs the same steps in the caller's thread (:meth:`SaveJobs.save_now`) and raises.
-
-This module also owns each save's timeline record (:class:`~.timeline.SaveRecord`): it is
-filled in here and nowhere else.
+save runs the same steps in the caller's thread (:meth:`SaveJobs.save_now`), with the cyclic
+collector paused (``format/gc_pause.py``), and raises. Each save's timeline record
+(:class:`~.timeline.SaveRecord`) is filled in here and nowhere else.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from ..dcp.plan_cache import SavePlanCache
 from ..dcp.save_planner import ReplicaGroupingSavePlanner
 from ..dcp.writer import CheckpointWriter
 from ..errors import CheckpointError, as_checkpoint_error, find_interrupt
+from ..format.gc_pause import gc_paused
 from ..state.per_rank import WIDENED_ROWS
 from .agreement import deliberate_no_dist
 from .retention import note_committed
@@ -68,11 +68,10 @@ def all_failures(failed: list[tuple[int, CheckpointError]], count: int) -> Check
     """One error for the ``count`` background failures not yet raised (``failed``: the newest
     of them with their steps, oldest first).
 
-    Why: with a full disk every later save fails too, and raising only the first one hid
-    that the newest checkpoints were all lost. One failure is raised as itself; several as
-    one error of their common type (else ``CheckpointError``), newest first with the count,
-    each by the first line of its message, chained to the newest.
-    """
+    Why: with a full disk every later save fails too, and raising only the first one hid that
+    the newest checkpoints were all lost. One failure is raised as itself; several as one error
+    of their common type (else ``CheckpointError``), newest first with the count, each by the
+    first line of its message, chained to the newest."""
     if count == 1:
         return failed[-1][1]
     newest = failed[::-1]
@@ -94,10 +93,9 @@ def _first_line(err: CheckpointError) -> str:
 
 
 def interpreter_exiting() -> bool:
-    """Whether the interpreter has stopped its main thread (the script ended, or an exception
-    such as a Ctrl-C left it) with this background work still running: Python then refuses new
-    work on every thread pool ("cannot schedule new futures after interpreter shutdown"), and
-    nobody will call ``wait()`` or ``close()`` to hear about a failure."""
+    """Whether the interpreter has stopped its main thread (the script ended, or a Ctrl-C left
+    it) with this background work still running: Python then refuses new work on every thread
+    pool, and nobody will call ``wait()`` or ``close()`` to hear about a failure."""
     return not threading.main_thread().is_alive()
 
 
@@ -187,8 +185,7 @@ class SaveJobs:
         self._worker: ThreadPoolExecutor | None = None
         self._abandoned = False  # the interpreter exited before the save in flight finished
         self.committed: set[int] = set()  # steps saved by this manager (the same on every rank)
-        # The plans of the last save (every rank's manager has one): later saves of the same
-        # layout exchange digests, not plans (dcp/plan_cache.py).
+        # The last save's plans: later saves of the same layout send digests (dcp/plan_cache.py).
         self.plan_cache = SavePlanCache()
 
     @property
@@ -209,7 +206,8 @@ class SaveJobs:
         """
         err: CheckpointError | None = None
         try:
-            self._dcp_save(job, state)
+            with gc_paused():  # the caller waits: no full collection set off by the save's own objects
+                self._dcp_save(job, state)
             job.record.written(time.perf_counter() - started)
             self.wait_durable(job)
         except (Exception, CheckpointException) as e:
@@ -297,8 +295,8 @@ class SaveJobs:
 
     # -- shared -----------------------------------------------------------------------------------
     def _committed(self, job: SaveJob) -> None:
-        """After ``job`` committed and is durable: remember it, hand the record the coordinator
-        committed to retention (:func:`~.retention.note_committed`, no read back), retain."""
+        """After ``job`` committed and is durable: remember it, hand its record to retention
+        (:func:`~.retention.note_committed`, no read back), retain."""
         self.committed.add(job.step)
         record = getattr(job.writer, "committed_record", None)
         if record is not None:

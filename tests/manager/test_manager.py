@@ -415,3 +415,30 @@ def test_restore_applies_retention(tmp_path):
         assert mgr.steps() == [3, 4]
         assert mgr.restore(3, model=model, optimizer=opt) == 3  # an explicit step deletes nothing
         assert mgr.steps() == [3, 4]
+
+
+def test_a_synchronous_save_runs_dcp_save_with_the_collector_paused(tmp_path, monkeypatch):
+    """A save the caller waits for runs ``dcp.save`` with the cyclic collector off
+    (save_job.save_now): the save's own short-lived objects then set off no full collection.
+    An async save's write beside training leaves it on; it is on again after either."""
+    import gc
+
+    import goodput_ckpt.manager.save_job as save_job
+
+    seen: list[bool] = []
+    real = save_job.dcp.save
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_job.dcp, "save", spy)
+    model, opt, _ = _make()
+    assert gc.isenabled()
+    with CheckpointManager(tmp_path / "sync", async_save=False) as mgr:
+        mgr.save(1, model=model, optimizer=opt)
+    assert seen == [False] and gc.isenabled()
+    with CheckpointManager(tmp_path / "async") as mgr:
+        mgr.save(1, model=model, optimizer=opt)
+        mgr.wait()
+    assert seen == [False, True] and gc.isenabled()
