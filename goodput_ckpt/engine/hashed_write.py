@@ -153,6 +153,8 @@ def write_hashed_files(
             src.release()  # empty items take part in no chunk
     release_lock = threading.Lock()  # guards ``remaining``: segments finish on many threads
 
+    wide_zeros: list[memoryview] = []  # one chunk of zeros, made at the first long gap, shared
+
     def write_chunk(sink, ch: ChunkPlan) -> str:
         bufs = []
         for seg in ch.segments:
@@ -160,7 +162,9 @@ def write_hashed_files(
                 bufs.append(sources[seg.item].view(seg.start, seg.end))
             else:  # (a gap longer than the alignment: an empty or short shard's slot)
                 n = seg.end - seg.start
-                bufs.append(_ZEROS[:n] if n <= ALIGNMENT else bytes(n))
+                if n > ALIGNMENT and not wide_zeros:
+                    wide_zeros.append(memoryview(bytes(chunk_size)))  # a race makes two: harmless
+                bufs.append(_ZEROS[:n] if n <= ALIGNMENT else wide_zeros[0][:n])
         h = blake3.blake3()
         # Looked up on the class: a wrapper that forwards attributes (``__getattr__``) to a sink
         # keeps its own ``write_at`` in the path.
