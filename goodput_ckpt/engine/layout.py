@@ -69,8 +69,17 @@ class ChunkPlan:
     segments: tuple[Segment, ...]
 
 
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+def _align(n: int, to: int = ALIGNMENT) -> int:
+    return (n + to - 1) // to * to
+
+
+#: Items whose slot is at least this large start at a multiple of :data:`PAGE` in their file (the
+#: format asks for ``ALIGNMENT`` only): then a page-aligned buffer (a manager's staging buffer)
+#: is a page-aligned run of the file, and a save that writes around the page cache writes its
+#: chunks where they lie instead of copying them into a bounce buffer first
+#: (``goodput_ckpt.storage.direct_write``). The padding is under a page per such item.
+PAGE_ITEM_MIN = 1 << 20
+PAGE = 4096
 
 
 def _prod(values: tuple[int, ...]) -> int:
@@ -210,7 +219,7 @@ def place_items(
     used = [0] * file_count
     for i, size in enumerate(sizes):
         f = owner[i]
-        off = _align(ends[f])
+        off = _align(ends[f], PAGE if slots[i] >= PAGE_ITEM_MIN else ALIGNMENT)  # slots: equal on every rank
         placements[i] = Placement(i, f, off, size)
         ends[f] = off + slots[i]
         used[f] = off + size  # (an empty item's offset too lies within its file)

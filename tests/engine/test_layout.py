@@ -7,6 +7,8 @@ import random
 import pytest
 
 from goodput_ckpt.engine.layout import (
+    PAGE,
+    PAGE_ITEM_MIN,
     ShardShape,
     chunk_plans,
     place_items,
@@ -181,3 +183,36 @@ def test_replicated_values_lie_in_one_hash_chunk(before):
     assert start // chunk == (end - 1) // chunk and end == file_sizes[0]
     assert all(a.offset + a.length <= b.offset for a, b in zip(placements, placements[1:]))
     assert start - (before + 63) // 64 * 64 < sum(own) + 3 * 64, "the padding is less than their bytes"
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_large_shards_lie_page_aligned_at_one_offset_on_every_rank(world):
+    """Items whose slot is at least PAGE_ITEM_MIN start at a page-aligned offset (a staging buffer
+    is then written direct where it lies), decided by the slot, which every rank shares, so a
+    rank's short last shard (below the threshold) keeps the offset of the full blocks."""
+    # Rows of 4,000 bytes (1000 fp32 columns: offsets are no page multiples by themselves), blocks
+    # of up to 8 MiB, uneven last shards; 263 * world - 1 rows: a full block of 1,052,000 bytes
+    # (over PAGE_ITEM_MIN), the last rank's 262 rows below it.
+    rows = [4099, 1025, 7, 16385, 3, 2049, 263 * world - 1]
+    shapes = [(r, 1000) for r in rows]
+    where: dict[int, set] = {t: set() for t in range(len(shapes))}
+    for rank in range(world):
+        held = [(t, _fsdp_shard(s, rank, world)) for t, s in enumerate(shapes)]
+        held = [(t, s) for t, s in held if _nbytes(s)]
+        sizes = [_nbytes(s) for _, s in held]
+        placements, _sizes = rank_placements(sizes, [s for _, s in held], 1, world)
+        for (t, s), p in zip(held, placements):
+            where[t].add(p.offset)
+            if shard_slot(s, world) >= PAGE_ITEM_MIN:
+                assert p.offset % PAGE == 0, (t, rank, p.offset)
+            else:
+                assert p.offset % ALIGNMENT == 0
+    assert all(len(w) == 1 for w in where.values())
+    last, first = _fsdp_shard(shapes[-1], world - 1, world), _fsdp_shard(shapes[-1], 0, world)
+    assert _nbytes(last) < PAGE_ITEM_MIN <= shard_slot(first, world)  # the case the slot rule is for
+
+
+def test_small_items_keep_the_formats_alignment():
+    placements, sizes = place_items([100, 70, PAGE_ITEM_MIN, 5], 1)
+    assert [p.offset for p in placements] == [0, 128, PAGE, PAGE + PAGE_ITEM_MIN]
+    assert sizes == [PAGE + PAGE_ITEM_MIN + 5]

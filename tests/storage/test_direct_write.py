@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from goodput_ckpt import CheckpointReader, CheckpointWriter
 from goodput_ckpt.engine.hashed_write import write_hashed_files
-from goodput_ckpt.engine.layout import place_items
-from goodput_ckpt.storage import LocalConfig, LocalStore
+from goodput_ckpt.engine.layout import PAGE_ITEM_MIN, place_items
+from goodput_ckpt.storage import LocalConfig, LocalStore, direct_write
 from goodput_ckpt.storage.direct_write import BOUNCE_BYTES
 from goodput_ckpt.tools.ops.verify import verify_checkpoint
 
@@ -244,3 +244,90 @@ def test_manager_async_saves_write_direct_and_sync_saves_buffered(tmp_path, room
             assert _resident_pages(biggest) <= 1
         else:
             assert _resident_pages(biggest) > 100
+
+
+class _Counted:
+    """Counts the bounce buffers the direct writer takes (the copies it makes)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.takes = 0
+        real = direct_write._POOL.take
+
+        def take():
+            self.takes += 1
+            return real()
+
+        monkeypatch.setattr(direct_write._POOL, "take", take)
+
+
+def _aligned(data: bytes) -> memoryview:
+    """``data`` in page-aligned, writable memory (as a manager's staging buffer is)."""
+    buf = mmap.mmap(-1, max(len(data), 1))
+    buf[: len(data)] = data
+    return memoryview(buf)[: len(data)]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [3 << 20, 5 << 20],  # chunks that are each one aligned buffer
+        [BOUNCE_BYTES * 2 + 9000],  # larger than a bounce buffer, with an unaligned tail
+        [(1 << 20) + 100, 8192, 2 << 20],  # an item after an unaligned one: its offset is page-aligned by the layout
+    ],
+)
+def test_page_aligned_buffers_are_written_where_they_lie(tmp_path, monkeypatch, sizes):
+    """A page-aligned buffer at a page-aligned position goes from its own memory to the device: no
+    bounce buffer for it, and the same files and digests as a buffered write of the same bytes."""
+    items = _items(5, sizes)
+    counted = _Counted(monkeypatch)
+    store = LocalStore(str(tmp_path / "direct"), LocalConfig(direct_writes=True))
+    store.prepare()
+    placements, file_sizes = place_items([len(b) for b in items], 1)
+    assert all(p.offset % 4096 == 0 for p in placements if p.length >= PAGE_ITEM_MIN)
+    sources = [_Bytes(_aligned(b)) for b in items]
+    entries = write_hashed_files(store, ["f0.bin"], placements, file_sizes, sources, chunk_size=8 << 20, thread_count=2)
+    _ref, expected = _write(tmp_path / "buffered", False, items, chunk_size=8 << 20)
+    assert entries == expected
+    assert (tmp_path / "direct" / "f0.bin").read_bytes() == (tmp_path / "buffered" / "f0.bin").read_bytes()
+    tails = sum(1 for b in items if len(b) % 4096) + sum(1 for b in items if len(b) < PAGE_ITEM_MIN)
+    assert counted.takes <= tails  # only unaligned tails and small items go through a bounce buffer
+    counted.takes = 0
+    _write(tmp_path / "copied", True, items, chunk_size=8 << 20)  # the same bytes in unaligned memory
+    assert counted.takes >= -(-file_sizes[0] // (8 << 20))  # a bounce buffer for every chunk
+
+
+def test_in_place_write_refused_falls_back_to_buffered(big_sector_fs, tmp_path):
+    items = _items(6, [3 << 20, 2 << 20])
+    placements, file_sizes = place_items([len(b) for b in items], 1)
+    store = LocalStore(str(big_sector_fs / "ckpt"), LocalConfig(direct_writes=True))
+    store.prepare()
+    sources = [_Bytes(_aligned(b)) for b in items]
+    entries = write_hashed_files(store, ["f0.bin"], placements, file_sizes, sources, chunk_size=1 << 20, thread_count=2)
+    _ref, expected = _write(tmp_path / "ref", False, items, chunk_size=1 << 20)
+    assert entries == expected
+    assert (big_sector_fs / "ckpt" / "f0.bin").read_bytes() == (tmp_path / "ref" / "f0.bin").read_bytes()
+
+
+def test_manager_staging_buffers_are_page_aligned_and_written_in_place(tmp_path, roomy_machine, monkeypatch):
+    from goodput_ckpt import CheckpointManager
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1000), torch.nn.Linear(1000, 1024))  # 4 MB weights
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    counted = _Counted(monkeypatch)
+    with CheckpointManager(tmp_path / "root", async_save=True, keep_last=None) as mgr:
+        mgr.save(1, model=model, optimizer=opt)
+        mgr.wait()
+        staged = [b for b in mgr._staging.stager._buffers.values() if b.nbytes >= PAGE_ITEM_MIN]
+        assert len(staged) == 6 and all(b.data_ptr() % 4096 == 0 for b in staged)
+        counted.takes = 0
+        mgr.save(2, model=model, optimizer=opt)
+        mgr.wait()
+    # 6 large tensors of 4 MB (weights, exp_avg, exp_avg_sq) in chunks of 8 MiB, written in place;
+    # only chunks holding a small item or an unaligned tail took a bounce buffer.
+    assert counted.takes <= 4
+    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1000), torch.nn.Linear(1000, 1024))
+    with CheckpointManager(tmp_path / "root") as mgr:
+        assert mgr.restore(model=fresh) == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

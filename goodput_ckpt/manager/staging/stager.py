@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ...dcp.staging import stage_state_dict
+from ...dcp.staging import aligned_empty, stage_state_dict
 from ...errors import CheckpointError
 from .deferred_copy import DeferredCopies
 
@@ -198,8 +198,10 @@ class ReusableStager(AsyncStager):
         on_cuda = src.device.type == "cuda"
         buf = self._buffers.get(path)
         if buf is None or buf.dtype != src.dtype or buf.shape != src.shape or (on_cuda and not buf.is_pinned()):
-            pin = on_cuda and torch.cuda.is_available()
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            if on_cuda and torch.cuda.is_available():
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # page-aligned already
+            else:
+                buf = aligned_empty(src.shape, src.dtype)
         buffers[path] = buf
         if src.numel() and self._defer is not None and not on_cuda and self._defer(src):
             name = ".".join(map(str, path))
