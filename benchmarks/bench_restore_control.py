@@ -28,7 +28,9 @@ Each rank's CPU is split into phases by timers this process wraps around the lib
   into the destination tensors); ``finish``: after ``read_data`` (the final gather);
 - ``ours``: the main thread's CPU plus the reader threads'; ``other``: the process's CPU
   (``process_time``) less ``ours``: threads that are not this load's (gloo's, the TCPStore
-  server that rank 0 hosts).
+  server that rank 0 hosts);
+- counts, not times: the calls and tensor bytes of torch's collectives on each rank (its object
+  collectives go through them), and the process's minor page faults.
 
 Usage: ``python benchmarks/bench_restore_control.py [--world 8] [--small 2] [--repeats 5]
 [--layers 600] [--json PATH]``. At 8 processes it needs about 3 GB of memory and a few minutes.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -50,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_restore_layout import IN_FEATURES, _fmt, _free_port, _spread, _Stack  # noqa: E402
 
 MODES = ("big", "jobs", "one")
+COUNTS = ("collective calls", "collective bytes", "minor faults")
 PHASES = ("record", "parse", "files", "metadata", "plan", "reads", "hash", "deliver", "finish")
 
 
@@ -87,7 +91,33 @@ class _Timers:
 
         return timed
 
+    def count_collectives(self) -> None:
+        """Count the calls and tensor bytes (in and out, on this rank) of torch's collectives,
+        which its object collectives (``dcp.load``'s gather, scatter, all-gather) go through."""
+        import torch
+        from torch.distributed import distributed_c10d as c10d
+
+        def nbytes(x) -> int:
+            if isinstance(x, torch.Tensor):
+                return x.numel() * x.element_size()
+            if isinstance(x, (list, tuple)):
+                return sum(nbytes(y) for y in x)
+            return 0
+
+        def wrap(name: str, fn):
+            def counted(*a, **k):
+                self.acc["collective calls"] = self.acc.get("collective calls", 0) + 1
+                moved = sum(nbytes(x) for x in (*a, *k.values()))
+                self.acc["collective bytes"] = self.acc.get("collective bytes", 0) + moved
+                return fn(*a, **k)
+
+            return counted
+
+        for name in ("broadcast", "all_gather", "gather", "scatter", "all_reduce", "reduce", "all_to_all"):
+            setattr(c10d, name, wrap(name, getattr(c10d, name)))
+
     def install(self) -> None:
+        self.count_collectives()
         from goodput_ckpt.dcp import reader as rd
         from goodput_ckpt.engine import manifest_load as ml
         from goodput_ckpt.format import commit_record as cr
@@ -124,6 +154,7 @@ class _Timers:
         from goodput_ckpt.dcp.load_planner import GridLoadPlanner
 
         self.acc, self.worker, self.marks = {}, 0.0, {}
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         p0, m0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
         reader = CheckpointReader(path, process_group=group)
         dcp.load(sd, storage_reader=reader, planner=GridLoadPlanner(), process_group=group)
@@ -146,6 +177,9 @@ class _Timers:
             "other": (p1 - p0) - ours,
             "process": p1 - p0,
             "wall": w1 - w0,
+            "collective calls": a.get("collective calls", 0),
+            "collective bytes": a.get("collective bytes", 0),
+            "minor faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0,
         }
 
 
@@ -259,7 +293,7 @@ def summarize(ranks: list[dict], small: int) -> dict:
             p: statistics.median(max(rr[i][p] for rr in rows) for i in range(repeats)) for p in (*PHASES, "other")
         }
         fig[mode]["rank_medians"] = {
-            k: [statistics.median(x[k] for x in rr) for rr in rows] for k in ("ours", "other", "process")
+            k: [statistics.median(x[k] for x in rr) for rr in rows] for k in ("ours", "other", "process", *COUNTS)
         }
     fig["ratios"] = {
         f"{a}/{b} {k}": _spread([worst[a][k][i] / worst[b][k][i] for i in range(repeats)])
@@ -282,6 +316,8 @@ def report(fig: dict) -> str:
         )
         for k in ("ours", "other"):
             lines.append(f"        rank medians, {k}: " + " ".join(f"{v:.4f}" for v in f["rank_medians"][k]))
+        for k in COUNTS:
+            lines.append(f"        rank medians, {k}: " + " ".join(f"{v:.0f}" for v in f["rank_medians"][k]))
     for name, spread in fig["ratios"].items():
         lines.append(f"  {name}: {_fmt(spread)}")
     return "\n".join(lines)

@@ -31,6 +31,9 @@ def test_control_runs_every_mode_with_its_phases(tmp_path, capsys):
         assert set(f["phases"]) == {*bench_restore_control.PHASES, "other"}
         assert f["phases"]["parse"] > 0 and f["phases"]["plan"] > 0 and f["phases"]["hash"] > 0
         assert len(f["rank_medians"]["ours"]) == (2 if mode == "one" else 4)
+        # dcp.load's collectives were counted on every rank (counts, not times)
+        assert all(c > 0 for c in f["rank_medians"]["collective calls"])
+        assert all(b > 0 for b in f["rank_medians"]["collective bytes"])
     assert all(v["median"] > 0 for v in fig["ratios"].values())
     text = capsys.readouterr().out
     assert "load average at start" in text and "big/jobs ours" in text
