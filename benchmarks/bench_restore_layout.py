@@ -7,10 +7,12 @@ with ``fully_shard`` (row counts that leave uneven shards at every W, and layers
 than ranks, so that ranks past a tensor's end hold empty shards), take one AdamW step, and save
 model and optimizer state (``get_state_dict``) through ``dcp.save`` with the manager's planner
 (``ReplicaGroupingSavePlanner``) and ``CheckpointWriter`` on a local disk. Then every rank times
-``CheckpointReader(path).read_metadata()``, CPU (``process_time``) and wall, ``--repeats`` times:
+``CheckpointReader(path).read_metadata()``, CPU (``process_time``, and ``thread_time`` of the
+calling thread, which excludes gloo's threads and rank 0's TCPStore server) and wall, ``--repeats``
+times:
 
-- ``alone``: one rank at a time while the others wait in a barrier: the work one rank does,
-  without the other ranks competing for this machine's 2 cores;
+- ``alone``: one rank at a time while the others wait in a barrier, a different rank first in
+  each repeat: the work one rank does, without the other ranks competing for this machine's 2 cores;
 - ``together``: every rank at once, as ``dcp.load`` calls it (wall then includes the contention).
 
 For each W the worst rank's figure of each repeat is kept, then min/median/max over the repeats.
@@ -26,7 +28,8 @@ the library has no switch for it.
 
 Usage: ``python benchmarks/bench_restore_layout.py [--worlds 2 4 8] [--repeats 5] [--layers 600]``
 (``--json PATH`` writes the figures, ``--keep DIR`` keeps the checkpoints, ``--old-layout``). On a 2-core machine W = 8 needs about 3 GB of memory and a
-few minutes.
+few minutes. ``bench_restore_control.py`` is the control for the machine's contention (the
+8-rank restore against four concurrent 2-rank ones on the same 8 processes).
 """
 
 from __future__ import annotations
@@ -70,10 +73,12 @@ class _Stack(torch.nn.Module):
         return sum(m(x).sum() for m in self.layers)
 
 
-def _time(fn) -> tuple[float, float]:
-    c0, w0 = time.process_time(), time.perf_counter()
+def _time(fn) -> tuple[float, float, float]:
+    """CPU of the process (every thread: gloo's, rank 0's TCPStore server), wall, and CPU of
+    this thread (``read_metadata`` runs on it alone on a local disk)."""
+    c0, w0, t0 = time.process_time(), time.perf_counter(), time.thread_time()
     fn()
-    return time.process_time() - c0, time.perf_counter() - w0
+    return time.process_time() - c0, time.perf_counter() - w0, time.thread_time() - t0
 
 
 def _rank(
@@ -117,13 +122,15 @@ def _rank(
     for which, path in paths.items():
         CheckpointReader(path).read_metadata()  # warm: imports, the page cache
         result[which] = {"alone": [], "together": []}
-    for _ in range(repeats):
+    for i in range(repeats):
         for which, path in paths.items():  # interleaved: the machine's load falls on both alike
 
             def read(path: str = path) -> None:
                 CheckpointReader(path).read_metadata()
 
-            for r in range(world):
+            # alone: a different rank first in each repeat (the first one follows the
+            # "together" reads of every rank, in caches they left cold)
+            for r in [(i + k) % world for k in range(world)]:
                 if r == rank:
                     result[which]["alone"].append(_time(read))
                 dist.barrier()
@@ -188,7 +195,7 @@ def run(world: int, layers: int, repeats: int, old: bool, out: str, keep: str | 
     for which in ("new", "old") if old else ("new",):
         fig[which] = {"record": ranks[0][which]["record"]}
         for mode in ("alone", "together"):
-            for k, what in enumerate(("cpu_s", "wall_s")):
+            for k, what in enumerate(("cpu_s", "wall_s", "thread_cpu_s")):
                 worst = [max(ranks[r][which][mode][i][k] for r in range(world)) for i in range(repeats)]
                 fig[which][f"{mode}_{what}"] = _spread(worst)
         cpu = [statistics.median(x[0] for x in ranks[r][which]["alone"]) for r in range(world)]
@@ -196,6 +203,9 @@ def run(world: int, layers: int, repeats: int, old: bool, out: str, keep: str | 
         # Each rank's median over the repeats: the worst of W noisy figures grows with W by
         # itself (the maximum of more draws), these show whether any rank's work does.
         fig[which]["alone_cpu_s_rank_medians"] = cpu
+        fig[which]["alone_thread_cpu_s_rank_medians"] = [
+            statistics.median(x[2] for x in ranks[r][which]["alone"]) for r in range(world)
+        ]
     return fig
 
 
@@ -248,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {which}: record {rec['bytes']} B, {rec['grid_runs']} grid runs, data {rec['data_bytes']} B; "
                     f"worst rank alone CPU {_fmt(f['alone_cpu_s'])} s, wall {_fmt(f['alone_wall_s'])} s; "
                     f"together CPU {_fmt(f['together_cpu_s'])} s, wall {_fmt(f['together_wall_s'])} s "
-                    f"(min/median/max of {args.repeats})",
+                    f"(min/median/max of {args.repeats}); alone thread CPU {_fmt(f['alone_thread_cpu_s'])} s",
                     flush=True,
                 )
+                for k in ("cpu_s", "thread_cpu_s"):
+                    print(f"    rank medians, alone {k}: " + " ".join(f"{v:.4f}" for v in f[f"alone_{k}_rank_medians"]))
                 if args.profile:
                     print(_top(os.path.join(sub, f"w{world}_{which}_r{f['worst_rank']}.prof")), flush=True)
     print(f"load average at end: {os.getloadavg()}", flush=True)
