@@ -14,7 +14,8 @@ DCP call order, and which ranks make each call (see torch's ``StorageWriter``)::
     finish(metadata, results)       coordinator: builds the manifest and commits it
 
 A save that fails anywhere leaves no manifest: its data files are visibly incomplete and are
-removed by the next successful save at the same location. With local staging in front of a mounted volume (``stage_dir=``), ``dcp.save`` returns once the
+removed by the next successful save at the same location (with ``known_new`` on S3: by the
+caller, a manager's retention). With local staging in front of a mounted volume (``stage_dir=``), ``dcp.save`` returns once the
 checkpoint is on local disk; :meth:`CheckpointWriter.durable_future` says when its durable copy
 is committed on the volume.
 

@@ -159,7 +159,7 @@ def apply_retention(root: Store, *, committed: int, keep_last: int | None, prote
     """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
     still being read: a persist in flight), and what those reference, as a kept step's bases
     are. Best effort: a failure is logged, and the next commit retries."""
-    noted = _take_committed(root)  # this run's commit, and those of runs merged into it
+    noted = _take_committed(root, committed)  # this run's commit, and those of runs merged into it
     try:
         scan = scan_steps(root)
         victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
@@ -192,14 +192,16 @@ def note_committed(location: str, record: bytes) -> None:
             _committed.popitem(last=False)
 
 
-def _take_committed(root: Store) -> dict[int, bytes]:
-    """Every record noted for a step directly under ``root`` (step -> bytes), taken."""
+def _take_committed(root: Store, up_to: int) -> dict[int, bytes]:
+    """The records noted for steps directly under ``root`` up to ``up_to`` (step -> bytes),
+    taken. Those of later steps stay for their own run (a save that committed after this run
+    picked its step: this run's listing may not show its record yet)."""
     base = root.uri.rstrip("/") + "/"
     taken: dict[int, bytes] = {}
     with _committed_lock:
         for location in [u for u in _committed if u.startswith(base)]:
             step = parse_step_dir(location[len(base) :])
-            if step is not None:
+            if step is not None and step <= up_to:
                 taken[step] = _committed.pop(location)
     return taken
 

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from goodput_ckpt import CheckpointExistsError, CheckpointManager, CheckpointWriter
 from goodput_ckpt.format.manifest import MANIFEST_NAME
+from goodput_ckpt.manager.retention import apply_retention, note_committed
 from goodput_ckpt.manager.step_leftovers import leftover_files, remove_leftovers
 from goodput_ckpt.storage import open_store
 
@@ -49,6 +50,29 @@ def test_remove_leftovers_deletes_only_inside_complete_steps(tmp_path):
     remove_leftovers(root, files, {3: _record(OURS), 4: _record(OURS)})
     assert sorted(p.name for p in (tmp_path / "step_00000003").iterdir()) == sorted([MANIFEST_NAME, OURS, "notes.txt"])
     assert (tmp_path / "step_00000004" / DEAD).exists()  # not judged: no record in the listing
+
+
+def test_retention_cleans_every_step_noted_since_its_last_run(tmp_path):
+    """Runs waiting behind a running one merge into one for the newest commit
+    (background_retention.py): that run cleans the steps of the merged commits too. A step
+    committed after the run picked its commit is left to its own run."""
+    root = open_store(str(tmp_path))
+    for step in (6, 7, 8):
+        d = tmp_path / f"step_{step:08d}"
+        d.mkdir()
+        (d / OURS).write_bytes(b"x")
+        (d / DEAD).write_bytes(b"x")
+        (d / MANIFEST_NAME).write_bytes(_record(OURS))
+        note_committed(f"{root.uri}/step_{step:08d}", _record(OURS))
+    apply_retention(root, committed=7, keep_last=None)
+    clean = sorted([MANIFEST_NAME, OURS])
+    assert [sorted(p.name for p in (tmp_path / f"step_{s:08d}").iterdir()) == clean for s in (6, 7, 8)] == [
+        True,
+        True,
+        False,
+    ]
+    apply_retention(root, committed=8, keep_last=None)
+    assert sorted(p.name for p in (tmp_path / "step_00000008").iterdir()) == clean
 
 
 def test_known_new_excludes_overwrite(tmp_path):

@@ -132,16 +132,17 @@ def s3_keys(target, prefix: str) -> list[str]:
     return sorted(target.keys(prefix))
 
 
-def test_a_failed_saves_files_at_the_step_are_removed_by_retention_not_committed(s3):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_saves_files_at_the_step_are_removed_by_retention_not_committed(s3, async_save):
     """A job restarted after a save of step 3 died mid-save saves step 3 again (no restore in
     between, which would have removed the incomplete step): the new record lists only its own
-    files, and retention after the commit removes the dead save's ones; a file that is not a
-    save's stays."""
+    files, and retention after the commit (async: on its own thread) removes the dead save's
+    ones; a file that is not a save's stays."""
     left = _leave_failed_save(s3, "root/step_00000003")
     assert left and all(k.endswith(".bin") for k in left), left
     s3.client().put_object(Bucket=s3.bucket, Key="root/step_00000003/notes.txt", Body=b"not the writer's")
     model = torch.nn.Linear(8, 4)
-    mgr = CheckpointManager(s3.uri("root"), keep_last=2, async_save=False, timeline=False, **s3.options())
+    mgr = CheckpointManager(s3.uri("root"), keep_last=2, async_save=async_save, timeline=False, **s3.options())
     try:
         mgr.save(3, model=model)
     finally:
