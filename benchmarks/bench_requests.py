@@ -11,8 +11,10 @@ session the store builds its client from). Phases, each between barriers:
   ``dcp.save`` and ``CheckpointWriter``;
 - ``dcp.load``: the same through ``dcp.load`` and ``CheckpointReader`` (checked bit-exact);
 - ``manager.save``: an FSDP2 model of ``--layers`` linear layers plus AdamW through
-  ``CheckpointManager.save`` (synchronous);
-- ``manager.restore``: a new manager (a restarted job) restores the latest step.
+  ``CheckpointManager.save`` (synchronous, ``keep_last=2``): the manager's first save, step 1;
+- ``manager.steady``: the same manager's save of step 4 (after steps 2 and 3), which retires
+  step 2: the steady state (docs/s3.md, *Requests per save*);
+- ``manager.restore``: a new manager (a restarted job) restores the latest step (4).
 
 For each W and phase it prints the coordinator's requests by operation and the most any other
 rank made (``coordinator / max other``). Counts do not depend on timing, so every repeat should

@@ -10,6 +10,7 @@ remembered and make as many requests as the trainable state alone. Since issue 3
 cuts (docs/s3.md, *Requests per save*; same day, later): 7 for the fourth incremental save, 6 for
 every later one and for the trainable state alone (11 before): the listing of the step before the
 save, the data and the commit ``PutObject``, the root's listing and the retired step's two deletes.
+Since a manager's step writers skip that listing (2026-12-08): 6 and 5, the minimum.
 
 Run: ``.venv/bin/python benchmarks/probe_incremental_requests.py``.
 """

@@ -14,7 +14,8 @@ DCP call order, and which ranks make each call (see torch's ``StorageWriter``)::
     finish(metadata, results)       coordinator: builds the manifest and commits it
 
 A save that fails anywhere leaves no manifest: its data files are visibly incomplete and are
-removed by the next successful save at the same location. With local staging in front of a mounted volume (``stage_dir=``), ``dcp.save`` returns once the
+removed by the next successful save at the same location (with ``known_new`` on S3: by the
+caller, a manager's retention). With local staging in front of a mounted volume (``stage_dir=``), ``dcp.save`` returns once the
 checkpoint is on local disk; :meth:`CheckpointWriter.durable_future` says when its durable copy
 is committed on the volume.
 
@@ -33,7 +34,6 @@ What the protocol's methods start lives elsewhere, one concern a module: layout
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import secrets
 import time
@@ -70,6 +70,7 @@ from .save_claim import SaveClaim
 from .staging import stage_state_dict
 from .tensor_bytes import check_byte_order
 from .write_sources import resolve_item, save_world_size, shard_shape
+from .writer_args import json_checked, positive
 
 __all__ = ["CheckpointWriter", "DEFAULT_CHUNK_SIZE", "DEFAULT_WRITE_THREADS"]
 
@@ -103,6 +104,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             ``thread_count``).
         reuse: an incremental save (:mod:`.incremental`): the items it names as unchanged are
             referenced where an earlier save of a sibling location stored them, not written.
+        known_new: the caller knows that ``uri`` holds no commit record (a ``CheckpointManager``
+            step writer); not with ``overwrite``. On S3 the coordinator then makes no request
+            before the ranks write; a record there after all still refuses the commit, and
+            files of failed earlier saves stay for the caller to remove
+            (``engine.hashed_write.clear_or_refuse_existing``). Elsewhere it changes nothing.
         **options: backend options (:class:`~goodput_ckpt.storage.LocalConfig`,
             :class:`~goodput_ckpt.storage.VolumeConfig`, :class:`~goodput_ckpt.storage.S3Config`,
             :class:`~goodput_ckpt.storage.FsspecConfig`). For a local path, ``volume=True`` or
@@ -125,20 +131,24 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         metadata: Mapping[str, Any] | None = None,
         files_per_rank: int | None = None,
         reuse: IncrementalPlan | None = None,
+        known_new: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
         self.reuse = reuse
+        if known_new and overwrite:
+            raise ValueError("known_new and overwrite exclude each other: an overwrite must find the old checkpoint")
+        self.known_new = bool(known_new)
         #: This rank's bytes of its last save: written to files, and referenced in earlier saves.
         self.bytes_written = 0
         self.bytes_referenced = 0
-        self.thread_count = _positive("thread_count", thread_count, DEFAULT_WRITE_THREADS)
-        self.chunk_size = _positive("chunk_size", chunk_size, DEFAULT_CHUNK_SIZE)
+        self.thread_count = positive("thread_count", thread_count, DEFAULT_WRITE_THREADS)
+        self.chunk_size = positive("chunk_size", chunk_size, DEFAULT_CHUNK_SIZE)
         if not (1 << 12) <= self.chunk_size <= (1 << 30):
             raise ValueError(f"chunk_size must be between 4 KiB and 1 GiB, got {self.chunk_size}")
-        self.files_per_rank = None if files_per_rank is None else _positive("files_per_rank", files_per_rank, 1)
+        self.files_per_rank = None if files_per_rank is None else positive("files_per_rank", files_per_rank, 1)
         self.overwrite = bool(overwrite)
-        self.user_metadata = _json_checked(metadata or {})
+        self.user_metadata = json_checked(metadata or {})
         self._options = dict(options)
         # What DCP logs and records (StorageMeta, the manifest): never a URL's credentials.
         self.checkpoint_id: str | os.PathLike = redact(os.fspath(uri))
@@ -181,6 +191,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             self.checkpoint_id = redact(os.fspath(checkpoint_id))
             self._store = open_store(checkpoint_id, self._options)
             check_chunk_size(self._store, self.chunk_size)
+            self.known_new = False  # the caller vouched for the old location, not this one
         self._assignment = None
 
     @classmethod
@@ -309,7 +320,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- coordinator: existing checkpoints --------------------------------------------------
     def _clear_or_refuse_existing(self) -> None:
-        self._found = clear_or_refuse_existing(self._store, self.overwrite)  # kept for _commit's clean-up
+        self._found = clear_or_refuse_existing(self._store, self.overwrite, known_new=self.known_new)  # for _commit
 
     # -- every rank: layout, hashing, writing ------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -383,18 +394,3 @@ class _SlimWhenPickled(Metadata):
 def _offsets(item: WriteItem) -> tuple[int, ...] | None:
     """The item's chunk offsets as a plain tuple (``None`` for an object), as the manifest keys it."""
     return None if item.index.offset is None else tuple(item.index.offset)
-
-
-def _positive(name: str, value: int | None, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _json_checked(meta: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        return json.loads(json.dumps(dict(meta), allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"metadata must be JSON-serializable: {e}") from e

@@ -45,6 +45,7 @@ __all__ = [
     "clear_or_refuse_existing",
     "data_file_name",
     "durable_future",
+    "is_save_file",
     "publish_manifest",
     "remove_stale_files",
     "remove_stale_files_after_commit",
@@ -79,6 +80,14 @@ class ByteSource(Protocol):
 def data_file_name(rank_index: int, file_index: int, token: str) -> str:
     """The writer's name for file ``file_index`` of rank ``rank_index`` in the save ``token``."""
     return f"rank{rank_index:05d}-{file_index:02d}.{token}.bin"
+
+
+def is_save_file(name: str) -> bool:
+    """Whether ``name`` (relative to a location) is a name a save writes there besides its
+    commit record: a data file or a temporary record. Only these are ever removed as files of
+    failed saves; anything else in a location is not the writer's to delete. A match has no
+    ``/`` and no ``..``: it is inside the location."""
+    return bool(_DATA_FILE.match(name) or _TMP_FILE.match(name))
 
 
 def data_file_rank(name: str) -> int | None:
@@ -240,10 +249,20 @@ def write_hashed_files(
     return [FileEntry(names[f], file_sizes[f], tuple(digests[f])) for f in range(len(names))]
 
 
-def clear_or_refuse_existing(store: Store, overwrite: bool) -> list[str] | None:
+def clear_or_refuse_existing(store: Store, overwrite: bool, *, known_new: bool = False) -> list[str] | None:
     """Before a save (the coordinator, before any rank writes): refuse a committed checkpoint at
     ``store``, or remove it when allowed; first, on a store whose killed saves leave hidden
     uploads behind (S3), abort the stale ones (:meth:`~..storage.base.StaleUploads.abort_stale_uploads_before_save`).
+
+    ``known_new`` (a :class:`~goodput_ckpt.CheckpointManager`'s step writer, never with
+    ``overwrite``): the caller knows of no commit record at ``store``. On a store whose requests
+    are billed nothing is then asked before the ranks write (issue 37: the save's one request
+    above the minimum): a record there after all (another process committed the step) still
+    refuses the commit (:func:`publish_manifest`: the conditional PUT, or check-then-put), whose
+    refusal removes this save's files, and files of failed earlier saves at the location are
+    left to the caller (the manager's retention removes those the new record does not list:
+    ``manager/step_leftovers.py``). Elsewhere (local disk, volumes) the check is a directory
+    read, not a request, and runs as without it.
 
     Done here, once per save, rather than by every rank: a listing per rank is a burst of
     ranks LIST requests against one prefix at every save (docs/scale.md).
@@ -256,14 +275,18 @@ def clear_or_refuse_existing(store: Store, overwrite: bool) -> list[str] | None:
         location held before the save (less those removed here): one listing answers both "is a
         record there?" and "which files of failed saves to remove after the commit?", which
         :func:`remove_stale_files_after_commit` then deletes without listing again (issue 37,
-        docs/s3.md). ``None`` elsewhere: the record is read, and the location is listed after
-        the commit.
+        docs/s3.md); with ``known_new`` there, an empty list (nothing removed after the commit).
+        ``None`` elsewhere: the record is read, and the location is listed after the commit.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is false.
     """
     if isinstance(store, StaleUploads):
         store.abort_stale_uploads_before_save()
+    if known_new and store.traits.costly_requests:
+        if overwrite:
+            raise ValueError("known_new and overwrite exclude each other: an overwrite must find the old record")
+        return []
     found = store.list() if store.traits.costly_requests else None
     record = read_commit_record(store, count_files=False, listing=found)
     if record.status == MISSING:
@@ -338,7 +361,7 @@ def remove_stale_files(store: Store, keep: set[str], found: Sequence[str] | None
     deletes whatever its step directory holds."""
     try:
         for name in store.list() if found is None else found:
-            if name not in keep and (_DATA_FILE.match(name) or _TMP_FILE.match(name)):
+            if name not in keep and is_save_file(name):
                 store.delete(name)
     except CheckpointError as e:
         warnings.warn(f"could not remove stale files in {store.uri}: {e}", stacklevel=3)

@@ -13,7 +13,10 @@ while no other save of the same job runs:
 - incomplete steps older than ``committed`` go (failed or interrupted saves);
 - never deleted: ``committed``, the newest complete step, incomplete steps newer than
   ``committed`` (they may be in the middle of being written), and a step whose files a step
-  that stays references (an incremental save's base: :func:`spare_referenced`).
+  that stays references (an incremental save's base: :func:`spare_referenced`);
+- in the steps just committed, files of failed earlier saves of the same step that the new
+  record does not list (:mod:`.step_leftovers`: a manager's step writer does not list its
+  location before the save on S3, issue 37).
 
 On the persistent root, retention runs on a thread of its own after the commit, beside the next
 save (:mod:`.background_retention`, which says why that is safe: a save of a step a run may
@@ -35,6 +38,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage.base import StaleUploads, Store
 from ..storage.bulk import delete_files
 from .step_layout import list_step_dirs, parse_step_dir, step_dir_name
+from .step_leftovers import remove_leftovers
 from .step_references import protected_steps, referrers_first
 from .timeline import TIMELINE_NAME
 
@@ -155,14 +159,17 @@ def apply_retention(root: Store, *, committed: int, keep_last: int | None, prote
     """Delete what :func:`retention_victims` names after ``committed``, except ``protect`` (steps
     still being read: a persist in flight), and what those reference, as a kept step's bases
     are. Best effort: a failure is logged, and the next commit retries."""
-    record = _take_committed(root, committed)
+    noted = _take_committed(root, committed)  # this run's commit, and those of runs merged into it
     try:
         scan = scan_steps(root)
         victims = [s for s in retention_victims(scan, committed=committed, keep_last=keep_last) if s not in protect]
-        records = None if record is None else {committed: record}
+        records = {committed: noted[committed]} if committed in noted else None
         spared = spare_referenced(root, scan, victims, fresh=(committed,), records=records)
         for s in deletion_order(root, scan.files, spared):
             delete_step(root, s, scan.files[s])
+        # Files of failed saves in the steps just committed: no step writer of a manager lists
+        # its location before the save (issue 37, step_leftovers.py).
+        remove_leftovers(root, scan.files, {s: r for s, r in noted.items() if s not in spared})
     except CheckpointError as e:
         logger.warning("retention under %s failed (will retry after the next save): %s", root.uri, e)
 
@@ -185,9 +192,18 @@ def note_committed(location: str, record: bytes) -> None:
             _committed.popitem(last=False)
 
 
-def _take_committed(root: Store, step: int) -> bytes | None:
+def _take_committed(root: Store, up_to: int) -> dict[int, bytes]:
+    """The records noted for steps directly under ``root`` up to ``up_to`` (step -> bytes),
+    taken. Those of later steps stay for their own run (a save that committed after this run
+    picked its step: this run's listing may not show its record yet)."""
+    base = root.uri.rstrip("/") + "/"
+    taken: dict[int, bytes] = {}
     with _committed_lock:
-        return _committed.pop(f"{root.uri.rstrip('/')}/{step_dir_name(step)}", None)
+        for location in [u for u in _committed if u.startswith(base)]:
+            step = parse_step_dir(location[len(base) :])
+            if step is not None and step <= up_to:
+                taken[step] = _committed.pop(location)
+    return taken
 
 
 def delete_step(root: Store, step: int, files: list[str]) -> None:

@@ -74,10 +74,14 @@ def prepare_save(
     job.next_save += 1
     options = stale_uploads_once(root, uri, options, coordinator=topology.rank == 0)
     # An async save commits only if every rank's deferred copies are good (staging/confirmed_writer.py).
+    # known_new: the caller refused the steps it knows of (ExistingSteps), so on S3 the writer
+    # does not list the step's location before the save (issue 37); its commit still refuses a
+    # record there, and retention removes files of failed saves of the step (step_leftovers.py).
     writer_options = dict(
         thread_count=config.thread_count,
         chunk_size=config.chunk_size,
         overwrite=config.overwrite,
+        known_new=not config.overwrite,
         metadata=metadata,
         **options,
     )

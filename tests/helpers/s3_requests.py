@@ -60,7 +60,7 @@ def by_operation(counts: Counter[tuple[str, str]]) -> dict[str, int]:
 
 # -- the workload: what one rank does, phase by phase -------------------------------------------
 #: The phases of :func:`count_rank_requests`, in the order they run.
-PHASES = ("dcp.save", "dcp.load", "manager.save", "manager.restore")
+PHASES = ("dcp.save", "dcp.load", "manager.save", "manager.steady", "manager.restore")
 
 
 def count_rank_requests(
@@ -77,8 +77,10 @@ def count_rank_requests(
     Runs under ``helpers.dist.run_ranks`` (the default gloo group is up). Phases (:data:`PHASES`):
     ``dcp.save`` of ``shapes`` as ``Shard(0)`` DTensors over all ranks (FSDP's layout) through
     ``CheckpointWriter``, ``dcp.load`` of them through ``CheckpointReader`` (checked bit-exact), then
-    a ``CheckpointManager`` save of an FSDP2 model of ``layers`` linear layers with AdamW, and
-    its restore by a new manager (a restarted job: it finds the latest step itself). Each phase
+    a ``CheckpointManager`` (``keep_last=2``) save of an FSDP2 model of ``layers`` linear layers
+    with AdamW (its first save, step 1), its steady-state save of step 4 (after steps 2 and 3;
+    it retires step 2), and the restore of step 4 by a new manager (a restarted job: it finds
+    the latest step itself). Each phase
     runs between barriers, so its counts hold only its own requests.
 
     Rank 0 writes ``out`` (JSON): ``{phase: [{operation: requests} of each rank], "keys": ...}``
@@ -141,12 +143,19 @@ def count_rank_requests(
 
     m, opt = model()
 
-    def manager_save() -> None:
-        mgr = CheckpointManager(f"{root}/mgr", async_save=False, **opts)
+    def manager_save() -> CheckpointManager:
+        mgr = CheckpointManager(f"{root}/mgr", async_save=False, keep_last=2, **opts)
         mgr.save(1, model=m, optimizer=opt)
-        mgr.close()
+        return mgr
 
-    phase("manager.save", manager_save)
+    mgr = phase("manager.save", manager_save)
+    try:
+        mgr.save(2, model=m, optimizer=opt)
+        mgr.save(3, model=m, optimizer=opt)  # retires step 1 (reading step 2's record: its first retirement)
+        # The steady state: neither the manager's first save nor its first retirement.
+        phase("manager.steady", lambda: mgr.save(4, model=m, optimizer=opt))  # retires step 2
+    finally:
+        mgr.close()
     m2, opt2 = model()
     with torch.no_grad():
         for p in m2.parameters():
@@ -159,7 +168,7 @@ def count_rank_requests(
         finally:
             mgr.close()
 
-    assert phase("manager.restore", manager_restore) == 1
+    assert phase("manager.restore", manager_restore) == 4
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a.to_local(), b.to_local()), "a parameter differs after the restore"
 

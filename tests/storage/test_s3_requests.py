@@ -9,7 +9,10 @@ FSDP-sharded DTensors, then a ``CheckpointManager`` save and a restore by a new 
   ranks as at 2;
 - a rank other than the coordinator makes the same requests at 2 and at 4 ranks (O(1) in W):
   no rank reads the manifest, or checks every data file's size, for itself;
-- the coordinator's size checks (``HeadObject``) grow by at most one per rank added.
+- the coordinator's size checks (``HeadObject``) grow by at most one per rank added;
+- a steady-state manager save (its fourth, retiring a step) makes the minimum its layout needs,
+  W + 4 requests at W ranks (docs/s3.md, *Requests per save*), plus on moto one ``HeadObject``
+  per rank (moto confirms no checksum); it lists the root, never the step's location.
 
 ``benchmarks/bench_requests.py`` runs the same workload at 2 to 16 ranks and prints the table
 in docs/scale.md.
@@ -97,3 +100,18 @@ def test_other_ranks_restore_requests_do_not_grow_with_ranks(counts):
     (dcp/save_planner.py): spread over every rank's file, each rank read from W files."""
     small, large = counts[2]["manager.restore"], counts[4]["manager.restore"]
     assert small[1] == large[1] == large[3], f"W=2 {small[1]} vs W=4 {large[1:]}"
+
+
+def test_a_steady_manager_save_makes_the_minimum_requests(counts):
+    """Fails on the code before: the coordinator listed the step's location before the save
+    (W + 5 requests, W + 4 the minimum)."""
+    for w, report in counts.items():
+        ranks = report["manager.steady"]
+        heads = sum(ops.get("HeadObject", 0) for ops in ranks)
+        total = sum(sum(ops.values()) for ops in ranks)
+        assert heads == w, f"W={w}: {heads} HeadObject (moto: one after each rank's data upload)"
+        assert total - heads == w + 4, f"W={w}: {ranks}"
+        listed = [
+            where for op, where, n in report["keys"][0]["manager.steady"] if op == "ListObjectsV2" for _ in range(n)
+        ]
+        assert listed == [f"w{w}/mgr/"], f"W={w}: the coordinator listed {listed}"

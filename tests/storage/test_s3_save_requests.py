@@ -19,12 +19,14 @@ after the commit). Checked here:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers.s3_requests import RequestCounter, by_operation
 
-from goodput_ckpt import CheckpointManager, CheckpointReader, CheckpointWriter
+from goodput_ckpt import CheckpointExistsError, CheckpointManager, CheckpointReader, CheckpointWriter
 from goodput_ckpt.format.manifest import MANIFEST_NAME
 
 MiB = 1 << 20
@@ -89,7 +91,9 @@ def test_a_committed_record_is_never_overwritten(s3):
     assert store.read_small(MANIFEST_NAME) == b"first"
 
 
-def test_manager_save_makes_the_minimum_requests_but_the_check_of_its_location(s3):
+def test_a_steady_manager_save_makes_the_minimum_requests(s3):
+    """Fails on the code before: it made one more request, a ``ListObjectsV2`` of the step's
+    location before the save (6 on SeaweedFS where the minimum is 5)."""
     counter = RequestCounter()
     model = torch.nn.Linear(8, 4)
     mgr = CheckpointManager(
@@ -99,18 +103,87 @@ def test_manager_save_makes_the_minimum_requests_but_the_check_of_its_location(s
         per_save = []
         for step in range(1, 5):
             mgr.save(step, model=model)
-            per_save.append(by_operation(counter.take()))
+            per_save.append(counter.take())
     finally:
         mgr.close()
-    assert [ops.get("ListMultipartUploads", 0) for ops in per_save] == [1, 0, 0, 0], per_save
+    assert [by_operation(c).get("ListMultipartUploads", 0) for c in per_save] == [1, 0, 0, 0], per_save
     steady = per_save[3]  # step 4: retires step 2
-    assert steady == {
+    listed = sorted(where for (op, where), n in steady.items() if op == "ListObjectsV2" for _ in range(n))
+    assert listed == ["root/"], listed  # the root, for retention; never the step's location
+    assert by_operation(steady) == {
         "PutObject": 2,  # the data file and the commit record
-        "ListObjectsV2": 2,  # the location before the save; the root, for retention
+        "ListObjectsV2": 1,  # the root, for retention
         "DeleteObject": 1,  # step 2's commit record, first and alone
         "DeleteObjects": 1,  # then step 2's data files, 1,000 a request
         **({"HeadObject": 1} if _verified_uploads(s3) else {}),
     }, steady
+    assert sum(by_operation(steady).values()) - _verified_uploads(s3) == 5  # W + 4 at W = 1
+
+
+def _leave_failed_save(target, prefix: str) -> list[str]:
+    """What a save killed after its data uploads and before its commit leaves at ``prefix``: its
+    real data file (a ``dcp.save`` whose record is then deleted). Returns the keys it left."""
+    dcp.save({"w": torch.full((64,), 7.0)}, storage_writer=_writer(target, prefix, RequestCounter()), no_dist=True)
+    target.client().delete_object(Bucket=target.bucket, Key=f"{prefix}/{MANIFEST_NAME}")
+    return s3_keys(target, f"{prefix}/")
+
+
+def s3_keys(target, prefix: str) -> list[str]:
+    return sorted(target.keys(prefix))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_saves_files_at_the_step_are_removed_by_retention_not_committed(s3, async_save):
+    """A job restarted after a save of step 3 died mid-save saves step 3 again (no restore in
+    between, which would have removed the incomplete step): the new record lists only its own
+    files, and retention after the commit (async: on its own thread) removes the dead save's
+    ones; a file that is not a save's stays."""
+    left = _leave_failed_save(s3, "root/step_00000003")
+    assert left and all(k.endswith(".bin") for k in left), left
+    s3.client().put_object(Bucket=s3.bucket, Key="root/step_00000003/notes.txt", Body=b"not the writer's")
+    model = torch.nn.Linear(8, 4)
+    mgr = CheckpointManager(s3.uri("root"), keep_last=2, async_save=async_save, timeline=False, **s3.options())
+    try:
+        mgr.save(3, model=model)
+    finally:
+        mgr.close()
+    keys = s3_keys(s3, "root/step_00000003/")
+    assert not set(left) & set(keys), keys
+    assert "root/step_00000003/notes.txt" in keys and f"root/step_00000003/{MANIFEST_NAME}" in keys, keys
+    record = s3.client().get_object(Bucket=s3.bucket, Key=f"root/step_00000003/{MANIFEST_NAME}")["Body"].read()
+    committed = {f"root/step_00000003/{f}" for f in json.loads(record)["files"]}
+    assert committed <= set(keys) and not committed & set(left), (committed, left)
+    restored = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        restored.weight.zero_()
+    mgr = CheckpointManager(s3.uri("root"), keep_last=2, async_save=False, timeline=False, **s3.options())
+    try:
+        assert mgr.restore(model=restored) == 3
+    finally:
+        mgr.close()
+    assert torch.equal(restored.weight, model.weight)
+
+
+def test_a_record_committed_elsewhere_at_the_step_is_still_refused(s3):
+    """Another process commits step 5 after the manager listed its root: the manager's save of
+    step 5 (no listing of the location before it writes) is refused at its conditional commit,
+    removes its own files, and leaves the other record and its files as they were."""
+    model = torch.nn.Linear(8, 4)
+    mgr = CheckpointManager(s3.uri("root"), keep_last=2, async_save=False, timeline=False, **s3.options())
+    try:
+        mgr.save(1, model=model)  # the manager's listing of its root: no step 5
+        dcp.save(
+            {"w": torch.ones(16)}, storage_writer=_writer(s3, "root/step_00000005", RequestCounter()), no_dist=True
+        )
+        theirs = s3_keys(s3, "root/step_00000005/")
+        record = s3.client().get_object(Bucket=s3.bucket, Key=f"root/step_00000005/{MANIFEST_NAME}")["Body"].read()
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(5, model=model)
+    finally:
+        mgr.close()
+    assert s3_keys(s3, "root/step_00000005/") == theirs
+    after = s3.client().get_object(Bucket=s3.bucket, Key=f"root/step_00000005/{MANIFEST_NAME}")["Body"].read()
+    assert after == record
 
 
 def test_the_manager_cleans_the_stale_uploads_of_every_step_at_its_first_save(s3):
