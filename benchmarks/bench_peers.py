@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "tiers" in args.targets:
             from peers_tiers import run_tiers
 
-            report["tiers"] = run_tiers(parse_size(args.size), args.repeats, Path(tmp), skipped)
+            report["tiers"] = run_tiers(parse_size(args.size), args.repeats, Path(tmp), skipped, args.restore_cache)
     report["load_average_after"] = os.getloadavg()[0]
     return report
 
@@ -320,13 +320,13 @@ def print_report(report: dict[str, Any]) -> None:
     if "tiers" in report:
         r = report["tiers"]
         print(
-            f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW): order "
-            + " | ".join(", ".join(o) for o in r["order"])
+            f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW; restores from a page cache "
+            f"{r['restore_cache']}): order " + " | ".join(", ".join(o) for o in r["order"])
         )
         for m, s in r["seconds"].items():
             print(
                 f"  {m:16s} stall {statistics.median(s['stall']):.3f} s  durable {statistics.median(s['durable']):.3f} s  "
-                f"restore {statistics.median(s['restore']):.3f} s (medians)"
+                f"restore {statistics.median(s['restore']):.3f} s, {statistics.median(s['restore_cpu']):.3f} CPU-s (medians)"
             )
         for ours, key in (("manager", "ratios"), ("manager-sync", "ratios_sync")):
             for peer, rr in r[key].items():
@@ -345,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="local,s3,tiers", help="comma-separated: local, s3, tiers")
     ap.add_argument("--dir", default=None, help="scratch parent directory (default: the system's temp)")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument(
+        "--restore-cache",
+        default="as-left",
+        choices=("as-left", "warm", "cold"),
+        help="tiers: the page cache state each restore starts from (default as-left: as its own save left it)",
+    )
     args = ap.parse_args(argv)
     args.targets = set(args.targets.split(","))
     report = run(args)
