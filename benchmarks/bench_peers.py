@@ -26,8 +26,12 @@ seed), every method in the same run, the order of the methods rotating per repea
   into fresh memory), given Stateful stand-ins for its optimizer and LR-scheduler containers
   (the same ``state_dict``/``load_state_dict`` calls). ``stall`` is the time ``save`` blocks the
   loop (plus ``maybe_wait_for_staging`` for torchtitan); ``durable`` the time until the checkpoint
-  is on disk; ``restore`` a new manager's load into the scrambled model and optimizer. Each
-  manager's first save is untimed (buffers, groups).
+  is on disk; ``restore`` a new manager's load into the scrambled model and optimizer, with its
+  CPU seconds (every thread of this process). Each manager's first save is untimed (buffers,
+  groups). ``--restore-cache`` sets what of each method's files is in the page cache when its
+  restore starts: ``as-left`` (default) as its own save left it (our async manager writes its data
+  files around the page cache, so its restore reads the device; nvrx's and torchtitan's files stay
+  cached), ``warm`` every file read once first, ``cold`` every file fsynced and dropped first.
 
 Each timed save follows an untimed warm-up save of the same method into a sibling location,
 removed first (``goodput_ckpt.tools.measure._bench_save.timed_save``). Every load is checked bit-exact
