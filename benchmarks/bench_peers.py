@@ -26,8 +26,12 @@ seed), every method in the same run, the order of the methods rotating per repea
   into fresh memory), given Stateful stand-ins for its optimizer and LR-scheduler containers
   (the same ``state_dict``/``load_state_dict`` calls). ``stall`` is the time ``save`` blocks the
   loop (plus ``maybe_wait_for_staging`` for torchtitan); ``durable`` the time until the checkpoint
-  is on disk; ``restore`` a new manager's load into the scrambled model and optimizer. Each
-  manager's first save is untimed (buffers, groups).
+  is on disk; ``restore`` a new manager's load into the scrambled model and optimizer, with its
+  CPU seconds (every thread of this process). Each manager's first save is untimed (buffers,
+  groups). ``--restore-cache`` sets what of each method's files is in the page cache when its
+  restore starts: ``as-left`` (default) as its own save left it (our async manager writes its data
+  files around the page cache, so its restore reads the device; nvrx's and torchtitan's files stay
+  cached), ``warm`` every file read once first, ``cold`` every file fsynced and dropped first.
 
 Each timed save follows an untimed warm-up save of the same method into a sibling location,
 removed first (``goodput_ckpt.tools.measure._bench_save.timed_save``). Every load is checked bit-exact
@@ -286,7 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "tiers" in args.targets:
             from peers_tiers import run_tiers
 
-            report["tiers"] = run_tiers(parse_size(args.size), args.repeats, Path(tmp), skipped)
+            report["tiers"] = run_tiers(parse_size(args.size), args.repeats, Path(tmp), skipped, args.restore_cache)
     report["load_average_after"] = os.getloadavg()[0]
     return report
 
@@ -320,13 +324,13 @@ def print_report(report: dict[str, Any]) -> None:
     if "tiers" in report:
         r = report["tiers"]
         print(
-            f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW): order "
-            + " | ".join(", ".join(o) for o in r["order"])
+            f"tiers ({r['bytes'] / MiB:.0f} MiB Linear stack + AdamW; restores from a page cache "
+            f"{r['restore_cache']}): order " + " | ".join(", ".join(o) for o in r["order"])
         )
         for m, s in r["seconds"].items():
             print(
                 f"  {m:16s} stall {statistics.median(s['stall']):.3f} s  durable {statistics.median(s['durable']):.3f} s  "
-                f"restore {statistics.median(s['restore']):.3f} s (medians)"
+                f"restore {statistics.median(s['restore']):.3f} s, {statistics.median(s['restore_cpu']):.3f} CPU-s (medians)"
             )
         for ours, key in (("manager", "ratios"), ("manager-sync", "ratios_sync")):
             for peer, rr in r[key].items():
@@ -345,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="local,s3,tiers", help="comma-separated: local, s3, tiers")
     ap.add_argument("--dir", default=None, help="scratch parent directory (default: the system's temp)")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument(
+        "--restore-cache",
+        default="as-left",
+        choices=("as-left", "warm", "cold"),
+        help="tiers: the page cache state each restore starts from (default as-left: as its own save left it)",
+    )
     args = ap.parse_args(argv)
     args.targets = set(args.targets.split(","))
     report = run(args)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_peers import rotate, stats
+from bench_peers import _cpu, rotate, stats
 
 try:  # module level: its manager pickles the state-dict object itself
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict as _NvrxBasic
@@ -39,6 +39,31 @@ else:
 #: one is compared with the peers whose save also blocks until the bytes are written (``ratios_sync``).
 OURS = ("manager", "manager-sync", "manager-2tier")
 SYNCHRONOUS = ("nvrx-local", "nvrx-local+fsync", "titan-sync")
+#: What each method's checkpoint files are in the page cache when its restore starts
+#: (``--restore-cache``): ``as-left`` by its own save (ours: an async save writes its data files
+#: around the page cache, so its restore reads the device, while nvrx's ``torch.save`` and
+#: torchtitan's writer leave theirs cached); ``warm``: every file read once first, untimed;
+#: ``cold``: every file fsynced and dropped from the page cache first (``POSIX_FADV_DONTNEED``).
+CACHE_MODES = ("as-left", "warm", "cold")
+
+
+def set_cache(where: Path, mode: str) -> None:
+    """Put every file under ``where`` in the page cache state ``mode`` asks for (``CACHE_MODES``)."""
+    if mode == "as-left":
+        return
+    for f in sorted(where.rglob("*")):
+        if not f.is_file():
+            continue
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if mode == "warm":
+                while os.read(fd, 16 << 20):
+                    pass
+            else:
+                os.fsync(fd)  # DONTNEED drops clean pages only
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 class _TitanOptimizers:
@@ -66,22 +91,27 @@ class _NoSchedulers:
         return None
 
 
-def run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
+def run_tiers(
+    total: int, repeats: int, scratch: Path, skipped: dict[str, str], restore_cache: str = "as-left"
+) -> dict[str, Any]:
     """Every manager once per repeat in a rotating order, in a one-rank gloo group (nvrx's manager
-    gathers the checkpoint ids over the default group; torchtitan's async mode makes a gloo group)."""
+    gathers the checkpoint ids over the default group; torchtitan's async mode makes a gloo group).
+    ``restore_cache``: the page cache state every restore starts from (``CACHE_MODES``)."""
+    if restore_cache not in CACHE_MODES:
+        raise ValueError(f"restore_cache must be one of {CACHE_MODES}, got {restore_cache!r}")
     import torch.distributed as dist
 
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", init_method=f"file://{scratch / 'pg'}", rank=0, world_size=1)
     try:
-        return _run_tiers(total, repeats, scratch, skipped)
+        return _run_tiers(total, repeats, scratch, skipped, restore_cache)
     finally:
         if owned:
             dist.destroy_process_group()
 
 
-def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str]) -> dict[str, Any]:
+def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str], cache: str) -> dict[str, Any]:
     from bench_stall import build, state_tensors
 
     from goodput_ckpt import CheckpointManager
@@ -93,10 +123,11 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
         if not all(torch.equal(a, b) for a, b in zip(want, state_tensors(model, opt), strict=True)):
             raise AssertionError(f"{label}: the restored state differs from the saved one")
 
-    def scramble() -> None:
+    def scramble(where: Path) -> None:
         with torch.no_grad():
             for t in state_tensors(model, opt):
                 t.zero_()
+        set_cache(where, cache)
 
     def manager(two_tiers: bool, sync: bool = False) -> Callable[[Path], tuple[float, float, float]]:
         def run(where: Path) -> tuple[float, float, float]:
@@ -114,11 +145,12 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
                 stall = time.perf_counter() - t0
                 mgr.wait()
                 durable = time.perf_counter() - t0
-            scramble()
+            scramble(where)
             with CheckpointManager(root, timeline=False, **kw) as mgr:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), _cpu()
                 assert mgr.restore(model=model, optimizer=opt) == 1
                 restore = time.perf_counter() - t0
+                restore_cpu.append(_cpu() - c0)
             check("manager")
             return stall, durable, restore
 
@@ -161,11 +193,12 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
             m.maybe_wait_for_saving()
             durable = time.perf_counter() - t0
             m.close()
-            scramble()
-            t0 = time.perf_counter()
+            scramble(where)
+            t0, c0 = time.perf_counter(), _cpu()
             m = make()
             assert m.load(2)
             restore = time.perf_counter() - t0
+            restore_cpu.append(_cpu() - c0)
             m.close()
             check(f"torchtitan {mode}")
             return stall, durable, restore
@@ -189,19 +222,21 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
                         os.fsync(fd)
                         os.close(fd)
             durable = time.perf_counter() - t0
-            scramble()
-            t0 = time.perf_counter()
+            scramble(where)
+            t0, c0 = time.perf_counter(), _cpu()
             reader = LocalCheckpointManager(str(where))
             assert reader.find_latest() == 1  # a collective: its load requires it first
             loaded, _id = reader.load()
             model.load_state_dict(loaded.state_dict["model"])
             opt.load_state_dict(loaded.state_dict["optim"])
             restore = time.perf_counter() - t0
+            restore_cpu.append(_cpu() - c0)
             check("nvrx-local")
             return stall, durable, restore
 
         return run
 
+    restore_cpu: list[float] = []  # this process's CPU seconds (every thread) of the last restore
     methods: dict[str, Callable[[Path], tuple[float, float, float]]] = {
         "manager": manager(False),
         "manager-sync": manager(False, sync=True),
@@ -223,7 +258,9 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
         )
     else:
         methods["titan-sync"], methods["titan-async"] = titan("disabled"), titan("async")
-    out: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "restore": []} for m in methods}
+    out: dict[str, dict[str, list[float]]] = {
+        m: {"stall": [], "durable": [], "restore": [], "restore_cpu": []} for m in methods
+    }
     order = []
     for r in range(repeats):
         rotated = rotate(list(methods), r)
@@ -235,6 +272,7 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
             out[m]["stall"].append(stall)
             out[m]["durable"].append(durable)
             out[m]["restore"].append(restore)
+            out[m]["restore_cpu"].append(restore_cpu.pop())
     nbytes = sum(t.numel() * t.element_size() for t in want)
 
     def against(ours: str, peers: list[str]) -> dict[str, Any]:
@@ -247,6 +285,7 @@ def _run_tiers(total: int, repeats: int, scratch: Path, skipped: dict[str, str])
 
     peers = [m for m in out if m not in OURS]
     return {
+        "restore_cache": cache,
         "bytes": nbytes,
         "order": order,
         "seconds": out,

@@ -106,11 +106,25 @@ def item_request(
     return req
 
 
+#: How a reader's user trusts a checkpoint, named in a ``weights_only`` refusal.
+_READER_OPT_IN = "CheckpointReader(..., trust_pickle=True)"
+
+
 def finish(req: Request, planner: LoadPlanner, *, trust_pickle: bool) -> None:
-    """Hand a fully read (and verified) request's result to the planner and drop its buffers."""
+    """Hand a fully read (and verified) request's result to the planner and drop its buffers.
+
+    A non-tensor value goes to a planner with a ``load_decoded(item, value)`` method
+    (``GridLoadPlanner``) as the object ``torch.load(weights_only=True)`` decoded; any other
+    planner gets it through ``load_bytes``, which unpickles without restriction, as bytes
+    :func:`decode_object` re-serialized from that object."""
     job = req.item
     if isinstance(job, ObjectJob):
-        planner.load_bytes(job.item, decode_object(job.item.storage_index.fqn, bytes(req.buffer), trust_pickle))
+        key = job.item.storage_index.fqn
+        load_decoded = None if trust_pickle else getattr(planner, "load_decoded", None)
+        if load_decoded is not None:  # our planner takes the value itself: no torch.save and reload
+            load_decoded(job.item, load_value(bytes(req.buffer), key, trust_pickle=False, opt_in=_READER_OPT_IN))
+        else:
+            planner.load_bytes(job.item, decode_object(key, bytes(req.buffer), trust_pickle))
         req.buffer = None
         return
     if job.staging is not None:
@@ -134,7 +148,7 @@ def decode_object(key: str, raw: bytes, trust_pickle: bool) -> io.BytesIO:
     if trust_pickle:
         check_inflation(raw, f"value {key!r}", key=key)
         return io.BytesIO(raw)
-    obj = load_value(raw, key, trust_pickle=False, opt_in="CheckpointReader(..., trust_pickle=True)")
+    obj = load_value(raw, key, trust_pickle=False, opt_in=_READER_OPT_IN)
     out = io.BytesIO()
     torch.save(obj, out)
     out.seek(0)

@@ -196,3 +196,56 @@ def test_read_sources_default_to_a_plain_load_and_freeze_their_file_set():
     plain = ReadSources()
     assert (plain.partial, plain.manifest, plain.checked_files, dict(plain.read_from)) == (False, None, frozenset(), {})
     assert ReadSources(checked_files={"a", "b"}).checked_files == frozenset({"a", "b"})
+
+
+def test_a_local_disk_hashes_each_piece_before_reading_the_next(runs, monkeypatch):
+    """On a local disk a verified task is read a READ_PIECE at a time, each piece hashed before the
+    next is read (pieces here straddle hash chunks); a damaged byte still fails the load by name."""
+    from goodput_ckpt.format import commit_record
+    from goodput_ckpt.storage import direct_read
+
+    loc, manifest = runs
+    piece = 48 * KiB  # not a divisor of CHUNK: pieces cross chunk boundaries
+    monkeypatch.setattr(reader_mod, "READ_PIECE", piece)
+    events: dict[str, list[tuple[str, int]]] = {}
+
+    def log(what: str, n: int) -> None:
+        events.setdefault(threading.current_thread().name, []).append((what, n))
+
+    read_into, real_blake3 = direct_read.DirectSource.read_into, commit_record.blake3
+
+    def spy_read(self, offset, buffers):
+        log("read", sum(memoryview(b).nbytes for b in buffers))
+        return read_into(self, offset, buffers)
+
+    class Hasher:
+        def __init__(self) -> None:
+            self.h = real_blake3.blake3()
+
+        def update(self, data) -> None:
+            log("hash", memoryview(data).nbytes)
+            self.h.update(data)
+
+        def hexdigest(self) -> str:
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(direct_read.DirectSource, "read_into", spy_read)
+    monkeypatch.setattr(commit_record, "blake3", type("B3", (), {"blake3": Hasher}))
+    dest = zeros_like(_state())
+    dcp.load(dest, storage_reader=CheckpointReader(loc, volume=False, thread_count=2))
+    assert all(torch.equal(dest[k], v) for k, v in _state().items())
+    reads = [n for evs in events.values() for what, n in evs if what == "read"]
+    assert max(reads) <= piece and sum(reads) == sum(f.size for f in manifest.files.values())
+    for evs in events.values():  # each read is hashed before the thread reads again
+        kinds = [what for what, _ in evs]
+        assert all(a != "read" or b == "hash" for a, b in zip(kinds, kinds[1:])), kinds
+    name = sorted(manifest.files)[2]
+    at = 2 * TASK + piece + 5
+    data = bytearray((loc / name).read_bytes())
+    data[at] ^= 0x10
+    (loc / name).write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(zeros_like(_state()), storage_reader=CheckpointReader(loc, volume=False))
+    err = find_checkpoint_error(info.value)
+    assert isinstance(err, CorruptCheckpointError) and name in str(err), info.value
+    assert err.byte_range[0] <= at < err.byte_range[1], (err.byte_range, at)
