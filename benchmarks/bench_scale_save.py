@@ -66,6 +66,11 @@ plan cache) and ``torch``
 cache is keyed by the planner's class name, one per process, so W ranks simulated in one process
 would share it (and ``CheckpointWriter`` refuses it, docs/scale.md).
 
+``--stream N`` (``bench_scale_save_stream.py``): the same saves with only the timed ranks in this
+process and every other rank built, run and dropped step by step in N worker processes, so that
+this process holds what a real coordinator holds (its own rank and the payloads gathered): W =
+4,096 and 16,384 fit. Its coordinator figures are this mode's, measured the same way.
+
 Run: ``python benchmarks/bench_scale_save.py --layout 70B --ranks 64,256 --methods ours,torch``;
 ``--check`` compares the per-rank figures with a real 8-rank gloo save (bench_scale_save_check.py).
 """
@@ -77,6 +82,7 @@ import gc
 import json
 import os
 import pickle
+import resource
 import statistics
 import sys
 import tempfile
@@ -374,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             print_row(row)
             sys.stdout.flush()
             rows.append(row)
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # Linux: KiB
+    print(
+        f"load average at the end {os.getloadavg()[0]:.1f}; this process's peak RSS {peak_rss:.0f} MB (workers not counted)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
