@@ -50,6 +50,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -173,9 +174,14 @@ class StreamedRanks:
         for conn in self._conns:
             conn.send((op, save, None if scattered is None else dict(enumerate(scattered)), next_save))
         out: dict[int, tuple] = {}
-        for conn in self._conns:
-            while (batch := conn.recv()) is not None:
-                out.update((row[0], row[1:]) for row in batch)
+        pending = list(self._conns)
+        while pending:  # whichever worker has a batch: one waiting on a full pipe would stall
+            for conn in wait(pending):
+                batch = conn.recv()
+                if batch is None:
+                    pending.remove(conn)
+                else:
+                    out.update((row[0], row[1:]) for row in batch)
         _MEMO[key] = out
         return out
 
