@@ -66,6 +66,11 @@ plan cache) and ``torch``
 cache is keyed by the planner's class name, one per process, so W ranks simulated in one process
 would share it (and ``CheckpointWriter`` refuses it, docs/scale.md).
 
+``--stream N`` (``bench_scale_save_stream.py``): the same saves with only the timed ranks in this
+process and every other rank built, run and dropped step by step in N worker processes, so that
+this process holds what a real coordinator holds (its own rank and the payloads gathered): W =
+4,096 and 16,384 fit. Its coordinator figures are this mode's, measured the same way.
+
 Run: ``python benchmarks/bench_scale_save.py --layout 70B --ranks 64,256 --methods ours,torch``;
 ``--check`` compares the per-rank figures with a real 8-rank gloo save (bench_scale_save_check.py).
 """
@@ -77,6 +82,7 @@ import gc
 import json
 import os
 import pickle
+import resource
 import statistics
 import sys
 import tempfile
@@ -86,17 +92,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_scale import MODELS  # noqa: E402
-from bench_scale_save_sim import ours_results, state_dict, timed_ranks, torch_results  # noqa: E402
+from bench_scale_save_sim import local_step, plan_cache, planner, state_dict, timed_ranks, write_step, writer  # noqa: E402
 
-from goodput_ckpt import CheckpointWriter  # noqa: E402
 from goodput_ckpt.dcp.commit_build import forget_layouts  # noqa: E402
-from goodput_ckpt.dcp.plan_cache import SavePlanCache  # noqa: E402
-from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner  # noqa: E402
 
 MB = 1e6
 
@@ -143,47 +144,61 @@ _GC = _GcTime()
 
 
 class Ranks:
-    """The planners, writers and caches of W simulated ranks, kept from one save to the next."""
+    """The planners, writers and caches of W simulated ranks, all in this process: the plan caches
+    kept from one save to the next, the planners and writers from a save's step 1 to its step 3.
+    ``bench_scale_save_stream.StreamedRanks`` (``--stream``) is the same interface without W
+    ranks' objects held at once."""
 
     def __init__(self, method: str, layout: str, world: int, root: str) -> None:
         self.method, self.world, self.root = method, world, root
-        self.caches = [SavePlanCache() for _ in range(world)] if method in ("ours", "ours-full") else None
+        self.caches = [plan_cache(method) for _ in range(world)]
         self.states = [state_dict(layout, r, world) for r in range(world)]
+        self.planners: list[Any] = []
+        self.writers: list[Any] = []
 
-    def planner(self, rank: int) -> Any:
-        if self.method.startswith("ours"):
-            cache = None if self.caches is None else self.caches[rank]
-            return ReplicaGroupingSavePlanner(plan_cache=cache, compact=self.method != "ours-full")
-        return DefaultSavePlanner()
+    def local_step(self, save: int, timed: Callable[..., Any]) -> list[bytes]:
+        """Step 1 on every rank, in rank order: the W pickled local plans (the gather's input)."""
+        self.planners = [planner(self.method, self.caches[r]) for r in range(self.world)]
+        self.writers = [writer(self.method, self.root, save) for _ in range(self.world)]
+        return [
+            timed(r, "local plan", lambda r=r: local_step(self.planners[r], self.writers[r], self.states[r], r))
+            for r in range(self.world)
+        ]
 
-    def writer(self, save: int) -> Any:
-        path = os.path.join(self.root, f"{self.method}-{save}")
-        if self.method.startswith("ours"):
-            return CheckpointWriter(path, overwrite=True)
-        return FileSystemWriter(path, overwrite=False)  # a fresh directory per save and repeat
+    def write_step(
+        self, save: int, scattered: list[bytes], timed: Callable[..., Any]
+    ) -> tuple[list[bytes], list[float]]:
+        """Step 3 on every rank: the W pickled results, and each rank's CPU seconds."""
+        results, cpu = [], []
+        for r in range(self.world):
+            c0 = time.process_time()
+            results.append(timed(r, STEP3, lambda r=r: write_step(self.planners[r], self.method, scattered[r])))
+            cpu.append(time.process_time() - c0)
+        return results, cpu
+
+    def coordinator(self) -> tuple[Any, Any]:
+        return self.planners[0], self.writers[0]
+
+    def end_save(self) -> None:
+        self.planners, self.writers = [], []
+
+    def close(self) -> None:
+        pass
 
 
-def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
+STEP3 = "finish_plan + write bookkeeping"
+
+
+def one_save(ranks: Any, save: int, clock: Clock, traced: bool) -> None:
     """One ``dcp.save`` of every simulated rank (module doc, steps 1-4)."""
     W, who = ranks.world, timed_ranks(ranks.world)
     names = [who.get(r) for r in range(W)]
-    planners = [ranks.planner(r) for r in range(W)]
-    writers = [ranks.writer(save) for _ in range(W)]
 
     def timed(r: int, phase: str, fn: Callable[[], Any]) -> Any:
         return fn() if names[r] is None else clock.run(names[r], phase, fn)
 
-    blobs = []
-    for r in range(W):  # 1. local step
-
-        def local(r: int = r) -> bytes:
-            meta = writers[r].storage_meta()
-            planners[r].set_up_planner(state_dict=ranks.states[r], storage_meta=meta, is_coordinator=r == 0)
-            writers[r].set_up_storage_writer(r == 0, rank=r, use_collectives=True)
-            plan = writers[r].prepare_local_plan(planners[r].create_local_plan())
-            return pickle.dumps(plan)
-
-        blobs.append(timed(r, "local plan", local))
+    blobs = ranks.local_step(save, timed)  # 1. local step
+    planner0, writer0 = ranks.coordinator()
     clock.bytes["plans gathered"] = sum(map(len, blobs))
     clock.bytes["plans gathered, padded"] = W * max(map(len, blobs))  # gather_object pads to the largest
     if traced:  # the coordinator's global step (module doc: peak memory)
@@ -192,8 +207,8 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     coord = "coordinator"
     plans = clock.run(coord, "gather: unpickle plans", lambda blobs=blobs: [pickle.loads(b) for b in blobs])
     del blobs
-    final, metadata = clock.run(coord, "create_global_plan", lambda plans=plans: planners[0].create_global_plan(plans))
-    final = clock.run(coord, "prepare_global_plan", lambda final=final: writers[0].prepare_global_plan(final))
+    final, metadata = clock.run(coord, "create_global_plan", lambda plans=plans: planner0.create_global_plan(plans))
+    final = clock.run(coord, "prepare_global_plan", lambda final=final: writer0.prepare_global_plan(final))
     del plans
     scattered = clock.run(coord, "scatter: pickle plans", lambda final=final: [pickle.dumps(p) for p in final])
     del final
@@ -201,17 +216,8 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     if traced:
         peak_plan, held = tracemalloc.get_traced_memory()[::-1]
         tracemalloc.stop()  # the other ranks' step 3 is their memory, not the coordinator's
-    results = []
-    for r in range(W):  # 3. finish_plan, write_data's bookkeeping (every rank timed: the worst of all)
-
-        def write(r: int = r, scattered: list[bytes] = scattered) -> bytes:
-            plan = planners[r].finish_plan(pickle.loads(scattered[r]))
-            res = ours_results(plan) if ranks.method.startswith("ours") else torch_results(plan)
-            return pickle.dumps(res)
-
-        c0 = time.process_time()
-        results.append(timed(r, "finish_plan + write bookkeeping", write))
-        clock.write_all.append(time.process_time() - c0)
+    # 3. finish_plan, write_data's bookkeeping (every rank timed: the worst of all)
+    results, clock.write_all = ranks.write_step(save, scattered, timed)
     del scattered
     clock.bytes["results gathered"] = sum(map(len, results))
     clock.bytes["results gathered, padded"] = W * max(map(len, results))
@@ -222,7 +228,7 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
         coord, "gather: unpickle results", lambda results=results: [pickle.loads(b) for b in results]
     )
     del results
-    clock.run(coord, "finish (commit)", lambda all_results=all_results: writers[0].finish(metadata, all_results))
+    clock.run(coord, "finish (commit)", lambda all_results=all_results: writer0.finish(metadata, all_results))
     del all_results
     blob = clock.run(coord, "broadcast: pickle Metadata", lambda: pickle.dumps(metadata))
     clock.bytes["Metadata broadcast"] = len(blob)
@@ -239,11 +245,14 @@ def one_save(ranks: Ranks, save: int, clock: Clock, traced: bool) -> None:
     for r in range(W):
         if names[r] is not None and r:
             clock.run(names[r], "broadcast: unpickle Metadata", lambda: pickle.loads(blob))
+    ranks.end_save()
 
 
 def measure(
-    method: str, layout: str, world: int, repeats: int, memory: bool, collector: bool = False
+    method: str, layout: str, world: int, repeats: int, memory: bool, collector: bool = False, stream: int = 0
 ) -> dict[str, Any]:
+    """``stream``: 0 simulates every rank in this process (``Ranks``); N > 0 streams the ranks
+    other than the timed ones through N worker processes (``bench_scale_save_stream.py``)."""
     runs: dict[int, list[Clock]] = {1: [], 2: []}
     peaks: dict[int, int] = {}
     windows: dict[int, dict[str, int]] = {}
@@ -251,7 +260,13 @@ def measure(
         with tempfile.TemporaryDirectory(prefix="bench-save-") as root:
             traced = memory and rep == 0
             forget_layouts()  # a first save of a run: the coordinator holds no layout yet
-            ranks = Ranks(method, layout, world, root)
+            if stream:
+                import bench_scale_save_stream as streamed  # noqa: PLC0415 - only this mode forks
+
+                streamed.tokens()  # each save's token the same in every repeat (its module doc, Repeats)
+                ranks = streamed.StreamedRanks(method, layout, world, root, stream)
+            else:
+                ranks = Ranks(method, layout, world, root)
             # The W state dicts live in this one process (a real rank holds its own): kept out of
             # the collector's scans, which otherwise land, long, in whichever phase comes next.
             gc.collect()
@@ -268,9 +283,12 @@ def measure(
                     runs[save].append(clock)
             gc.enable()
             gc.unfreeze()
+            ranks.close()
             del ranks
             gc.collect()
-    out: dict[str, Any] = {"method": method, "layout": layout, "world": world, "saves": {}}
+    if stream:
+        streamed.forget_payloads()
+    out: dict[str, Any] = {"method": method, "layout": layout, "world": world, "stream": stream, "saves": {}}
     for save, clocks in runs.items():
         row: dict[str, Any] = {
             "bytes": clocks[0].bytes,
@@ -335,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gc", action="store_true", help="keep the garbage collector on (its passes scan every simulated rank's heap)"
     )
+    ap.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        metavar="N",
+        help="stream the untimed ranks through N worker processes (bench_scale_save_stream.py); 0: all in this process",
+    )
     ap.add_argument("--json")
     ap.add_argument(
         "--check", action="store_true", help="compare with a real 8-rank gloo save (bench_scale_save_check.py)"
@@ -351,11 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
         for method in args.methods.split(","):
-            row = measure(method, args.layout, world, args.repeats, not args.no_memory, args.gc)
+            row = measure(method, args.layout, world, args.repeats, not args.no_memory, args.gc, args.stream)
             print_row(row)
             sys.stdout.flush()
             rows.append(row)
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # Linux: KiB
+    print(
+        f"load average at the end {os.getloadavg()[0]:.1f}; this process's peak RSS {peak_rss:.0f} MB (workers not counted)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)

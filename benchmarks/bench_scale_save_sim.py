@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import sys
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -22,7 +25,10 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_scale import PARAM_GROUP_KEYS, model_tensors  # noqa: E402
 
+from goodput_ckpt import CheckpointWriter  # noqa: E402
+from goodput_ckpt.dcp.plan_cache import SavePlanCache  # noqa: E402
 from goodput_ckpt.dcp.rank_reports import rank_report  # noqa: E402
+from goodput_ckpt.dcp.save_planner import ReplicaGroupingSavePlanner  # noqa: E402
 from goodput_ckpt.engine.hashed_write import data_file_name  # noqa: E402
 from goodput_ckpt.engine.layout import place_items  # noqa: E402
 from goodput_ckpt.format.manifest import DTYPE_SIZES, FileEntry  # noqa: E402
@@ -84,6 +90,40 @@ def state_dict(layout: str, rank: int, world: int) -> dict[str, Any]:
         }
     ]
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+# -- one rank's steps of dcp.save (bench_scale_save.py's module doc, steps 1 and 3) ----------------
+def plan_cache(method: str) -> SavePlanCache | None:
+    """A rank's plan cache, kept from one save to the next (``ours`` and ``ours-full`` only)."""
+    return SavePlanCache() if method in ("ours", "ours-full") else None
+
+
+def planner(method: str, cache: SavePlanCache | None) -> Any:
+    if method.startswith("ours"):
+        return ReplicaGroupingSavePlanner(plan_cache=cache, compact=method != "ours-full")
+    return DefaultSavePlanner()
+
+
+def writer(method: str, root: str, save: int) -> Any:
+    path = os.path.join(root, f"{method}-{save}")
+    if method.startswith("ours"):
+        return CheckpointWriter(path, overwrite=True)
+    return FileSystemWriter(path, overwrite=False)  # a fresh directory per save and repeat
+
+
+def local_step(planner: Any, writer: Any, state: dict[str, Any], rank: int) -> bytes:
+    """Step 1 on ``rank``: its local plan, pickled as ``gather_object`` pickles it."""
+    meta = writer.storage_meta()
+    planner.set_up_planner(state_dict=state, storage_meta=meta, is_coordinator=rank == 0)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    return pickle.dumps(writer.prepare_local_plan(planner.create_local_plan()))
+
+
+def write_step(planner: Any, method: str, scattered: bytes) -> bytes:
+    """Step 3 on a rank: its final plan unpickled, ``finish_plan``, write_data's bookkeeping, its
+    results pickled (the ``all_reduce`` gather)."""
+    plan = planner.finish_plan(pickle.loads(scattered))
+    return pickle.dumps(ours_results(plan) if method.startswith("ours") else torch_results(plan))
 
 
 # -- write_data's bookkeeping ------------------------------------------------------------------------

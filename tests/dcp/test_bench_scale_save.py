@@ -82,3 +82,60 @@ def test_the_sample_of_ranks_runs(capsys):
 
     assert bench_scale_save_sample.main(["--layout", "tiny", "--world", "64", "--sample", "4"]) == 0
     assert "plans gathered, padded to the largest" in capsys.readouterr().out
+
+
+def _saves(ranks, root) -> tuple[list[dict], dict[str, bytes], list[int]]:
+    """Two saves of ``ranks``: each save's byte counts, the files the coordinator committed, and
+    the ``Metadata``'s tensor and chunk counts."""
+    from goodput_ckpt.dcp.commit_build import forget_layouts
+
+    forget_layouts()  # the coordinator's held layouts are this process's: each mode starts without
+    counts, meta, end_save = [], [], ranks.end_save
+
+    def end_and_count() -> None:  # the coordinator's Metadata, before the save's objects are dropped
+        md = ranks.coordinator()[0].metadata.state_dict_metadata
+        meta.extend([len(md), sum(len(getattr(m, "chunks", ())) for m in md.values())])
+        end_save()
+
+    ranks.end_save = end_and_count
+    try:
+        for save in (1, 2):
+            clock = bench_scale_save.Clock()
+            bench_scale_save.one_save(ranks, save, clock, traced=save == 1)
+            counts.append({k: v for k, v in clock.bytes.items() if not k.endswith(" MB")})  # MB: measured
+    finally:
+        ranks.close()
+    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return counts, files, meta
+
+
+def test_streamed_ranks_give_the_same_commit_records_and_payloads(tmp_path, monkeypatch):
+    """``--stream``: the ranks other than the timed ones run in worker processes, each rebuilt per
+    step; the coordinator must get the same payloads and commit the same records as with every
+    rank in this process (tokens and timestamps fixed so that the records compare byte for byte)."""
+    import secrets
+
+    import bench_scale_save_stream
+
+    import goodput_ckpt.dcp.writer as writer_mod
+
+    monkeypatch.setattr(secrets, "token_hex", lambda n=8: "ab" * n)  # every rank's calls, in any process
+    monkeypatch.setattr(writer_mod, "_now_utc", lambda: "2026-12-08T00:00:00Z")
+    world = 7  # timed ranks 0, 1, 3; the other 4 in 3 workers (one with 2 ranks)
+    runs = {}
+    bench_scale_save_stream.forget_payloads()
+    for mode in ("in-process", "streamed", "streamed again"):  # again: the first's payloads, kept
+        root = tmp_path / mode
+        root.mkdir()
+        ranks = (
+            bench_scale_save.Ranks("ours", "tiny", world, str(root))
+            if mode == "in-process"
+            else bench_scale_save_stream.StreamedRanks("ours", "tiny", world, str(root), 3)
+        )
+        runs[mode] = _saves(ranks, root)
+    bench_scale_save_stream.forget_payloads()
+    counts, files, meta = runs.pop("in-process")
+    assert meta[1] > 0 and len(files) >= 2  # a commit record for each save
+    for mode, (counts_b, files_b, meta_b) in runs.items():
+        assert (counts_b, meta_b) == (counts, meta), mode
+        assert files_b == files, mode  # byte for byte
