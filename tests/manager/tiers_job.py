@@ -212,11 +212,18 @@ class _LogKeeper(logging.Handler):
 
 def reference_digest(steps: int, width: int = 64, freeze_first: bool = False) -> dict[str, str]:
     """The digest after training steps ``0 .. steps-1`` in this process (what a restore of the
-    checkpoint saved after step ``steps-1`` must reproduce)."""
-    model, opt = make(0, width, freeze_first)
-    for step in range(steps):
-        train(model, opt, step)
-    return digest(model, opt)
+    checkpoint saved after step ``steps-1`` must reproduce). One intra-op thread, as the job's
+    ranks train (``main``): with two, float reductions may round differently, and the digest then
+    depended on whether an earlier test in the same process had left torch at one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, opt = make(0, width, freeze_first)
+        for step in range(steps):
+            train(model, opt, step)
+        return digest(model, opt)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main(argv: list[str]) -> None:
