@@ -44,6 +44,7 @@ __all__ = [
     "check_chunk_size",
     "clear_or_refuse_existing",
     "data_file_name",
+    "data_file_token",
     "durable_future",
     "is_save_file",
     "publish_manifest",
@@ -54,7 +55,7 @@ __all__ = [
 
 #: Zero padding between items: alignment, and a shard's slot past its bytes (engine/layout.py).
 _ZEROS = bytes(ALIGNMENT)
-_DATA_FILE = re.compile(r"rank(\d{5,})-\d{2}\.[0-9a-f]{12}\.bin\Z")
+_DATA_FILE = re.compile(r"rank(\d{5,})-\d{2}\.([0-9a-f]{12})\.bin\Z")
 _TMP_FILE = re.compile(r"\.manifest\.json\.tmp-[0-9a-f]+\Z")
 
 
@@ -95,6 +96,13 @@ def data_file_rank(name: str) -> int | None:
     name the writer does not give (another writer's file)."""
     m = _DATA_FILE.match(name)
     return int(m.group(1)) if m else None
+
+
+def data_file_token(name: str) -> str | None:
+    """The save token in the data file ``name`` (one per save, shared by every rank's files:
+    :func:`data_file_name`), or ``None`` for a name the writer does not give."""
+    m = _DATA_FILE.match(name)
+    return m.group(2) if m else None
 
 
 def check_chunk_size(store: Store, chunk_size: int) -> None:

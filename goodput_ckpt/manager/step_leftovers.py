@@ -31,7 +31,7 @@ import json
 import logging
 from collections.abc import Mapping
 
-from ..engine.hashed_write import is_save_file
+from ..engine.hashed_write import data_file_token, is_save_file
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..format.schema import FORMAT_NAME, MAX_MANIFEST_BYTES
@@ -63,7 +63,14 @@ def committed_names(record: bytes) -> frozenset[str] | None:
 def leftover_files(names: list[str], record: bytes) -> list[str]:
     """Of ``names`` (a step directory's listing, relative to it), the files of failed saves that
     the committed ``record`` does not list (see the module doc); ``[]`` when ``record`` cannot be
-    read."""
+    read.
+
+    The record is parsed only where another save's files can be there: every save gives all its
+    data files one fresh token, so a directory whose save files are data files of one token holds
+    the committed save's files alone (the common case: no JSON parse of the record per commit)."""
+    tokens = {data_file_token(n) for n in names if is_save_file(n)}  # None: a temporary record
+    if len(tokens) <= 1 and None not in tokens:
+        return []
     keep = committed_names(record)
     if keep is None:
         return []

@@ -37,6 +37,21 @@ def test_leftovers_are_the_save_files_the_record_does_not_list():
     assert leftover_files(names, json.dumps({"format": "other", "files": {}}).encode()) == []
 
 
+def test_one_saves_files_alone_are_judged_without_parsing_the_record(monkeypatch):
+    """The common case (no failed save left anything): the record is not parsed per commit."""
+    from goodput_ckpt.manager import step_leftovers
+
+    parsed = []
+    real = step_leftovers.committed_names
+    monkeypatch.setattr(step_leftovers, "committed_names", lambda r: parsed.append(r) or real(r))
+    same = "rank00001-00.aaaaaaaaaaaa.bin"  # another rank's file of the committed save
+    assert leftover_files([MANIFEST_NAME, OURS, same, "notes.txt"], _record(OURS, same)) == []
+    assert parsed == []
+    assert leftover_files([MANIFEST_NAME, OURS, DEAD], _record(OURS)) == [DEAD]  # two tokens: parsed
+    assert leftover_files([MANIFEST_NAME, OURS, TMP], _record(OURS)) == [TMP]  # a temporary record: parsed
+    assert len(parsed) == 2
+
+
 def test_remove_leftovers_deletes_only_inside_complete_steps(tmp_path):
     for step in (3, 4):
         d = tmp_path / f"step_{step:08d}"
