@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_restore_layout import IN_FEATURES, _fmt, _free_port, _spread, _Stack  # noqa: E402
+from bench_restore_layout import _fmt, _free_port, _spread, fsdp_state  # noqa: E402
 
 MODES = ("big", "jobs", "one")
 COUNTS = ("collective calls", "collective bytes", "minor faults")
@@ -183,23 +183,6 @@ class _Timers:
         }
 
 
-def _state(mesh, layers: int):
-    """The FSDP2 + AdamW state of ``bench_restore_layout``'s model, sharded over ``mesh``."""
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    model = _Stack(layers)
-    for m in model.layers:
-        fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, IN_FEATURES)).backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim)
-    return {"model": msd, "optim": osd}
-
-
 def _init(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
@@ -224,7 +207,7 @@ def _save_job(rank: int, world: int, port: int, layers: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     _init(rank, world, port)
-    _save(_state(init_device_mesh("cpu", (world,)), layers), path)
+    _save(fsdp_state(init_device_mesh("cpu", (world,)), layers), path)
     dist.destroy_process_group()
 
 
@@ -233,9 +216,9 @@ def _rank(rank: int, world: int, small: int, port: int, layers: int, repeats: in
     from torch.distributed.device_mesh import init_device_mesh
 
     _init(rank, world, port)
-    big_sd = _state(init_device_mesh("cpu", (world,)), layers)
+    big_sd = fsdp_state(init_device_mesh("cpu", (world,)), layers)
     pairs = init_device_mesh("cpu", (world // small, small), mesh_dim_names=("job", "shard"))
-    small_sd = _state(pairs["shard"], layers)
+    small_sd = fsdp_state(pairs["shard"], layers)
     small_group = pairs.get_group("shard")
     big_path, small_path = os.path.join(root, f"w{world}"), os.path.join(root, f"w{small}")
     _save(big_sd, big_path)

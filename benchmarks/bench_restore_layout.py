@@ -73,6 +73,24 @@ class _Stack(torch.nn.Module):
         return sum(m(x).sum() for m in self.layers)
 
 
+def fsdp_state(mesh, layers: int) -> dict:
+    """The FSDP2 + AdamW state of this benchmark's model (one optimizer step taken), sharded
+    over ``mesh``, as ``get_state_dict`` gives it: ``{"model": ..., "optim": ...}``."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Stack(layers)
+    for m in model.layers:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, IN_FEATURES)).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
 def _time(fn) -> tuple[float, float, float]:
     """CPU of the process (every thread: gloo's, rank 0's TCPStore server), wall, and CPU of
     this thread (``read_metadata`` runs on it alone on a local disk)."""
@@ -86,9 +104,7 @@ def _rank(
 ) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from goodput_ckpt import CheckpointReader, CheckpointWriter
     from goodput_ckpt.dcp import writer as writer_module
@@ -98,15 +114,8 @@ def _rank(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    model = _Stack(layers)
-    for m in model.layers:
-        fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, IN_FEATURES)).backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim)
+    state = fsdp_state(init_device_mesh("cpu", (world,)), layers)
+    msd, osd = state["model"], state["optim"]
     base = keep or os.path.join(root, f"w{world}")
     paths = {"new": base, "old": base + "_old"} if old else {"new": base}
     shipped = writer_module.rank_placements

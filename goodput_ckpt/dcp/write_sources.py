@@ -72,10 +72,7 @@ class LazyTensorSource:
     """
 
     def __init__(self, item: WriteItem, planner: SavePlanner) -> None:
-        td = item.tensor_data
-        assert td is not None
-        key = item.index.fqn
-        self.nbytes = _numel(td.chunk.sizes) * DTYPE_SIZES[dtype_name(td.properties.dtype, key)]
+        self.nbytes = _planned_nbytes(item)
         self._item: WriteItem | None = item
         self._planner: SavePlanner | None = planner
         self._source: TensorByteSource | None = None
@@ -100,6 +97,17 @@ class LazyTensorSource:
             source.release()
 
 
+def _planned_nbytes(item: WriteItem) -> int:
+    """The bytes a tensor item's plan gives it (its chunk's elements times its dtype's size).
+
+    Raises:
+        CheckpointError: the dtype has no name in the format.
+    """
+    td = item.tensor_data
+    assert td is not None
+    return _numel(td.chunk.sizes) * DTYPE_SIZES[dtype_name(td.properties.dtype, item.index.fqn)]
+
+
 def _tensor_source(item: WriteItem, data: Any) -> TensorByteSource:
     """``data`` as the byte source of tensor item ``item``.
 
@@ -113,7 +121,7 @@ def _tensor_source(item: WriteItem, data: Any) -> TensorByteSource:
     src = TensorByteSource(data, key)
     td = item.tensor_data
     if td is not None:
-        expected = _numel(td.chunk.sizes) * DTYPE_SIZES[dtype_name(td.properties.dtype, key)]
+        expected = _planned_nbytes(item)
         if src.nbytes != expected or data.dtype != td.properties.dtype:
             raise CheckpointError(
                 f"tensor {key!r}: data ({data.dtype}, {src.nbytes} bytes) does not match its plan "
